@@ -1,0 +1,221 @@
+"""``ShardedOptimizer``: torch.optim plumbing shared by every shardopt algorithm.
+
+Each param group carries a ``treatment`` (``"adamw"`` or an algorithm's matrix rule) and that rule's
+hyperparameters, so LR schedulers, ``state_dict`` and DeepSpeed's per-group stepping work as usual. The
+tensors in a group are whatever the engine steps: real parameters (plain or DTensor shards) or flat
+partitions that hold pieces of many matrices. ``fragments(p)`` tells an algorithm which matrices a stepped
+tensor holds and how each one is laid out across ranks; the algorithm never asks which engine it runs under.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from ..sharding.fragment import Fragment, local_flat
+from ..sharding.layout import MatrixLayout
+from .adamw import adamw_step
+
+__all__ = ["ShardedOptimizer", "MatrixItem"]
+
+LayoutResolver = Callable[[torch.Tensor], MatrixLayout]
+
+
+class MatrixItem:
+    """One matrix of a step: its fragment, the stepped tensor, fp32 local gradient and per-matrix state."""
+
+    __slots__ = ("frag", "tensor", "grad", "state", "has_grad", "work")
+
+    def __init__(self, frag: Fragment, tensor: torch.Tensor, grad: torch.Tensor, state: dict, has_grad: bool):
+        self.frag = frag
+        self.tensor = tensor
+        self.grad = grad
+        self.state = state
+        self.has_grad = has_grad
+        self.work: dict[str, Any] = {}
+
+    @property
+    def layout(self) -> MatrixLayout:
+        return self.frag.layout
+
+    def param(self) -> torch.Tensor:
+        """This matrix's local elements of the stepped tensor (a writable view)."""
+        return self.frag.local(self.tensor)
+
+    def apply(self, update: torch.Tensor, lr: float | torch.Tensor, weight_decay: float = 0.0) -> None:
+        """``W <- W * (1 - lr * wd) - lr * update`` on the local piece (skipped when the grad is missing)."""
+        if not self.has_grad or self.frag.numel == 0:
+            return
+        w = self.param()
+        if weight_decay:
+            w.mul_(1 - lr * weight_decay)
+        if isinstance(lr, torch.Tensor):
+            w.sub_((update * lr).to(w.dtype))
+        else:
+            w.add_(update.to(w.dtype), alpha=-lr)
+
+
+def _normalize_groups(params: Iterable[Any]) -> tuple[list[dict], dict[int, str]]:
+    """Accept tensors, ``(name, tensor)`` pairs or group dicts (optionally with ``names``)."""
+    params = list(params)
+    if not params:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(params[0], dict):
+        params = [{"params": params}]
+    groups, names = [], {}
+    for group in params:
+        group = dict(group)
+        tensors = []
+        for i, item in enumerate(group["params"] if not isinstance(group["params"], torch.Tensor) else [group["params"]]):
+            if isinstance(item, tuple):
+                name, item = item
+                names[id(item)] = name
+            tensors.append(item)
+        for name, t in zip(group.pop("names", []) or [], tensors):
+            names[id(t)] = name
+        group["params"] = tensors
+        groups.append(group)
+    return groups, names
+
+
+class ShardedOptimizer(torch.optim.Optimizer):
+    """Base class: param groups with a ``treatment``, fragment discovery, AdamW for vectors.
+
+    Subclasses implement ``_step_<treatment>(group, items)`` for their matrix rules and set
+    ``matrix_treatments``. Groups without a ``treatment`` get one from the tensor's rank: 2-D -> the
+    subclass's default matrix treatment, anything else -> ``"adamw"``.
+    """
+
+    matrix_treatments: tuple[str, ...] = ()
+    adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
+
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None, **adam):
+        groups, names = _normalize_groups(params)
+        self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
+        self._adam_lr = adam_lr
+        for g in groups:
+            self._resolve_treatment(g, names)
+        super().__init__(groups, defaults)
+        self.param_names: dict[int, str] = names
+        self._fragments: dict[int, list[Fragment]] = {}
+        self._layout_resolver: LayoutResolver | None = None
+
+    # ------------------------------------------------------------------ groups
+    def _resolve_treatment(self, group: dict, names: dict[int, str]) -> None:
+        if "treatment" not in group:
+            dims = {p.dim() for p in group["params"]}
+            group["treatment"] = self.matrix_treatments[0] if dims == {2} else "adamw"
+        t = group["treatment"]
+        if t == "adamw":
+            for k, v in self._adam_group_defaults.items():
+                group.setdefault(k, v)
+            if self._adam_lr is not None:
+                group.setdefault("lr", self._adam_lr)
+        elif t not in self.matrix_treatments:
+            raise ValueError(
+                f"param group treatment {t!r} is not known to {type(self).__name__}; "
+                f"use one of {sorted(self.matrix_treatments + ('adamw',))}"
+            )
+        else:
+            for p in group["params"]:
+                if p.dim() != 2 and not getattr(p, "_shardopt_flat", False):
+                    name = names.get(id(p), "<unnamed>")
+                    raise ValueError(
+                        f"parameter {name!r} of shape {tuple(p.shape)} is in a {t!r} group, but {t} needs 2-D "
+                        f"matrices; route it to 'adamw' (routing={{'{name}': 'adamw'}})"
+                    )
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "param_names"):  # after __init__: same preprocessing as the constructor
+            groups, names = _normalize_groups([param_group])
+            self.param_names.update(names)
+            param_group = groups[0]
+            self._resolve_treatment(param_group, self.param_names)
+        super().add_param_group(param_group)
+
+    # ------------------------------------------------------------------ layouts
+    def set_layout_resolver(self, resolver: LayoutResolver | None) -> None:
+        """How a plain stepped tensor maps to a matrix layout (default: DTensor placements, else whole)."""
+        self._layout_resolver = resolver
+        self._fragments.clear()
+
+    def attach_fragments(self, tensor: torch.Tensor, fragments: list[Fragment]) -> None:
+        """Declare the matrices inside a stepped tensor (used by engines with flat partitions)."""
+        self._fragments[id(tensor)] = list(fragments)
+
+    def fragments(self, p: torch.Tensor) -> list[Fragment]:
+        frags = self._fragments.get(id(p))
+        if frags is None:
+            if self._layout_resolver is None:
+                from ..plugin.discover import layout_of
+
+                self._layout_resolver = layout_of
+            name = self.param_names.get(id(p), f"param@{id(p):x}")
+            frags = [Fragment(name, self._layout_resolver(p), 0)]
+            self._fragments[id(p)] = frags
+        return frags
+
+    def matrix_state(self, p: torch.Tensor, frag: Fragment) -> dict:
+        """Per-matrix state: ``state[p]`` for a one-matrix tensor, ``state[p]['matrices'][name]`` for a flat one."""
+        st = self.state[p]
+        if len(self.fragments(p)) == 1 and frag.offset == 0 and not getattr(p, "_shardopt_flat", False):
+            return st
+        return st.setdefault("matrices", {}).setdefault(frag.name, {})
+
+    def _matrix_items(self, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> list[MatrixItem]:
+        """Every matrix of ``group`` with its fp32 local gradient (zeros when missing; all ranks list the same
+        matrices in the same order, so collectives match even with empty shards or missing grads)."""
+        items = []
+        for p in group["params"]:
+            has_grad = p.grad is not None
+            src = None
+            if has_grad:
+                src = p.grad if source is None else source(p, p.grad)
+            for frag in self.fragments(p):
+                if src is not None:
+                    g = frag.local(src).float()
+                else:
+                    g = torch.zeros(frag.numel, dtype=torch.float32, device=local_flat(p).device)
+                items.append(MatrixItem(frag, p, g, self.matrix_state(p, frag), has_grad))
+        return items
+
+    def _step_count(self, p: torch.Tensor) -> int:
+        st = self.state[p]
+        if "step" not in st:
+            st["step"] = torch.zeros((), dtype=torch.float32)
+        st["step"] += 1
+        return int(st["step"].item())
+
+    # ------------------------------------------------------------------ stepping
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            getattr(self, f"_step_{group['treatment']}")(group)
+        return loss
+
+    def _step_adamw(self, group: dict) -> None:
+        params, grads, ms, vs = [], [], [], []
+        step = 0
+        for p in group["params"]:
+            st = self.state[p]
+            local = local_flat(p)
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(local, dtype=torch.float32)
+                st["exp_avg_sq"] = torch.zeros_like(local, dtype=torch.float32)
+            step = self._step_count(p)
+            if p.grad is None:
+                continue
+            params.append(local)
+            grads.append(local_flat(p.grad))
+            ms.append(st["exp_avg"])
+            vs.append(st["exp_avg_sq"])
+        by_step = step  # all tensors of a group advance together
+        adamw_step(
+            params, grads, ms, vs, by_step,
+            lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
+            weight_decay=group["weight_decay"], eps_mode=group["eps_mode"],
+        )

@@ -1,0 +1,187 @@
+"""DeepSpeed adapter: read the ``"shardopt"`` JSON section, hand our optimizer to DeepSpeed, and map ZeRO's
+flat fp32 partitions back to matrices.
+
+Under ZeRO the client optimizer steps one flat fp32 tensor per param group (stage 1/2, and the bf16
+ZeRO-1 wrapper) or per sub-group (stage 3). For each such tensor we list every matrix it holds, on every
+rank in the same order (ranks holding nothing of a matrix included), with the global pieces from
+DeepSpeed's partitioning rules (``shared/notes/engines.md`` section 4). The table is built from
+``round_robin_bit16_groups`` and its recorded offsets, never from ``_hp_mapping``, which is wrong under
+``round_robin_gradients`` in DeepSpeed 0.19.8.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+from typing import Any, Mapping
+
+import pydantic
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..optim.base import ShardedOptimizer
+from ..optim.registry import (
+    OPTIMIZERS, ConfigError, _format_errors, build_param_groups, optimizer_kwargs, validate_hyperparameters,
+)
+from ..sharding.fragment import Fragment
+from ..sharding.layout import FlatPiece, MatrixLayout
+
+__all__ = ["initialize", "ShardoptSection", "load_config", "attach_zero_layouts"]
+
+
+class ShardoptSection(pydantic.BaseModel):
+    """The ``"shardopt"`` section of a DeepSpeed JSON config."""
+
+    model_config = pydantic.ConfigDict(extra="forbid")
+    optimizer: str = pydantic.Field(description="scale | sinkgd | racs")
+    params: dict[str, Any] = pydantic.Field(default_factory=dict, description="hyperparameters of the optimizer")
+    routing: dict[str, str] = pydantic.Field(default_factory=dict, description="name pattern -> role or 'adamw'")
+
+
+def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config from a JSON path or a dict (deep-copied; the caller's dict is not changed)."""
+    if isinstance(config, (str, os.PathLike)):
+        with open(config) as f:
+            return json.load(f)
+    if isinstance(config, Mapping):
+        return copy.deepcopy(dict(config))
+    raise ConfigError(f"config must be a JSON file path or a dict, got {type(config).__name__}")
+
+
+def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseModel]:
+    """Pop and validate the ``"shardopt"`` section; refuse configs DeepSpeed would handle differently."""
+    if "shardopt" not in cfg:
+        raise ConfigError("DeepSpeed config has no 'shardopt' section; add e.g. "
+                          '"shardopt": {"optimizer": "scale", "params": {"lr": 1e-3}}')
+    if "optimizer" in cfg:
+        raise ConfigError("DeepSpeed config has both an 'optimizer' block and a 'shardopt' section; remove the "
+                          "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)")
+    raw = cfg.pop("shardopt")
+    try:
+        section = ShardoptSection(**raw) if isinstance(raw, Mapping) else ShardoptSection.model_validate(raw)
+    except pydantic.ValidationError as err:
+        raise ConfigError(_format_errors(err, "shardopt")) from None
+    hp = validate_hyperparameters(section.optimizer, section.params, where="shardopt.params")
+    zero = cfg.get("zero_optimization", {}) or {}
+    for key in ("offload_optimizer", "offload_param"):
+        off = zero.get(key)
+        if off and str(off.get("device", "none")).lower() != "none":
+            raise ConfigError(f"zero_optimization.{key}.device = {off.get('device')!r}: offload is not supported "
+                              "by shardopt; remove it or set device to 'none'")
+    return section, hp
+
+
+def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition: int, rank: int, world: int,
+                  group: Any, names: Mapping[int, str], shape_of) -> list[Fragment]:
+    """Fragments of matrices concatenated at ``offsets`` into a flat buffer cut into ``world`` parts of
+    ``partition`` elements (ZeRO-1/2 and the bf16 ZeRO-1 wrapper)."""
+    frags = []
+    lo_mine = rank * partition
+    for p, start in zip(order, offsets):
+        shape = shape_of(p)
+        if len(shape) != 2:
+            continue
+        numel = shape[0] * shape[1]
+        pieces = []
+        for r in range(world):
+            a = min(max(start, r * partition), start + numel)
+            b = max(min(start + numel, (r + 1) * partition), a)
+            pieces.append(FlatPiece(a - start, b - start))
+        layout = MatrixLayout(shape, pieces, rank, group)
+        offset = max(start, lo_mine) - lo_mine if layout.local_numel else 0
+        frags.append(Fragment(names[id(p)], layout, offset))
+    return frags
+
+
+def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:
+    """Tell ``opt`` which matrices each flat fp32 tensor of DeepSpeed's wrapper holds."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    wrapper = engine.optimizer
+    if wrapper is opt:
+        return  # stage 0 without a wrapper: real parameters, whole matrices
+    matrix_group = [g["treatment"] != "adamw" for g in opt.param_groups]
+    if isinstance(wrapper, DeepSpeedZeroOptimizer):
+        for g, flat in enumerate(wrapper.single_partition_of_fp32_groups):
+            if not matrix_group[g]:
+                continue
+            pg = wrapper.real_dp_process_group[g]
+            world = dist.get_world_size(group=pg)
+            frags = _flat_layouts(
+                wrapper.round_robin_bit16_groups[g], wrapper.round_robin_bit16_offsets[g],
+                wrapper.bit16_groups_flat[g].numel() // world, dist.get_rank(group=pg), world, pg, names,
+                lambda p: tuple(p.shape))
+            _attach(opt, flat, frags)
+    elif isinstance(wrapper, BF16_Optimizer):
+        for g, flat in enumerate(wrapper.fp32_groups_flat_partition):
+            if not matrix_group[g]:
+                continue
+            pg = wrapper.real_dp_process_group[g]
+            world = dist.get_world_size(group=pg)
+            order = wrapper.bf16_groups[g]
+            offsets = [sum(p.numel() for p in order[:i]) for i in range(len(order))]
+            frags = _flat_layouts(order, offsets, wrapper.bf16_groups_flat[g].numel() // world,
+                                  dist.get_rank(group=pg), world, pg, names, lambda p: tuple(p.shape))
+            _attach(opt, flat, frags)
+    elif isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
+        for sg, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
+            if not matrix_group[wrapper.sub_group_to_group_id[sg]]:
+                continue
+            pg = wrapper.sub_group_process_groups[sg] if hasattr(wrapper, "sub_group_process_groups") \
+                else wrapper.dp_process_group
+            world = dist.get_world_size(group=pg)
+            rank = dist.get_rank(group=pg)
+            frags, cursor = [], 0
+            for p in wrapper.fp16_groups[sg]:
+                part = p.partition_numel()
+                shape = tuple(p.ds_shape)
+                numel = p.ds_numel
+                if len(shape) == 2:
+                    pieces = [FlatPiece(min(r * part, numel), min((r + 1) * part, numel)) for r in range(world)]
+                    frags.append(Fragment(names[id(p)], MatrixLayout(shape, pieces, rank, pg), cursor))
+                cursor += part
+            _attach(opt, flat, frags)
+    else:
+        raise NotImplementedError(
+            f"DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, which shardopt cannot map to "
+            "matrices; use zero_optimization.stage 1, 2 or 3 (or stage 0 with fp32)")
+
+
+def _attach(opt: ShardedOptimizer, flat: torch.Tensor, frags: list[Fragment]) -> None:
+    flat._shardopt_flat = True  # type: ignore[attr-defined]
+    opt.attach_fragments(flat, frags)
+
+
+def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], **kwargs: Any):
+    """``deepspeed.initialize`` with the optimizer from the config's ``"shardopt"`` section.
+
+    Returns what ``deepspeed.initialize`` returns: ``(engine, optimizer, dataloader, lr_scheduler)``.
+    ``model_parameters`` and ``optimizer`` must not be passed: shardopt builds both from the model.
+    """
+    import deepspeed
+
+    for key in ("optimizer", "model_parameters"):
+        if key in kwargs:
+            raise TypeError(f"shardopt.deepspeed.initialize builds {key!r} itself; do not pass it")
+    cfg = load_config(config)
+    section, hp = parse_section(cfg)
+    cfg["zero_allow_untested_optimizer"] = True
+    name = section.optimizer.lower()
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = build_param_groups(model, name, hp, section.routing)
+    cls = OPTIMIZERS[name][0]
+    built: dict[str, ShardedOptimizer] = {}
+
+    def factory(params: Any) -> ShardedOptimizer:
+        built["opt"] = cls(params, **optimizer_kwargs(hp))
+        return built["opt"]
+
+    result = deepspeed.initialize(model=model, model_parameters=groups, config=cfg, optimizer=factory, **kwargs)
+    engine = result[0]
+    opt = built["opt"]
+    opt.param_names.update(names)
+    attach_zero_layouts(engine, opt, names)
+    return result

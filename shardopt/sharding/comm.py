@@ -1,0 +1,93 @@
+"""Bucketed reductions: one all-reduce per process group per round, whatever the number of matrices.
+
+An optimizer step runs its algorithm in *rounds*. In a round every matrix registers the partial statistics
+it needs summed across ranks (only the split indices of an axis, or a scalar); ``Round.run`` packs them into
+one fp32 buffer per process group, issues one ``all_reduce`` for each, and writes the sums back in place.
+Whether a matrix registers anything depends only on its static layout, so every rank issues the same
+collectives in the same order, including ranks whose shard is empty.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .layout import MatrixLayout
+
+__all__ = ["Round", "CollectiveCounter", "collective_counter"]
+
+
+class CollectiveCounter:
+    """Counts collective calls and bytes issued by shardopt (for tests and benchmarks)."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.bytes = 0
+
+    def reset(self) -> None:
+        self.calls = 0
+        self.bytes = 0
+
+    def record(self, tensor: torch.Tensor) -> None:
+        self.calls += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+
+
+collective_counter = CollectiveCounter()
+
+
+def _all_reduce(buf: torch.Tensor, group: Any) -> None:
+    import torch.distributed as dist
+
+    collective_counter.record(buf)
+    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+
+
+class Round:
+    """Collects the partial sums of one round and reduces them together."""
+
+    def __init__(self) -> None:
+        # group key -> (group, list of (target tensor, index or slice or None-for-scalar))
+        self._items: dict[int, tuple[Any, list[tuple[torch.Tensor, Any]]]] = {}
+
+    def _bucket(self, group: Any) -> list[tuple[torch.Tensor, Any]]:
+        key = id(group)
+        if key not in self._items:
+            self._items[key] = (group, [])
+        return self._items[key][1]
+
+    def add_axis(self, layout: MatrixLayout, vector: torch.Tensor, axis: int) -> None:
+        """Register the split indices of a per-row (axis 0) or per-column (axis 1) partial-sum vector."""
+        split = layout.axis_plan(axis).split
+        if split is not None:
+            self._bucket(layout.group).append((vector, split))
+
+    def add_sum(self, layout: MatrixLayout, scalar: torch.Tensor) -> None:
+        """Register a 0-d partial sum over this rank's elements (e.g. a squared Frobenius norm)."""
+        if layout.holders > 1:
+            self._bucket(layout.group).append((scalar, None))
+
+    def run(self) -> None:
+        for group, items in self._items.values():
+            parts = []
+            for tensor, index in items:
+                if index is None:
+                    parts.append(tensor.reshape(1))
+                elif isinstance(index, slice):
+                    parts.append(tensor.reshape(-1))
+                else:
+                    parts.append(tensor.index_select(0, index.to(tensor.device)))
+            buf = torch.cat([p.to(torch.float32) for p in parts])
+            _all_reduce(buf, group)
+            start = 0
+            for (tensor, index), part in zip(items, parts):
+                size = part.numel()
+                chunk = buf[start: start + size].to(tensor.dtype)
+                start += size
+                if index is None:
+                    tensor.copy_(chunk.reshape(tensor.shape))
+                elif isinstance(index, slice):
+                    tensor.copy_(chunk.reshape(tensor.shape))
+                else:
+                    tensor.index_copy_(0, index.to(tensor.device), chunk)
+        self._items.clear()

@@ -1,0 +1,43 @@
+"""A matrix's piece inside one tensor that an optimizer steps.
+
+Engines hand the optimizer either real parameters (one matrix each, possibly a DTensor shard) or flat
+partitions that concatenate many matrices (DeepSpeed ZeRO). A ``Fragment`` names one matrix, its global
+layout, and where its local elements sit inside the stepped tensor, so algorithms never ask which engine
+they run under.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .layout import MatrixLayout
+
+__all__ = ["Fragment", "local_flat"]
+
+
+def local_flat(t: torch.Tensor) -> torch.Tensor:
+    """This rank's elements of ``t`` as a 1-D view (a DTensor's local shard, or the tensor itself)."""
+    to_local = getattr(t, "to_local", None)
+    local = to_local() if to_local is not None else t
+    if not local.is_contiguous():
+        raise RuntimeError(f"shardopt needs contiguous local tensors, got strides {local.stride()}")
+    return local.view(-1)
+
+
+@dataclass(frozen=True, eq=False)
+class Fragment:
+    """Matrix ``name`` with global ``layout``; its local piece is ``[offset, offset + numel)`` of the stepped
+    tensor's local elements (``numel`` equals ``layout.local_numel``; 0 when this rank holds none of it)."""
+
+    name: str
+    layout: MatrixLayout
+    offset: int = 0
+
+    @property
+    def numel(self) -> int:
+        return self.layout.local_numel
+
+    def local(self, t: torch.Tensor) -> torch.Tensor:
+        """This fragment's elements of ``t`` (a tensor shaped like the stepped tensor) as a 1-D view."""
+        return local_flat(t)[self.offset: self.offset + self.numel]

@@ -1,0 +1,95 @@
+"""Exact sharded-matrix primitives on one rank's piece of a logical ``(m, n)`` matrix.
+
+Each function takes a ``MatrixLayout`` and 1-D local tensors holding this rank's elements in layout order
+(see ``MatrixLayout.views``). Sums return *partial* results over local elements, indexed globally
+(a length-``m`` or length-``n`` vector, zero where this rank holds nothing); register them in a ``Round`` to
+complete the split indices. Nothing here calls ``torch.distributed`` directly.
+"""
+from __future__ import annotations
+
+import torch
+
+from .comm import Round
+from .layout import MatrixLayout
+
+__all__ = [
+    "row_sums",
+    "col_sums",
+    "local_sum",
+    "axis_sum",
+    "scale_into",
+    "masked_rsqrt",
+    "masked_reciprocal",
+]
+
+
+def row_sums(layout: MatrixLayout, a: torch.Tensor, col_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Partial ``sum_j a_ij * w_j`` for every row ``i`` (``w = 1`` when ``col_weight`` is None)."""
+    out = a.new_zeros(layout.shape[0])
+    for b, blk in layout.views(a):
+        part = blk.sum(1) if col_weight is None else blk @ col_weight[b.col: b.col + b.width]
+        out[b.row: b.row + b.height] += part
+    return out
+
+
+def col_sums(layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
+    """Partial ``sum_i w_i * a_ij`` for every column ``j`` (``w = 1`` when ``row_weight`` is None)."""
+    out = a.new_zeros(layout.shape[1])
+    for b, blk in layout.views(a):
+        part = blk.sum(0) if row_weight is None else row_weight[b.row: b.row + b.height] @ blk
+        out[b.col: b.col + b.width] += part
+    return out
+
+
+def local_sum(a: torch.Tensor) -> torch.Tensor:
+    """Partial sum of all local elements as a 0-d fp32 tensor (each element lives on exactly one rank)."""
+    return a.sum(dtype=torch.float32) if a.numel() else a.new_zeros((), dtype=torch.float32)
+
+
+def axis_sum(layout: MatrixLayout, values: torch.Tensor, axis: int, rnd: Round) -> torch.Tensor:
+    """Global ``sum_i values_i`` of a completed per-row/per-column vector, each index counted once.
+
+    If the axis is replicated after its reduction the sum is local; otherwise each rank sums the indices it
+    owns and the scalar joins ``rnd`` (read the result after ``rnd.run()``).
+    """
+    plan = layout.axis_plan(axis)
+    if plan.replicated:
+        return values.sum()
+    total = values[plan.owned.to(values.device) if isinstance(plan.owned, torch.Tensor) else plan.owned].sum()
+    rnd.add_sum(layout, total)
+    return total
+
+
+def scale_into(
+    layout: MatrixLayout,
+    out: torch.Tensor,
+    x: torch.Tensor,
+    row_scale: torch.Tensor | None = None,
+    col_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``out = diag(row_scale) @ x @ diag(col_scale)`` on the local piece (``out`` may alias ``x``)."""
+    for (b, xb), (_, ob) in zip(layout.views(x), layout.views(out)):
+        r = None if row_scale is None else row_scale[b.row: b.row + b.height, None]
+        c = None if col_scale is None else col_scale[None, b.col: b.col + b.width]
+        if r is not None and c is not None:
+            torch.mul(xb, r, out=ob)
+            ob.mul_(c)
+        elif r is not None:
+            torch.mul(xb, r, out=ob)
+        elif c is not None:
+            torch.mul(xb, c, out=ob)
+        elif ob.data_ptr() != xb.data_ptr():
+            ob.copy_(xb)
+    return out
+
+
+def masked_reciprocal(x: torch.Tensor, numerator: float = 1.0) -> torch.Tensor:
+    """``numerator / x`` where ``x > 0``, else 0: zero statistics give zero updates, never NaN or inf."""
+    pos = x > 0
+    return torch.where(pos, numerator / torch.where(pos, x, torch.ones_like(x)), torch.zeros_like(x))
+
+
+def masked_rsqrt(x: torch.Tensor, numerator: float = 1.0) -> torch.Tensor:
+    """``numerator / sqrt(x)`` where ``x > 0``, else 0."""
+    pos = x > 0
+    return torch.where(pos, numerator * torch.rsqrt(torch.where(pos, x, torch.ones_like(x))), torch.zeros_like(x))

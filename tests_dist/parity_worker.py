@@ -1,0 +1,194 @@
+"""Distributed parity worker: every optimizer x layout at this world size, in one process group.
+
+Launched by ``tests_dist/test_parity.py`` through ``torch.distributed.run``. For each case it trains the toy
+model for ``STEPS`` steps on the engine, rebuilds full parameters, and compares them with a single-process
+run of the same optimizer on the same global batches (computed locally on every rank). Rank 0 writes one
+JSON record per case: max abs difference, loss curve, collective counts.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+import time
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import shardopt  # noqa: E402
+from shardopt.sharding import collective_counter  # noqa: E402
+from toy_models import GLOBAL_BATCH, batch, loss_fn, make_model  # noqa: E402
+
+STEPS = 6
+OPTIMIZERS = {
+    # every 2-D weight goes to the matrix rule, so embedding and LM head are exercised sharded too
+    "scale": dict(lr=3e-3, adam_lr=3e-3),
+    "sinkgd": dict(lr=0.02, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    "racs": dict(lr=0.05, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+}
+LAYOUTS = ["ddp", "fsdp2_rows", "fsdp2_cols", "zero1", "zero2", "zero2_rr", "zero3"]
+BF16_LAYOUTS = ["zero2_bf16", "fsdp2_bf16"]
+
+
+def reference(opt_name: str, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[float]]:
+    model = make_model()
+    kw = dict(OPTIMIZERS[opt_name])
+    opt = shardopt.create_optimizer(model, opt_name, **kw)
+    losses = []
+    for s in range(steps):
+        loss = loss_fn(model, batch(s))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return {n: p.detach().clone() for n, p in model.named_parameters()}, losses
+
+
+def local_batch(step: int) -> torch.Tensor:
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    per = GLOBAL_BATCH // ws
+    return batch(step)[rank * per:(rank + 1) * per]
+
+
+def run_ddp(opt_name: str) -> tuple[dict, list, list]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    ddp = DDP(model)
+    opt = shardopt.create_optimizer(model, opt_name, **OPTIMIZERS[opt_name])
+    return _train(ddp, opt, lambda: {n: p.detach().clone() for n, p in model.named_parameters()})
+
+
+def run_fsdp2(opt_name: str, cols: bool = False, bf16: bool = False) -> tuple[dict, list, list]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    ws = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (ws,))
+    model = make_model()
+    kw = {"mesh": mesh}
+    if cols:
+        kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % ws == 0 else Shard(0)
+    if bf16:
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for blk in model.blocks:
+        fully_shard(blk, **kw)
+    fully_shard(model, **kw)
+    opt = shardopt.create_optimizer(model, opt_name, **OPTIMIZERS[opt_name])
+    return _train(model, opt, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
+
+
+def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = False) -> tuple[dict, list, list]:
+    from deepspeed import zero
+
+    ws = dist.get_world_size()
+    model = make_model()
+    kw = dict(OPTIMIZERS[opt_name])
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // ws,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "shardopt": {"optimizer": opt_name, "params": {k: v for k, v in kw.items() if k != "routing"},
+                     "routing": kw.get("routing", {})},
+    }
+    if round_robin:
+        config["zero_optimization"]["round_robin_gradients"] = True
+    if stage == 3:
+        config["zero_optimization"]["sub_group_size"] = 100
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    engine, opt, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
+
+    def full_params() -> dict:
+        if stage == 3:
+            with zero.GatheredParameters(list(engine.module.parameters())):
+                return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+        if bf16:  # fp32 masters live in the flat partitions: gather them through the hp mapping
+            from deepspeed.utils import safe_get_full_fp32_param
+            return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+    return _train(engine, opt, full_params, deepspeed_engine=engine)
+
+
+def _train(model, opt, full_params, deepspeed_engine=None) -> tuple[dict, list, list]:
+    losses, calls = [], []
+    for s in range(STEPS):
+        x = local_batch(s)
+        loss = loss_fn(model, x)
+        if deepspeed_engine is not None:
+            deepspeed_engine.backward(loss)
+            collective_counter.reset()
+            deepspeed_engine.step()
+        else:
+            opt.zero_grad()
+            loss.backward()
+            collective_counter.reset()
+            opt.step()
+        calls.append(collective_counter.calls)
+        avg = loss.detach().clone()
+        dist.all_reduce(avg)
+        losses.append(avg.item() / dist.get_world_size())
+    return full_params(), losses, calls
+
+
+def run_case(opt_name: str, layout: str):
+    if layout == "ddp":
+        return run_ddp(opt_name)
+    if layout == "fsdp2_rows":
+        return run_fsdp2(opt_name)
+    if layout == "fsdp2_cols":
+        return run_fsdp2(opt_name, cols=True)
+    if layout == "fsdp2_bf16":
+        return run_fsdp2(opt_name, bf16=True)
+    if layout == "zero2_bf16":
+        return run_zero(opt_name, 2, bf16=True)
+    stage = int(layout[4])
+    return run_zero(opt_name, stage, round_robin=layout.endswith("_rr"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--layouts", default=",".join(LAYOUTS + BF16_LAYOUTS))
+    args = ap.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    rank, ws = dist.get_rank(), dist.get_world_size()
+    records = []
+    for opt_name in args.optimizers.split(","):
+        ref, ref_losses = reference(opt_name)
+        for layout in args.layouts.split(","):
+            t0 = time.time()
+            rec = {"optimizer": opt_name, "layout": layout, "world_size": ws}
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    params, losses, calls = run_case(opt_name, layout)
+                diff = max((params[n].float() - ref[n]).abs().max().item() for n in ref)
+                rec.update(max_abs_diff=diff, losses=losses, ref_losses=ref_losses, collective_calls=calls)
+            except Exception:  # record and go on: the other ranks raise the same way
+                rec["error"] = traceback.format_exc()
+            rec["seconds"] = round(time.time() - t0, 2)
+            if rank == 0:
+                print(json.dumps({k: v for k, v in rec.items() if k not in ("losses", "ref_losses")}), flush=True)
+            records.append(rec)
+            dist.barrier()
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(records, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
