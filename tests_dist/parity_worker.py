@@ -33,12 +33,14 @@ OPTIMIZERS = {
     "sinkgd": dict(lr=0.02, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
     "racs": dict(lr=0.05, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
 }
+N_BLOCKS = 1  # the collective-count check reruns cases with more matrices
+CONFIG_FILE = os.path.join(os.path.dirname(__file__), "..", "configs", "deepspeed", "zero2_scale.json")
 LAYOUTS = ["ddp", "fsdp2_rows", "fsdp2_cols", "zero1", "zero2", "zero2_rr", "zero3"]
 BF16_LAYOUTS = ["zero2_bf16", "fsdp2_bf16"]
 
 
 def reference(opt_name: str, steps: int = STEPS) -> tuple[dict[str, torch.Tensor], list[float]]:
-    model = make_model()
+    model = make_model(n_blocks=N_BLOCKS)
     kw = dict(OPTIMIZERS[opt_name])
     opt = shardopt.create_optimizer(model, opt_name, **kw)
     losses = []
@@ -60,7 +62,7 @@ def local_batch(step: int) -> torch.Tensor:
 def run_ddp(opt_name: str) -> tuple[dict, list, list]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = make_model()
+    model = make_model(n_blocks=N_BLOCKS)
     ddp = DDP(model)
     opt = shardopt.create_optimizer(model, opt_name, **OPTIMIZERS[opt_name])
     return _train(ddp, opt, lambda: {n: p.detach().clone() for n, p in model.named_parameters()})
@@ -73,7 +75,7 @@ def run_fsdp2(opt_name: str, cols: bool = False, bf16: bool = False) -> tuple[di
 
     ws = dist.get_world_size()
     mesh = init_device_mesh("cpu", (ws,))
-    model = make_model()
+    model = make_model(n_blocks=N_BLOCKS)
     kw = {"mesh": mesh}
     if cols:
         kw["shard_placement_fn"] = lambda p: Shard(1) if p.ndim == 2 and p.shape[1] % ws == 0 else Shard(0)
@@ -90,7 +92,7 @@ def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = 
     from deepspeed import zero
 
     ws = dist.get_world_size()
-    model = make_model()
+    model = make_model(n_blocks=N_BLOCKS)
     kw = dict(OPTIMIZERS[opt_name])
     config = {
         "train_batch_size": GLOBAL_BATCH,
@@ -142,6 +144,23 @@ def _train(model, opt, full_params, deepspeed_engine=None) -> tuple[dict, list, 
     return full_params(), losses, calls
 
 
+def run_config_file() -> dict:
+    """The shipped JSON enables SCALE on ZeRO-2 with nothing but ``shardopt.deepspeed.initialize``."""
+    model = make_model()
+    engine, opt, _, _ = shardopt.deepspeed.initialize(model=model, config=CONFIG_FILE)
+    micro = engine.train_micro_batch_size_per_gpu()
+    losses = []
+    for s in range(STEPS):
+        x = batch(s, micro * dist.get_world_size())[dist.get_rank() * micro:(dist.get_rank() + 1) * micro]
+        loss = loss_fn(engine, x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return {"optimizer_class": type(opt).__name__ if not hasattr(engine.optimizer, "optimizer")
+            else type(engine.optimizer.optimizer).__name__,
+            "zero_stage": engine.zero_optimization_stage(), "losses": losses}
+
+
 def run_case(opt_name: str, layout: str):
     if layout == "ddp":
         return run_ddp(opt_name)
@@ -162,7 +181,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--layouts", default=",".join(LAYOUTS + BF16_LAYOUTS))
+    ap.add_argument("--count-blocks", default="1,6",
+                    help="block counts for the collective-count check (fsdp2_rows and zero2, no comparison)")
     args = ap.parse_args()
+    global N_BLOCKS
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -184,7 +206,30 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in rec.items() if k not in ("losses", "ref_losses")}), flush=True)
             records.append(rec)
             dist.barrier()
+    for opt_name in args.optimizers.split(","):
+        for layout in ("fsdp2_rows", "fsdp2_cols", "zero2"):
+            for nb in (int(b) for b in args.count_blocks.split(",") if b):
+                N_BLOCKS = nb
+                rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "n_blocks": nb, "kind": "count"}
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        _, _, calls = run_case(opt_name, layout)
+                    rec["collective_calls"] = calls
+                except Exception:
+                    rec["error"] = traceback.format_exc()
+                records.append(rec)
+                if rank == 0:
+                    print(json.dumps(rec), flush=True)
+    N_BLOCKS = 1
+    rec = {"kind": "config_file", "world_size": ws}
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            rec.update(run_config_file())
+    except Exception:
+        rec["error"] = traceback.format_exc()
+    records.append(rec)
     if rank == 0:
+        print(json.dumps(rec), flush=True)
         with open(args.out, "w") as f:
             json.dump(records, f, indent=1)
     dist.destroy_process_group()

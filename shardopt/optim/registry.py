@@ -111,11 +111,13 @@ def _format_errors(err: pydantic.ValidationError, where: str) -> str:
     return "; ".join(lines)
 
 
-def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], where: str = "shardopt") -> pydantic.BaseModel:
+def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], where: str = "shardopt",
+                             name_key: str | None = None) -> pydantic.BaseModel:
     """Check an optimizer name and its hyperparameters; raise ``ConfigError`` naming the bad key."""
     key = name.lower() if isinstance(name, str) else name
     if key not in OPTIMIZERS:
-        raise ConfigError(f"{where}.optimizer: unknown optimizer {name!r}; choose one of {sorted(OPTIMIZERS)}")
+        raise ConfigError(f"{name_key or where + '.optimizer'}: unknown optimizer {name!r}; "
+                          f"choose one of {sorted(OPTIMIZERS)}")
     schema = OPTIMIZERS[key][1]
     try:
         return schema(**dict(hyperparameters))

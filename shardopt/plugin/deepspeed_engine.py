@@ -62,7 +62,8 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseMo
         section = ShardoptSection(**raw) if isinstance(raw, Mapping) else ShardoptSection.model_validate(raw)
     except pydantic.ValidationError as err:
         raise ConfigError(_format_errors(err, "shardopt")) from None
-    hp = validate_hyperparameters(section.optimizer, section.params, where="shardopt.params")
+    hp = validate_hyperparameters(section.optimizer, section.params, where="shardopt.params",
+                                  name_key="shardopt.optimizer")
     zero = cfg.get("zero_optimization", {}) or {}
     for key in ("offload_optimizer", "offload_param"):
         off = zero.get(key)

@@ -1,0 +1,78 @@
+"""Bad input gets one clear error that names the problem and where it is."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import shardopt
+from shardopt import ConfigError, SCALE
+from shardopt.plugin.deepspeed_engine import load_config, parse_section
+
+ROOT = os.path.dirname(os.path.dirname(__file__))
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.proj = nn.Linear(6, 7)
+        self.norm = nn.LayerNorm(7)
+        self.lm_head = nn.Linear(7, 11, bias=False)
+
+
+CREATE_CASES = [
+    (dict(name="adam9"), ConfigError, r"unknown optimizer 'adam9'.*scale"),
+    (dict(name="scale", foo=1), ConfigError, r"create_optimizer\.foo: unknown hyperparameter"),
+    (dict(name="racs", lr=-1.0), ConfigError, r"create_optimizer\.lr"),
+    (dict(name="scale", adam_betas=(0.9, 1.5)), ConfigError, r"adam_betas\[1\] = 1.5 is outside \[0, 1\)"),
+    (dict(name="sinkgd", routing={"norm.weight": "matrix"}), ValueError,
+     r"'norm.weight' of shape \(7,\).*needs a 2-D matrix.*routing=\{'norm.weight': 'adamw'\}"),
+    (dict(name="scale", routing={"proj.*": "lm_hed"}), ValueError, r"routing\['proj.\*'\] = 'lm_hed': unknown role"),
+    (dict(name="scale", routing={"decoder.*": "adamw"}), ValueError, r"match no trainable parameter"),
+]
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", CREATE_CASES)
+def test_create_optimizer_errors(kwargs, exc, pattern):
+    kwargs = dict(kwargs)
+    name = kwargs.pop("name")
+    with pytest.raises(exc, match=pattern):
+        shardopt.create_optimizer(Tiny(), name, **kwargs)
+
+
+def test_optimizer_class_refuses_non_matrix_in_matrix_group():
+    bias = nn.Parameter(torch.zeros(3))
+    with pytest.raises(ValueError, match=r"'b' of shape \(3,\) is in a 'scale' group"):
+        SCALE([{"params": [("b", bias)], "treatment": "scale"}])
+
+
+BASE = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
+DS_CASES = [
+    ({**BASE, "optimizer": {"type": "AdamW"}, "shardopt": {"optimizer": "scale"}}, r"both an 'optimizer' block"),
+    (BASE, r"no 'shardopt' section"),
+    ({**BASE, "shardopt": {"optimizer": "scale", "lrr": 1}}, r"shardopt\.lrr: unknown hyperparameter"),
+    ({**BASE, "shardopt": {"optimizer": "scale", "params": {"bogus": 1}}},
+     r"shardopt\.params\.bogus: unknown hyperparameter"),
+    ({**BASE, "shardopt": {"optimizer": "muon9"}}, r"shardopt\.optimizer: unknown optimizer 'muon9'"),
+    ({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
+      "shardopt": {"optimizer": "scale"}}, r"zero_optimization\.offload_optimizer\.device"),
+]
+
+
+@pytest.mark.parametrize("config,pattern", DS_CASES)
+def test_deepspeed_section_errors(config, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        parse_section(load_config(config))
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(ROOT, "configs", "deepspeed", "*.json"))))
+def test_shipped_deepspeed_configs_validate(path):
+    cfg = load_config(path)
+    section, hp = parse_section(cfg)
+    assert section.optimizer in shardopt.optim.OPTIMIZERS
+    assert "shardopt" not in cfg and "optimizer" not in cfg

@@ -1,0 +1,26 @@
+"""Launch a worker script under ``torch.distributed.run`` on CPU/gloo with a free port and a timeout."""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.setdefault("DS_ACCELERATOR", "cpu")
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
+           "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(ROOT / "tests_dist" / script), *args]
+    return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
