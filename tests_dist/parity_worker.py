@@ -35,7 +35,7 @@ OPTIMIZERS = {
 }
 N_BLOCKS = 1  # the collective-count check reruns cases with more matrices
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "..", "configs", "deepspeed", "zero2_scale.json")
-LAYOUTS = ["ddp", "fsdp2_rows", "fsdp2_cols", "zero1", "zero2", "zero2_rr", "zero3"]
+LAYOUTS = ["ddp", "fsdp2_rows", "fsdp2_cols", "zero0", "zero1", "zero2", "zero2_rr", "zero3"]
 BF16_LAYOUTS = ["zero2_bf16", "fsdp2_bf16"]
 
 
