@@ -151,7 +151,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
                 self._layout_resolver = layout_of
             name = self.param_names.get(id(p), f"param@{id(p):x}")
-            frags = [Fragment(name, self._layout_resolver(p), 0)]
+            frags = [Fragment(name, self._layout_resolver(p), 0, tuple(p.shape))]
             self._fragments[id(p)] = frags
         return frags
 
@@ -202,17 +202,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         step = 0
         for p in group["params"]:
             st = self.state[p]
-            local = local_flat(p)
             if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(local, dtype=torch.float32)
-                st["exp_avg_sq"] = torch.zeros_like(local, dtype=torch.float32)
+                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+                st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             step = self._step_count(p)
             if p.grad is None:
                 continue
-            params.append(local)
+            params.append(local_flat(p))
             grads.append(local_flat(p.grad))
-            ms.append(st["exp_avg"])
-            vs.append(st["exp_avg_sq"])
+            ms.append(local_flat(st["exp_avg"]))
+            vs.append(local_flat(st["exp_avg_sq"]))
         by_step = step  # all tensors of a group advance together
         adamw_step(
             params, grads, ms, vs, by_step,

@@ -71,7 +71,8 @@ class SCALE(ShardedOptimizer):
                 return grad
             st = self.state[p]
             if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32)
+                st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
+                                                         memory_format=torch.contiguous_format)
             buf = st["momentum_buffer"]
             buf.lerp_(grad.to(buf.dtype), 1 - beta)
             return buf

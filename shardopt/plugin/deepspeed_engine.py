@@ -26,6 +26,7 @@ from ..optim.registry import (
 )
 from ..sharding.fragment import Fragment
 from ..sharding.layout import FlatPiece, MatrixLayout
+from .discover import matrix_shape
 
 __all__ = ["initialize", "ShardoptSection", "load_config", "attach_zero_layouts"]
 
@@ -75,14 +76,13 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseMo
 
 def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition: int, rank: int, world: int,
                   group: Any, names: Mapping[int, str], shape_of) -> list[Fragment]:
-    """Fragments of matrices concatenated at ``offsets`` into a flat buffer cut into ``world`` parts of
+    """Fragments of parameters concatenated at ``offsets`` into a flat buffer cut into ``world`` parts of
     ``partition`` elements (ZeRO-1/2 and the bf16 ZeRO-1 wrapper)."""
     frags = []
     lo_mine = rank * partition
     for p, start in zip(order, offsets):
-        shape = shape_of(p)
-        if len(shape) != 2:
-            continue
+        logical = shape_of(p)
+        shape = matrix_shape(logical)
         numel = shape[0] * shape[1]
         pieces = []
         for r in range(world):
@@ -91,7 +91,7 @@ def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition
             pieces.append(FlatPiece(a - start, b - start))
         layout = MatrixLayout(shape, pieces, rank, group)
         offset = max(start, lo_mine) - lo_mine if layout.local_numel else 0
-        frags.append(Fragment(names[id(p)], layout, offset))
+        frags.append(Fragment(names[id(p)], layout, offset, logical))
     return frags
 
 
@@ -104,11 +104,8 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
     wrapper = engine.optimizer
     if wrapper is opt:
         return  # stage 0 without a wrapper: real parameters, whole matrices
-    matrix_group = [g["treatment"] != "adamw" for g in opt.param_groups]
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
         for g, flat in enumerate(wrapper.single_partition_of_fp32_groups):
-            if not matrix_group[g]:
-                continue
             pg = wrapper.real_dp_process_group[g]
             world = dist.get_world_size(group=pg)
             frags = _flat_layouts(
@@ -118,8 +115,6 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             _attach(opt, flat, frags)
     elif isinstance(wrapper, BF16_Optimizer):
         for g, flat in enumerate(wrapper.fp32_groups_flat_partition):
-            if not matrix_group[g]:
-                continue
             pg = wrapper.real_dp_process_group[g]
             world = dist.get_world_size(group=pg)
             order = wrapper.bf16_groups[g]
@@ -129,8 +124,6 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             _attach(opt, flat, frags)
     elif isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
         for sg, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
-            if not matrix_group[wrapper.sub_group_to_group_id[sg]]:
-                continue
             pg = wrapper.sub_group_process_groups[sg] if hasattr(wrapper, "sub_group_process_groups") \
                 else wrapper.dp_process_group
             world = dist.get_world_size(group=pg)
@@ -138,11 +131,11 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             frags, cursor = [], 0
             for p in wrapper.fp16_groups[sg]:
                 part = p.partition_numel()
-                shape = tuple(p.ds_shape)
+                logical = tuple(p.ds_shape)
                 numel = p.ds_numel
-                if len(shape) == 2:
-                    pieces = [FlatPiece(min(r * part, numel), min((r + 1) * part, numel)) for r in range(world)]
-                    frags.append(Fragment(names[id(p)], MatrixLayout(shape, pieces, rank, pg), cursor))
+                pieces = [FlatPiece(min(r * part, numel), min((r + 1) * part, numel)) for r in range(world)]
+                layout = MatrixLayout(matrix_shape(logical), pieces, rank, pg)
+                frags.append(Fragment(names[id(p)], layout, cursor, logical))
                 cursor += part
             _attach(opt, flat, frags)
     else:

@@ -12,16 +12,23 @@ from ..sharding.layout import MatrixLayout
 __all__ = ["layout_of", "matrix_shape"]
 
 
-def matrix_shape(p: torch.Tensor) -> tuple[int, int]:
-    shape = tuple(p.shape)
-    if len(shape) != 2:
-        raise ValueError(f"expected a 2-D matrix, got shape {shape}")
-    return shape  # type: ignore[return-value]
+def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The row-major 2-D view a parameter is described by: matrices as they are, a vector of k elements as
+    ``(k, 1)``, higher ranks as ``(shape[0], rest)``. Row pieces of this view are element ranges of the tensor."""
+    shape = tuple(int(s) for s in shape)
+    if len(shape) == 2:
+        return shape  # type: ignore[return-value]
+    if len(shape) == 0:
+        return (1, 1)
+    rest = 1
+    for s in shape[1:]:
+        rest *= s
+    return (shape[0], rest)
 
 
 def layout_of(p: torch.Tensor) -> MatrixLayout:
-    """The ``MatrixLayout`` of a (possibly DTensor) 2-D parameter on this rank."""
-    shape = matrix_shape(p)
+    """The ``MatrixLayout`` of a (possibly DTensor) parameter on this rank, viewed as ``matrix_shape``."""
+    shape = matrix_shape(tuple(p.shape))
     placements = getattr(p, "placements", None)
     if placements is None:
         return MatrixLayout.whole(shape)
@@ -40,10 +47,11 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
     rank = mesh.get_local_rank(mesh_dim)
     if placement.dim == 0:
         layout = MatrixLayout.row_chunks(shape, world, rank, group)
-    elif placement.dim in (1, -1):
+    elif placement.dim in (1, -1) and p.dim() == 2:
         layout = MatrixLayout.col_chunks(shape, world, rank, group)
     else:
-        raise ValueError(f"unexpected shard dim {placement.dim} for a 2-D parameter of shape {shape}")
+        raise NotImplementedError(f"shard dim {placement.dim} of a parameter of shape {tuple(p.shape)} is not "
+                                  "supported; shard dim 0 (any rank) or dim 1 of a matrix")
     local = p.to_local()
     if local.numel() != layout.local_numel:
         raise RuntimeError(

@@ -33,6 +33,11 @@ class Fragment:
     name: str
     layout: MatrixLayout
     offset: int = 0
+    shape: tuple[int, ...] | None = None  # the parameter's logical shape (default: the layout's 2-D view)
+
+    @property
+    def logical_shape(self) -> tuple[int, ...]:
+        return tuple(self.shape) if self.shape is not None else self.layout.shape
 
     @property
     def numel(self) -> int:
