@@ -87,6 +87,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     matrix_treatments: tuple[str, ...] = ()
+    #: How each state entry relates to its parameter, for checkpoints that reshard (shardopt.checkpoint):
+    #: "elements" follows the parameter's elements, "rows"/"cols" is one value per row/column of the
+    #: matrix view, "tensor" is one value per stepped tensor (step counters), "scalar" one per matrix.
+    state_kinds: dict[str, str] = {"exp_avg": "elements", "exp_avg_sq": "elements", "step": "tensor"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None, **adam):
@@ -98,6 +102,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__(groups, defaults)
         self.param_names: dict[int, str] = names
         self._fragments: dict[int, list[Fragment]] = {}
+        self._attached: dict[int, torch.Tensor] = {}
         self._layout_resolver: LayoutResolver | None = None
 
     # ------------------------------------------------------------------ groups
@@ -142,6 +147,57 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def attach_fragments(self, tensor: torch.Tensor, fragments: list[Fragment]) -> None:
         """Declare the matrices inside a stepped tensor (used by engines with flat partitions)."""
         self._fragments[id(tensor)] = list(fragments)
+        self._attached[id(tensor)] = tensor
+
+    def stepped_tensors(self) -> list[torch.Tensor]:
+        """Every tensor this optimizer steps, in a rank-independent order (engine flat partitions when an
+        engine attached them, since DeepSpeed ZeRO-3 empties ``param_groups`` between steps)."""
+        if self._attached:
+            return list(self._attached.values())
+        return [p for g in self.param_groups for p in g["params"]]
+
+    def is_flat(self, p: torch.Tensor) -> bool:
+        """Whether ``p`` is an engine's flat partition holding pieces of several parameters."""
+        return id(p) in self._attached
+
+    def state_dict(self) -> dict[str, Any]:
+        """``torch.optim`` state dict whose per-row/per-column statistics are complete on every rank.
+
+        Sharded steps keep such vectors valid only where a rank needs them; here one bucketed all-reduce of
+        the owner-counted values makes them truly identical on all ranks, so DCP (which takes plain tensors
+        as replicated) and any later world size see the whole vector. Call it on every rank together.
+        """
+        from ..sharding.comm import Round
+
+        sd = super().state_dict()
+        rnd = Round()
+        packed = sd["state"]
+        by_index = dict(enumerate(p for g in self.param_groups for p in g["params"]))
+        for idx, entries in list(packed.items()):
+            p = by_index.get(idx)
+            if p is None:
+                continue
+            new = dict(entries)
+            for frag in self.fragments(p):
+                target = new if not self.is_flat(p) else None
+                if target is None:
+                    mats = {k: dict(v) for k, v in new.get("matrices", {}).items()}
+                    new["matrices"] = mats
+                    target = mats.get(frag.name)
+                    if target is None:
+                        continue
+                for key, value in list(target.items()):
+                    kind = self.state_kinds.get(key)
+                    if kind in ("rows", "cols") and frag.layout.group is not None:
+                        axis = 0 if kind == "rows" else 1
+                        owned = frag.layout.axis_plan(axis).owned
+                        full = torch.zeros_like(value)
+                        full[owned] = value[owned]
+                        rnd.add_full(frag.layout, full)
+                        target[key] = full
+            packed[idx] = new
+        rnd.run()
+        return sd
 
     def fragments(self, p: torch.Tensor) -> list[Fragment]:
         frags = self._fragments.get(id(p))

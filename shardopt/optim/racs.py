@@ -32,6 +32,8 @@ class RACS(ShardedOptimizer):
     """
 
     matrix_treatments = ("racs",)
+    state_kinds = {**ShardedOptimizer.state_kinds, "row_scale": "rows", "col_scale": "cols", "phi": "scalar",
+                   "step": "tensor"}
 
     def __init__(
         self,

@@ -35,6 +35,7 @@ class SCALE(ShardedOptimizer):
     """
 
     matrix_treatments = ("scale",)
+    state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="outside")
 
     def __init__(

@@ -178,4 +178,83 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     opt = built["opt"]
     opt.param_names.update(names)
     attach_zero_layouts(engine, opt, names)
+    install_checkpoint_hooks(engine, opt, names)
     return result
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def _latest_tag(load_dir: str) -> str | None:
+    path = os.path.join(load_dir, "latest")
+    if os.path.isfile(path):
+        with open(path) as f:
+            return f.read().strip()
+    return None
+
+
+def _sync_bit16_params(engine: Any, tensors: dict[str, torch.Tensor], names: Mapping[int, str]) -> None:
+    """After the fp32 masters were loaded, give the module's (bit16) parameters the same values."""
+    from ..checkpoint.logical import PARAM_KEY, SEP
+
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            key = f"{names.get(id(p))}{SEP}{PARAM_KEY}"
+            if key not in tensors:
+                continue
+            full = tensors[key].reshape(-1)
+            if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's padded partition of the flat parameter
+                part = p.ds_tensor.numel()
+                rank = dist.get_rank(group=p.ds_process_group) if hasattr(p, "ds_process_group") else dist.get_rank()
+                lo, hi = min(rank * part, full.numel()), min((rank + 1) * part, full.numel())
+                p.ds_tensor.data.zero_()
+                p.ds_tensor.data[: hi - lo].copy_(full[lo:hi].to(p.ds_tensor.dtype))
+            else:
+                p.data.copy_(full.view_as(p.data).to(p.dtype))
+
+
+def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:
+    """Make ``engine.save_checkpoint`` also write shardopt's logical state into ``<dir>/<tag>/``, and
+    ``engine.load_checkpoint`` fall back to it when DeepSpeed's own files cannot be used (another data-parallel
+    size or ZeRO stage, or a checkpoint converted from FSDP2)."""
+    from .. import checkpoint as ckpt
+
+    ds_save, ds_load = engine.save_checkpoint, engine.load_checkpoint
+
+    def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006
+        tag = tag if tag is not None else f"global_step{engine.global_steps}"
+        result = ds_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest, **kwargs)
+        extra = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                 "zero_stage": engine.zero_optimization_stage(), "client_state": client_state,
+                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}
+        ckpt.save(os.path.join(str(save_dir), str(tag)), opt, engine="deepspeed", extra=extra)
+        return result
+
+    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, **kwargs):
+        tag = tag if tag is not None else _latest_tag(str(load_dir))
+        ours = ckpt.state_path(os.path.join(str(load_dir), str(tag))) if tag is not None else None
+        if ours is None or not os.path.isfile(ours):
+            return ds_load(load_dir, tag=tag, load_module_strict=load_module_strict,
+                           load_optimizer_states=load_optimizer_states,
+                           load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                           **kwargs)
+        meta = ckpt.read_metadata(ours)
+        extra = meta.get("extra") or {}
+        same_layout = (meta.get("engine") == "deepspeed" and meta.get("world_size") == dist.get_world_size()
+                       and extra.get("zero_stage") == engine.zero_optimization_stage())
+        if same_layout:
+            return ds_load(load_dir, tag=tag, load_module_strict=load_module_strict,
+                           load_optimizer_states=load_optimizer_states,
+                           load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                           **kwargs)
+        tensors, meta = ckpt.read_state_file(ours)
+        ckpt.load(ours, opt, load_params=True)
+        _sync_bit16_params(engine, tensors, names)
+        if load_lr_scheduler_states and extra.get("lr_scheduler") and engine.lr_scheduler is not None:
+            engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
+        if "global_steps" in extra:
+            engine.global_steps = extra["global_steps"]
+            engine.global_samples = extra.get("global_samples", engine.global_samples)
+        return os.path.join(str(load_dir), str(tag)), extra.get("client_state") or {}
+
+    engine.save_checkpoint = save_checkpoint
+    engine.load_checkpoint = load_checkpoint

@@ -62,6 +62,11 @@ class Round:
         if split is not None:
             self._bucket(layout.group).append((vector, split))
 
+    def add_full(self, layout: MatrixLayout, vector: torch.Tensor) -> None:
+        """Register a whole vector to be summed over the layout's group (e.g. owner-masked state to replicate)."""
+        if layout.group is not None:
+            self._bucket(layout.group).append((vector, slice(None)))
+
     def add_sum(self, layout: MatrixLayout, scalar: torch.Tensor) -> None:
         """Register a 0-d partial sum over this rank's elements (e.g. a squared Frobenius norm)."""
         if layout.holders > 1:
