@@ -102,15 +102,17 @@ class Run:
             dist.barrier()
 
     def load(self, path: str, source: str) -> None:
-        if self.kind.startswith("zero"):
+        if self.kind.startswith("zero") and source == "conv_ds":
+            self.model.load_checkpoint(path)  # converted by `shardopt checkpoint convert --to deepspeed`
+        elif self.kind.startswith("zero"):
             # a DeepSpeed directory, or a logical checkpoint from another engine laid out as <dir>/<tag>/
             self.model.load_checkpoint(path, tag="step3" if source.startswith("zero") else "logical")
-        elif self.kind == "fsdp2" and source == "fsdp2":
+        elif self.kind == "fsdp2" and source in ("fsdp2", "conv_dcp"):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
             msd, osd = get_state_dict(self.model, self.opt)
             sd = {"model": msd, "optim": osd}
-            dcp.load(sd, checkpoint_id=os.path.join(path, "dcp"))
+            dcp.load(sd, checkpoint_id=os.path.join(path, "dcp") if source == "fsdp2" else path)
             set_state_dict(self.model, self.opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
         elif self.kind == "ddp" and source == "ddp":
             sd = torch.load(os.path.join(path, "state.pt"), weights_only=True)
@@ -151,10 +153,26 @@ def phase_save(root: str, records: list) -> None:
 
 
 RESHARD = [("zero2", "zero2"), ("zero3", "zero3"), ("zero2", "zero3"), ("fsdp2", "fsdp2"), ("zero2", "fsdp2"),
-           ("fsdp2", "zero2"), ("zero1", "ddp")]
+           ("fsdp2", "zero2"), ("zero1", "ddp"), ("conv_dcp", "fsdp2"), ("conv_ds", "zero2")]
+
+
+def convert_sources(root: str) -> None:
+    """What `shardopt checkpoint convert` makes: ZeRO-2 -> DCP directory, FSDP2 DCP -> DeepSpeed directory."""
+    from shardopt.cli import main as cli
+
+    if dist.get_rank() == 0:
+        for opt_name in OPTIMIZERS:
+            base = os.path.join(root, opt_name)
+            for src, dst, to in (("zero2", "conv_dcp", "dcp"), ("fsdp2/dcp", "conv_ds", "deepspeed")):
+                if not os.path.exists(os.path.join(base, dst)):
+                    assert cli(["checkpoint", "convert", os.path.join(base, src), os.path.join(base, dst),
+                                "--to", to]) == 0
+    dist.barrier()
 
 
 def phase_resume(root: str, records: list) -> None:
+    with contextlib.redirect_stdout(io.StringIO()):
+        convert_sources(root)
     for opt_name in OPTIMIZERS:
         want, _ = reference(opt_name, TOTAL)
         for source, engine in RESHARD:

@@ -42,7 +42,8 @@ def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra
     tensors, kinds = export_state(optimizer)
     target = state_path(path)
     if not _dist() or dist.get_rank() == 0:
-        groups = [{k: _json_safe(v) for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+        groups = [{**{k: _json_safe(v) for k, v in g.items() if k != "params"}, "params": names}
+                  for g, names in zip(optimizer.param_groups, optimizer.group_param_names)]
         meta = {
             "kinds": kinds,
             "optimizer": type(optimizer).__name__,
@@ -70,6 +71,6 @@ def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True) ->
     import_state(optimizer, tensors, meta["kinds"], load_params=load_params)
     for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
         for k, v in saved.items():
-            if v is not None and k in group:
+            if v is not None and k in group and k != "params":
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
     return meta

@@ -101,6 +101,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._resolve_treatment(g, names)
         super().__init__(groups, defaults)
         self.param_names: dict[int, str] = names
+        #: parameter names of each group as built (engines may later replace group tensors by flat partitions)
+        self.group_param_names: list[list[str]] = [[names.get(id(p), "") for p in g["params"]] for g in groups]
         self._fragments: dict[int, list[Fragment]] = {}
         self._attached: dict[int, torch.Tensor] = {}
         self._layout_resolver: LayoutResolver | None = None

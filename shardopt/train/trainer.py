@@ -16,6 +16,7 @@ import logging
 import math
 import os
 import socket
+import sys
 import time
 from typing import Any, Callable
 
@@ -406,8 +407,9 @@ class Trainer:
         if self.rank == 0 and t.progress:
             from tqdm.auto import tqdm
 
+            tty = sys.stderr.isatty()
             self.bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                            mininterval=1.0)
+                            mininterval=1.0 if tty else 15.0, file=sys.stderr)
         window_loss, window_steps, t_window = 0.0, 0, time.perf_counter()
         t_start = time.perf_counter()
         while self.step < t.steps:
