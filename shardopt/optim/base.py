@@ -8,12 +8,16 @@ tensor holds and how each one is laid out across ranks; the algorithm never asks
 """
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
 
 from ..sharding.fragment import Fragment, local_flat
 from ..sharding.layout import MatrixLayout
+from ..sharding.comm import world_group_allreduce_max
+from ..sharding.plan import check_same_plan
 from .adamw import adamw_step
 
 __all__ = ["ShardedOptimizer", "MatrixItem"]
@@ -93,7 +97,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
     state_kinds: dict[str, str] = {"exp_avg": "elements", "exp_avg_sq": "elements", "step": "tensor"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None, **adam):
+    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None,
+                 on_nonfinite: str = "skip", debug_plan: bool | None = None, **adam):
+        if on_nonfinite not in ("skip", "raise", "ignore"):
+            raise ValueError(f"on_nonfinite must be 'skip', 'raise' or 'ignore', got {on_nonfinite!r}")
         groups, names = _normalize_groups(params)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
@@ -106,6 +113,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._fragments: dict[int, list[Fragment]] = {}
         self._attached: dict[int, torch.Tensor] = {}
         self._layout_resolver: LayoutResolver | None = None
+        #: "skip" (default): a step whose gradients hold inf/NaN on any rank changes nothing, on every rank;
+        #: "raise": FloatingPointError on every rank; "ignore": no check (and no collective for it).
+        self.on_nonfinite = on_nonfinite
+        self.skipped_steps = 0
+        #: check every step that all ranks hold the same step plan (also with SHARDOPT_DEBUG_PLAN=1)
+        self.debug_plan = bool(int(os.environ.get("SHARDOPT_DEBUG_PLAN", "0"))) if debug_plan is None else debug_plan
 
     # ------------------------------------------------------------------ groups
     def _resolve_treatment(self, group: dict, names: dict[int, str]) -> None:
@@ -251,9 +264,34 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.debug_plan:
+            check_same_plan(self)
+        if self.on_nonfinite != "ignore" and self._nonfinite_grads():
+            return loss
         for group in self.param_groups:
             getattr(self, f"_step_{group['treatment']}")(group)
         return loss
+
+    def _nonfinite_grads(self) -> bool:
+        """Whether any rank has a non-finite gradient in this step (one 1-element all-reduce when distributed)."""
+        grads = [local_flat(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        bad_local = [self.param_names.get(id(p), "?") for g in self.param_groups for p in g["params"]
+                     if p.grad is not None and local_flat(p.grad).numel()
+                     and not torch.isfinite(torch.linalg.vector_norm(local_flat(p.grad).float(), float("inf")))]
+        flag = torch.tensor([1.0 if bad_local else 0.0])
+        if grads and grads[0].device.type != "cpu":
+            flag = flag.to(grads[0].device)
+        world_group_allreduce_max(flag)
+        if flag.item() == 0:
+            return False
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite gradients in this step (on this rank: {bad_local or 'none, on another rank'}); "
+                "set on_nonfinite='skip' to skip such steps")
+        self.skipped_steps += 1
+        warnings.warn(f"shardopt: skipped step with non-finite gradients ({self.skipped_steps} so far; "
+                      f"on this rank: {bad_local or 'none, on another rank'})", RuntimeWarning, stacklevel=3)
+        return True
 
     def _step_adamw(self, group: dict) -> None:
         params, grads, ms, vs = [], [], [], []

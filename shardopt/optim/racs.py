@@ -48,6 +48,8 @@ class RACS(ShardedOptimizer):
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         adam_weight_decay: float = 0.0,
+        on_nonfinite: str = "skip",
+        debug_plan: bool | None = None,
     ):
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -60,7 +62,7 @@ class RACS(ShardedOptimizer):
         defaults = dict(lr=lr, beta=beta, alpha=alpha, gamma=gamma, iterations=int(iterations),
                         weight_decay=weight_decay)
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay)
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
 
     def _step_racs(self, group: dict) -> None:
         items = self._matrix_items(group)

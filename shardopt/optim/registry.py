@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from .racs import RACS
+from . import routing as _routing
 from .routing import route
 from .scale import SCALE
 from .sinkgd import SinkGD
@@ -16,10 +17,13 @@ __all__ = ["OPTIMIZERS", "create_optimizer", "validate_hyperparameters"]
 
 
 class _Strict(pydantic.BaseModel):
-    model_config = pydantic.ConfigDict(extra="forbid")
+    model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
 
 
 class _AdamFields(_Strict):
+    on_nonfinite: Literal["skip", "raise", "ignore"] = pydantic.Field(
+        "skip", description="a step with inf/NaN gradients on any rank: skip it everywhere, raise, or no check")
+    debug_plan: bool = pydantic.Field(False, description="check every step that all ranks hold the same plan")
     adam_betas: tuple[float, float] = (0.9, 0.999)
     adam_eps: float = pydantic.Field(1e-8, ge=0)
     adam_weight_decay: float = pydantic.Field(0.0, ge=0)
@@ -96,8 +100,7 @@ OPTIMIZERS: dict[str, tuple[type, type[pydantic.BaseModel], Callable[[Any], dict
 }
 
 
-class ConfigError(ValueError):
-    """A shardopt configuration problem; the message names the key path."""
+ConfigError = _routing.ConfigError
 
 
 def _format_errors(err: pydantic.ValidationError, where: str) -> str:

@@ -14,7 +14,15 @@ from typing import Mapping
 import torch
 from torch import nn
 
-__all__ = ["ROLES", "param_roles", "route"]
+__all__ = ["ROLES", "param_roles", "route", "RoutingError"]
+
+
+class ConfigError(ValueError):
+    """A shardopt configuration problem; the message names the key path."""
+
+
+class RoutingError(ConfigError):
+    """A routing rule that cannot apply (unknown role, no match, a non-matrix sent to a matrix rule)."""
 
 ROLES = ("embedding", "lm_head", "matrix", "vector", "adamw")
 
@@ -61,7 +69,7 @@ def route(
     overrides = dict(overrides or {})
     for pattern, role in overrides.items():
         if role not in ROLES:
-            raise ValueError(f"routing[{pattern!r}] = {role!r}: unknown role; use one of {list(ROLES)}")
+            raise RoutingError(f"routing[{pattern!r}] = {role!r}: unknown role; use one of {list(ROLES)}")
     used = set()
     groups: dict[tuple, dict] = {}
     for name, p in model.named_parameters():
@@ -77,7 +85,7 @@ def route(
         if role == "adamw":
             options = {"treatment": "adamw"}
         if options["treatment"] != "adamw" and p.dim() != 2:
-            raise ValueError(
+            raise RoutingError(
                 f"parameter {name!r} of shape {tuple(p.shape)} is routed to {optimizer_name}'s "
                 f"{options['treatment']!r} rule by {why} (role {role!r}), which needs a 2-D matrix; "
                 f"route it to AdamW with routing={{'{name}': 'adamw'}}"
@@ -90,5 +98,5 @@ def route(
         group["names"].append(name)
     unused = [p for p in overrides if p not in used]
     if unused:
-        raise ValueError(f"routing patterns {unused} match no trainable parameter of the model")
+        raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")
     return list(groups.values())

@@ -51,6 +51,8 @@ class SCALE(ShardedOptimizer):
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         adam_weight_decay: float = 0.0,
+        on_nonfinite: str = "skip",
+        debug_plan: bool | None = None,
     ):
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
@@ -62,7 +64,7 @@ class SCALE(ShardedOptimizer):
             raise ValueError(f"norm_dim must be 0 or 1, got {norm_dim}")
         defaults = dict(lr=lr, momentum=momentum, norm_dim=norm_dim, eps=eps, norm=norm, weight_decay=weight_decay)
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay)
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
 
     def _step_scale(self, group: dict) -> None:
         beta = group["momentum"]

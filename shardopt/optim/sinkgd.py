@@ -61,6 +61,8 @@ class SinkGD(ShardedOptimizer):
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         adam_weight_decay: float = 0.0,
+        on_nonfinite: str = "skip",
+        debug_plan: bool | None = None,
     ):
         if lr < 0 or lr_scale < 0:
             raise ValueError(f"lr and lr_scale must be >= 0, got lr={lr}, lr_scale={lr_scale}")
@@ -68,7 +70,7 @@ class SinkGD(ShardedOptimizer):
             raise ValueError(f"iterations must be >= 1, got {iterations}")
         defaults = dict(lr=lr, lr_scale=lr_scale, iterations=int(iterations), weight_decay=weight_decay)
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay)
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
 
     def _step_sinkgd(self, group: dict) -> None:
         items = self._matrix_items(group)

@@ -65,9 +65,30 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseMo
         raise ConfigError(_format_errors(err, "shardopt")) from None
     hp = validate_hyperparameters(section.optimizer, section.params, where="shardopt.params",
                                   name_key="shardopt.optimizer")
+    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        if key in cfg and (isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1):
+            raise ConfigError(f"{key}: expected a positive integer, got {cfg[key]!r}")
+    clip = cfg.get("gradient_clipping", 0.0)
+    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
+        raise ConfigError(f"gradient_clipping: expected a number >= 0, got {clip!r}")
     zero = cfg.get("zero_optimization", {}) or {}
+    if not isinstance(zero, Mapping):
+        raise ConfigError(f"zero_optimization: expected an object, got {zero!r}")
+    try:
+        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
+    except ImportError:  # DeepSpeed not installed: initialize() will say so
+        DeepSpeedZeroConfig = None
+    if DeepSpeedZeroConfig is not None:
+        try:
+            DeepSpeedZeroConfig(**zero)
+        except pydantic.ValidationError as err:
+            raise ConfigError(_format_errors(err, "zero_optimization")) from None
+        except (TypeError, ValueError) as err:
+            raise ConfigError(f"zero_optimization: {err}") from None
     for key in ("offload_optimizer", "offload_param"):
         off = zero.get(key)
+        if off and not isinstance(off, Mapping):
+            raise ConfigError(f"zero_optimization.{key}: expected an object, got {off!r}")
         if off and str(off.get("device", "none")).lower() != "none":
             raise ConfigError(f"zero_optimization.{key}.device = {off.get('device')!r}: offload is not supported "
                               "by shardopt; remove it or set device to 'none'")

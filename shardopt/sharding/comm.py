@@ -43,6 +43,15 @@ def _all_reduce(buf: torch.Tensor, group: Any) -> None:
     dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
 
 
+def world_group_allreduce_max(flag: torch.Tensor) -> None:
+    """Agree on a flag across all ranks (no-op outside ``torch.distributed`` or with one process)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        collective_counter.record(flag)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+
+
 class Round:
     """Collects the partial sums of one round and reduces them together."""
 

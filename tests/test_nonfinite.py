@@ -1,0 +1,70 @@
+"""Non-finite gradients: skip (default) leaves parameters and state untouched; raise raises."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import shardopt
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(11, 6)
+        self.proj = nn.Linear(6, 7)
+        self.norm = nn.LayerNorm(7)
+        self.lm_head = nn.Linear(7, 11, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(self.proj(self.embed(x))))
+
+
+def step(model, opt, seed, poison=None):
+    x = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    if poison is not None:
+        dict(model.named_parameters())[poison].grad.view(-1)[0] = poison_value
+    opt.step()
+
+
+poison_value = float("nan")
+
+
+def snapshot(model, opt):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items() if k != "matrices"}
+             for p, st in opt.state.items()}
+    return params, state
+
+
+@pytest.mark.parametrize("name", ["scale", "sinkgd", "racs"])
+@pytest.mark.parametrize("bad", ["proj.weight", "norm.bias", "lm_head.weight"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_skip_leaves_everything_untouched(name, bad, value):
+    global poison_value
+    poison_value = value
+    torch.manual_seed(0)
+    model = Tiny()
+    opt = shardopt.create_optimizer(model, name)
+    step(model, opt, 0)
+    before = snapshot(model, opt)
+    with pytest.warns(RuntimeWarning, match="skipped step with non-finite gradients"):
+        step(model, opt, 1, poison=bad)
+    after = snapshot(model, opt)
+    assert opt.skipped_steps == 1
+    for n in before[0]:
+        assert torch.equal(before[0][n], after[0][n]), n
+    for pid in before[1]:
+        for k, v in before[1][pid].items():
+            assert torch.equal(v, after[1][pid][k]) if isinstance(v, torch.Tensor) else v == after[1][pid][k]
+    step(model, opt, 2)  # training continues normally
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_raise_names_the_parameter():
+    model = Tiny()
+    opt = shardopt.create_optimizer(model, "racs", on_nonfinite="raise")
+    with pytest.raises(FloatingPointError, match="proj.weight"):
+        step(model, opt, 0, poison="proj.weight")
