@@ -125,7 +125,11 @@ class TrainConfig(_Strict):
     train: TrainSection = TrainSection()
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
-    source: str | None = pydantic.Field(None, exclude=True, description="where the config was read from")
+    _source: str | None = pydantic.PrivateAttr(None)  # the file the config was read from
+
+    @property
+    def source(self) -> str | None:
+        return self._source
 
     @property
     def checkpoint_dir(self) -> str:
@@ -232,7 +236,7 @@ def load_train_config(source: str | os.PathLike | Mapping[str, Any], overrides: 
         cfg = TrainConfig.model_validate(raw)
     except pydantic.ValidationError as err:
         raise TrainConfigError(_format(err, where)) from None
-    cfg.source = config_file
+    cfg._source = config_file
 
     if cfg.optimizer is not None:
         name = cfg.optimizer.name.lower()
