@@ -217,12 +217,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def fragments(self, p: torch.Tensor) -> list[Fragment]:
         frags = self._fragments.get(id(p))
         if frags is None:
-            if self._layout_resolver is None:
-                from ..plugin.discover import layout_of
+            from ..plugin.discover import global_shape, layout_of
 
+            if self._layout_resolver is None:
                 self._layout_resolver = layout_of
             name = self.param_names.get(id(p), f"param@{id(p):x}")
-            frags = [Fragment(name, self._layout_resolver(p), 0, tuple(p.shape))]
+            frags = [Fragment(name, self._layout_resolver(p), 0, global_shape(p))]
             self._fragments[id(p)] = frags
         return frags
 

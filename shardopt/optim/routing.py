@@ -27,20 +27,38 @@ class RoutingError(ConfigError):
 ROLES = ("embedding", "lm_head", "matrix", "vector", "adamw")
 
 
+def _is_embedding(m: nn.Module) -> bool:
+    """``nn.Embedding`` and look-alikes (Megatron's ``VocabParallelEmbedding``)."""
+    return isinstance(m, nn.Embedding) or (type(m).__name__.endswith("Embedding") and hasattr(m, "num_embeddings")
+                                           and isinstance(getattr(m, "weight", None), torch.Tensor))
+
+
+def _is_linear(m: nn.Module) -> bool:
+    """``nn.Linear`` and look-alikes (Megatron's ``ColumnParallelLinear`` / ``RowParallelLinear``)."""
+    if isinstance(m, nn.Linear):
+        return True
+    w = getattr(m, "weight", None)
+    return "Linear" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def _out_features(m: nn.Module) -> int | None:
+    return getattr(m, "out_features", getattr(m, "output_size", None))
+
+
 def param_roles(model: nn.Module) -> dict[str, str]:
     """Default role of every trainable parameter, keyed by its name in ``model.named_parameters()``."""
     names = {id(p): n for n, p in model.named_parameters()}
     roles: dict[str, str] = {}
-    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    embeddings = [m for m in model.modules() if _is_embedding(m)]
     vocab_sizes = {m.num_embeddings for m in embeddings}
     emb_ids = {id(m.weight) for m in embeddings}
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
+    linears = [m for m in model.modules() if _is_linear(m)]
     head = None
     for m in linears:
         if id(m.weight) in emb_ids:
             head = m  # tied output projection
     if head is None:
-        candidates = [m for m in linears if m.out_features in vocab_sizes]
+        candidates = [m for m in linears if _out_features(m) in vocab_sizes]
         head = candidates[-1] if candidates else None
     for m in embeddings:
         roles[names[id(m.weight)]] = "embedding"

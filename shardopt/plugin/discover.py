@@ -9,7 +9,28 @@ import torch
 
 from ..sharding.layout import MatrixLayout
 
-__all__ = ["layout_of", "matrix_shape"]
+__all__ = ["layout_of", "matrix_shape", "global_shape"]
+
+
+def _megatron_tp(p: torch.Tensor):
+    """(group, world, rank, partition_dim) for a Megatron tensor-parallel parameter, else None."""
+    if not getattr(p, "tensor_model_parallel", False):
+        return None
+    from megatron.core import parallel_state as ps
+
+    if getattr(p, "partition_stride", 1) != 1:
+        raise NotImplementedError("Megatron parameters with partition_stride != 1 are not supported")
+    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
+            ps.get_tensor_model_parallel_rank(), int(p.partition_dim))
+
+
+def global_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """The logical (unsharded) shape: DTensors report it; Megatron TP shards are scaled back up."""
+    shape = list(p.shape)
+    tp = _megatron_tp(p)
+    if tp is not None:
+        shape[tp[3]] *= tp[1]
+    return tuple(shape)
 
 
 def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -28,6 +49,15 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
 
 def layout_of(p: torch.Tensor) -> MatrixLayout:
     """The ``MatrixLayout`` of a (possibly DTensor) parameter on this rank, viewed as ``matrix_shape``."""
+    tp = _megatron_tp(p)
+    if tp is not None:  # Megatron: column-parallel (dim 0) or row-parallel (dim 1) split of the TP group
+        group, world, rank, dim = tp
+        shape = matrix_shape(global_shape(p))
+        if dim == 0:
+            return MatrixLayout.row_chunks(shape, world, rank, group)
+        if dim == 1 and p.dim() == 2:
+            return MatrixLayout.col_chunks(shape, world, rank, group)
+        raise NotImplementedError(f"Megatron partition_dim {dim} of a parameter of shape {tuple(p.shape)}")
     shape = matrix_shape(tuple(p.shape))
     placements = getattr(p, "placements", None)
     if placements is None:
