@@ -113,6 +113,7 @@ def test_overrides():
 
 TRAIN_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "train", "*.json")))
 DS_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "deepspeed", "*.json")))
+ADAMW_DS_CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "deepspeed", "adamw", "*.json")))
 
 
 @pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=os.path.basename)
@@ -129,6 +130,13 @@ def test_shipped_deepspeed_configs_fit_the_trainer(path):
     assert "train_batch_size" not in ds  # works at any world size
     assert ds["gradient_clipping"] == 0.0 and "train_micro_batch_size_per_gpu" in ds
     assert ds["shardopt"]["optimizer"] in ("scale", "sinkgd", "racs")
+
+
+@pytest.mark.parametrize("path", ADAMW_DS_CONFIGS, ids=os.path.basename)
+def test_shipped_adamw_baseline_deepspeed_configs(path):
+    ds = validate_deepspeed_config(path, require_shardopt=False)
+    assert "shardopt" not in ds and "optimizer" not in ds and ds["zero_allow_untested_optimizer"] is True
+    assert ds["gradient_clipping"] == 0.0 and "train_batch_size" not in ds
 
 
 def test_demo_config_is_the_documented_one():

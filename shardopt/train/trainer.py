@@ -372,6 +372,24 @@ class Trainer:
         if self.rank == 0:
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
+            writer = self._tensorboard()
+            if writer is not None:
+                for key, value in record.items():
+                    if key not in ("step", "time") and isinstance(value, (int, float)):
+                        writer.add_scalar(key, value, record.get("step", self.step))
+                writer.flush()
+
+    def _tensorboard(self):
+        """A TensorBoard writer under ``<run_dir>/tensorboard`` when the ``tensorboard`` package is installed."""
+        if not hasattr(self, "_tb"):
+            self._tb = None
+            try:
+                import tensorboard  # noqa: F401
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                return None
+            self._tb = SummaryWriter(os.path.join(self.cfg.run_dir, "tensorboard"))
+        return self._tb
 
     def _validate(self) -> float:
         t0 = time.perf_counter()
