@@ -7,6 +7,8 @@ import pytest
 import torch
 from torch import nn
 
+from tiny_model import Tiny
+
 import shardopt
 from shardopt import RACS, SCALE, SinkGD
 from references import racs_fixed_point, racs_step, scale_step, sr_sinkhorn
@@ -92,16 +94,6 @@ def test_racs_scaling_vectors_solve_the_fixed_point():
     torch.testing.assert_close(opt.state[p]["col_scale"].double(), s, rtol=1e-4, atol=1e-6)
 
 
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.proj = nn.Linear(6, 7)
-        self.norm = nn.LayerNorm(7)
-        self.lm_head = nn.Linear(7, 11, bias=False)
-
-    def forward(self, x):
-        return self.lm_head(self.norm(self.proj(self.embed(x))))
 
 
 @pytest.mark.parametrize("name", ["scale", "sinkgd", "racs"])

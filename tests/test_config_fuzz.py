@@ -8,6 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from tiny_model import Tiny
+
 import shardopt
 from shardopt import ConfigError
 from shardopt.plugin.deepspeed_engine import parse_section
@@ -34,13 +36,6 @@ zero = st.one_of(
 )
 
 
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.proj = nn.Linear(6, 7)
-        self.norm = nn.LayerNorm(7)
-        self.lm_head = nn.Linear(7, 11, bias=False)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,6 +9,8 @@ import pytest
 import torch
 from torch import nn
 
+from tiny_model import Tiny
+
 import shardopt
 from shardopt import ConfigError, SCALE
 from shardopt.plugin.deepspeed_engine import load_config, parse_section
@@ -16,13 +18,6 @@ from shardopt.plugin.deepspeed_engine import load_config, parse_section
 ROOT = os.path.dirname(os.path.dirname(__file__))
 
 
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.proj = nn.Linear(6, 7)
-        self.norm = nn.LayerNorm(7)
-        self.lm_head = nn.Linear(7, 11, bias=False)
 
 
 CREATE_CASES = [

@@ -5,19 +5,11 @@ import pytest
 import torch
 from torch import nn
 
+from tiny_model import Tiny
+
 import shardopt
 
 
-class Tiny(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(11, 6)
-        self.proj = nn.Linear(6, 7)
-        self.norm = nn.LayerNorm(7)
-        self.lm_head = nn.Linear(7, 11, bias=False)
-
-    def forward(self, x):
-        return self.lm_head(self.norm(self.proj(self.embed(x))))
 
 
 def step(model, opt, seed, poison=None):
