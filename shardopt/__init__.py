@@ -3,10 +3,10 @@
 ``shardopt.create_optimizer(model, "scale" | "sinkgd" | "racs", **hyperparameters)`` for single process,
 DDP and FSDP2; ``shardopt.deepspeed.initialize(model=..., config=...)`` for DeepSpeed ZeRO 0-3.
 """
-from .optim import RACS, SCALE, ConfigError, SinkGD, ShardedOptimizer, create_optimizer
+from .optim import RACS, SCALE, SWAN, ConfigError, Muon, SinkGD, ShardedOptimizer, create_optimizer
 
 __version__ = "0.1.0"
-__all__ = ["create_optimizer", "SCALE", "SinkGD", "RACS", "ShardedOptimizer", "ConfigError", "__version__"]
+__all__ = ["create_optimizer", "SCALE", "SinkGD", "RACS", "Muon", "SWAN", "ShardedOptimizer", "ConfigError", "__version__"]
 
 
 def __getattr__(name: str):

@@ -10,6 +10,7 @@ from torch import nn
 from tiny_model import Tiny
 
 import shardopt
+from shardopt.optim import OPTIMIZERS
 from shardopt import RACS, SCALE, SinkGD
 from references import racs_fixed_point, racs_step, scale_step, sr_sinkhorn
 
@@ -96,10 +97,11 @@ def test_racs_scaling_vectors_solve_the_fixed_point():
 
 
 
-@pytest.mark.parametrize("name", ["scale", "sinkgd", "racs"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_zero_gradients_give_zero_updates_never_nan(name):
     model = Tiny()
-    opt = shardopt.create_optimizer(model, name)
+    # Muon's decoupled weight decay (torch default 0.1) shrinks weights even on a zero gradient
+    opt = shardopt.create_optimizer(model, name, **({"weight_decay": 0.0} if name == "muon" else {}))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     for _ in range(3):
         for p in model.parameters():
@@ -110,7 +112,7 @@ def test_zero_gradients_give_zero_updates_never_nan(name):
         torch.testing.assert_close(p.detach(), before[n], msg=n)
 
 
-@pytest.mark.parametrize("name", ["scale", "sinkgd", "racs"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_state_dict_resume_and_lr_scheduler(name):
     def train(steps, resume_at=None):
         torch.manual_seed(0)
@@ -153,3 +155,36 @@ def test_step_accepts_closure():
         return loss
 
     assert torch.isfinite(opt.step(closure))
+
+
+def test_muon_matches_torch_optim_muon():
+    torch.manual_seed(0)
+    w = torch.randn(7, 12)
+    ours, theirs = nn.Parameter(w.clone()), nn.Parameter(w.clone())
+    a = shardopt.Muon([ours], lr=0.02, ns_dtype="bfloat16")  # torch iterates Newton-Schulz in bf16
+    b = torch.optim.Muon([theirs], lr=0.02)
+    for g in grads((7, 12), 4):
+        ours.grad, theirs.grad = g.float(), g.float()
+        a.step()
+        b.step()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
+
+
+@pytest.mark.parametrize("shape", [(5, 9), (9, 5)])
+def test_swan_exact_whitening_invariants(shape):
+    """specs/sinkgd.md section 6 item 9: every singular value and line norm is sqrt(max(m, n)); L=5 == L=1."""
+    m, n = shape
+    k = max(m, n)
+    outs = []
+    for iterations in (1, 5):
+        p = nn.Parameter(torch.zeros(m, n))
+        opt = shardopt.SWAN([p], lr=1.0, lr_scale=1.0, iterations=iterations, whitening="svd")
+        p.grad = grads(shape, 1, seed=4)[0].float()
+        opt.step()
+        outs.append(-p.detach().double())
+    x = outs[0]
+    torch.testing.assert_close(torch.linalg.svdvals(x), torch.full((min(m, n),), k ** 0.5, dtype=torch.float64),
+                               rtol=1e-5, atol=1e-5)
+    lines = x.norm(dim=1) if m <= n else x.norm(dim=0)
+    torch.testing.assert_close(lines, torch.full_like(lines, k ** 0.5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)

@@ -8,6 +8,7 @@ from torch import nn
 from tiny_model import Tiny
 
 import shardopt
+from shardopt.optim import OPTIMIZERS
 
 
 
@@ -31,7 +32,7 @@ def snapshot(model, opt):
     return params, state
 
 
-@pytest.mark.parametrize("name", ["scale", "sinkgd", "racs"])
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("bad", ["proj.weight", "norm.bias", "lm_head.weight"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")])
 def test_skip_leaves_everything_untouched(name, bad, value):

@@ -32,6 +32,9 @@ OPTIMIZERS = {
     "scale": dict(lr=3e-3, adam_lr=3e-3),
     "sinkgd": dict(lr=0.02, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
     "racs": dict(lr=0.05, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    # whole-matrix optimizers: Newton-Schulz on matrices gathered to owner ranks
+    "muon": dict(lr=0.02, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    "swan": dict(lr=0.05, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
 }
 N_BLOCKS = 1  # the collective-count check reruns cases with more matrices
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "..", "configs", "deepspeed", "zero2_scale.json")

@@ -1,6 +1,6 @@
 """Checkpoints: exact resume on every engine, resharding across world sizes and engines, broken files.
 
-Phase 1 (world size 2, ``checkpoint_worker.py --phase save``): for SCALE, SinkGD, RACS on DDP, FSDP2 (DCP),
+Phase 1 (world size 2, ``checkpoint_worker.py --phase save``): for every optimizer on DDP, FSDP2 (DCP),
 ZeRO-1, ZeRO-2, ZeRO-3: train 3 steps, save the engine's own way, rebuild, load, train 3 more, compare with
 6 uninterrupted steps (<= 1e-6). Phase 2 (world sizes 1, 2, 3, 4): load the step-3 checkpoints into fresh
 engines, including ZeRO-2 -> FSDP2, FSDP2 -> ZeRO-2, ZeRO-2 -> ZeRO-3 and the outputs of
@@ -18,7 +18,9 @@ import tempfile
 
 import pytest
 
+from checkpoint_worker import ENGINES, RESHARD
 from launch import ROOT, torchrun
+from parity_worker import OPTIMIZERS
 
 RESUME_TOL = 1e-6
 RESHARD_TOL = 1e-5
@@ -51,7 +53,7 @@ def resume(ws: int) -> list[dict]:
 def test_resume_is_exact_on_every_engine() -> None:
     checkpoint_root()
     recs = _state["save"]
-    assert len(recs) == 15
+    assert len(recs) == len(OPTIMIZERS) * len(ENGINES)
     for rec in recs:
         assert "error" not in rec, rec.get("error")
         print(f"{rec['optimizer']} {rec['engine']}: resumed vs uninterrupted {rec['max_abs_diff']:.3g}")
@@ -61,7 +63,7 @@ def test_resume_is_exact_on_every_engine() -> None:
 @pytest.mark.parametrize("ws", (1, 2, 3, 4))
 def test_reshard_across_world_sizes_and_engines(ws: int) -> None:
     recs = resume(ws)
-    assert len(recs) == 27
+    assert len(recs) == len(OPTIMIZERS) * len(RESHARD)
     for rec in recs:
         assert "error" not in rec, rec.get("error")
         print(f"{rec['optimizer']} {rec['source']} (ws 2) -> {rec['engine']} (ws {ws}): {rec['max_abs_diff']:.3g}")

@@ -10,8 +10,10 @@ from torch import nn
 from .racs import RACS
 from . import routing as _routing
 from .routing import route
+from .muon import Muon
 from .scale import SCALE
 from .sinkgd import SinkGD
+from .swan import SWAN
 
 __all__ = ["OPTIMIZERS", "create_optimizer", "validate_hyperparameters"]
 
@@ -71,6 +73,33 @@ class RACSConfig(_AdamFields):
     adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
 
 
+class MuonConfig(_AdamFields):
+    """torch.optim.Muon's defaults: lr 1e-3, momentum 0.95 (Nesterov), wd 0.1, 5 quintic NS steps."""
+
+    lr: float = pydantic.Field(1e-3, ge=0)
+    momentum: float = pydantic.Field(0.95, ge=0, lt=1)
+    nesterov: bool = True
+    weight_decay: float = pydantic.Field(0.1, ge=0)
+    ns_steps: int = pydantic.Field(5, ge=1, lt=100)
+    eps: float = pydantic.Field(1e-7, gt=0)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = None
+    ns_dtype: Literal["float32", "bfloat16", "float64"] = "float32"
+    adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
+
+
+class SWANConfig(_AdamFields):
+    """specs/sinkgd.md 1.4: SWAN-dagger lr 0.02 x 0.05, one normalize+whiten sweep, no centering."""
+
+    lr: float = pydantic.Field(0.02, ge=0)
+    lr_scale: float = pydantic.Field(0.05, ge=0)
+    iterations: int = pydantic.Field(1, ge=1)
+    center: bool = False
+    whitening: Literal["newton_schulz", "svd"] = "newton_schulz"
+    ns_steps: int = pydantic.Field(5, ge=1, lt=100)
+    weight_decay: float = pydantic.Field(0.0, ge=0)
+    adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
+
+
 def _scale_roles(cfg: SCALEConfig) -> dict[str, dict]:
     return {
         "matrix": {"treatment": "scale", "norm_dim": 1, "momentum": 0.0},
@@ -97,6 +126,8 @@ OPTIMIZERS: dict[str, tuple[type, type[pydantic.BaseModel], Callable[[Any], dict
     "scale": (SCALE, SCALEConfig, _scale_roles),
     "sinkgd": (SinkGD, SinkGDConfig, _matrix_only_roles("sinkgd")),
     "racs": (RACS, RACSConfig, _matrix_only_roles("racs")),
+    "muon": (Muon, MuonConfig, _matrix_only_roles("muon")),
+    "swan": (SWAN, SWANConfig, _matrix_only_roles("swan")),
 }
 
 

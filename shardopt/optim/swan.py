@@ -1,0 +1,95 @@
+"""SWAN as a multi-normalized gradient: row normalization, then whitening (arXiv:2502.06742 section 3.4,
+specs/sinkgd.md section 1.4 and section 7 item 4).
+
+For m <= n (else on the transpose, so lines are columns and k = m)::
+
+    repeat L:  X = sqrt(k) X / rownorm(X)          (optionally centered first: GradNorm's standardization)
+               X = sqrt(k) (X X^T)^{-1/2} X         (whitening = sqrt(k) * polar factor U V^T)
+    W = W - lr * lr_scale * X
+
+Sharded: the line norms are partial sums completed by one bucketed all-reduce; whitening runs on whole
+matrices gathered to owner ranks (Newton-Schulz in fp32 by default, or the exact SVD polar factor).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
+from ..sharding.linalg import MUON_COEFFICIENTS, newton_schulz, polar_factor
+from ..sharding.owner import newton_schulz_cost, run_on_owners
+from .base import ShardedOptimizer
+
+__all__ = ["SWAN"]
+
+
+def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int) -> None:
+    for b, view in layout.views(x):
+        if axis == 0:
+            view.sub_(means[b.row: b.row + b.height, None])
+        else:
+            view.sub_(means[None, b.col: b.col + b.width])
+
+
+class SWAN(ShardedOptimizer):
+    """SWAN (``treatment="swan"``; keys ``lr`` 0.02, ``lr_scale`` 0.05, ``iterations`` 1, ``center`` False,
+    ``whitening`` "newton_schulz" | "svd", ``ns_steps`` 5, ``weight_decay`` 0); others use AdamW at ``lr``."""
+
+    matrix_treatments = ("swan",)
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.02, lr_scale: float = 0.05, iterations: int = 1,
+                 center: bool = False, whitening: str = "newton_schulz", ns_steps: int = 5,
+                 weight_decay: float = 0.0, adam_lr: float | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None):
+        if whitening not in ("newton_schulz", "svd"):
+            raise ValueError(f"whitening must be 'newton_schulz' or 'svd', got {whitening!r}")
+        if int(iterations) < 1:
+            raise ValueError(f"iterations must be >= 1, got {iterations}")
+        defaults = dict(lr=lr, lr_scale=lr_scale, iterations=int(iterations), center=center, whitening=whitening,
+                        ns_steps=ns_steps, weight_decay=weight_decay)
+        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+
+    def _step_swan(self, group: dict) -> None:
+        items = self._matrix_items(group)
+        rnd = Round()
+        for it in items:
+            m, n = it.layout.shape
+            it.work["axis"] = 0 if m <= n else 1
+            it.work["k"] = max(m, n)
+            it.work["x"] = it.grad.clone()
+        for _ in range(group["iterations"]):
+            if group["center"]:
+                for it in items:
+                    sums = (row_sums if it.work["axis"] == 0 else col_sums)(it.layout, it.work["x"])
+                    rnd.add_axis(it.layout, sums, it.work["axis"])
+                    it.work["sums"] = sums
+                rnd.run()
+                for it in items:
+                    _subtract_line_means(it.layout, it.work["x"], it.work["sums"] / it.work["k"], it.work["axis"])
+            for it in items:
+                sq = it.work["x"] * it.work["x"]
+                it.work["norm2"] = (row_sums if it.work["axis"] == 0 else col_sums)(it.layout, sq)
+                rnd.add_axis(it.layout, it.work["norm2"], it.work["axis"])
+            rnd.run()
+            for it in items:
+                inv = masked_rsqrt(it.work["norm2"], math.sqrt(it.work["k"]))
+                scale_into(it.layout, it.work["x"], it.work["x"], inv if it.work["axis"] == 0 else None,
+                           inv if it.work["axis"] == 1 else None)
+            steps = group["ns_steps"]
+            exact = group["whitening"] == "svd"
+
+            def whiten(mats: list[torch.Tensor]) -> list[torch.Tensor]:
+                return [math.sqrt(max(x.shape)) * (polar_factor(x) if exact else
+                                                   newton_schulz(x, steps, MUON_COEFFICIENTS, 1e-7)) for x in mats]
+
+            outs = run_on_owners([it.layout for it in items], [it.frag.name for it in items],
+                                 [it.work["x"] for it in items], whiten, lambda s: newton_schulz_cost(s, steps))
+            for it, out in zip(items, outs):
+                it.work["x"] = out
+        lr = group["lr"] * group["lr_scale"]
+        for it in items:
+            it.apply(it.work["x"], lr, group["weight_decay"])
