@@ -163,7 +163,15 @@ def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], wher
 def build_param_groups(model: nn.Module, name: str, cfg: pydantic.BaseModel,
                        routing: Mapping[str, str] | None = None) -> list[dict]:
     cls, _, roles = OPTIMIZERS[name.lower()]
-    return route(model, roles(cfg), routing, optimizer_name=name)
+    groups = route(model, roles(cfg), routing, optimizer_name=name)
+    # AdamW groups carry every hyperparameter explicitly: wrappers that fill missing group keys from their own
+    # defaults (ZeroRedundancyOptimizer, fairscale OSS) would otherwise give them the matrix rule's values.
+    adam_lr = getattr(cfg, "adam_lr", None)
+    for g in groups:
+        if g["treatment"] == "adamw":
+            g.update(lr=adam_lr if adam_lr is not None else cfg.lr, betas=tuple(cfg.adam_betas), eps=cfg.adam_eps,
+                     weight_decay=cfg.adam_weight_decay, eps_mode=cls.adamw_defaults["eps_mode"])
+    return groups
 
 
 def optimizer_kwargs(cfg: pydantic.BaseModel) -> dict[str, Any]:
