@@ -1,0 +1,36 @@
+"""Owner plans for whole-matrix operations: balanced, and a pure function of static metadata."""
+from __future__ import annotations
+
+import random
+
+from shardopt.sharding import MatrixLayout
+from shardopt.sharding.owner import newton_schulz_cost, owner_plan
+
+GROUP = object()
+
+
+def layouts(shapes, world=4, rank=0):
+    return [MatrixLayout.row_chunks(s, world, rank, GROUP) for s in shapes]
+
+
+def test_lpt_balances_within_25_percent_of_the_mean():
+    rng = random.Random(0)
+    shapes = [(rng.choice([256, 512, 768, 1376, 2048]), rng.choice([256, 512, 768, 2048])) for _ in range(12)]
+    names = [f"m{i}" for i in range(len(shapes))]
+    owners = owner_plan(layouts(shapes), names, newton_schulz_cost)
+    load = [0.0] * 4
+    for s, o in zip(shapes, owners):
+        load[o] += newton_schulz_cost(s)
+    assert max(load) <= 1.25 * (sum(load) / 4), load
+
+
+def test_every_rank_derives_the_same_plan_from_the_same_metadata():
+    shapes = [(64, 32), (32, 64), (64, 32), (16, 16), (128, 8), (8, 128), (64, 64), (48, 24)]
+    names = [f"layer{i}.weight" for i in range(len(shapes))]
+    plans = [owner_plan(layouts(shapes, rank=r), names, newton_schulz_cost) for r in range(4)]
+    assert all(p == plans[0] for p in plans)  # the plan does not depend on which rank computes it
+    assert set(plans[0]) == {0, 1, 2, 3}
+
+
+def test_whole_matrices_are_computed_locally():
+    assert owner_plan([MatrixLayout.whole((4, 4))], ["w"], newton_schulz_cost) == [-1]
