@@ -170,15 +170,16 @@ def test_muon_matches_torch_optim_muon():
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-7)
 
 
+@pytest.mark.parametrize("whitening", ["svd", "newton_schulz"])
 @pytest.mark.parametrize("shape", [(5, 9), (9, 5)])
-def test_swan_exact_whitening_invariants(shape):
+def test_swan_exact_whitening_invariants(shape, whitening):
     """specs/sinkgd.md section 6 item 9: every singular value and line norm is sqrt(max(m, n)); L=5 == L=1."""
     m, n = shape
     k = max(m, n)
     outs = []
     for iterations in (1, 5):
         p = nn.Parameter(torch.zeros(m, n))
-        opt = shardopt.SWAN([p], lr=1.0, lr_scale=1.0, iterations=iterations, whitening="svd")
+        opt = shardopt.SWAN([p], lr=1.0, lr_scale=1.0, iterations=iterations, whitening=whitening)
         p.grad = grads(shape, 1, seed=4)[0].float()
         opt.step()
         outs.append(-p.detach().double())
@@ -188,3 +189,17 @@ def test_swan_exact_whitening_invariants(shape):
     lines = x.norm(dim=1) if m <= n else x.norm(dim=0)
     torch.testing.assert_close(lines, torch.full_like(lines, k ** 0.5), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+
+
+def test_load_state_dict_keeps_statistics_in_fp32():
+    """torch casts loaded floating state to the parameter dtype; a bf16 model must keep fp32 moments."""
+    model = Tiny().to(torch.bfloat16)
+    opt = shardopt.create_optimizer(model, "racs")
+    x = torch.randint(0, 11, (2, 3))
+    nn.functional.cross_entropy(model(x).flatten(0, 1).float(), x.flatten()).backward()
+    opt.step()
+    opt.load_state_dict(opt.state_dict())
+    for st in opt.state.values():
+        for k, v in st.items():
+            if isinstance(v, torch.Tensor) and v.is_floating_point():
+                assert v.dtype == torch.float32, k

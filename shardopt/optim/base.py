@@ -164,6 +164,21 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._fragments[id(tensor)] = list(fragments)
         self._attached[id(tensor)] = tensor
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``torch.optim`` loading, then statistics back to fp32: torch casts floating state to the parameter
+        dtype, which would leave a bf16 model's moments and scales in bf16 after a resume."""
+        super().load_state_dict(state_dict)
+
+        def to_fp32(d: dict) -> None:
+            for k, v in d.items():
+                if isinstance(v, dict):
+                    to_fp32(v)
+                elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32:
+                    d[k] = v.float()
+
+        for st in self.state.values():
+            to_fp32(st)
+
     def stepped_tensors(self) -> list[torch.Tensor]:
         """Every tensor this optimizer steps, in a rank-independent order (engine flat partitions when an
         engine attached them, since DeepSpeed ZeRO-3 empties ``param_groups`` between steps)."""
@@ -281,8 +296,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if named:
             norms = torch._foreach_norm([g for _, g in named], float("inf"))
             flag = (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float().reshape(1)
-        else:
-            flag = torch.zeros(1)
+        else:  # on the parameters' device: NCCL cannot reduce a CPU tensor
+            devices = [local_flat(p).device for g in self.param_groups for p in g["params"]]
+            flag = torch.zeros(1, device=devices[0] if devices else "cpu")
         world_group_allreduce_max(flag)
         if flag.item() == 0:
             return False

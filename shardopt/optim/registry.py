@@ -95,7 +95,7 @@ class SWANConfig(_AdamFields):
     iterations: int = pydantic.Field(1, ge=1)
     center: bool = False
     whitening: Literal["newton_schulz", "svd"] = "newton_schulz"
-    ns_steps: int = pydantic.Field(5, ge=1, lt=100)
+    ns_steps: int = pydantic.Field(12, ge=1, lt=100, description="coupled Newton-Schulz steps (converges)")
     weight_decay: float = pydantic.Field(0.0, ge=0)
     adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
 

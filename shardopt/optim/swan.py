@@ -8,7 +8,8 @@ For m <= n (else on the transpose, so lines are columns and k = m)::
     W = W - lr * lr_scale * X
 
 Sharded: the line norms are partial sums completed by one bucketed all-reduce; whitening runs on whole
-matrices gathered to owner ranks (Newton-Schulz in fp32 by default, or the exact SVD polar factor).
+matrices gathered to owner ranks: the coupled Newton-Schulz iteration on the small Gram matrix (converges to
+the polar factor; 12 steps by default, fp32), or the exact SVD polar factor.
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
-from ..sharding.linalg import MUON_COEFFICIENTS, newton_schulz, polar_factor
+from ..sharding.linalg import polar_factor, whiten_newton_schulz
 from ..sharding.owner import newton_schulz_cost, run_on_owners
 from .base import ShardedOptimizer
 
@@ -35,12 +36,12 @@ def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int
 
 class SWAN(ShardedOptimizer):
     """SWAN (``treatment="swan"``; keys ``lr`` 0.02, ``lr_scale`` 0.05, ``iterations`` 1, ``center`` False,
-    ``whitening`` "newton_schulz" | "svd", ``ns_steps`` 5, ``weight_decay`` 0); others use AdamW at ``lr``."""
+    ``whitening`` "newton_schulz" | "svd", ``ns_steps`` 12, ``weight_decay`` 0); others use AdamW at ``lr``."""
 
     matrix_treatments = ("swan",)
 
     def __init__(self, params: Iterable[Any], lr: float = 0.02, lr_scale: float = 0.05, iterations: int = 1,
-                 center: bool = False, whitening: str = "newton_schulz", ns_steps: int = 5,
+                 center: bool = False, whitening: str = "newton_schulz", ns_steps: int = 12,
                  weight_decay: float = 0.0, adam_lr: float | None = None,
                  adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
                  adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None):
@@ -83,8 +84,8 @@ class SWAN(ShardedOptimizer):
             exact = group["whitening"] == "svd"
 
             def whiten(mats: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [math.sqrt(max(x.shape)) * (polar_factor(x) if exact else
-                                                   newton_schulz(x, steps, MUON_COEFFICIENTS, 1e-7)) for x in mats]
+                return [math.sqrt(max(x.shape)) * (polar_factor(x) if exact else whiten_newton_schulz(x, steps))
+                        for x in mats]
 
             outs = run_on_owners([it.layout for it in items], [it.frag.name for it in items],
                                  [it.work["x"] for it in items], whiten, lambda s: newton_schulz_cost(s, steps))

@@ -251,22 +251,31 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
 
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, **kwargs):
-        tag = tag if tag is not None else _latest_tag(str(load_dir))
-        ours = ckpt.state_path(os.path.join(str(load_dir), str(tag))) if tag is not None else None
-        if ours is None or not os.path.isfile(ours):
+        def native():
             return ds_load(load_dir, tag=tag, load_module_strict=load_module_strict,
                            load_optimizer_states=load_optimizer_states,
                            load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
                            **kwargs)
-        meta = ckpt.read_metadata(ours)
-        extra = meta.get("extra") or {}
-        same_layout = (meta.get("engine") == "deepspeed" and meta.get("world_size") == dist.get_world_size()
-                       and extra.get("zero_stage") == engine.zero_optimization_stage())
-        if same_layout:
-            return ds_load(load_dir, tag=tag, load_module_strict=load_module_strict,
-                           load_optimizer_states=load_optimizer_states,
-                           load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                           **kwargs)
+
+        # Decide on rank 0 and share it: the two paths issue different collectives, so a rank that sees the
+        # files differently (node-local disk, a lagging shared filesystem) must not choose on its own.
+        decision = [None, None]
+        if dist.get_rank() == 0:
+            t = tag if tag is not None else _latest_tag(str(load_dir))
+            ours = ckpt.state_path(os.path.join(str(load_dir), str(t))) if t is not None else None
+            use_ours = False
+            if ours is not None and os.path.isfile(ours):
+                meta = ckpt.read_metadata(ours)
+                extra = meta.get("extra") or {}
+                use_ours = not (meta.get("engine") == "deepspeed" and meta.get("world_size") == dist.get_world_size()
+                                and extra.get("zero_stage") == engine.zero_optimization_stage())
+            decision = [t, use_ours]
+        dist.broadcast_object_list(decision, src=0)
+        tag, use_ours = decision
+        if not use_ours:
+            return native()
+        ours = ckpt.state_path(os.path.join(str(load_dir), str(tag)))
+        extra = ckpt.read_metadata(ours).get("extra") or {}
         tensors, meta = ckpt.read_state_file(ours)
         ckpt.load(ours, opt, load_params=True)
         _sync_bit16_params(engine, tensors, names)

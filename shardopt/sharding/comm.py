@@ -77,8 +77,11 @@ class Round:
             self._bucket(layout.group).append((vector, slice(None)))
 
     def add_sum(self, layout: MatrixLayout, scalar: torch.Tensor) -> None:
-        """Register a 0-d partial sum over this rank's elements (e.g. a squared Frobenius norm)."""
-        if layout.holders > 1:
+        """Register a 0-d partial sum over this rank's elements (e.g. a squared Frobenius norm).
+
+        Reduced whenever the matrix is sharded, even if one rank holds all of it: every rank of the group must
+        end with the same value (state such as RACS's limiter norm is checkpointed from any rank)."""
+        if layout.group is not None:
             self._bucket(layout.group).append((scalar, None))
 
     def run(self) -> None:

@@ -32,3 +32,23 @@ def polar_factor(g: torch.Tensor) -> torch.Tensor:
     u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
     keep = (s > s.max() * max(g.shape) * torch.finfo(torch.float64).eps).to(u.dtype) if s.numel() else s
     return ((u * keep) @ vh).float()
+
+
+def whiten_newton_schulz(x: torch.Tensor, steps: int = 12, eps: float = 1e-12) -> torch.Tensor:
+    """``(X X^T)^{-1/2} X`` (for m <= n; the transpose otherwise) by the coupled Newton-Schulz iteration on the
+    small Gram matrix (specs/racs_alice.md section 7, B.8): ``Y0 = A/|A|_F, Z0 = I``,
+    ``T = (3I - Z Y)/2, Y <- Y T, Z <- T Z``; then ``Z -> (A/|A|_F)^{-1/2}``. Unlike Muon's quintic it converges
+    to the polar factor (singular values -> 1), in fp32."""
+    x = x.float()
+    tall = x.size(0) > x.size(1)
+    if tall:
+        x = x.T
+    a = x @ x.T
+    c = a.norm().clamp(min=eps)
+    eye = torch.eye(a.size(0), dtype=a.dtype, device=a.device)
+    y, z = a / c, eye
+    for _ in range(steps):
+        t = 0.5 * (3.0 * eye - z @ y)
+        y, z = y @ t, t @ z
+    out = (z @ x) / c.sqrt()
+    return out.T if tall else out

@@ -47,7 +47,8 @@ def check_same_plan(opt: Any) -> None:
         return
     plan = step_plan(opt)
     digest = int.from_bytes(hashlib.sha256("\n".join(plan).encode()).digest()[:7], "little")
-    lo = torch.tensor([digest], dtype=torch.int64)
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    lo = torch.tensor([digest], dtype=torch.int64, device=device)
     hi = lo.clone()
     dist.all_reduce(lo, op=dist.ReduceOp.MIN)
     dist.all_reduce(hi, op=dist.ReduceOp.MAX)
