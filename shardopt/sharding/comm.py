@@ -10,11 +10,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import weakref
+
 import torch
 
 from .layout import MatrixLayout
 
-__all__ = ["Round", "CollectiveCounter", "collective_counter"]
+_device_copies: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
+
+
+def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A cached copy of a static plan tensor on ``device`` (one host-to-device copy per layout, not per round)."""
+    if t.device == device:
+        return t
+    copies = _device_copies.setdefault(t, {})
+    if device not in copies:
+        copies[device] = t.to(device)
+    return copies[device]
+
+__all__ = ["Round", "CollectiveCounter", "collective_counter", "on_device"]
 
 
 class CollectiveCounter:
@@ -93,7 +107,7 @@ class Round:
                 elif isinstance(index, slice):
                     parts.append(tensor.reshape(-1))
                 else:
-                    parts.append(tensor.index_select(0, index.to(tensor.device)))
+                    parts.append(tensor.index_select(0, on_device(index, tensor.device)))
             buf = torch.cat([p.to(torch.float32) for p in parts])
             _all_reduce(buf, group)
             start = 0
@@ -106,5 +120,5 @@ class Round:
                 elif isinstance(index, slice):
                     tensor.copy_(chunk.reshape(tensor.shape))
                 else:
-                    tensor.index_copy_(0, index.to(tensor.device), chunk)
+                    tensor.index_copy_(0, on_device(index, tensor.device), chunk)
         self._items.clear()

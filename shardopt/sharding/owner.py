@@ -40,7 +40,10 @@ def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: Cost
         world = layouts[idx[0]].world
         load = [0.0] * world
         for i in sorted(idx, key=lambda i: (-cost(layouts[i].shape), names[i])):
-            r = min(range(world), key=lambda r: (load[r], r))
+            lay = layouts[i]
+            holders = [r for r in range(world) if _piece_numel(lay, r) > 0]
+            # a matrix one rank already holds whole stays there (nothing to move); else least-loaded rank
+            r = holders[0] if len(holders) == 1 else min(range(world), key=lambda r: (load[r], r))
             owners[i] = r
             load[r] += cost(layouts[i].shape)
     return owners

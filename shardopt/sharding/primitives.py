@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .comm import Round
+from .comm import Round, on_device
 from .layout import MatrixLayout
 
 __all__ = [
@@ -55,7 +55,10 @@ def axis_sum(layout: MatrixLayout, values: torch.Tensor, axis: int, rnd: Round) 
     plan = layout.axis_plan(axis)
     if plan.replicated:
         return values.sum()
-    total = values[plan.owned.to(values.device) if isinstance(plan.owned, torch.Tensor) else plan.owned].sum()
+    if isinstance(plan.owned, torch.Tensor):  # masked sum: no data-dependent indexing, no host sync
+        total = torch.where(on_device(plan.owned, values.device), values, torch.zeros_like(values)).sum()
+    else:
+        total = values[plan.owned].sum()
     rnd.add_sum(layout, total)
     return total
 
