@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
 import shardopt.checkpoint as sckpt  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch, reference  # noqa: E402
@@ -202,10 +203,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     records: list = []
     (phase_save if args.phase == "save" else phase_resume)(args.dir, records)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.destroy_process_group()
+    finish_worker(records, args.out)
 
 
 if __name__ == "__main__":

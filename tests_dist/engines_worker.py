@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
+from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
 from shardopt.optim.registry import OPTIMIZERS as REGISTRY, build_param_groups, optimizer_kwargs, validate_hyperparameters  # noqa: E402
 from parity_worker import OPTIMIZERS, STEPS, local_batch, reference  # noqa: E402
@@ -202,10 +203,7 @@ def main() -> None:
         if dist.get_rank() == 0:
             print(json.dumps(rec), flush=True)
         dist.barrier()
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.destroy_process_group()
+    finish_worker(records, args.out)
 
 
 if __name__ == "__main__":

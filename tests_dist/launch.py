@@ -24,3 +24,15 @@ def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600) -> 
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
            "--master_addr=127.0.0.1", f"--master_port={free_port()}", str(ROOT / "tests_dist" / script), *args]
     return subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def finish_worker(records: list, out: str) -> None:
+    """End of every distributed worker: rank 0 writes the records as JSON, then the group is torn down."""
+    import json
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(records, f, indent=1)
+    dist.destroy_process_group()

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
@@ -139,10 +140,7 @@ def main() -> None:
         records.append(all_recs)
         if dist.get_rank() == 0:
             print(json.dumps(all_recs), flush=True)
-    if dist.get_rank() == 0:
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.destroy_process_group()
+    finish_worker(records, args.out)
 
 
 if __name__ == "__main__":

@@ -80,7 +80,9 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
     kinds: dict[str, str] = {}
     full: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
+    logical_shapes: dict[str, tuple] = {}
     for (name, shape2d, logical, pieces, rank), key, kind, data in all_records:
+        logical_shapes.setdefault(name, logical)
         ident = (name, key, rank)
         if ident in seen:
             continue  # replicas (DDP, HSDP) hold the same piece
@@ -100,8 +102,7 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
     for k, v in list(full.items()):
         name, key = k.split(SEP)
         if kinds[key] == "elements":
-            logical = next(r[0][2] for r in all_records if r[0][0] == name)
-            full[k] = v.reshape(logical).contiguous()
+            full[k] = v.reshape(logical_shapes[name]).contiguous()
     return full, kinds
 
 
