@@ -35,7 +35,27 @@ OPTIMIZERS = {
     # whole-matrix optimizers: Newton-Schulz on matrices gathered to owner ranks
     "muon": dict(lr=0.02, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
     "swan": dict(lr=0.05, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    "dasgo": dict(lr=0.01, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    # refresh intervals of 2 over 6 steps: ASGO reuses a stale root, SUMO refreshes 3 times, Alice switches 4
+    # times; the other suites (checkpoint, reliability, engines) run each with a different default strategy
+    "asgo": dict(lr=0.01, refresh_interval=2, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    "sumo": dict(lr=0.02, rank=2, refresh_interval=2, matrix_ops={"strategy": "gather"},
+                 routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    "alice": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "distributed"},
+                  routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    "alice0": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "gather"},
+                   routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
 }
+#: optimizers whose whole-matrix work runs under either strategy: the parity matrix runs both
+STRATEGIES = {name: ("gather", "distributed") for name in ("swan", "asgo", "sumo", "alice", "alice0")}
+
+
+def options(opt_name: str, strategy: str | None = None) -> dict:
+    """The test hyperparameters of ``opt_name``, with the whole-matrix strategy forced when given."""
+    kw = dict(OPTIMIZERS[opt_name])
+    if strategy is not None:
+        kw["matrix_ops"] = {"strategy": strategy}
+    return kw
 N_BLOCKS = 1  # the collective-count check reruns cases with more matrices
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "..", "configs", "deepspeed", "zero2_scale.json")
 LAYOUTS = ["ddp", "fsdp2_rows", "fsdp2_cols", "zero0", "zero1", "zero2", "zero2_rr", "zero3"]
@@ -62,16 +82,16 @@ def local_batch(step: int) -> torch.Tensor:
     return batch(step)[rank * per:(rank + 1) * per]
 
 
-def run_ddp(opt_name: str) -> tuple[dict, list, list]:
+def run_ddp(opt_name: str, strategy: str | None = None) -> tuple[dict, list, list]:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     model = make_model(n_blocks=N_BLOCKS)
     ddp = DDP(model)
-    opt = shardopt.create_optimizer(model, opt_name, **OPTIMIZERS[opt_name])
+    opt = shardopt.create_optimizer(model, opt_name, **options(opt_name, strategy))
     return _train(ddp, opt, lambda: {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def run_fsdp2(opt_name: str, cols: bool = False, bf16: bool = False) -> tuple[dict, list, list]:
+def run_fsdp2(opt_name: str, cols: bool = False, bf16: bool = False, strategy: str | None = None) -> tuple[dict, list, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
@@ -87,16 +107,17 @@ def run_fsdp2(opt_name: str, cols: bool = False, bf16: bool = False) -> tuple[di
     for blk in model.blocks:
         fully_shard(blk, **kw)
     fully_shard(model, **kw)
-    opt = shardopt.create_optimizer(model, opt_name, **OPTIMIZERS[opt_name])
+    opt = shardopt.create_optimizer(model, opt_name, **options(opt_name, strategy))
     return _train(model, opt, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
 
 
-def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = False) -> tuple[dict, list, list]:
+def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = False,
+             strategy: str | None = None) -> tuple[dict, list, list]:
     from deepspeed import zero
 
     ws = dist.get_world_size()
     model = make_model(n_blocks=N_BLOCKS)
-    kw = dict(OPTIMIZERS[opt_name])
+    kw = options(opt_name, strategy)
     config = {
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // ws,
@@ -127,6 +148,8 @@ def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = 
 
 
 def _train(model, opt, full_params, deepspeed_engine=None) -> tuple[dict, list, list]:
+    global LAST_OPTIMIZER
+    LAST_OPTIMIZER = opt
     losses, calls = [], []
     for s in range(STEPS):
         x = local_batch(s)
@@ -164,19 +187,29 @@ def run_config_file() -> dict:
             "zero_stage": engine.zero_optimization_stage(), "losses": losses}
 
 
-def run_case(opt_name: str, layout: str):
+LAST_OPTIMIZER = None
+
+
+def _inner(opt):
+    """The shardopt optimizer inside an engine's wrapper (DeepSpeed ZeRO keeps it as ``.optimizer``)."""
+    while not hasattr(opt, "comm_stats") and hasattr(opt, "optimizer"):
+        opt = opt.optimizer
+    return opt
+
+
+def run_case(opt_name: str, layout: str, strategy: str | None = None):
     if layout == "ddp":
-        return run_ddp(opt_name)
+        return run_ddp(opt_name, strategy)
     if layout == "fsdp2_rows":
-        return run_fsdp2(opt_name)
+        return run_fsdp2(opt_name, strategy=strategy)
     if layout == "fsdp2_cols":
-        return run_fsdp2(opt_name, cols=True)
+        return run_fsdp2(opt_name, cols=True, strategy=strategy)
     if layout == "fsdp2_bf16":
-        return run_fsdp2(opt_name, bf16=True)
+        return run_fsdp2(opt_name, bf16=True, strategy=strategy)
     if layout == "zero2_bf16":
-        return run_zero(opt_name, 2, bf16=True)
+        return run_zero(opt_name, 2, bf16=True, strategy=strategy)
     stage = int(layout[4])
-    return run_zero(opt_name, stage, round_robin=layout.endswith("_rr"))
+    return run_zero(opt_name, stage, round_robin=layout.endswith("_rr"), strategy=strategy)
 
 
 def main() -> None:
@@ -194,14 +227,18 @@ def main() -> None:
     records = []
     for opt_name in args.optimizers.split(","):
         ref, ref_losses = reference(opt_name)
-        for layout in args.layouts.split(","):
+        cases = [(layout, s) for layout in args.layouts.split(",") for s in STRATEGIES.get(opt_name, (None,))
+                 if s != "gather" or layout not in BF16_LAYOUTS]  # bf16 runs once (distributed) per optimizer
+        for layout, strategy in cases:
             t0 = time.time()
-            rec = {"optimizer": opt_name, "layout": layout, "world_size": ws}
+            rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "strategy": strategy}
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
-                    params, losses, calls = run_case(opt_name, layout)
+                    params, losses, calls = run_case(opt_name, layout, strategy)
                 diff = max((params[n].float() - ref[n]).abs().max().item() for n in ref)
-                rec.update(max_abs_diff=diff, losses=losses, ref_losses=ref_losses, collective_calls=calls)
+                rec.update(max_abs_diff=diff, losses=losses, ref_losses=ref_losses, collective_calls=calls,
+                           comm_stats=_inner(LAST_OPTIMIZER).comm_stats(),
+                           matrix_numel={n: p.numel() for n, p in ref.items() if p.dim() == 2})
             except Exception:  # record and go on: the other ranks raise the same way
                 rec["error"] = traceback.format_exc()
             rec["seconds"] = round(time.time() - t0, 2)
@@ -213,10 +250,12 @@ def main() -> None:
         for layout in ("fsdp2_rows", "fsdp2_cols", "zero2"):
             for nb in (int(b) for b in args.count_blocks.split(",") if b):
                 N_BLOCKS = nb
-                rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "n_blocks": nb, "kind": "count"}
+                strategy = STRATEGIES.get(opt_name, (None,))[-1]
+                rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "n_blocks": nb, "kind": "count",
+                       "strategy": strategy}
                 try:
                     with contextlib.redirect_stdout(io.StringIO()):
-                        _, _, calls = run_case(opt_name, layout)
+                        _, _, calls = run_case(opt_name, layout, strategy)
                     rec["collective_calls"] = calls
                 except Exception:
                     rec["error"] = traceback.format_exc()

@@ -68,6 +68,7 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
 
     Collective when ``torch.distributed`` is initialized: every rank must call it.
     """
+    opt.sync_state()
     records = _local_records(opt, include_params)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
@@ -150,7 +151,7 @@ def import_state(opt: ShardedOptimizer, full: dict[str, torch.Tensor], kinds: di
                     param_writes.append((frag.local(st[key]), _piece(value, frag)))
                 elif kind == "tensor":
                     st[key] = value.clone()
-                elif kind in ("rows", "cols", "scalar"):
+                elif kind in ("rows", "cols", "scalar", "matrix"):
                     target = st.setdefault("matrices", {}).setdefault(frag.name, {}) if opt.is_flat(p) else st
                     target[key] = value.clone().to(frag.local(p).device)
                 else:

@@ -16,7 +16,8 @@ import torch
 
 from ..sharding.fragment import Fragment, local_flat
 from ..sharding.layout import MatrixLayout
-from ..sharding.comm import world_group_allreduce_max
+from ..sharding.comm import Round, collective_counter, world_group_allreduce_max
+from ..sharding.matrix_ops import STRATEGIES, MatrixOps, OpCost
 from ..sharding.plan import check_same_plan
 from .adamw import adamw_step
 
@@ -93,12 +94,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     matrix_treatments: tuple[str, ...] = ()
     #: How each state entry relates to its parameter, for checkpoints that reshard (shardopt.checkpoint):
     #: "elements" follows the parameter's elements, "rows"/"cols" is one value per row/column of the
-    #: matrix view, "tensor" is one value per stepped tensor (step counters), "scalar" one per matrix.
+    #: matrix view, "tensor" is one value per stepped tensor (step counters), "scalar" one per matrix,
+    #: "matrix" a small per-matrix tensor (k x k factor, low-rank basis) with one logical value; under the
+    #: gather strategy only the owner rank keeps it current and ``sync_state`` replicates it.
     state_kinds: dict[str, str] = {"exp_avg": "elements", "exp_avg_sq": "elements", "step": "tensor"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None,
-                 on_nonfinite: str = "skip", debug_plan: bool | None = None, **adam):
+                 on_nonfinite: str = "skip", debug_plan: bool | None = None, matrix_ops: dict | None = None,
+                 **adam):
         if on_nonfinite not in ("skip", "raise", "ignore"):
             raise ValueError(f"on_nonfinite must be 'skip', 'raise' or 'ignore', got {on_nonfinite!r}")
         groups, names = _normalize_groups(params)
@@ -119,6 +123,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         #: check every step that all ranks hold the same step plan (also with SHARDOPT_DEBUG_PLAN=1)
         self.debug_plan = bool(int(os.environ.get("SHARDOPT_DEBUG_PLAN", "0"))) if debug_plan is None else debug_plan
+        #: whole-matrix strategy: "auto" | "gather" | "distributed" (shardopt.sharding.matrix_ops)
+        self.matrix_strategy = str((matrix_ops or {}).get("strategy", "auto"))
+        if self.matrix_strategy not in STRATEGIES:
+            raise ValueError(f"matrix_ops.strategy must be one of {STRATEGIES}, got {self.matrix_strategy!r}")
+        self._comm_stats: dict[str, dict[str, float]] = {}
+        self._ops_cache: dict[tuple, MatrixOps] = {}
+        #: group rank that keeps each matrix's "matrix"-kind state current (gather strategy); see sync_state
+        self._matrix_owner: dict[str, tuple[int, MatrixLayout]] = {}
 
     # ------------------------------------------------------------------ groups
     def _resolve_treatment(self, group: dict, names: dict[int, str]) -> None:
@@ -197,8 +209,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the owner-counted values makes them truly identical on all ranks, so DCP (which takes plain tensors
         as replicated) and any later world size see the whole vector. Call it on every rank together.
         """
-        from ..sharding.comm import Round
-
+        self.sync_state()
         sd = super().state_dict()
         rnd = Round()
         packed = sd["state"]
@@ -279,13 +290,59 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.debug_plan:
-            check_same_plan(self)
-        if self.on_nonfinite != "ignore" and self._nonfinite_grads():
-            return loss
-        for group in self.param_groups:
-            getattr(self, f"_step_{group['treatment']}")(group)
+        with collective_counter.capture(self._comm_stats):
+            if self.debug_plan:
+                check_same_plan(self)
+            if self.on_nonfinite != "ignore" and self._nonfinite_grads():
+                return loss
+            for group in self.param_groups:
+                getattr(self, f"_step_{group['treatment']}")(group)
         return loss
+
+    def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        """This rank's collectives since the last reset, by kind: ``{"stats" | "gather" | "distributed":
+        {"calls", "bytes", "flops"}}`` (bytes sent; FLOPs estimated for whole-matrix work)."""
+        out = {k: dict(v) for k, v in self._comm_stats.items()}
+        if reset:
+            self._comm_stats.clear()
+        return out
+
+    # ------------------------------------------------------------------ whole-matrix work
+    def _matrix_ops(self, items: list["MatrixItem"], transposes: list[bool],
+                    cost: Callable[[tuple[int, int]], OpCost]) -> MatrixOps:
+        """The (cached, static) whole-matrix plan of these matrices under the configured strategy."""
+        key = (self.matrix_strategy, tuple(id(it.layout) for it in items), tuple(transposes))
+        ops = self._ops_cache.get(key)
+        if ops is None:
+            ops = MatrixOps([it.layout for it in items], [it.frag.name for it in items], transposes,
+                            self.matrix_strategy, cost)
+            self._ops_cache[key] = ops
+            for it, kind, owner in zip(items, ops.kinds, ops.owners):
+                if kind == "gather":
+                    self._matrix_owner[it.frag.name] = (owner, it.layout)
+                else:
+                    self._matrix_owner.pop(it.frag.name, None)
+        return ops
+
+    def sync_state(self) -> None:
+        """Make every "matrix"-kind entry identical on all ranks: the owner's value wins (one bucketed
+        all-reduce). Collective; ``state_dict`` and checkpoint export call it."""
+        rnd = Round()
+        for p in self.stepped_tensors():
+            for frag in self.fragments(p):
+                owner = self._matrix_owner.get(frag.name)
+                if owner is None:
+                    continue
+                rank, layout = owner
+                target = self.state.get(p, {})
+                if "matrices" in target:
+                    target = target["matrices"].get(frag.name, {})
+                for key in sorted(target):
+                    if self.state_kinds.get(key) == "matrix":
+                        if layout.rank != rank:
+                            target[key].zero_()
+                        rnd.add_full(layout, target[key])
+        rnd.run()
 
     def _nonfinite_grads(self) -> bool:
         """Whether any rank has a non-finite gradient in this step (one 1-element all-reduce when distributed).

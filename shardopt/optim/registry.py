@@ -7,7 +7,10 @@ import pydantic
 import torch
 from torch import nn
 
+from .alice import Alice, Alice0
+from .asgo import ASGO, DASGO
 from .racs import RACS
+from .sumo import SUMO
 from . import routing as _routing
 from .routing import route
 from .muon import Muon
@@ -37,6 +40,18 @@ class _AdamFields(_Strict):
             if not 0.0 <= b < 1.0:
                 raise ValueError(f"adam_betas[{i}] = {b} is outside [0, 1)")
         return v
+
+
+class MatrixOpsConfig(_Strict):
+    """How whole-matrix operations run on sharded matrices (shardopt.sharding.matrix_ops)."""
+
+    strategy: Literal["auto", "gather", "distributed"] = pydantic.Field(
+        "auto", description="gather to owner ranks, compute from row blocks with reduced small matrices, or "
+                            "pick per matrix by the cost model")
+
+
+class _WholeMatrixFields(_AdamFields):
+    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=MatrixOpsConfig)
 
 
 class SCALEConfig(_AdamFields):
@@ -87,7 +102,7 @@ class MuonConfig(_AdamFields):
     adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
 
 
-class SWANConfig(_AdamFields):
+class SWANConfig(_WholeMatrixFields):
     """specs/sinkgd.md 1.4: SWAN-dagger lr 0.02 x 0.05, one normalize+whiten sweep, no centering."""
 
     lr: float = pydantic.Field(0.02, ge=0)
@@ -98,6 +113,117 @@ class SWANConfig(_AdamFields):
     ns_steps: int = pydantic.Field(12, ge=1, lt=100, description="coupled Newton-Schulz steps (converges)")
     weight_decay: float = pydantic.Field(0.0, ge=0)
     adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
+
+
+ASGO_PRESETS: dict[str, dict[str, Any]] = {
+    # specs/asgo.md 1.6 and 6.1: the GPT-2 run's text: direct SVD/eigh, eps = 0 (pseudo-inverse), tau = 1
+    "paper_gpt2": dict(lr=0.1, betas=(0.9, 0.95), eps=0.0, refresh_interval=1, root="eigh"),
+    # the authors' released code: beta2 0.8, wd 0.1, coupled Newton-Schulz root, RMS-0.2 graft, tau = 1
+    "released_code": dict(lr=0.01, betas=(0.9, 0.8), eps=1e-10, refresh_interval=1, root="newton_schulz",
+                          ns_steps=10, update_rms=0.2, weight_decay=0.1),
+}
+
+
+class ASGOConfig(_WholeMatrixFields):
+    """specs/asgo.md Alg. 2: betas (0.9, 0.95) and eps 1e-6 (Table 4), tau 1, eigh root, smaller side."""
+
+    preset: Literal["paper_gpt2", "released_code"] | None = pydantic.Field(
+        None, description="defaults of the paper's GPT-2 run or of the released code; explicit keys win")
+    lr: float = pydantic.Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = pydantic.Field(1e-6, ge=0, description="damping inside the root: (V + eps I)^-1/2")
+    refresh_interval: int = pydantic.Field(1, ge=1, description="tau: steps between root recomputations")
+    side: Literal["auto", "left", "right"] = "auto"
+    root: Literal["eigh", "newton_schulz"] = "eigh"
+    ns_steps: int = pydantic.Field(50, ge=1, le=200)
+    statistic: Literal["gradient", "momentum"] = "gradient"
+    update_rms: float | None = pydantic.Field(None, gt=0)
+    weight_decay: float = pydantic.Field(0.0, ge=0)
+    adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in ASGO_PRESETS:
+            data = {**ASGO_PRESETS[data["preset"]], **data}
+        return data
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> "ASGOConfig":
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}] = {b} is outside [0, 1)")
+        if self.eps == 0 and self.refresh_interval > 1:
+            raise ValueError("eps = 0 needs refresh_interval = 1 (a stale pseudo-inverse root amplifies new "
+                             "directions); set eps > 0")
+        return self
+
+
+class DASGOConfig(_AdamFields):
+    """specs/asgo.md Alg. 3: Table 4's betas (0.9, 0.99), eps 1e-6."""
+
+    lr: float = pydantic.Field(0.01, ge=0)
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = pydantic.Field(1e-6, gt=0)
+    weight_decay: float = pydantic.Field(0.0, ge=0)
+    adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
+
+
+class SUMOConfig(_WholeMatrixFields):
+    """specs/sumo.md 1.3 defaults: GaLore's C4 recipe (lr 0.01, alpha 0.25, K 200), mu 0.9, gamma 1.1."""
+
+    lr: float = pydantic.Field(0.01, ge=0)
+    rank: int = pydantic.Field(128, ge=1)
+    alpha: float = pydantic.Field(0.25, ge=0)
+    momentum: float = pydantic.Field(0.9, ge=0, lt=1)
+    refresh_interval: int = pydantic.Field(200, ge=1)
+    gamma: float | None = pydantic.Field(1.1, ge=1, description="norm-growth limiter; null disables it")
+    step_scale: Literal["none", "sqrt_max", "moonlight", "muon"] = "sqrt_max"
+    side: Literal["auto", "left", "right"] = "auto"
+    oversample: int = pydantic.Field(10, ge=0)
+    power_iters: int = pydantic.Field(2, ge=0, le=20)
+    seed: int = 0
+    weight_decay: float = pydantic.Field(0.0, ge=0)
+    adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
+
+
+class AliceConfig(_WholeMatrixFields):
+    """specs/racs_alice.md Table 7-11 (60M-350M): lr 0.02, alpha 0.3, alpha_c 0.4, betas (0.9, 0.9, 0.999),
+    K 200, r 128, l 40, gamma 1.01."""
+
+    lr: float = pydantic.Field(0.02, ge=0)
+    alpha: float = pydantic.Field(0.3, ge=0)
+    alpha_c: float = pydantic.Field(0.4, ge=0)
+    betas: tuple[float, float, float] = (0.9, 0.9, 0.999)
+    rank: int = pydantic.Field(128, ge=1)
+    leading: int = pydantic.Field(40, ge=0)
+    refresh_interval: int = pydantic.Field(200, ge=1)
+    gamma: float = pydantic.Field(1.01, ge=1)
+    eps: float = pydantic.Field(1e-8, ge=0)
+    reproject: bool = pydantic.Field(True, description="rotate the tracking state into the new basis at a switch")
+    seed: int = 0
+    oversample: int = pydantic.Field(10, ge=0)
+    power_iters: int = pydantic.Field(2, ge=0, le=20)
+    weight_decay: float = pydantic.Field(0.0, ge=0)
+    adam_lr: float | None = pydantic.Field(None, ge=0, description="default: lr")
+
+    @pydantic.model_validator(mode="after")
+    def _check(self) -> "AliceConfig":
+        for i, b in enumerate(self.betas):
+            if not 0.0 <= b < 1.0:
+                raise ValueError(f"betas[{i}] = {b} is outside [0, 1)")
+        if self.leading > self.rank:
+            raise ValueError(f"leading = {self.leading} must be <= rank = {self.rank}")
+        return self
+
+
+def _alice_roles(treatment: str) -> Callable[[Any], dict[str, dict]]:
+    """Alice's main results train the LM head with the low-rank method; embeddings and vectors use Adam."""
+    def table(cfg: Any) -> dict[str, dict]:
+        return {"matrix": {"treatment": treatment}, "lm_head": {"treatment": treatment},
+                "embedding": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+
+    return table
 
 
 def _scale_roles(cfg: SCALEConfig) -> dict[str, dict]:
@@ -128,6 +254,12 @@ OPTIMIZERS: dict[str, tuple[type, type[pydantic.BaseModel], Callable[[Any], dict
     "racs": (RACS, RACSConfig, _matrix_only_roles("racs")),
     "muon": (Muon, MuonConfig, _matrix_only_roles("muon")),
     "swan": (SWAN, SWANConfig, _matrix_only_roles("swan")),
+    # released ASGO code: embeddings, LM head and vectors on Adam; hidden matrices on ASGO / DASGO
+    "asgo": (ASGO, ASGOConfig, _matrix_only_roles("asgo")),
+    "dasgo": (DASGO, DASGOConfig, _matrix_only_roles("dasgo")),
+    "sumo": (SUMO, SUMOConfig, _matrix_only_roles("sumo")),
+    "alice": (Alice, AliceConfig, _alice_roles("alice")),
+    "alice0": (Alice0, AliceConfig, _alice_roles("alice0")),
 }
 
 
@@ -177,12 +309,13 @@ def build_param_groups(model: nn.Module, name: str, cfg: pydantic.BaseModel,
 def optimizer_kwargs(cfg: pydantic.BaseModel) -> dict[str, Any]:
     kw = cfg.model_dump()
     kw.pop("embedding_momentum", None)
+    kw.pop("preset", None)
     return kw
 
 
 def create_optimizer(model: nn.Module, name: str, routing: Mapping[str, str] | None = None,
                      **hyperparameters: Any) -> torch.optim.Optimizer:
-    """Build shardopt optimizer ``name`` ("scale" | "sinkgd" | "racs") for ``model``.
+    """Build shardopt optimizer ``name`` (a key of ``OPTIMIZERS``) for ``model``.
 
     Call it after ``fully_shard`` (FSDP2) or on the plain/DDP model; parameters are routed by role
     (see ``shardopt.optim.routing``); ``routing`` maps name patterns to roles or ``"adamw"``.

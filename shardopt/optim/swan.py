@@ -7,9 +7,10 @@ For m <= n (else on the transpose, so lines are columns and k = m)::
                X = sqrt(k) (X X^T)^{-1/2} X         (whitening = sqrt(k) * polar factor U V^T)
     W = W - lr * lr_scale * X
 
-Sharded: the line norms are partial sums completed by one bucketed all-reduce; whitening runs on whole
-matrices gathered to owner ranks: the coupled Newton-Schulz iteration on the small Gram matrix (converges to
-the polar factor; 12 steps by default, fp32), or the exact SVD polar factor.
+Sharded: the line norms are partial sums completed by one bucketed all-reduce; whitening needs only the
+small Gram matrix of each matrix (``MatrixOps``: reduced from row blocks, or computed by an owner rank), then
+the coupled Newton-Schulz iteration on it (converges to the polar factor; 12 steps by default, fp32), or an
+exact float64 eigendecomposition (``whitening="svd"``).
 """
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
-from ..sharding.linalg import polar_factor, whiten_newton_schulz
-from ..sharding.owner import newton_schulz_cost, run_on_owners
+from ..sharding.linalg import gram_inverse_sqrt
+from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 
 __all__ = ["SWAN"]
@@ -44,7 +45,8 @@ class SWAN(ShardedOptimizer):
                  center: bool = False, whitening: str = "newton_schulz", ns_steps: int = 12,
                  weight_decay: float = 0.0, adam_lr: float | None = None,
                  adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None):
+                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
+                 matrix_ops: dict | None = None):
         if whitening not in ("newton_schulz", "svd"):
             raise ValueError(f"whitening must be 'newton_schulz' or 'svd', got {whitening!r}")
         if int(iterations) < 1:
@@ -52,7 +54,8 @@ class SWAN(ShardedOptimizer):
         defaults = dict(lr=lr, lr_scale=lr_scale, iterations=int(iterations), center=center, whitening=whitening,
                         ns_steps=ns_steps, weight_decay=weight_decay)
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
+                         matrix_ops=matrix_ops)
 
     def _step_swan(self, group: dict) -> None:
         items = self._matrix_items(group)
@@ -80,17 +83,28 @@ class SWAN(ShardedOptimizer):
                 inv = masked_rsqrt(it.work["norm2"], math.sqrt(it.work["k"]))
                 scale_into(it.layout, it.work["x"], it.work["x"], inv if it.work["axis"] == 0 else None,
                            inv if it.work["axis"] == 1 else None)
-            steps = group["ns_steps"]
-            exact = group["whitening"] == "svd"
-
-            def whiten(mats: list[torch.Tensor]) -> list[torch.Tensor]:
-                return [math.sqrt(max(x.shape)) * (polar_factor(x) if exact else whiten_newton_schulz(x, steps))
-                        for x in mats]
-
-            outs = run_on_owners([it.layout for it in items], [it.frag.name for it in items],
-                                 [it.work["x"] for it in items], whiten, lambda s: newton_schulz_cost(s, steps))
-            for it, out in zip(items, outs):
-                it.work["x"] = out
+            self._whiten(items, group)
         lr = group["lr"] * group["lr_scale"]
         for it in items:
             it.apply(it.work["x"], lr, group["weight_decay"])
+
+    def _whiten(self, items: list, group: dict) -> None:
+        """``x <- sqrt(k) x (x^T x)^{-1/2}`` on the orientation whose Gram is small: a sum over the long
+        dimension's rows, reduced over row blocks (distributed) or computed by an owner (gather)."""
+
+        def cost(a_shape: tuple[int, int]) -> OpCost:
+            rows, k = a_shape
+            return OpCost(row_flops=4.0 * rows * k * k, small_flops=4.0 * group["ns_steps"] * k ** 3, reduced=k * k)
+
+        transposes = [m <= n for m, n in (it.layout.shape for it in items)]
+        ops = self._matrix_ops(items, transposes, cost)
+        blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
+        active = [i for i in range(len(items)) if ops.active(i)]
+        grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in active})
+        out = {}
+        for i in active:
+            root = gram_inverse_sqrt(grams[i], group["whitening"], group["ns_steps"])
+            out[i] = (blocks[i] @ root) * math.sqrt(max(items[i].layout.shape))
+        for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
+            it.work["x"] = piece
+        ops.account()

@@ -8,7 +8,8 @@ collectives in the same order, including ranks whose shard is empty.
 """
 from __future__ import annotations
 
-from typing import Any
+from contextlib import contextmanager
+from typing import Any, Iterator
 
 import weakref
 
@@ -32,19 +33,49 @@ __all__ = ["Round", "CollectiveCounter", "collective_counter", "on_device"]
 
 
 class CollectiveCounter:
-    """Counts collective calls and bytes issued by shardopt (for tests and benchmarks)."""
+    """Counts collective calls and bytes sent by shardopt (tests, benchmarks, ``optimizer.comm_stats()``).
+
+    Every record carries a tag: ``"stats"`` (bucketed row/column/scalar reductions), ``"gather"`` (pieces to
+    owner ranks and results back) or ``"distributed"`` (boundary-row exchanges and reduced small matrices).
+    ``capture(d)`` also adds each record into ``d`` (an optimizer's own counters) while active.
+    """
 
     def __init__(self) -> None:
         self.calls = 0
         self.bytes = 0
+        self.by_tag: dict[str, dict[str, float]] = {}
+        self._sinks: list[dict[str, dict[str, float]]] = []
 
     def reset(self) -> None:
         self.calls = 0
         self.bytes = 0
+        self.by_tag = {}
 
-    def record(self, tensor: torch.Tensor) -> None:
+    def _add(self, tag: str, key: str, value: float) -> None:
+        for d in [self.by_tag, *self._sinks]:
+            entry = d.setdefault(tag, {"calls": 0, "bytes": 0, "flops": 0.0})
+            entry[key] += value
+
+    def record(self, tensor: torch.Tensor, tag: str = "stats", bytes_by_tag: dict[str, int] | None = None) -> None:
+        """One collective sending ``tensor`` (bytes split over tags by ``bytes_by_tag`` when it mixes them)."""
+        nbytes = tensor.numel() * tensor.element_size()
         self.calls += 1
-        self.bytes += tensor.numel() * tensor.element_size()
+        self.bytes += nbytes
+        self._add(tag, "calls", 1)
+        for t, b in (bytes_by_tag or {tag: nbytes}).items():
+            self._add(t, "bytes", b)
+
+    def add_flops(self, tag: str, flops: float) -> None:
+        """Estimated floating-point work done on this rank for ``tag`` (benchmarks, load-balance checks)."""
+        self._add(tag, "flops", flops)
+
+    @contextmanager
+    def capture(self, sink: dict[str, dict[str, float]]) -> Iterator[None]:
+        self._sinks.append(sink)
+        try:
+            yield
+        finally:
+            self._sinks.remove(sink)
 
 
 collective_counter = CollectiveCounter()

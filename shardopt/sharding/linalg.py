@@ -1,9 +1,9 @@
-"""Whole-matrix kernels used on owner ranks: quintic Newton-Schulz and the exact polar factor."""
+"""Matrix kernels: quintic Newton-Schulz, exact polar factor, inverse roots of small Gram matrices, seeded draws."""
 from __future__ import annotations
 
 import torch
 
-__all__ = ["newton_schulz", "polar_factor", "MUON_COEFFICIENTS"]
+__all__ = ["newton_schulz", "polar_factor", "inverse_root", "gram_inverse_sqrt", "seeded_normal", "seeded_permutation", "MUON_COEFFICIENTS"]
 
 #: quintic coefficients of Muon (KellerJordan/Muon; torch.optim.Muon defaults)
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -27,28 +27,79 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENT
     return x.float()
 
 
-def polar_factor(g: torch.Tensor) -> torch.Tensor:
-    """Exact ``U V^T`` from the reduced SVD in float64 (zero singular directions map to zero)."""
+def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
+    """Exact ``U V^T`` from the reduced SVD in float64. Singular directions below ``rtol * sigma_1`` (default
+    ``max(m, n) * eps(float64)``) map to zero, so a rank-deficient or zero input gives a partial isometry,
+    never arbitrary null-space vectors (which could also differ between ranks)."""
     u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
-    keep = (s > s.max() * max(g.shape) * torch.finfo(torch.float64).eps).to(u.dtype) if s.numel() else s
+    tol = max(g.shape) * torch.finfo(torch.float64).eps if rtol is None else rtol
+    keep = (s > s.max() * tol).to(u.dtype) if s.numel() else s
     return ((u * keep) @ vh).float()
 
 
-def whiten_newton_schulz(x: torch.Tensor, steps: int = 12, eps: float = 1e-12) -> torch.Tensor:
-    """``(X X^T)^{-1/2} X`` (for m <= n; the transpose otherwise) by the coupled Newton-Schulz iteration on the
-    small Gram matrix (specs/racs_alice.md section 7, B.8): ``Y0 = A/|A|_F, Z0 = I``,
-    ``T = (3I - Z Y)/2, Y <- Y T, Z <- T Z``; then ``Z -> (A/|A|_F)^{-1/2}``. Unlike Muon's quintic it converges
-    to the polar factor (singular values -> 1), in fp32."""
-    x = x.float()
-    tall = x.size(0) > x.size(1)
-    if tall:
-        x = x.T
-    a = x @ x.T
+def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: int = 12,
+                      eps: float = 1e-12) -> torch.Tensor:
+    """``(A^T A)^{-1/2}`` from the Gram matrix alone, so that ``A @ result`` whitens ``A`` (its polar factor).
+
+    ``newton_schulz``: the coupled iteration of specs/racs_alice.md section 7 (B.8), ``Y0 = S/|S|_F, Z0 = I``,
+    ``T = (3I - Z Y)/2, Y <- Y T, Z <- T Z``, in fp32; unlike Muon's quintic it converges (singular values of
+    the result -> 1). ``svd``: exact, a float64 eigendecomposition with a pseudo-inverse cutoff (the polar
+    factor ``U V^T``; zero singular directions map to zero). Only a ``k x k`` matrix is needed, so sharded
+    matrices need just their reduced Gram (shardopt.sharding.matrix_ops).
+    """
+    if method == "svd":
+        return inverse_root(gram, 0.0)
+    a = gram.float()
     c = a.norm().clamp(min=eps)
     eye = torch.eye(a.size(0), dtype=a.dtype, device=a.device)
     y, z = a / c, eye
     for _ in range(steps):
         t = 0.5 * (3.0 * eye - z @ y)
         y, z = y @ t, t @ z
-    out = (z @ x) / c.sqrt()
-    return out.T if tall else out
+    return z / c.sqrt()
+
+
+def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: int = 50) -> torch.Tensor:
+    """``(V + eps I)^{-1/2}`` of a symmetric PSD ``k x k`` matrix, returned in fp32.
+
+    ``eigh`` (default, exact): float64 eigendecomposition of the symmetrized matrix, eigenvalues clamped at 0;
+    with ``eps == 0`` a pseudo-inverse root that ignores eigenvalues below ``k * 1.2e-7 * lambda_max``
+    (specs/asgo.md section 6 item 1). ``newton_schulz``: the coupled iteration of specs/asgo.md 1.6
+    (``Y0 = A/s, Z0 = I``, ``T = (3I - ZY)/2``), in fp32, for comparison with the paper's damping study.
+    """
+    k = v.shape[0]
+    a = 0.5 * (v.double() + v.double().T) + eps * torch.eye(k, dtype=torch.float64, device=v.device)
+    if method == "newton_schulz":
+        a32 = a.float()
+        s = a32.norm().clamp(min=1e-30)
+        eye = torch.eye(k, dtype=torch.float32, device=v.device)
+        y, z = a32 / s, eye
+        for _ in range(ns_steps):
+            t = 0.5 * (3.0 * eye - z @ y)
+            y, z = y @ t, t @ z
+        return z / s.sqrt()
+    if method != "eigh":
+        raise ValueError(f"root method must be 'eigh' or 'newton_schulz', got {method!r}")
+    lam, vec = torch.linalg.eigh(a)
+    lam = lam.clamp(min=0)
+    cutoff = k * 1.2e-7 * lam.max() if eps == 0 else 0.0
+    inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt(), torch.zeros_like(lam))
+    return ((vec * inv) @ vec.T).float()
+
+
+def seeded_normal(shape: tuple[int, ...], seed: int, *keys: object, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Standard normal draws that depend only on ``seed`` and ``keys`` (a parameter name, a refresh count):
+    the same on every rank, at every world size and on every device (drawn on the CPU, then moved)."""
+    import zlib
+
+    h = zlib.crc32(repr((seed,) + keys).encode())
+    gen = torch.Generator().manual_seed(h)
+    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
+
+
+def seeded_permutation(n: int, seed: int, *keys: object) -> torch.Tensor:
+    """A permutation of ``range(n)`` with the same guarantees as ``seeded_normal``."""
+    import zlib
+
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((seed,) + keys).encode()))
+    return torch.randperm(n, generator=gen)

@@ -14,7 +14,6 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from .comm import collective_counter
 from .layout import MatrixLayout
 
 __all__ = ["owner_plan", "run_on_owners", "CostFn", "newton_schulz_cost"]
@@ -29,8 +28,11 @@ def newton_schulz_cost(shape: tuple[int, int], steps: int = 5) -> float:
     return steps * (4.0 * small * small * large + 2.0 * small ** 3) + 8.0 * m * n
 
 
-def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: CostFn) -> list[int]:
-    """Owner (group rank) of each matrix; -1 for matrices computed locally (no group)."""
+def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: CostFn | Sequence[float]) -> list[int]:
+    """Owner (group rank) of each matrix; -1 for matrices computed locally (no group).
+
+    ``cost`` is a function of the matrix shape or one number per matrix."""
+    costs = [float(c) for c in cost] if not callable(cost) else [cost(lay.shape) for lay in layouts]
     owners = [-1] * len(layouts)
     by_group: dict[int, list[int]] = {}
     for i, lay in enumerate(layouts):
@@ -39,29 +41,14 @@ def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: Cost
     for idx in by_group.values():
         world = layouts[idx[0]].world
         load = [0.0] * world
-        for i in sorted(idx, key=lambda i: (-cost(layouts[i].shape), names[i])):
+        for i in sorted(idx, key=lambda i: (-costs[i], names[i])):
             lay = layouts[i]
-            holders = [r for r in range(world) if _piece_numel(lay, r) > 0]
+            holders = [r for r in range(world) if lay._piece_numel(lay.pieces[r]) > 0]
             # a matrix one rank already holds whole stays there (nothing to move); else least-loaded rank
             r = holders[0] if len(holders) == 1 else min(range(world), key=lambda r: (load[r], r))
             owners[i] = r
-            load[r] += cost(layouts[i].shape)
+            load[r] += costs[i]
     return owners
-
-
-def _piece_numel(lay: MatrixLayout, rank: int) -> int:
-    return lay._piece_numel(lay.pieces[rank])
-
-
-def _all_to_all(send: list[list[torch.Tensor]], recv_sizes: list[int], group: Any, dtype, device) -> list[torch.Tensor]:
-    import torch.distributed as dist
-
-    inp = torch.cat([torch.cat(parts) if parts else torch.empty(0, dtype=dtype, device=device) for parts in send])
-    in_sizes = [sum(p.numel() for p in parts) for parts in send]
-    out = torch.empty(sum(recv_sizes), dtype=dtype, device=device)
-    collective_counter.record(inp)
-    dist.all_to_all_single(out, inp.contiguous(), recv_sizes, in_sizes, group=group)
-    return list(out.split(recv_sizes))
 
 
 def run_on_owners(
@@ -74,58 +61,16 @@ def run_on_owners(
     """Apply ``op`` (a batch of whole fp32 matrices -> same-shape results) and return this rank's pieces.
 
     ``locals_[i]`` is this rank's 1-D piece of matrix ``i`` (layout order). Every rank must call it with
-    the same matrices in the same order.
+    the same matrices in the same order. The gather strategy of ``MatrixOps`` with one channel per matrix.
     """
-    owners = owner_plan(layouts, names, cost)
-    results: list[torch.Tensor | None] = [None] * len(layouts)
-    local_idx = [i for i, o in enumerate(owners) if o < 0]
-    if local_idx:
-        outs = op([locals_[i].reshape(layouts[i].shape) for i in local_idx])
-        for i, out in zip(local_idx, outs):
-            results[i] = out.reshape(-1)
-    groups: dict[int, list[int]] = {}
-    for i, o in enumerate(owners):
-        if o >= 0:
-            groups.setdefault(id(layouts[i].group), []).append(i)
-    for idx in groups.values():
-        lay0 = layouts[idx[0]]
-        group, world, me = lay0.group, lay0.world, lay0.rank
-        dtype, device = locals_[idx[0]].dtype, locals_[idx[0]].device
-        # 1. every piece to its owner
-        send = [[locals_[i] for i in idx if owners[i] == r] for r in range(world)]
-        mine = [i for i in idx if owners[i] == me]
-        recv_sizes = [sum(_piece_numel(layouts[i], s) for i in mine) for s in range(world)]
-        received = _all_to_all(send, recv_sizes, group, dtype, device)
-        fulls = []
-        for i in mine:
-            fulls.append(torch.zeros(layouts[i].shape, dtype=dtype, device=device))
-        for s, buf in enumerate(received):
-            offset = 0
-            for i, full in zip(mine, fulls):
-                k = _piece_numel(layouts[i], s)
-                lay_s = MatrixLayout(layouts[i].shape, layouts[i].pieces, s)
-                for b, view in lay_s.views(buf[offset: offset + k]):
-                    full[b.row: b.row + b.height, b.col: b.col + b.width] = view
-                offset += k
-        outs = op(fulls) if fulls else []
-        # 2. each rank its piece of the results
-        back = []
-        for r in range(world):
-            parts = []
-            for i, out in zip(mine, outs):
-                lay_r = MatrixLayout(layouts[i].shape, layouts[i].pieces, r)
-                piece = torch.empty(_piece_numel(layouts[i], r), dtype=dtype, device=device)
-                for b, view in lay_r.views(piece):
-                    view.copy_(out[b.row: b.row + b.height, b.col: b.col + b.width])
-                parts.append(piece)
-            back.append(parts)
-        from_owner = [[i for i in idx if owners[i] == s] for s in range(world)]
-        recv_sizes = [sum(_piece_numel(layouts[i], me) for i in from_owner[s]) for s in range(world)]
-        received = _all_to_all(back, recv_sizes, group, dtype, device)
-        for s, buf in enumerate(received):
-            offset = 0
-            for i in from_owner[s]:
-                k = _piece_numel(layouts[i], me)
-                results[i] = buf[offset: offset + k]
-                offset += k
-    return results  # type: ignore[return-value]
+    from .matrix_ops import MatrixOps, OpCost
+
+    ops = MatrixOps(layouts, names, [False] * len(layouts), "gather", lambda shape: OpCost(cost(shape)))
+    blocks = ops.to_blocks([[x] for x in locals_])
+    mine = [i for i in range(len(ops)) if ops.active(i)]
+    outs = op([blocks[i][0] for i in mine]) if mine else []
+    results: list[torch.Tensor | None] = [None] * len(ops)
+    for i, out in zip(mine, outs):
+        results[i] = out
+    ops.account()
+    return ops.from_blocks(results)

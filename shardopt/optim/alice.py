@@ -1,0 +1,202 @@
+"""Alice and Alice-0: low-rank Adam in a tracked, switched subspace plus compensation (arXiv:2502.07752
+Alg. 2-4 and 10; specs/racs_alice.md sections 1.3 and 6).
+
+Per matrix, on ``A = G`` when ``m <= n`` (rows projected) or ``A = G^T`` otherwise (``U`` is ``rows x r``)::
+
+    at steps 1, K, 2K, ...:  switch the basis
+        step 1: U' = top-r basis of A (seeded randomized range finder; the paper's U_0 = 0 is degenerate)
+        later:  H = b3 U (Qt (U^T U)) + (1 - b3) A (A^T U);  U~ = qr(H);  Ritz vectors of
+                U~^T Q U~ (Q = b3 U Qt U^T + (1 - b3) A A^T, never formed), sorted by Ritz value
+        U = [top-l of U', r - l columns drawn (seeded) from the complete-QR complement of U']
+        Qt re-projected into the new basis (reproject=True; False keeps the paper's literal mixing)
+    s = U^T A;  Qt = b3 Qt + (1 - b3) s s^T   (Alice only; Alice-0 has b3 = 0 and no Qt)
+    M = b1 M + (1 - b1) s;  V = b2 V + (1 - b2) s*s;  w = M / (sqrt(V) + eps)
+    R = A - U s;  p = b1 p + (1 - b1) colsum(R*R);  C = sqrt(rows - r) R / sqrt(p)  (limited by gamma)
+    W = W (1 - lr wd) - lr alpha (U w + alpha_c C)
+
+Written on ``MatrixOps``: every product with ``A`` sums over its rows or is row-local, so under the
+distributed strategy the per-step traffic is the ``r x cols`` projection, a ``cols`` vector and a scalar;
+a switch adds ``cols x r`` reductions and the assembled ``rows x r`` sketch. ``U``, ``Qt``, ``M``, ``V``,
+``p`` are small per-matrix state; randomness is keyed by (seed, name, switch count), so every rank and
+every world size draws the same.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ..sharding.linalg import seeded_permutation
+from ..sharding.matrix_ops import MatrixOps, OpCost
+from ..sharding.subspace import orthonormal, range_basis
+from .base import ShardedOptimizer
+from .sumo import effective_rank
+
+__all__ = ["Alice", "Alice0"]
+
+
+class Alice(ShardedOptimizer):
+    """Alice (``treatment="alice"``). Keys: ``lr`` (0.02), ``alpha`` (0.3), ``alpha_c`` (0.4), ``betas``
+    (b1 0.9, b2 0.9, b3 0.999), ``rank`` (128), ``leading`` l (40), ``refresh_interval`` K (200), ``gamma``
+    (1.01), ``eps`` (1e-8), ``reproject`` (True), ``seed`` (0), ``weight_decay`` (0). ``Alice0`` is the same
+    with ``tracking=False`` (b3 = 0, no ``tracking`` state)."""
+
+    matrix_treatments = ("alice",)
+    tracking_default = True
+    state_kinds = {**ShardedOptimizer.state_kinds, "basis": "matrix", "tracking": "matrix", "exp_avg_low": "matrix",
+                   "exp_avg_sq_low": "matrix", "col_energy": "matrix", "phi": "matrix", "switches": "matrix"}
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.02, alpha: float = 0.3, alpha_c: float = 0.4,
+                 betas: tuple[float, float, float] = (0.9, 0.9, 0.999), rank: int = 128, leading: int = 40,
+                 refresh_interval: int = 200, gamma: float = 1.01, eps: float = 1e-8, reproject: bool = True,
+                 seed: int = 0, oversample: int = 10, power_iters: int = 2, weight_decay: float = 0.0,
+                 tracking: bool | None = None, adam_lr: float | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
+                 matrix_ops: dict | None = None):
+        if int(rank) < 1 or not 0 <= int(leading) <= int(rank):
+            raise ValueError(f"need rank >= 1 and 0 <= leading <= rank, got rank={rank}, leading={leading}")
+        if int(refresh_interval) < 1:
+            raise ValueError(f"refresh_interval must be >= 1, got {refresh_interval}")
+        tracking = self.tracking_default if tracking is None else tracking
+        b1, b2, b3 = betas
+        defaults = dict(lr=lr, alpha=alpha, alpha_c=alpha_c, betas=(b1, b2, b3 if tracking else 0.0),
+                        rank=int(rank), leading=int(leading), refresh_interval=int(refresh_interval), gamma=gamma,
+                        eps=eps, reproject=reproject, seed=int(seed), oversample=int(oversample),
+                        power_iters=int(power_iters), weight_decay=weight_decay, tracking=tracking)
+        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
+                         matrix_ops=matrix_ops)
+
+    def _step_alice(self, group: dict) -> None:
+        steps = {id(p): self._step_count(p) for p in group["params"]}
+        items = self._matrix_items(group)
+        transposes = [m > n for m, n in (it.layout.shape for it in items)]
+        rank = group["rank"]
+
+        def cost(a_shape: tuple[int, int]) -> OpCost:
+            rows, cols = a_shape
+            r = min(rank, rows)
+            return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r,
+                          reduced=r * cols + cols + 1)
+
+        ops = self._matrix_ops(items, transposes, cost)
+        blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
+        b1, b2, b3 = group["betas"]
+        ranks, lead = {}, {}
+        for i, it in enumerate(items):
+            rows, cols = ops.plans[i].a_shape
+            r = ranks[i] = effective_rank(rank, (rows, cols), it.frag.name, "Alice")
+            # the complement must hold the r - l sampled columns; at r = rows there is none (C = 0)
+            lead[i] = r if r == rows else max(min(group["leading"], r), 2 * r - rows)
+            st = it.state
+            if "basis" not in st:
+                st["basis"] = it.grad.new_zeros(rows, r)
+                if group["tracking"]:
+                    st["tracking"] = it.grad.new_zeros(r, r)
+                st["exp_avg_low"] = it.grad.new_zeros(r, cols)
+                st["exp_avg_sq_low"] = it.grad.new_zeros(r, cols)
+                st["col_energy"] = it.grad.new_zeros(cols)
+                st["phi"] = it.grad.new_zeros(())
+                st["switches"] = it.grad.new_zeros(())
+        active = [i for i in range(len(items)) if ops.active(i)]
+        t_of = {i: steps[id(items[i].tensor)] for i in active}
+        switch = [i for i in active if t_of[i] == 1 or t_of[i] % group["refresh_interval"] == 0]
+        self._switch(ops, items, blocks, switch, ranks, lead, group)
+
+        sigma = ops.allreduce({i: ops.my_rows(i, items[i].state["basis"]).T @ blocks[i] for i in active})
+        resid, energy = {}, {}
+        for i in active:
+            u_mine = ops.my_rows(i, items[i].state["basis"])
+            resid[i] = blocks[i] - u_mine @ sigma[i]
+            energy[i] = (resid[i] * resid[i]).sum(0)
+        energy = ops.allreduce(energy)
+        comp, cn2 = {}, {}
+        for i in active:
+            it, st = items[i], items[i].state
+            rows = ops.plans[i].a_shape[0]
+            if it.has_grad:
+                if group["tracking"]:
+                    st["tracking"].mul_(b3).add_(sigma[i] @ sigma[i].T, alpha=1 - b3)
+                st["exp_avg_low"].mul_(b1).add_(sigma[i], alpha=1 - b1)
+                st["exp_avg_sq_low"].mul_(b2).addcmul_(sigma[i], sigma[i], value=1 - b2)
+                st["col_energy"].mul_(b1).add_(energy[i], alpha=1 - b1)
+            p = st["col_energy"]
+            if ranks[i] < rows:
+                inv = torch.where(p > 0, (p + group["eps"]).rsqrt(), torch.zeros_like(p))
+                comp[i] = resid[i] * (math.sqrt(rows - ranks[i]) * inv)
+            else:
+                comp[i] = torch.zeros_like(resid[i])
+            cn2[i] = (comp[i] * comp[i]).sum().reshape(1)
+        cn2 = ops.allreduce(cn2)
+        updates = {}
+        for i in active:
+            it, st = items[i], items[i].state
+            norm = cn2[i].sqrt().reshape(())
+            phi = st["phi"]
+            eta = group["gamma"] / torch.clamp(norm / phi, min=group["gamma"]) if phi > 0 else torch.ones_like(phi)
+            if it.has_grad:
+                st["phi"].copy_(eta * norm)
+            omega = st["exp_avg_low"] / (st["exp_avg_sq_low"].sqrt() + group["eps"])
+            low = ops.my_rows(i, st["basis"]) @ omega
+            updates[i] = (low + comp[i] * (group["alpha_c"] * eta)) * group["alpha"]
+        pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
+        ops.account()
+        for it, piece in zip(items, pieces):
+            it.apply(piece, group["lr"], group["weight_decay"])
+
+    def _switch(self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict,
+                group: dict) -> None:
+        """New bases for the matrices in ``switch`` (Alg. 2 on the Rayleigh-Ritz subspace step of Alg. 10)."""
+        b3 = group["betas"][2]
+        first = [i for i in switch if int(items[i].state["switches"]) == 0]
+        later = [i for i in switch if i not in first]
+        ritz = range_basis(ops, {i: blocks[i] for i in first}, ranks, group["seed"],
+                           {i: (items[i].frag.name, "init") for i in first}, group["oversample"],
+                           group["power_iters"])
+        u_old = {i: items[i].state["basis"] for i in later}
+        qt = {i: items[i].state["tracking"] if group["tracking"] else None for i in later}
+        atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_old[i]) for i in later})
+        h_rows = {}
+        for i in later:
+            h = (1 - b3) * (blocks[i] @ atu[i])
+            if qt[i] is not None and b3:
+                h = h + b3 * (ops.my_rows(i, u_old[i]) @ (qt[i] @ (u_old[i].T @ u_old[i])))
+            h_rows[i] = h
+        u_tilde = {i: orthonormal(h) for i, h in ops.assemble(h_rows).items()}
+        atut = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_tilde[i]) for i in later})
+        for i in later:
+            vr = (1 - b3) * (atut[i].T @ atut[i]).double()
+            if qt[i] is not None and b3:
+                c = (u_tilde[i].T @ u_old[i]).double()
+                vr = vr + b3 * (c @ qt[i].double() @ c.T)
+            lam, vec = torch.linalg.eigh(0.5 * (vr + vr.T))
+            ritz[i] = (u_tilde[i].double() @ vec.flip(1)).float()  # descending Ritz values
+        for i in switch:
+            st = items[i].state
+            r, l = ranks[i], lead[i]
+            u1 = ritz[i]
+            rows = u1.shape[0]
+            if l < r:
+                complement = torch.linalg.qr(u1.double(), mode="complete").Q[:, r:].float()
+                pick = seeded_permutation(rows - r, group["seed"], items[i].frag.name, int(st["switches"]))[: r - l]
+                new = torch.cat([u1[:, :l], complement[:, pick.to(complement.device)]], dim=1)
+            else:
+                new = u1
+            if group["tracking"] and group["reproject"] and int(st["switches"]) > 0:
+                c = new.T @ st["basis"]
+                st["tracking"].copy_(c @ st["tracking"] @ c.T)
+            st["basis"].copy_(new)
+            st["switches"] += 1
+
+
+class Alice0(Alice):
+    """Alice-0 (``treatment="alice0"``): Alice without the tracking state (b3 = 0), the paper's choice when
+    memory matters."""
+
+    matrix_treatments = ("alice0",)
+    tracking_default = False
+
+    def _step_alice0(self, group: dict) -> None:
+        self._step_alice(group)

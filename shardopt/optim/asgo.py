@@ -1,0 +1,171 @@
+"""ASGO (one-sided Shampoo) and DASGO, its diagonal form (arXiv:2503.20762 Alg. 2 and 3; specs/asgo.md).
+
+ASGO per matrix, on the side of the smaller dimension (``k = min(m, n)``; ties precondition the inputs)::
+
+    M = b1 M + (1 - b1) G                          (EMA, no bias correction)
+    V = b2 V + (1 - b2) G^T G   (right, k = n)   or  G G^T (left, k = m)   (from M with statistic="momentum")
+    every tau steps:  P = (V + eps I)^{-1/2}       (eigh in float64; eps = 0 is a pseudo-inverse root)
+    W = W (1 - lr wd) - lr * (M P  or  P M)        (optionally grafted to RMS ``update_rms``)
+
+Written on ``MatrixOps`` with ``A = G`` (right) or ``A = G^T`` (left): the statistic is the Gram ``A^T A``, a
+sum over the rows of ``A``, so under the distributed strategy each rank adds its rows' ``k x k`` partial Gram
+and one bucketed all-reduce completes it; the root is computed identically on every rank from identical
+inputs, and the update ``M_A P`` is row-local. Under the gather strategy an owner computes all of it.
+
+DASGO: ``v = b2 v + (1 - b2) colsum(G * G)``; ``W -= lr M / sqrt(v + eps)`` per column: only the split columns'
+partial sums cross the network (the core primitives), no whole-matrix work.
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable
+
+import torch
+
+from ..sharding import Round, col_sums, masked_rsqrt, scale_into
+from ..sharding.linalg import inverse_root
+from ..sharding.matrix_ops import OpCost
+from .base import ShardedOptimizer
+
+__all__ = ["ASGO", "DASGO", "asgo_left"]
+
+
+def asgo_left(shape: tuple[int, int], side: str) -> bool:
+    """Whether the preconditioner multiplies from the left (``P M``, ``k = m``)."""
+    if side == "left":
+        return True
+    if side == "right":
+        return False
+    if side != "auto":
+        raise ValueError(f"side must be 'auto', 'left' or 'right', got {side!r}")
+    m, n = shape
+    return m < n
+
+
+def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
+    rows, k = a_shape
+    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k)
+
+
+class _MomentumMixin:
+    def _update_momentum(self, group: dict, beta1: float) -> dict[int, int]:
+        """EMA momentum ``M = b1 M + (1 - b1) G`` on every stepped tensor (element-wise, any layout); returns
+        each tensor's step count."""
+        steps = {}
+        for p in group["params"]:
+            st = self.state[p]  # type: ignore[attr-defined]
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            steps[id(p)] = self._step_count(p)  # type: ignore[attr-defined]
+            if p.grad is not None:
+                st["exp_avg"].lerp_(p.grad.to(torch.float32), 1 - beta1)
+        return steps
+
+    def _momentum_piece(self, it) -> torch.Tensor:
+        return it.frag.local(self.state[it.tensor]["exp_avg"])  # type: ignore[attr-defined]
+
+
+class ASGO(_MomentumMixin, ShardedOptimizer):
+    """ASGO (``treatment="asgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.95), ``eps`` (1e-6, inside the
+    root), ``refresh_interval`` tau (1), ``side`` ("auto" | "left" | "right"), ``root`` ("eigh" |
+    "newton_schulz"), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
+    released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (m x n, like the
+    parameter), ``precond_stat`` V and ``precond`` P (k x k)."""
+
+    matrix_treatments = ("asgo",)
+    state_kinds = {**ShardedOptimizer.state_kinds, "precond_stat": "matrix", "precond": "matrix"}
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-6, refresh_interval: int = 1, side: str = "auto", root: str = "eigh",
+                 ns_steps: int = 50, statistic: str = "gradient", update_rms: float | None = None,
+                 weight_decay: float = 0.0, adam_lr: float | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
+                 matrix_ops: dict | None = None):
+        if eps == 0 and refresh_interval > 1:
+            raise ValueError("eps = 0 with refresh_interval > 1 amplifies directions outside the stale "
+                             "preconditioner's range (specs/asgo.md section 6 item 1); use eps > 0 or tau = 1")
+        if statistic not in ("gradient", "momentum"):
+            raise ValueError(f"statistic must be 'gradient' or 'momentum', got {statistic!r}")
+        asgo_left((1, 1), side)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, refresh_interval=int(refresh_interval), side=side,
+                        root=root, ns_steps=int(ns_steps), statistic=statistic, update_rms=update_rms,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
+                         matrix_ops=matrix_ops)
+
+    def _step_asgo(self, group: dict) -> None:
+        b1, b2 = group["betas"]
+        steps = self._update_momentum(group, b1)
+        items = self._matrix_items(group)
+        left = [asgo_left(it.layout.shape, group["side"]) for it in items]
+        ops = self._matrix_ops(items, left, _asgo_cost)
+        from_momentum = group["statistic"] == "momentum"
+        channels = [[self._momentum_piece(it)] if from_momentum else [it.grad, self._momentum_piece(it)]
+                    for it in items]
+        blocks = ops.to_blocks(channels)
+        for it, is_left in zip(items, left):
+            k = it.layout.shape[0] if is_left else it.layout.shape[1]
+            if "precond_stat" not in it.state:
+                it.state["precond_stat"] = it.grad.new_zeros(k, k)
+                it.state["precond"] = it.grad.new_zeros(k, k)
+        active = [i for i in range(len(items)) if ops.active(i)]
+        grams = ops.allreduce({i: blocks[i][0].T @ blocks[i][0] for i in active})
+        updates: dict[int, torch.Tensor] = {}
+        for i in active:
+            it = items[i]
+            v, p = it.state["precond_stat"], it.state["precond"]
+            if it.has_grad:
+                v.mul_(b2).add_(grams[i], alpha=1 - b2)
+            if (steps[id(it.tensor)] - 1) % group["refresh_interval"] == 0:
+                p.copy_(inverse_root(v, group["eps"], group["root"], group["ns_steps"]))
+            updates[i] = blocks[i][-1] @ p
+        if group["update_rms"] is not None:
+            norms = ops.allreduce({i: (updates[i] * updates[i]).sum().reshape(1) for i in active})
+            for i in active:
+                m, n = items[i].layout.shape
+                target = group["update_rms"] * math.sqrt(m * n)
+                updates[i] = updates[i] * (target / norms[i].sqrt().clamp(min=1e-12))
+        pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
+        ops.account()
+        for it, piece in zip(items, pieces):
+            it.apply(piece, group["lr"], group["weight_decay"])
+
+
+class DASGO(_MomentumMixin, ShardedOptimizer):
+    """DASGO (``treatment="dasgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.99), ``eps`` (1e-6), ``weight_decay``
+    (0). State per matrix: ``exp_avg`` (m x n) and ``col_stat`` v (n)."""
+
+    matrix_treatments = ("dasgo",)
+    state_kinds = {**ShardedOptimizer.state_kinds, "col_stat": "cols"}
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.99),
+                 eps: float = 1e-6, weight_decay: float = 0.0, adam_lr: float | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
+                 matrix_ops: dict | None = None):
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
+                         matrix_ops=matrix_ops)
+
+    def _step_dasgo(self, group: dict) -> None:
+        b1, b2 = group["betas"]
+        self._update_momentum(group, b1)
+        items = self._matrix_items(group)
+        rnd = Round()
+        for it in items:
+            sums = col_sums(it.layout, it.grad * it.grad)
+            rnd.add_axis(it.layout, sums, 1)
+            it.work["sums"] = sums
+        rnd.run()
+        for it in items:
+            if "col_stat" not in it.state:
+                it.state["col_stat"] = it.grad.new_zeros(it.layout.shape[1])
+            v = it.state["col_stat"]
+            if it.has_grad:
+                v.mul_(b2).add_(it.work["sums"], alpha=1 - b2)
+            m = self._momentum_piece(it)
+            update = scale_into(it.layout, torch.empty_like(m), m, None, masked_rsqrt(v + group["eps"]))
+            it.apply(update, group["lr"], group["weight_decay"])

@@ -1,0 +1,132 @@
+"""SUMO: low-rank moment, orthogonalized by an exact SVD (arXiv:2505.24749 v1 Alg. 1; specs/sumo.md).
+
+Per matrix, on ``A = G`` when ``m >= n`` (left projection, ``Q`` is ``m x r``) or ``A = G^T`` otherwise::
+
+    every K steps (from step 0): Q_new = top-r left basis of A (randomized range finder, seeded)
+                                 M = (Q_new^T Q) M; Q = Q_new            (moment carried into the new basis)
+    M = mu M + Q^T A;  O = U V^T of M (exact SVD, null directions dropped)
+    norm-growth limiter: |O| <= gamma |O_prev|;  W = W (1 - lr wd) - lr alpha c(m, n) Q O
+
+Written on ``MatrixOps``: ``Q^T A`` is a sum over the rows of ``A`` (one bucketed all-reduce of ``r x n``
+under the distributed strategy), the SVD of the small ``r x n`` moment runs on identical inputs on every
+rank, and ``Q O`` is row-local. ``Q`` (rows x r) and ``M`` (r x cols) are small per-matrix state.
+"""
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Iterable
+
+import torch
+
+from ..sharding.linalg import polar_factor
+from ..sharding.matrix_ops import OpCost
+from ..sharding.subspace import range_basis
+from .base import ShardedOptimizer
+
+__all__ = ["SUMO", "step_scale"]
+
+_SCALES = ("none", "sqrt_max", "moonlight", "muon")
+
+
+def step_scale(rule: str, shape: tuple[int, int]) -> float:
+    """c(m, n) of specs/sumo.md G7."""
+    m, n = shape
+    return {"none": 1.0, "sqrt_max": math.sqrt(max(m, n)), "moonlight": 0.2 * math.sqrt(max(m, n)),
+            "muon": math.sqrt(max(1.0, m / n))}[rule]
+
+
+def effective_rank(rank: int, shape: tuple[int, int], name: str, who: str) -> int:
+    """``min(rank, m, n)``, warning once when the configured rank does not fit the matrix."""
+    r = min(rank, *shape)
+    if r < rank:
+        warnings.warn(f"{who}: rank {rank} exceeds min{tuple(shape)} of {name!r}; using rank {r} "
+                      "(full-rank projection)", RuntimeWarning, stacklevel=4)
+    return r
+
+
+class SUMO(ShardedOptimizer):
+    """SUMO (``treatment="sumo"``). Keys: ``lr`` (0.01), ``rank`` (128), ``alpha`` (0.25), ``momentum`` (0.9),
+    ``refresh_interval`` K (200), ``gamma`` (limiter 1.1; None = off), ``step_scale`` ("sqrt_max"), ``side``
+    ("auto": left if m >= n | "left" | "right"), ``oversample`` (10), ``power_iters`` (2), ``seed`` (0),
+    ``weight_decay`` (0). State per matrix: ``basis`` Q, ``moment`` M, ``prev_onorm``, ``refreshes``."""
+
+    matrix_treatments = ("sumo",)
+    state_kinds = {**ShardedOptimizer.state_kinds, "basis": "matrix", "moment": "matrix", "prev_onorm": "matrix",
+                   "refreshes": "matrix"}
+
+    def __init__(self, params: Iterable[Any], lr: float = 0.01, rank: int = 128, alpha: float = 0.25,
+                 momentum: float = 0.9, refresh_interval: int = 200, gamma: float | None = 1.1,
+                 step_scale: str = "sqrt_max", side: str = "auto", oversample: int = 10, power_iters: int = 2,
+                 seed: int = 0, weight_decay: float = 0.0, adam_lr: float | None = None,
+                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
+                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
+                 matrix_ops: dict | None = None):
+        if step_scale not in _SCALES:
+            raise ValueError(f"step_scale must be one of {_SCALES}, got {step_scale!r}")
+        if side not in ("auto", "left", "right"):
+            raise ValueError(f"side must be 'auto', 'left' or 'right', got {side!r}")
+        if int(rank) < 1 or int(refresh_interval) < 1:
+            raise ValueError(f"rank and refresh_interval must be >= 1, got {rank}, {refresh_interval}")
+        defaults = dict(lr=lr, rank=int(rank), alpha=alpha, momentum=momentum, refresh_interval=int(refresh_interval),
+                        gamma=gamma, step_scale=step_scale, side=side, oversample=int(oversample),
+                        power_iters=int(power_iters), seed=int(seed), weight_decay=weight_decay)
+        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
+                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
+                         matrix_ops=matrix_ops)
+
+    def _step_sumo(self, group: dict) -> None:
+        steps = {id(p): self._step_count(p) for p in group["params"]}
+        items = self._matrix_items(group)
+        side = group["side"]
+        transposes = [(m < n) if side == "auto" else side == "right" for m, n in (it.layout.shape for it in items)]
+        rank = group["rank"]
+
+        def cost(a_shape: tuple[int, int]) -> OpCost:
+            rows, cols = a_shape
+            r = min(rank, rows, cols)
+            return OpCost(row_flops=4.0 * rows * cols * r, small_flops=4.0 * cols * r * r + 8.0 * r ** 3,
+                          reduced=r * cols)
+
+        ops = self._matrix_ops(items, transposes, cost)
+        blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
+        ranks = {}
+        for i, it in enumerate(items):
+            rows, cols = ops.plans[i].a_shape
+            ranks[i] = effective_rank(rank, (rows, cols), it.frag.name, "SUMO")
+            if "basis" not in it.state:
+                it.state["basis"] = it.grad.new_zeros(rows, ranks[i])
+                it.state["moment"] = it.grad.new_zeros(ranks[i], cols)
+                it.state["prev_onorm"] = it.grad.new_zeros(())
+                it.state["refreshes"] = it.grad.new_zeros(())
+        active = [i for i in range(len(items)) if ops.active(i)]
+        refresh = [i for i in active if (steps[id(items[i].tensor)] - 1) % group["refresh_interval"] == 0]
+        new = range_basis(ops, {i: blocks[i] for i in refresh}, ranks, group["seed"],
+                          {i: (items[i].frag.name, int(items[i].state["refreshes"])) for i in refresh},
+                          group["oversample"], group["power_iters"])
+        for i in refresh:
+            st = items[i].state
+            st["moment"].copy_((new[i].T @ st["basis"]) @ st["moment"])
+            st["basis"].copy_(new[i])
+            st["refreshes"] += 1
+        proj = ops.allreduce({i: ops.my_rows(i, items[i].state["basis"]).T @ blocks[i] for i in active})
+        updates: dict[int, torch.Tensor] = {}
+        for i in active:
+            it, st = items[i], items[i].state
+            if it.has_grad:
+                st["moment"].mul_(group["momentum"]).add_(proj[i])
+            rows, cols = ops.plans[i].a_shape
+            o = polar_factor(st["moment"], rtol=max(ranks[i], cols) * torch.finfo(torch.float32).eps)
+            onorm = o.norm()
+            prev = st["prev_onorm"]
+            if group["gamma"] is not None and prev > 0 and onorm > group["gamma"] * prev:
+                o = o * (group["gamma"] * prev / onorm)
+            if it.has_grad:
+                st["prev_onorm"].copy_(o.norm())
+            scale = group["alpha"] * step_scale(group["step_scale"], it.layout.shape)
+            updates[i] = (ops.my_rows(i, st["basis"]) @ o) * scale
+        pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
+        ops.account()
+        for it, piece in zip(items, pieces):
+            it.apply(piece, group["lr"], group["weight_decay"])
+
