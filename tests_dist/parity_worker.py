@@ -197,6 +197,21 @@ def _inner(opt):
     return opt
 
 
+def plan_summary(opt) -> list[dict]:
+    """Per matrix of the optimizer's whole-matrix plans: strategy and the most elements any rank receives."""
+    out = []
+    for ops in getattr(opt, "_ops_cache", {}).values():
+        for name, kind, plan in zip(ops.names, ops.kinds, ops.plans):
+            lay = plan.layout
+            recv = max((sum(plan.moved(s, d) for s in range(lay.world) if s != d) for d in range(lay.world)),
+                       default=0)
+            rows, cols = plan.a_shape
+            from shardopt.sharding.layout import ColPiece
+            out.append(dict(name=name, kind=kind, max_received=recv, numel=rows * cols, a_cols=cols,
+                            along=isinstance(lay.pieces[0], ColPiece) == plan.transpose))
+    return out
+
+
 def run_case(opt_name: str, layout: str, strategy: str | None = None):
     if layout == "ddp":
         return run_ddp(opt_name, strategy)
@@ -238,7 +253,8 @@ def main() -> None:
                 diff = max((params[n].float() - ref[n]).abs().max().item() for n in ref)
                 rec.update(max_abs_diff=diff, losses=losses, ref_losses=ref_losses, collective_calls=calls,
                            comm_stats=_inner(LAST_OPTIMIZER).comm_stats(),
-                           matrix_numel={n: p.numel() for n, p in ref.items() if p.dim() == 2})
+                           matrix_numel={n: p.numel() for n, p in ref.items() if p.dim() == 2},
+                           plans=plan_summary(_inner(LAST_OPTIMIZER)))
             except Exception:  # record and go on: the other ranks raise the same way
                 rec["error"] = traceback.format_exc()
             rec["seconds"] = round(time.time() - t0, 2)

@@ -111,6 +111,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g in groups:
             self._resolve_treatment(g, names)
         super().__init__(groups, defaults)
+        # unnamed tensors get positional names: stable across runs and ranks (seeded draws and checkpoints
+        # are keyed by name)
+        position = 0
+        for g in groups:
+            for p in g["params"]:
+                names.setdefault(id(p), f"param_{position}")
+                position += 1
         self.param_names: dict[int, str] = names
         #: parameter names of each group as built (engines may later replace group tensors by flat partitions)
         self.group_param_names: list[list[str]] = [[names.get(id(p), "") for p in g["params"]] for g in groups]
@@ -300,8 +307,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return loss
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
-        """This rank's collectives since the last reset, by kind: ``{"stats" | "gather" | "distributed":
-        {"calls", "bytes", "flops"}}`` (bytes sent; FLOPs estimated for whole-matrix work)."""
+        """This rank's collectives since the last reset, by kind: ``{"stats" | "gather" | "realign" |
+        "distributed" | "local": {"calls", "bytes", "flops"}}`` (bytes sent; FLOPs estimated for whole-matrix
+        work, by the strategy that ran it)."""
         out = {k: dict(v) for k, v in self._comm_stats.items()}
         if reset:
             self._comm_stats.clear()

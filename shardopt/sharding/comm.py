@@ -36,7 +36,8 @@ class CollectiveCounter:
     """Counts collective calls and bytes sent by shardopt (tests, benchmarks, ``optimizer.comm_stats()``).
 
     Every record carries a tag: ``"stats"`` (bucketed row/column/scalar reductions), ``"gather"`` (pieces to
-    owner ranks and results back) or ``"distributed"`` (boundary-row exchanges and reduced small matrices).
+    owner ranks and results back), ``"realign"`` (distributed strategy: rows cut by partition boundaries, or an
+    all-to-all across the grain) or ``"distributed"`` (reduced small matrices: Grams, projections).
     ``capture(d)`` also adds each record into ``d`` (an optimizer's own counters) while active.
     """
 

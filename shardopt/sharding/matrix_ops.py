@@ -135,7 +135,7 @@ class MatrixOps:
         return from_blocks(self.plans, blocks, [self._tag(i) for i in range(len(self))])
 
     def _tag(self, i: int) -> str:
-        return "gather" if self.kinds[i] == "gather" else "distributed"
+        return "gather" if self.kinds[i] == "gather" else "realign"
 
     def allreduce(self, parts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
         """Sum each distributed matrix's partial tensor over its group (one all-reduce per group and dtype);

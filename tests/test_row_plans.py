@@ -1,0 +1,85 @@
+"""Static row-block plans (shardopt.sharding.blocks): what the distributed strategy moves, checked without
+processes: on flat ZeRO ranges only rows cut by a boundary move, never a whole matrix; pieces -> blocks ->
+pieces is the identity for every layout kind."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardopt.sharding.blocks import RowPlan
+from shardopt.sharding.layout import ColPiece, FlatPiece, MatrixLayout
+
+
+def flat_layout(m: int, n: int, cuts: list[int], rank: int = 0) -> MatrixLayout:
+    bounds = [0, *cuts, m * n]
+    return MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], rank, group=object())
+
+
+@pytest.mark.parametrize("m,n,cuts", [(64, 48, [700, 1500, 2300]), (9, 50, [49, 51, 300]), (40, 7, [1, 2, 279])])
+def test_flat_ranges_move_only_boundary_rows(m: int, n: int, cuts: list[int]) -> None:
+    lay = flat_layout(m, n, cuts)
+    plan = RowPlan.aligned(lay, transpose=False)
+    world = lay.world
+    for d in range(world):
+        received = sum(plan.moved(s, d) for s in range(world) if s != d)
+        assert received <= 2 * n, (d, received)  # at most the two rows cut at this rank's ends
+        assert received < m * n
+    assert sum(plan.sent) <= 2 * (world - 1) * n
+    assert plan.starts[0] == 0 and plan.starts[-1] == m and list(plan.starts) == sorted(plan.starts)
+
+
+def test_across_the_grain_is_an_even_all_to_all() -> None:
+    lay = flat_layout(12, 30, [90, 180, 270])
+    plan = RowPlan.aligned(lay, transpose=True)  # rows of A = columns of G: split in even chunks
+    assert plan.starts == (0, 8, 16, 24, 30)
+    for d in range(4):
+        assert sum(plan.moved(s, d) for s in range(4) if s != d) < 12 * 30 // 2
+
+
+def _roundtrip(layouts: list[MatrixLayout], transpose: bool, owner: int | None) -> None:
+    """Fill every rank's block from all pieces, then cut every piece back out of the blocks."""
+    m, n = layouts[0].shape
+    full = torch.arange(m * n, dtype=torch.float32).view(m, n)
+    pieces = []
+    for lay in layouts:
+        piece = torch.empty(lay.local_numel)
+        for b, view in lay.views(piece):
+            view.copy_(full[b.row: b.row + b.height, b.col: b.col + b.width])
+        pieces.append(piece)
+    plans = [RowPlan.owner(lay, transpose, owner) if owner is not None else RowPlan.aligned(lay, transpose)
+             for lay in layouts]
+    a = full.T if transpose else full
+    blocks = []
+    for d, plan in enumerate(plans):
+        a0, a1 = plan.rows()
+        block = torch.zeros(a1 - a0, a.shape[1])
+        for s in range(len(plans)):
+            parts = plans[s].pack_piece(pieces[s], d)
+            if parts:
+                plan.unpack_into_block(block, s, torch.cat(parts))
+        assert torch.equal(block, a[a0:a1])
+        blocks.append(block)
+    for d, plan in enumerate(plans):
+        piece = torch.full_like(pieces[d], -1.0)
+        for s in range(len(plans)):
+            parts = plans[s].pack_block(blocks[s], d)
+            if parts:
+                plan.unpack_into_piece(piece, s, torch.cat(parts))
+        assert torch.equal(piece, pieces[d])
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+@pytest.mark.parametrize("owner", [None, 2])
+@pytest.mark.parametrize("kind", ["flat", "cols", "rows_uneven"])
+def test_pieces_to_blocks_and_back_is_exact(kind: str, owner: int | None, transpose: bool) -> None:
+    m, n, world = 7, 10, 3
+    if kind == "flat":
+        bounds = [0, 13, 14, 70]
+        layouts = [MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], r, object())
+                   for r in range(world)]
+    elif kind == "cols":
+        layouts = [MatrixLayout((m, n), [ColPiece(0, 4), ColPiece(4, 8), ColPiece(8, 10)], r, object())
+                   for r in range(world)]
+    else:
+        layouts = [MatrixLayout.row_chunks((m, n), world, r, object()) for r in range(world)]
+    _roundtrip(layouts, transpose, owner)
