@@ -35,7 +35,7 @@ class ShardoptSection(pydantic.BaseModel):
     """The ``"shardopt"`` section of a DeepSpeed JSON config."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
-    optimizer: str = pydantic.Field(description="scale | sinkgd | racs")
+    optimizer: str = pydantic.Field(description="a shardopt optimizer name (shardopt.optim.registry.OPTIMIZERS)")
     params: dict[str, Any] = pydantic.Field(default_factory=dict, description="hyperparameters of the optimizer")
     routing: dict[str, str] = pydantic.Field(default_factory=dict, description="name pattern -> role or 'adamw'")
 

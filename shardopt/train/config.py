@@ -85,7 +85,7 @@ class AdamWParams(_Strict):
 
 
 class OptimizerSection(_Strict):
-    name: str = pydantic.Field(description="scale | sinkgd | racs | adamw")
+    name: str = pydantic.Field(description="a shardopt optimizer (shardopt.OPTIMIZERS) or adamw")
     params: dict[str, Any] = pydantic.Field(default_factory=dict)
     routing: dict[str, str] = pydantic.Field(default_factory=dict)
 
