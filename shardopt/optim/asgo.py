@@ -23,7 +23,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, scale_into
-from ..sharding.linalg import inverse_root
+from ..sharding.linalg import by_shape, inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 
@@ -112,15 +112,19 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                 it.state["precond"] = it.grad.new_zeros(k, k)
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i][0].T @ blocks[i][0] for i in active})
-        updates: dict[int, torch.Tensor] = {}
+        refresh = {}
         for i in active:
             it = items[i]
-            v, p = it.state["precond_stat"], it.state["precond"]
             if it.has_grad:
-                v.mul_(b2).add_(grams[i], alpha=1 - b2)
+                it.state["precond_stat"].mul_(b2).add_(grams[i], alpha=1 - b2)
             if (steps[id(it.tensor)] - 1) % group["refresh_interval"] == 0:
-                p.copy_(inverse_root(v, group["eps"], group["root"], group["ns_steps"]))
-            updates[i] = blocks[i][-1] @ p
+                refresh[i] = it.state["precond_stat"]
+        roots = by_shape(lambda v: inverse_root(v, group["eps"], group["root"], group["ns_steps"]), refresh)
+        updates: dict[int, torch.Tensor] = {}
+        for i in active:
+            if i in roots:
+                items[i].state["precond"].copy_(roots[i])
+            updates[i] = blocks[i][-1] @ items[i].state["precond"]
         if group["update_rms"] is not None:
             norms = ops.allreduce({i: (updates[i] * updates[i]).sum().reshape(1) for i in active})
             for i in active:

@@ -111,12 +111,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g in groups:
             self._resolve_treatment(g, names)
         super().__init__(groups, defaults)
-        # unnamed tensors get positional names: stable across runs and ranks (seeded draws and checkpoints
-        # are keyed by name)
+        # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
+        # the tensor, else the one routing attached to it (survives wrappers that re-split param groups,
+        # like ZeroRedundancyOptimizer), else the tensor's position
         position = 0
         for g in groups:
             for p in g["params"]:
-                names.setdefault(id(p), f"param_{position}")
+                names.setdefault(id(p), getattr(p, "_shardopt_name", None) or f"param_{position}")
                 position += 1
         self.param_names: dict[int, str] = names
         #: parameter names of each group as built (engines may later replace group tensors by flat partitions)

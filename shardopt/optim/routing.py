@@ -114,6 +114,7 @@ def route(
             group["roles"].append(role)
         group["params"].append(p)
         group["names"].append(name)
+        p._shardopt_name = name  # the optimizer finds its name even if a wrapper drops "names"
     unused = [p for p in overrides if p not in used]
     if unused:
         raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")

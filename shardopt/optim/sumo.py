@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.linalg import polar_factor
+from ..sharding.linalg import by_shape, polar_factor
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis
 from .base import ShardedOptimizer
@@ -110,13 +110,15 @@ class SUMO(ShardedOptimizer):
             st["basis"].copy_(new[i])
             st["refreshes"] += 1
         proj = ops.allreduce({i: ops.my_rows(i, items[i].state["basis"]).T @ blocks[i] for i in active})
+        for i in active:
+            if items[i].has_grad:
+                items[i].state["moment"].mul_(group["momentum"]).add_(proj[i])
+        polar = by_shape(lambda mom: polar_factor(mom, rtol=max(mom.shape[-2:]) * torch.finfo(torch.float32).eps),
+                         {i: items[i].state["moment"] for i in active})
         updates: dict[int, torch.Tensor] = {}
         for i in active:
             it, st = items[i], items[i].state
-            if it.has_grad:
-                st["moment"].mul_(group["momentum"]).add_(proj[i])
-            rows, cols = ops.plans[i].a_shape
-            o = polar_factor(st["moment"], rtol=max(ranks[i], cols) * torch.finfo(torch.float32).eps)
+            o = polar[i]
             onorm = o.norm()
             prev = st["prev_onorm"]
             if group["gamma"] is not None and prev > 0 and onorm > group["gamma"] * prev:

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
-from ..sharding.linalg import gram_inverse_sqrt
+from ..sharding.linalg import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 
@@ -101,10 +101,8 @@ class SWAN(ShardedOptimizer):
         blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in active})
-        out = {}
-        for i in active:
-            root = gram_inverse_sqrt(grams[i], group["whitening"], group["ns_steps"])
-            out[i] = (blocks[i] @ root) * math.sqrt(max(items[i].layout.shape))
+        roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]), grams)
+        out = {i: (blocks[i] @ roots[i]) * math.sqrt(max(items[i].layout.shape)) for i in active}
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece
         ops.account()

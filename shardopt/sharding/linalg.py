@@ -1,9 +1,11 @@
 """Matrix kernels: quintic Newton-Schulz, exact polar factor, inverse roots of small Gram matrices, seeded draws."""
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
-__all__ = ["newton_schulz", "polar_factor", "inverse_root", "gram_inverse_sqrt", "seeded_normal", "seeded_permutation", "MUON_COEFFICIENTS"]
+__all__ = ["newton_schulz", "polar_factor", "inverse_root", "by_shape", "gram_inverse_sqrt", "seeded_normal", "seeded_permutation", "MUON_COEFFICIENTS"]
 
 #: quintic coefficients of Muon (KellerJordan/Muon; torch.optim.Muon defaults)
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -28,13 +30,29 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENT
 
 
 def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
-    """Exact ``U V^T`` from the reduced SVD in float64. Singular directions below ``rtol * sigma_1`` (default
-    ``max(m, n) * eps(float64)``) map to zero, so a rank-deficient or zero input gives a partial isometry,
-    never arbitrary null-space vectors (which could also differ between ranks)."""
+    """Exact ``U V^T`` from the reduced SVD in float64 (batched over leading dimensions). Singular directions
+    below ``rtol * sigma_1`` (default ``max(m, n) * eps(float64)``) map to zero, so a rank-deficient or zero
+    input gives a partial isometry, never arbitrary null-space vectors (which could differ between ranks)."""
     u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
-    tol = max(g.shape) * torch.finfo(torch.float64).eps if rtol is None else rtol
-    keep = (s > s.max() * tol).to(u.dtype) if s.numel() else s
-    return ((u * keep) @ vh).float()
+    tol = max(g.shape[-2:]) * torch.finfo(torch.float64).eps if rtol is None else rtol
+    if not s.numel():
+        return (u @ vh).float()
+    keep = (s > s.amax(-1, keepdim=True) * tol).to(u.dtype)
+    return ((u * keep.unsqueeze(-2)) @ vh).float()
+
+
+def by_shape(fn: Callable[[torch.Tensor], torch.Tensor], mats: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Apply a batched kernel once per distinct shape (one eigh/SVD call for all same-shape matrices instead
+    of one per matrix: what keeps many small factorizations from being latency-bound on a GPU)."""
+    groups: dict[tuple, list[int]] = {}
+    for i, m in mats.items():
+        groups.setdefault((tuple(m.shape), m.dtype, m.device), []).append(i)
+    out: dict[int, torch.Tensor] = {}
+    for idx in groups.values():
+        res = fn(torch.stack([mats[i] for i in idx]))
+        for j, i in enumerate(idx):
+            out[i] = res[j]
+    return out
 
 
 def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: int = 12,
@@ -50,9 +68,9 @@ def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: 
     if method == "svd":
         return inverse_root(gram, 0.0)
     a = gram.float()
-    c = a.norm().clamp(min=eps)
-    eye = torch.eye(a.size(0), dtype=a.dtype, device=a.device)
-    y, z = a / c, eye
+    c = torch.linalg.matrix_norm(a).clamp(min=eps)[..., None, None]
+    eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device)
+    y, z = a / c, eye.expand_as(a)
     for _ in range(steps):
         t = 0.5 * (3.0 * eye - z @ y)
         y, z = y @ t, t @ z
@@ -60,20 +78,20 @@ def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: 
 
 
 def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: int = 50) -> torch.Tensor:
-    """``(V + eps I)^{-1/2}`` of a symmetric PSD ``k x k`` matrix, returned in fp32.
+    """``(V + eps I)^{-1/2}`` of symmetric PSD ``k x k`` matrices (batched over leading dims), in fp32.
 
     ``eigh`` (default, exact): float64 eigendecomposition of the symmetrized matrix, eigenvalues clamped at 0;
     with ``eps == 0`` a pseudo-inverse root that ignores eigenvalues below ``k * 1.2e-7 * lambda_max``
     (specs/asgo.md section 6 item 1). ``newton_schulz``: the coupled iteration of specs/asgo.md 1.6
     (``Y0 = A/s, Z0 = I``, ``T = (3I - ZY)/2``), in fp32, for comparison with the paper's damping study.
     """
-    k = v.shape[0]
-    a = 0.5 * (v.double() + v.double().T) + eps * torch.eye(k, dtype=torch.float64, device=v.device)
+    k = v.shape[-1]
+    a = 0.5 * (v.double() + v.double().mT) + eps * torch.eye(k, dtype=torch.float64, device=v.device)
     if method == "newton_schulz":
         a32 = a.float()
-        s = a32.norm().clamp(min=1e-30)
+        s = torch.linalg.matrix_norm(a32).clamp(min=1e-30)[..., None, None]
         eye = torch.eye(k, dtype=torch.float32, device=v.device)
-        y, z = a32 / s, eye
+        y, z = a32 / s, eye.expand_as(a32)
         for _ in range(ns_steps):
             t = 0.5 * (3.0 * eye - z @ y)
             y, z = y @ t, t @ z
@@ -82,9 +100,9 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
         raise ValueError(f"root method must be 'eigh' or 'newton_schulz', got {method!r}")
     lam, vec = torch.linalg.eigh(a)
     lam = lam.clamp(min=0)
-    cutoff = k * 1.2e-7 * lam.max() if eps == 0 else 0.0
+    cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if eps == 0 else torch.zeros_like(lam)
     inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt(), torch.zeros_like(lam))
-    return ((vec * inv) @ vec.T).float()
+    return ((vec * inv.unsqueeze(-2)) @ vec.mT).float()
 
 
 def seeded_normal(shape: tuple[int, ...], seed: int, *keys: object, device: torch.device | str = "cpu") -> torch.Tensor:
