@@ -22,7 +22,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding import Round, col_sums, masked_rsqrt, scale_into
+from ..sharding import Round, col_sums, masked_rsqrt
 from ..sharding.linalg import by_shape, inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
@@ -160,7 +160,7 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         items = self._matrix_items(group)
         rnd = Round()
         for it in items:
-            sums = col_sums(it.layout, it.grad * it.grad)
+            sums = col_sums(it.layout, it.grad, square=True)
             rnd.add_axis(it.layout, sums, 1)
             it.work["sums"] = sums
         rnd.run()
@@ -170,6 +170,5 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
             v = it.state["col_stat"]
             if it.has_grad:
                 v.mul_(b2).add_(it.work["sums"], alpha=1 - b2)
-            m = self._momentum_piece(it)
-            update = scale_into(it.layout, torch.empty_like(m), m, None, masked_rsqrt(v + group["eps"]))
-            it.apply(update, group["lr"], group["weight_decay"])
+            it.apply_scaled(self._momentum_piece(it), group["lr"], group["weight_decay"],
+                            col_scale=masked_rsqrt(v + group["eps"]))

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding import Round, row_sums, col_sums, scale_into
+from ..sharding import Round, col_sums, row_sums
 from .base import ShardedOptimizer
 
 __all__ = ["SCALE"]
@@ -84,8 +84,7 @@ class SCALE(ShardedOptimizer):
         axis = 0 if group["norm_dim"] == 1 else 1  # stats per row when reducing over dim 1
         rnd = Round()
         for it in items:
-            sq = it.grad * it.grad
-            stats = row_sums(it.layout, sq) if axis == 0 else col_sums(it.layout, sq)
+            stats = (row_sums if axis == 0 else col_sums)(it.layout, it.grad, square=True)
             rnd.add_axis(it.layout, stats, axis)
             it.work["stats"] = stats
         rnd.run()
@@ -96,6 +95,5 @@ class SCALE(ShardedOptimizer):
             if group["norm"] == "rms":
                 stats = stats / count
             inv = 1.0 / stats.sqrt().clamp_min(group["eps"])
-            update = scale_into(it.layout, torch.empty_like(it.grad), it.grad,
-                                row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)
-            it.apply(update, group["lr"], group["weight_decay"])
+            it.apply_scaled(it.grad, group["lr"], group["weight_decay"],
+                            row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)

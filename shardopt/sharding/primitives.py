@@ -23,20 +23,30 @@ __all__ = [
 ]
 
 
-def row_sums(layout: MatrixLayout, a: torch.Tensor, col_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Partial ``sum_j a_ij * w_j`` for every row ``i`` (``w = 1`` when ``col_weight`` is None)."""
+def row_sums(layout: MatrixLayout, a: torch.Tensor, col_weight: torch.Tensor | None = None,
+             square: bool = False) -> torch.Tensor:
+    """Partial ``sum_j a_ij * w_j`` for every row ``i`` (``w = 1`` when ``col_weight`` is None); with
+    ``square`` the sums of ``a_ij^2`` (one read, no squared copy)."""
     out = a.new_zeros(layout.shape[0])
     for b, blk in layout.views(a):
-        part = blk.sum(1) if col_weight is None else blk @ col_weight[b.col: b.col + b.width]
+        if square:
+            part = torch.linalg.vector_norm(blk, dim=1).square()
+        else:
+            part = blk.sum(1) if col_weight is None else blk @ col_weight[b.col: b.col + b.width]
         out[b.row: b.row + b.height] += part
     return out
 
 
-def col_sums(layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | None = None) -> torch.Tensor:
-    """Partial ``sum_i w_i * a_ij`` for every column ``j`` (``w = 1`` when ``row_weight`` is None)."""
+def col_sums(layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | None = None,
+             square: bool = False) -> torch.Tensor:
+    """Partial ``sum_i w_i * a_ij`` for every column ``j`` (``w = 1`` when ``row_weight`` is None); with
+    ``square`` the sums of ``a_ij^2``."""
     out = a.new_zeros(layout.shape[1])
     for b, blk in layout.views(a):
-        part = blk.sum(0) if row_weight is None else row_weight[b.row: b.row + b.height] @ blk
+        if square:
+            part = torch.linalg.vector_norm(blk, dim=0).square()
+        else:
+            part = blk.sum(0) if row_weight is None else row_weight[b.row: b.row + b.height] @ blk
         out[b.col: b.col + b.width] += part
     return out
 
