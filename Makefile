@@ -8,7 +8,7 @@ STAMP := $(VENV)/.shardopt-installed
 export DS_ACCELERATOR := cpu
 export OMP_NUM_THREADS := 1
 
-.PHONY: setup test test-fast demo clean
+.PHONY: setup test test-fast demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,16 @@ test-fast: setup
 
 demo: setup
 	bash launch/demo.sh
+
+# benchmarks/ (issue 6): peers installed on demand; every script writes benchmarks/results/<name>.{json,md}
+bench: setup
+	$(BIN)/python -m pip install -q -e ".[bench]"
+	$(BIN)/python -m benchmarks.step_time
+	$(BIN)/python -m benchmarks.comm
+	$(BIN)/python -m benchmarks.memory
+	$(BIN)/python -m benchmarks.scaling
+	$(BIN)/python -m benchmarks.convergence
+	$(BIN)/python -m benchmarks.summarize
 
 clean:
 	rm -rf $(VENV) runs

@@ -28,6 +28,7 @@ def torchrun(script: str, nproc: int, args: list[str], timeout: float = 600) -> 
 
 def finish_worker(records: list, out: str) -> None:
     """End of every distributed worker: rank 0 writes the records as JSON, then the group is torn down."""
+    import gc
     import json
 
     import torch.distributed as dist
@@ -35,4 +36,8 @@ def finish_worker(records: list, out: str) -> None:
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(records, f, indent=1)
+    # release every engine (DDP reducers, FSDP/DeepSpeed hooks) and let all ranks arrive before the group goes:
+    # tearing gloo down under live wrappers can abort the process at exit on a loaded machine
+    gc.collect()
+    dist.barrier()
     dist.destroy_process_group()

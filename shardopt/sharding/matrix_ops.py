@@ -13,8 +13,9 @@ small factorizations on identical inputs on every rank that takes part, and retu
   the grain an all-to-all of ~1/P of the matrix per rank), every rank computes on its rows, and sums over
   rows are all-reduced: small ``k x k`` / ``r x n`` matrices instead of the matrix itself.
 
-``strategy="auto"`` picks per matrix the one with the lower estimated cost (bytes moved weighted by
-``FLOPS_PER_BYTE`` plus the FLOPs on the busiest rank); ``"gather"`` / ``"distributed"`` force one. A matrix
+``strategy="auto"`` picks per matrix the one with the lower estimated per-rank cost (bytes moved weighted by
+``FLOPS_PER_BYTE`` plus FLOPs; a gathered matrix costs its owner the whole op, about 1/P per rank once the
+owner plan balances them; the distributed strategy splits the row products and repeats small factorizations); ``"gather"`` / ``"distributed"`` force one. A matrix
 held whole by a single rank of its group is computed there with no communication under any strategy.
 """
 from __future__ import annotations
@@ -90,10 +91,13 @@ class MatrixOps:
 
     @staticmethod
     def _cheaper(lay: MatrixLayout, transpose: bool, c: OpCost) -> str:
+        """Per-rank cost of each strategy: gathering spreads whole matrices over the ranks (the owner plan
+        balances them), so a rank pays about 1/P of a matrix's bytes and FLOPs; the distributed strategy splits
+        the row products but repeats the small factorizations on every rank."""
         plan = RowPlan.aligned(lay, transpose)
-        m, n = lay.shape
-        dist = FLOPS_PER_BYTE * 4 * (2 * max(plan.sent) + 2 * c.reduced) + c.row_flops / lay.holders + c.small_flops
-        return "distributed" if dist <= _gather_cost(c, lay.shape) else "gather"
+        p = lay.holders
+        dist = FLOPS_PER_BYTE * 4 * (2 * max(plan.sent) + 2 * c.reduced) + c.row_flops / p + c.small_flops
+        return "distributed" if dist <= _gather_cost(c, lay.shape) / p else "gather"
 
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:

@@ -1,0 +1,162 @@
+"""The README's benchmark table, built only from the committed result files.
+
+    python -m benchmarks.summarize            # reads benchmarks/results/*.json, writes results/SUMMARY.md
+    python -m benchmarks.summarize --quick    # the same from the smoke runs in runs/benchmarks/quick
+
+One row per optimizer, one column group per benchmark, then every issue-6 target with its measured figure.
+A benchmark without a result file shows "not run"; nothing is filled in by hand, so the README table and
+the result files cannot disagree as long as the table is pasted from SUMMARY.md.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, Callable
+
+from . import targets
+from .results import QUICK_DIR, REPO_ROOT, RESULTS_DIR, fmt, markdown_table, read_results
+
+Columns = dict[str, dict[str, str]]  # optimizer -> column -> cell
+
+
+def _step_time(data: dict[str, Any]) -> Columns:
+    out: Columns = {}
+    sizes = list(dict.fromkeys(r["size"] for r in data["records"]))
+    for r in data["records"]:
+        cell = out.setdefault("adamw" if r["optimizer"] == "adamw_foreach" else r["optimizer"], {})
+        if "error" in r:
+            cell[f"step / AdamW ({r['size']})"] = "error"
+            continue
+        cell[f"step / AdamW ({r['size']})"] = fmt(r.get("vs_adamw_foreach"), ".2f")
+        if r["size"] == sizes[-1]:
+            cell[f"time / floor ({r['size']})"] = fmt(r.get("time_over_floor"), ".1f")
+    return out
+
+
+def _comm(data: dict[str, Any]) -> Columns:
+    out: Columns = {}
+    ws = max(r["world_size"] for r in data["records"])
+    for name in dict.fromkeys(r["optimizer"] for r in data["records"]):
+        rows = [r for r in data["records"] if r["optimizer"] == name and "error" not in r]
+        top = [r for r in rows if r["world_size"] == ws]
+        if not rows:
+            out[name] = {f"comm % of grad (ws {ws}, worst layout)": "error"}
+            continue
+        worst = 100 * max(r["fraction_of_grad"] for r in top) if top else None
+        out[name] = {f"comm % of grad (ws {ws}, worst layout)": fmt(worst, ".3f"),
+                     "calls independent of #matrices": fmt(all(r["calls_independent"] for r in rows))}
+    return out
+
+
+def _memory(data: dict[str, Any]) -> Columns:
+    out: Columns = {}
+    states = [r for r in data["records"] if r.get("kind") == "state"]
+    if states:
+        size = states[-1]["size"]
+        for r in (r for r in states if r["size"] == size):
+            out.setdefault(r["optimizer"], {})[f"state / AdamW ({size})"] = fmt(r["vs_adamw"], ".3f")
+    return out
+
+
+def _scaling(data: dict[str, Any]) -> Columns:
+    out: Columns = {}
+    ws = max(r["world_size"] for r in data["records"])
+    for r in data["records"]:
+        if r["world_size"] == ws and r.get("whole_matrix"):
+            out.setdefault(r["optimizer"], {})[f"owner work ws {ws} / ws 1"] = fmt(r.get("owner_flops_vs_ws1"), ".2f")
+    return out
+
+
+def _convergence(data: dict[str, Any]) -> Columns:
+    from .convergence import best_runs
+
+    out: Columns = {}
+    for name, r in best_runs(data["records"]).items():
+        out[name] = {"val loss (best lr)": fmt(r["val_loss"], ".3f"), "tokens/s": fmt(r["tokens_per_s"], ",.0f")}
+    for name, why in data["config"].get("unavailable", {}).items():
+        out[name] = {"val loss (best lr)": "not run"}
+    return out
+
+
+SOURCES: dict[str, Callable[[dict[str, Any]], Columns]] = {
+    "step_time": _step_time, "comm": _comm, "memory": _memory, "scaling": _scaling, "convergence": _convergence,
+}
+
+
+def target_lines(results: dict[str, dict[str, Any] | None]) -> list[str]:
+    """Each issue-6 target with the measured figure and a verdict (or 'not run')."""
+    lines = []
+    st = results.get("step_time")
+    for name, limit in targets.STEP_TIME_VS_ADAMW.items():
+        recs = [r for r in (st or {}).get("records", []) if r["optimizer"] == name and r.get("vs_adamw_foreach")]
+        if not recs:
+            lines.append(f"- step time {name} <= {limit}x AdamW: not run")
+            continue
+        figures = ", ".join(f"{r['vs_adamw_foreach']:.2f}x ({r['size']})" for r in recs)
+        ok = all(r["vs_adamw_foreach"] <= limit for r in recs)
+        lines.append(f"- step time {name} <= {limit}x AdamW (foreach): {figures}: {'met' if ok else 'MISSED'}")
+    cm = results.get("comm")
+    for name in targets.COMM_TARGET_OPTIMIZERS:
+        recs = [r for r in (cm or {}).get("records", []) if r["optimizer"] == name and "error" not in r]
+        if not recs:
+            lines.append(f"- comm {name} <= {100 * targets.COMM_FRACTION_OF_GRAD:g}% of gradient: not run")
+            continue
+        worst = max(recs, key=lambda r: r["fraction_of_grad"])
+        ok = all(r.get("target_met") for r in recs)
+        lines.append(f"- comm {name} <= {100 * targets.COMM_FRACTION_OF_GRAD:g}% of gradient, calls independent of "
+                     f"#matrices: worst {100 * worst['fraction_of_grad']:.3f}% (ws {worst['world_size']}, "
+                     f"{worst['layout']}), calls independent: {all(r['calls_independent'] for r in recs)}: "
+                     f"{'met' if ok else 'MISSED'}")
+    return lines
+
+
+def build_summary(results_dir: Path = RESULTS_DIR) -> str:
+    results = {name: read_results(name, results_dir) for name in SOURCES}
+    table: Columns = {}
+    columns: list[str] = []
+    for name, extract in SOURCES.items():
+        if results[name] is None:
+            continue
+        for opt, cells in extract(results[name]).items():
+            table.setdefault(opt, {}).update(cells)
+            columns += [c for c in cells if c not in columns]
+    body = [[n] + [table[n].get(c, "") for c in columns] for n in _ordered(table)]
+    sources = "".join(f"- `{n}`: {_describe_run(r)}\n" for n, r in results.items())
+    where = results_dir.relative_to(REPO_ROOT) if results_dir.is_relative_to(REPO_ROOT) else results_dir
+    return (f"# Benchmark summary\n\nGenerated by `python -m benchmarks.summarize` from `{where}/`; "
+            "`adamw` is `torch.optim.AdamW` (foreach), the reference of every ratio.\n\n"
+            + markdown_table(["optimizer", *columns], body) + "\n## Targets (issue 6)\n\n"
+            + "\n".join(target_lines(results)) + "\n\n## Sources\n\n" + sources)
+
+
+def _describe_run(result: dict[str, Any] | None) -> str:
+    if result is None:
+        return "not run"
+    env = result["environment"]
+    return f"{env['date']}, commit {env['commit']}, {env.get('gpu', env['cpu'])}, {env['torch_threads']} thread(s)"
+
+
+def _ordered(names: Any) -> list[str]:
+    """Baselines first, then shardopt's registry order, then the peers."""
+    from .optimizers import ADAMW_VARIANTS, registered
+    from .peers import PEERS
+
+    known = ["adamw", *ADAMW_VARIANTS, *registered(), *PEERS]
+    return sorted(names, key=lambda n: known.index(n) if n in known else len(known))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"summarize the smoke runs in {QUICK_DIR}")
+    ap.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
+    args = ap.parse_args(argv)
+    results_dir = args.results_dir or (QUICK_DIR if args.quick else RESULTS_DIR)
+    text = build_summary(results_dir)
+    path = results_dir / "SUMMARY.md"
+    path.write_text(text)
+    print(text)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
