@@ -33,3 +33,31 @@ def test_every_rank_derives_the_same_plan_from_the_same_metadata():
 
 def test_whole_matrices_are_computed_locally():
     assert owner_plan([MatrixLayout.whole((4, 4))], ["w"], newton_schulz_cost) == [-1]
+
+
+def _ops(strategy, rank=0, cost=None):
+    from shardopt.optim.asgo import _asgo_cost
+    from shardopt.sharding.matrix_ops import MatrixOps
+
+    block = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
+    shapes = block * 2
+    names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
+    lays = layouts(shapes, rank=rank)
+    return MatrixOps(lays, names, [m < n for m, n in shapes], strategy, cost or _asgo_cost), shapes
+
+
+def test_gathered_asgo_roots_balance_within_25_percent_of_the_mean():
+    from shardopt.sharding.matrix_ops import _gather_cost
+
+    ops, shapes = _ops("gather")
+    load = [0.0] * 4
+    for i, o in enumerate(ops.owners):
+        load[o] += _gather_cost(ops.costs[i], shapes[i])
+    assert max(load) <= 1.25 * (sum(load) / 4), load
+
+
+def test_every_rank_derives_the_same_strategy_and_owners():
+    for strategy in ("auto", "gather", "distributed"):
+        plans = [_ops(strategy, rank=r)[0] for r in range(4)]
+        assert all(p.kinds == plans[0].kinds and p.owners == plans[0].owners for p in plans), strategy
+        assert all([pl.starts for pl in p.plans] == [pl.starts for pl in plans[0].plans] for p in plans)
