@@ -56,7 +56,10 @@ class MatrixItem:
         if weight_decay:
             w.mul_(1 - lr * weight_decay)
         if isinstance(lr, torch.Tensor):
-            w.sub_((update * lr).to(w.dtype))
+            if w.dtype == update.dtype:
+                w.addcmul_(update, lr.to(w.dtype), value=-1)  # one pass, no scaled copy
+            else:
+                w.sub_((update * lr).to(w.dtype))
         else:
             w.add_(update.to(w.dtype), alpha=-lr)
 
@@ -378,12 +381,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _nonfinite_grads(self) -> bool:
         """Whether any rank has a non-finite gradient in this step (one 1-element all-reduce when distributed).
 
-        One fused max-abs over all local gradients, so a healthy step costs a single host sync."""
+        A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
+        over all gradients; on CPUs (where that kernel is slow) fp32 sums, which are non-finite whenever an
+        element is, and are confirmed element-wise only then (a finite overflow of the sum is not a skip)."""
         named = [(p, local_flat(p.grad)) for g in self.param_groups for p in g["params"]
                  if p.grad is not None and local_flat(p.grad).numel()]
         if named:
-            norms = torch._foreach_norm([g for _, g in named], float("inf"))
-            flag = (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float().reshape(1)
+            grads = [g for _, g in named]
+            if grads[0].device.type == "cpu":
+                sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
+                bad = not bool(torch.isfinite(sums).all()) and not all(bool(torch.isfinite(g).all()) for g in grads)
+                flag = torch.tensor([float(bad)])
+            else:
+                norms = torch._foreach_norm(grads, float("inf"))
+                flag = (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float().reshape(1)
         else:  # on the parameters' device: NCCL cannot reduce a CPU tensor
             devices = [local_flat(p).device for g in self.param_groups for p in g["params"]]
             flag = torch.zeros(1, device=devices[0] if devices else "cpu")

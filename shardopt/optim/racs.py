@@ -98,9 +98,10 @@ class RACS(ShardedOptimizer):
             if it.has_grad:
                 st["row_scale"].mul_(beta).add_(it.work["q"], alpha=1 - beta)
                 st["col_scale"].mul_(beta).add_(it.work["s"], alpha=1 - beta)
-            gt = scale_into(it.layout, it.work["P"], it.grad, masked_rsqrt(st["row_scale"]), masked_rsqrt(st["col_scale"]))
-            it.work["gt"] = gt
-            it.work["norm2"] = local_sum(gt * gt)
+            r_inv, c_inv = masked_rsqrt(st["row_scale"]), masked_rsqrt(st["col_scale"])
+            # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
+            it.work["norm2"] = local_sum(row_sums(it.layout, it.work["P"], c_inv * c_inv) * (r_inv * r_inv))
+            it.work["gt"] = scale_into(it.layout, it.work["P"], it.grad, r_inv, c_inv)
             rnd.add_sum(it.layout, it.work["norm2"])
         rnd.run()
         gamma = group["gamma"]

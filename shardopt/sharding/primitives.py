@@ -44,10 +44,22 @@ def col_sums(layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | N
     out = a.new_zeros(layout.shape[1])
     for b, blk in layout.views(a):
         if square:
-            part = torch.linalg.vector_norm(blk, dim=0).square()
+            part = _col_sumsq(blk)
         else:
             part = blk.sum(0) if row_weight is None else row_weight[b.row: b.row + b.height] @ blk
         out[b.col: b.col + b.width] += part
+    return out
+
+
+def _col_sumsq(blk: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
+    """Column sums of squares of a row-major block: squares of a few rows at a time (cache-sized, no full
+    squared copy) summed by a matrix-vector product; a strided reduction over dim 0 is several times slower
+    on CPUs."""
+    out = blk.new_zeros(blk.shape[1])
+    ones = blk.new_ones(min(rows_per_chunk, blk.shape[0]))
+    for r in range(0, blk.shape[0], rows_per_chunk):
+        chunk = blk[r: r + rows_per_chunk]
+        out.addmv_(chunk.square().T, ones[: chunk.shape[0]])
     return out
 
 
