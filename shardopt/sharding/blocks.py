@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
@@ -207,6 +207,26 @@ def _groups(plans: Sequence[RowPlan]) -> dict[int, list[int]]:
     return by
 
 
+def _exchange_groups(plans: Sequence[RowPlan], send: Callable[[int, int], list[torch.Tensor]],
+                     count: Callable[[RowPlan, int], int], receive: Callable[[int, int, torch.Tensor], None],
+                     tags: Sequence[str], dtype: torch.dtype, device: torch.device) -> None:
+    """One ``all_to_all`` per process group for every entry that moves: ``send(e, dst)`` packs, ``count(plan,
+    src)`` says how much arrives from ``src``, ``receive(e, src, flat)`` unpacks. Groups whose static plans
+    move nothing issue no collective on any rank."""
+    for idx in _groups(plans).values():
+        sub = [plans[e] for e in idx]
+        if not any(any(p.sent) for p in sub):
+            continue
+        world, me = sub[0].layout.world, sub[0].layout.rank
+        parts = [[send(e, d) for d in range(world)] for e in idx]
+        counts = [[count(p, s) for s in range(world)] for p in sub]
+        got = _exchange(sub, parts, counts, dtype, device, [tags[e] for e in idx])
+        for e, row in zip(idx, got):
+            for s in range(world):
+                if s != me and row[s].numel():
+                    receive(e, s, row[s])
+
+
 def to_blocks(plans: Sequence[RowPlan], pieces: Sequence[torch.Tensor], tags: Sequence[str]) -> list[torch.Tensor]:
     """Each entry's block of ``A`` on this rank (fp32, shape ``(rows held, A's columns)``; ``(0, cols)`` if none).
 
@@ -221,56 +241,38 @@ def to_blocks(plans: Sequence[RowPlan], pieces: Sequence[torch.Tensor], tags: Se
             blocks.append(full.T if plan.transpose else full)
             continue
         block = torch.zeros(a1 - a0, plan.a_shape[1], dtype=piece.dtype, device=piece.device)
-        me = plan.layout.rank
-        parts = plan.pack_piece(piece, me)
+        parts = plan.pack_piece(piece, plan.layout.rank)
         if parts:
-            plan.unpack_into_block(block, me, torch.cat(parts))
+            plan.unpack_into_block(block, plan.layout.rank, torch.cat(parts))
         blocks.append(block)
-    for idx in _groups(plans).values():
-        sub = [plans[e] for e in idx]
-        if not any(any(p.sent) for p in sub):
-            continue  # nothing crosses the network for any entry of this group: no collective on any rank
-        world, me = sub[0].layout.world, sub[0].layout.rank
-        send = [[p.pack_piece(pieces[e], d) for d in range(world)] for p, e in zip(sub, idx)]
-        counts = [[p.moved(s, me) for s in range(world)] for p in sub]
-        recv = _exchange(sub, send, counts, pieces[idx[0]].dtype, pieces[idx[0]].device, [tags[e] for e in idx])
-        for p, e, got in zip(sub, idx, recv):
-            for s in range(world):
-                if s != me and got[s].numel():
-                    p.unpack_into_block(blocks[e], s, got[s])
+    if pieces:
+        _exchange_groups(plans, lambda e, d: plans[e].pack_piece(pieces[e], d),
+                         lambda p, s: p.moved(s, p.layout.rank),
+                         lambda e, s, flat: plans[e].unpack_into_block(blocks[e], s, flat),
+                         tags, pieces[0].dtype, pieces[0].device)
     return blocks
 
 
-def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None], tags: Sequence[str]) -> list[torch.Tensor]:
+def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None], tags: Sequence[str],
+                device: torch.device | str = "cpu") -> list[torch.Tensor]:
     """Inverse of ``to_blocks``: this rank's 1-D piece of each entry from the block-shaped results.
 
-    ``blocks[e]`` may be ``None`` on a rank that holds no row of entry ``e``."""
+    ``blocks[e]`` may be ``None`` on a rank that holds no row of entry ``e``; ``device`` is where the pieces
+    live (the parameters' device)."""
+    blocks = [b if b is not None else torch.zeros(0, p.a_shape[1], device=device) for p, b in zip(plans, blocks)]
     pieces: list[torch.Tensor] = []
     for plan, block in zip(plans, blocks):
         if plan.layout.group is None:
             pieces.append((block.T if plan.transpose else block).reshape(-1))
             continue
-        lay = plan.layout
-        if block is None:
-            block = torch.zeros(0, plan.a_shape[1])
-        piece = torch.zeros(lay.local_numel, dtype=block.dtype, device=block.device)
-        parts = plan.pack_block(block, lay.rank)
+        piece = torch.zeros(plan.layout.local_numel, dtype=block.dtype, device=block.device)
+        parts = plan.pack_block(block, plan.layout.rank)
         if parts:
-            plan.unpack_into_piece(piece, lay.rank, torch.cat(parts))
+            plan.unpack_into_piece(piece, plan.layout.rank, torch.cat(parts))
         pieces.append(piece)
-    for idx in _groups(plans).values():
-        sub = [plans[e] for e in idx]
-        if not any(any(p.sent) for p in sub):
-            continue
-        world, me = sub[0].layout.world, sub[0].layout.rank
-        send = []
-        for p, e in zip(sub, idx):
-            block = blocks[e] if blocks[e] is not None else torch.zeros(0, p.a_shape[1], device=pieces[e].device)
-            send.append([p.pack_block(block, d) for d in range(world)])
-        counts = [[p.moved(me, s) for s in range(world)] for p in sub]
-        recv = _exchange(sub, send, counts, pieces[idx[0]].dtype, pieces[idx[0]].device, [tags[e] for e in idx])
-        for p, e, got in zip(sub, idx, recv):
-            for s in range(world):
-                if s != me and got[s].numel():
-                    p.unpack_into_piece(pieces[e], s, got[s])
+    if pieces:
+        _exchange_groups(plans, lambda e, d: plans[e].pack_block(blocks[e], d),
+                         lambda p, s: p.moved(p.layout.rank, s),
+                         lambda e, s, flat: plans[e].unpack_into_piece(pieces[e], s, flat),
+                         tags, pieces[0].dtype, pieces[0].device)
     return pieces

@@ -127,6 +127,8 @@ class MatrixOps:
                 plans.append(self.plans[i])
                 pieces.append(piece)
                 tags.append(self._tag(i))
+        if pieces:
+            self._device = pieces[0].device  # results return to the parameters' device, also where a rank has none
         flat = to_blocks(plans, pieces, tags)
         out, pos = [], 0
         for chans in channels:
@@ -136,7 +138,8 @@ class MatrixOps:
 
     def from_blocks(self, blocks: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Row-block results (``None`` where this rank computed nothing) -> this rank's 1-D pieces."""
-        return from_blocks(self.plans, blocks, [self._tag(i) for i in range(len(self))])
+        return from_blocks(self.plans, blocks, [self._tag(i) for i in range(len(self))],
+                           getattr(self, "_device", "cpu"))
 
     def _tag(self, i: int) -> str:
         return "gather" if self.kinds[i] == "gather" else "realign"
