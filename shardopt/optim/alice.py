@@ -11,7 +11,7 @@ Per matrix, on ``A = G`` when ``m <= n`` (rows projected) or ``A = G^T`` otherwi
         Qt re-projected into the new basis (reproject=True; False keeps the paper's literal mixing)
     s = U^T A;  Qt = b3 Qt + (1 - b3) s s^T   (Alice only; Alice-0 has b3 = 0 and no Qt)
     M = b1 M + (1 - b1) s;  V = b2 V + (1 - b2) s*s;  w = M / (sqrt(V) + eps)
-    R = A - U s;  p = b1 p + (1 - b1) colsum(R*R);  C = sqrt(rows - r) R / sqrt(p)  (limited by gamma)
+    R = A - U s;  p = b1 p + (1 - b1) colsum(R*R)  (from colsum(A*A) and s: R is never formed);  C = sqrt(rows - r) R / sqrt(p)  (limited by gamma)
     W = W (1 - lr wd) - lr alpha (U w + alpha_c C)
 
 Written on ``MatrixOps``: every product with ``A`` sums over its rows or is row-local, so under the
@@ -27,8 +27,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.linalg import seeded_permutation
+from ..sharding.linalg import mm_like, seeded_permutation
 from ..sharding.matrix_ops import MatrixOps, OpCost
+from ..sharding.primitives import col_sumsq
 from ..sharding.subspace import orthonormal, range_basis
 from .base import ShardedOptimizer
 from .sumo import effective_rank
@@ -105,14 +106,17 @@ class Alice(ShardedOptimizer):
         switch = [i for i in active if t_of[i] == 1 or t_of[i] % group["refresh_interval"] == 0]
         self._switch(ops, items, blocks, switch, ranks, lead, group)
 
-        sigma = ops.allreduce({i: ops.my_rows(i, items[i].state["basis"]).T @ blocks[i] for i in active})
-        resid, energy = {}, {}
+        # s = U^T A and the column energies of A in one reduction; R = A - U s is never formed. U has orthonormal
+        # columns (QR / Ritz vectors), so |R e_j|^2 = |a_j|^2 - |s_j|^2 (the U^T U - I term is float32 rounding),
+        # and U w + a_c C = U (w - a_c s diag(c)) + a_c A diag(c): one product with A instead of two
+        sigma, energy = {}, {}
+        parts = ops.allreduce({i: torch.cat([(ops.my_rows(i, items[i].state["basis"]).T @ blocks[i]).reshape(-1),
+                                             col_sumsq(blocks[i])]) for i in active})
         for i in active:
-            u_mine = ops.my_rows(i, items[i].state["basis"])
-            resid[i] = blocks[i] - u_mine @ sigma[i]
-            energy[i] = (resid[i] * resid[i]).sum(0)
-        energy = ops.allreduce(energy)
-        comp, cn2 = {}, {}
+            r, cols = ranks[i], blocks[i].shape[1]
+            sigma[i] = parts[i][: r * cols].view(r, cols)
+            energy[i] = (parts[i][r * cols:] - (sigma[i] * sigma[i]).sum(0)).clamp_(min=0)
+        updates = {}
         for i in active:
             it, st = items[i], items[i].state
             rows = ops.plans[i].a_shape[0]
@@ -122,25 +126,22 @@ class Alice(ShardedOptimizer):
                 st["exp_avg_low"].mul_(b1).add_(sigma[i], alpha=1 - b1)
                 st["exp_avg_sq_low"].mul_(b2).addcmul_(sigma[i], sigma[i], value=1 - b2)
                 st["col_energy"].mul_(b1).add_(energy[i], alpha=1 - b1)
+            # C = R diag(c) with c_j = sqrt(rows - r) / sqrt(p_j); |C|_F^2 = sum_j c_j^2 |R e_j|^2 comes from the
+            # reduced column energies, so C is never formed and needs no reduction of its own
             p = st["col_energy"]
             if ranks[i] < rows:
-                inv = torch.where(p > 0, (p + group["eps"]).rsqrt(), torch.zeros_like(p))
-                comp[i] = resid[i] * (math.sqrt(rows - ranks[i]) * inv)
+                c = torch.where(p > 0, (p + group["eps"]).rsqrt(), torch.zeros_like(p)) * math.sqrt(rows - ranks[i])
             else:
-                comp[i] = torch.zeros_like(resid[i])
-            cn2[i] = (comp[i] * comp[i]).sum().reshape(1)
-        cn2 = ops.allreduce(cn2)
-        updates = {}
-        for i in active:
-            it, st = items[i], items[i].state
-            norm = cn2[i].sqrt().reshape(())
+                c = torch.zeros_like(p)
+            norm = (c * c * energy[i]).sum().sqrt()
             phi = st["phi"]
             eta = group["gamma"] / torch.clamp(norm / phi, min=group["gamma"]) if phi > 0 else torch.ones_like(phi)
             if it.has_grad:
                 st["phi"].copy_(eta * norm)
             omega = st["exp_avg_low"] / (st["exp_avg_sq_low"].sqrt() + group["eps"])
-            low = ops.my_rows(i, st["basis"]) @ omega
-            updates[i] = (low + comp[i] * (group["alpha_c"] * eta)) * group["alpha"]
+            col = c * (group["alpha"] * group["alpha_c"] * eta)
+            low = (omega * group["alpha"]).sub_(sigma[i] * col)
+            updates[i] = mm_like(blocks[i], ops.my_rows(i, st["basis"]), low).addcmul_(blocks[i], col)
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
         for it, piece in zip(items, pieces):

@@ -19,7 +19,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.linalg import by_shape, polar_factor
+from ..sharding.linalg import by_shape, mm_like, polar_factor
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis
 from .base import ShardedOptimizer
@@ -126,7 +126,7 @@ class SUMO(ShardedOptimizer):
             if it.has_grad:
                 st["prev_onorm"].copy_(o.norm())
             scale = group["alpha"] * step_scale(group["step_scale"], it.layout.shape)
-            updates[i] = (ops.my_rows(i, st["basis"]) @ o) * scale
+            updates[i] = mm_like(blocks[i], ops.my_rows(i, st["basis"]), o).mul_(scale)
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
         for it, piece in zip(items, pieces):

@@ -5,7 +5,8 @@ from typing import Callable
 
 import torch
 
-__all__ = ["newton_schulz", "polar_factor", "inverse_root", "by_shape", "gram_inverse_sqrt", "seeded_normal", "seeded_permutation", "MUON_COEFFICIENTS"]
+__all__ = ["newton_schulz", "polar_factor", "inverse_root", "by_shape", "gram_inverse_sqrt", "seeded_normal", "seeded_permutation", "MUON_COEFFICIENTS",
+           "stored_transposed", "mm_like"]
 
 #: quintic coefficients of Muon (KellerJordan/Muon; torch.optim.Muon defaults)
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -30,15 +31,38 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENT
 
 
 def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
-    """Exact ``U V^T`` from the reduced SVD in float64 (batched over leading dimensions). Singular directions
-    below ``rtol * sigma_1`` (default ``max(m, n) * eps(float64)``) map to zero, so a rank-deficient or zero
-    input gives a partial isometry, never arbitrary null-space vectors (which could differ between ranks)."""
-    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
+    """Exact ``U V^T`` of the reduced SVD, computed in float64 (batched over leading dimensions). Singular
+    directions below ``rtol * sigma_1`` (default ``max(m, n) * eps(float64)``) map to zero, so a rank-deficient
+    or zero input gives a partial isometry, never arbitrary null-space vectors (which could differ between ranks).
+
+    With a cutoff of at least ``GRAM_RTOL`` the factor comes from the eigendecomposition of the small float64
+    Gram matrix (``k x k``, ``k = min(m, n)``): ``O = (V diag(1/sigma) V^T) g``. Every kept direction has
+    ``sigma_i >= rtol sigma_1``, so float64 rounding of the Gram eigenvalues (``~eps64 sigma_1^2``) moves it by
+    at most ``eps64 / rtol^2 / 2`` relative, below float32 rounding; on a CPU this is ~5-10x faster than the
+    SVD of a ``128 x 1376`` moment. Tighter cutoffs take the SVD.
+    """
     tol = max(g.shape[-2:]) * torch.finfo(torch.float64).eps if rtol is None else rtol
+    if tol >= GRAM_RTOL and g.numel():
+        return _polar_from_gram(g.double(), tol).float()
+    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
     if not s.numel():
         return (u @ vh).float()
     keep = (s > s.amax(-1, keepdim=True) * tol).to(u.dtype)
     return ((u * keep.unsqueeze(-2)) @ vh).float()
+
+
+GRAM_RTOL = 1e-5
+
+
+def _polar_from_gram(g: torch.Tensor, tol: float) -> torch.Tensor:
+    wide = g.size(-2) <= g.size(-1)
+    a = g if wide else g.mT
+    lam, vecs = torch.linalg.eigh(a @ a.mT)
+    sigma = lam.clamp(min=0).sqrt()
+    keep = sigma > sigma.amax(-1, keepdim=True) * tol
+    inv = torch.where(keep, 1.0 / torch.where(keep, sigma, torch.ones_like(sigma)), torch.zeros_like(sigma))
+    out = ((vecs * inv.unsqueeze(-2)) @ vecs.mT) @ a  # k x k first: two k^2 n products in all
+    return out if wide else out.mT
 
 
 def by_shape(fn: Callable[[torch.Tensor], torch.Tensor], mats: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -121,3 +145,16 @@ def seeded_permutation(n: int, seed: int, *keys: object) -> torch.Tensor:
 
     gen = torch.Generator().manual_seed(zlib.crc32(repr((seed,) + keys).encode()))
     return torch.randperm(n, generator=gen)
+
+
+def stored_transposed(a: torch.Tensor) -> bool:
+    """Whether ``a`` is the transposed view of a row-major matrix (a block of ``A = G^T``)."""
+    return a.dim() == 2 and not a.is_contiguous() and a.mT.is_contiguous()
+
+
+def mm_like(like: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``x @ y`` stored in the same orientation as ``like``: for a block of ``G^T`` the product is written as
+    ``(y^T x^T)^T``, so later element-wise work with ``like`` runs on contiguous memory and the result maps
+    back to ``G``'s flat layout as a view (no transposing copy of a full-size matrix)."""
+    return (y.mT @ x.mT).mT if stored_transposed(like) else x @ y
+

@@ -15,6 +15,7 @@ from .layout import MatrixLayout
 __all__ = [
     "row_sums",
     "col_sums",
+    "col_sumsq",
     "local_sum",
     "axis_sum",
     "scale_into",
@@ -44,17 +45,19 @@ def col_sums(layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | N
     out = a.new_zeros(layout.shape[1])
     for b, blk in layout.views(a):
         if square:
-            part = _col_sumsq(blk)
+            part = col_sumsq(blk)
         else:
             part = blk.sum(0) if row_weight is None else row_weight[b.row: b.row + b.height] @ blk
         out[b.col: b.col + b.width] += part
     return out
 
 
-def _col_sumsq(blk: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
-    """Column sums of squares of a row-major block: squares of a few rows at a time (cache-sized, no full
-    squared copy) summed by a matrix-vector product; a strided reduction over dim 0 is several times slower
-    on CPUs."""
+def col_sumsq(blk: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
+    """Column sums of squares of a block: for a transposed view, contiguous row norms of its storage;
+    for a row-major block, squares of a few rows at a time (cache-sized, no full squared copy) summed by a
+    matrix-vector product (a strided reduction over dim 0 is several times slower on CPUs)."""
+    if blk.dim() == 2 and not blk.is_contiguous() and blk.mT.is_contiguous():
+        return torch.linalg.vector_norm(blk.mT, dim=1).square()
     out = blk.new_zeros(blk.shape[1])
     ones = blk.new_ones(min(rows_per_chunk, blk.shape[0]))
     for r in range(0, blk.shape[0], rows_per_chunk):
