@@ -158,6 +158,39 @@ def test_alice_full_rank_is_adam_in_its_basis() -> None:
         assert torch.allclose(delta, want, atol=2e-5 * want.abs().max().item()), t
 
 
+@pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
+def test_alice_compensation_matches_the_explicit_residual_form(shape: tuple[int, int]) -> None:
+    """r < rows: the step equals the card's form with R = A - U s and C = sqrt(rows - r) R / sqrt(p) formed
+    explicitly (float64), the norm-growth limiter included, although the optimizer forms neither."""
+    from shardopt.optim.alice import Alice
+
+    lr, alpha, alpha_c, gamma, b1, b2, eps, r = 0.1, 0.3, 0.4, 1.01, 0.9, 0.9, 1e-8, 2
+    p = one_matrix(*shape)
+    opt = Alice([p], lr=lr, alpha=alpha, alpha_c=alpha_c, gamma=gamma, rank=r, leading=1, betas=(b1, b2, 0.999),
+                eps=eps, refresh_interval=1000)
+    transpose = shape[0] > shape[1]
+    rows, cols = sorted(shape)
+    mom, var = torch.zeros(r, cols, dtype=torch.float64), torch.zeros(r, cols, dtype=torch.float64)
+    energy, phi = torch.zeros(cols, dtype=torch.float64), 0.0
+    for t in range(5):
+        g = rand(*shape, seed=50 + t) * (3.0 if t == 3 else 1.0)  # a jump that the limiter must cap
+        delta = step_with(opt, p, g)
+        a = g.T if transpose else g
+        u = opt.state[p]["basis"].double()
+        s = u.T @ a
+        mom, var = b1 * mom + (1 - b1) * s, b2 * var + (1 - b2) * s * s
+        resid = a - u @ s
+        energy = b1 * energy + (1 - b1) * (resid * resid).sum(0)
+        comp = resid * (rows - r) ** 0.5 / (energy + eps).sqrt()
+        norm = comp.norm().item()
+        eta = 1.0 if phi == 0 else gamma / max(norm / phi, gamma)
+        phi = eta * norm
+        want = -lr * alpha * (u @ (mom / (var.sqrt() + eps)) + alpha_c * eta * comp)
+        want = want.T if transpose else want
+        assert torch.allclose(delta, want, atol=1e-5 * want.abs().max().item()), t
+        assert abs(float(opt.state[p]["phi"]) - phi) <= 1e-5 * phi, t
+
+
 def test_alice0_has_no_tracking_state_and_same_first_step_as_alice() -> None:
     from shardopt.optim.alice import Alice, Alice0
 
@@ -179,3 +212,54 @@ def test_zero_gradients_give_no_nan(name: str) -> None:
         model.weight.grad = torch.zeros_like(model.weight)
         opt.step()
     assert torch.isfinite(model.weight).all()
+
+
+@pytest.mark.parametrize("shape", [(16, 40), (40, 16), (3, 16, 40)])
+@pytest.mark.parametrize("kind", ["full", "rank_deficient", "ill_conditioned", "zero"])
+def test_polar_factor_gram_path_matches_the_svd(shape: tuple[int, ...], kind: str) -> None:
+    """The float64 Gram-eigh route (cutoffs >= GRAM_RTOL) gives the SVD's U V^T to float32 rounding and drops
+    the same directions (rank-deficient; singular values spread over 5.5 decades across the 1e-4 cutoff; zero)."""
+    from shardopt.sharding.linalg import GRAM_RTOL, polar_factor
+
+    g = torch.Generator().manual_seed(7)
+    *batch, m, n = shape
+    k = min(m, n)
+    if kind == "rank_deficient":
+        x = torch.randn(*batch, m, 3, generator=g, dtype=torch.float64) @ torch.randn(*batch, 3, n, generator=g,
+                                                                                       dtype=torch.float64)
+    elif kind == "ill_conditioned":
+        u = torch.linalg.qr(torch.randn(*batch, m, k, generator=g, dtype=torch.float64)).Q
+        v = torch.linalg.qr(torch.randn(*batch, n, k, generator=g, dtype=torch.float64)).Q
+        x = (u * torch.logspace(0, -5.5, k, dtype=torch.float64)) @ v.mT
+    elif kind == "zero":
+        x = torch.zeros(*shape, dtype=torch.float64)
+    else:
+        x = torch.randn(*shape, generator=g, dtype=torch.float64)
+    x = x.float()
+    rtol = 1e-4
+    assert rtol >= GRAM_RTOL
+    uu, ss, vh = torch.linalg.svd(x.double(), full_matrices=False)
+    keep = (ss > ss.amax(-1, keepdim=True) * rtol).double() if ss.numel() else ss
+    want = (uu * keep.unsqueeze(-2)) @ vh if kind != "zero" else torch.zeros_like(x.double())
+    got = polar_factor(x, rtol=rtol)
+    assert got.dtype == torch.float32 and got.shape == x.shape
+    assert torch.allclose(got.double(), want, atol=1e-6)
+
+
+def test_products_for_transposed_blocks_keep_the_storage_orientation() -> None:
+    """Blocks of G^T are views; products and column sums of squares computed for them come out stored like G
+    (so mapping back to G's flat layout is a view) and equal the plain results."""
+    from shardopt.sharding.linalg import mm_like, stored_transposed
+    from shardopt.sharding.primitives import col_sumsq
+
+    g = torch.randn(300, 40)
+    a = g.T  # a 40 x 300 block of A = G^T
+    x, y = torch.randn(40, 5), torch.randn(5, 300)
+    assert stored_transposed(a) and not stored_transposed(g) and not stored_transposed(torch.randn(1, 7).T)
+    out = mm_like(a, x, y)
+    assert out.shape == (40, 300) and out.mT.is_contiguous()
+    assert torch.allclose(out, x @ y, atol=1e-5)
+    plain = mm_like(g, torch.randn(300, 5), torch.randn(5, 40))
+    assert plain.is_contiguous()
+    for block in (a, g, torch.randn(700, 30)):
+        assert torch.allclose(col_sumsq(block), (block.double() ** 2).sum(0).float(), rtol=1e-5)
