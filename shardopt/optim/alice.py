@@ -115,17 +115,17 @@ class Alice(ShardedOptimizer):
         for i in active:
             r, cols = ranks[i], blocks[i].shape[1]
             sigma[i] = parts[i][: r * cols].view(r, cols)
-            energy[i] = (parts[i][r * cols:] - (sigma[i] * sigma[i]).sum(0)).clamp_(min=0)
+            energy[i] = (parts[i][r * cols:] - col_sumsq(sigma[i])).clamp_(min=0)
         updates = {}
         for i in active:
             it, st = items[i], items[i].state
             rows = ops.plans[i].a_shape[0]
             if it.has_grad:
                 if group["tracking"]:
-                    st["tracking"].mul_(b3).add_(sigma[i] @ sigma[i].T, alpha=1 - b3)
-                st["exp_avg_low"].mul_(b1).add_(sigma[i], alpha=1 - b1)
+                    st["tracking"].addmm_(sigma[i], sigma[i].T, beta=b3, alpha=1 - b3)
+                st["exp_avg_low"].lerp_(sigma[i], 1 - b1)
                 st["exp_avg_sq_low"].mul_(b2).addcmul_(sigma[i], sigma[i], value=1 - b2)
-                st["col_energy"].mul_(b1).add_(energy[i], alpha=1 - b1)
+                st["col_energy"].lerp_(energy[i], 1 - b1)
             # C = R diag(c) with c_j = sqrt(rows - r) / sqrt(p_j); |C|_F^2 = sum_j c_j^2 |R e_j|^2 comes from the
             # reduced column energies, so C is never formed and needs no reduction of its own
             p = st["col_energy"]
@@ -138,9 +138,10 @@ class Alice(ShardedOptimizer):
             eta = group["gamma"] / torch.clamp(norm / phi, min=group["gamma"]) if phi > 0 else torch.ones_like(phi)
             if it.has_grad:
                 st["phi"].copy_(eta * norm)
-            omega = st["exp_avg_low"] / (st["exp_avg_sq_low"].sqrt() + group["eps"])
             col = c * (group["alpha"] * group["alpha_c"] * eta)
-            low = (omega * group["alpha"]).sub_(sigma[i] * col)
+            # alpha w - s diag(col), w = M / (sqrt(V) + eps): three passes over the r x cols state
+            low = torch.addcdiv(sigma[i] * col.neg(), st["exp_avg_low"], st["exp_avg_sq_low"].sqrt().add_(group["eps"]),
+                                value=group["alpha"])
             updates[i] = mm_like(blocks[i], ops.my_rows(i, st["basis"]), low).addcmul_(blocks[i], col)
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
