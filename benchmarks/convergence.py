@@ -1,7 +1,7 @@
 """Convergence at a fixed token budget: AdamW, every shardopt optimizer and the peers, each with a small
 learning-rate sweep, on the tiny LLaMA and the trainer's default corpus.
 
-    python -m benchmarks.convergence                      # 60 steps x 1024 tokens, lr x {0.5, 1, 2}
+    python -m benchmarks.convergence                      # 200 steps x 1024 tokens, lr x {0.5, 1, 2}
     python -m benchmarks.convergence --steps 400 --lr-mults 0.5,1,2,4     # a longer run
     python -m benchmarks.convergence --quick              # 10 steps, 3 optimizers, smoke test
 
@@ -128,10 +128,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizers", default=None,
                     help="comma list from adamw, the registered names and the peers (default: all of them)")
     ap.add_argument("--lr-mults", default="0.5,1,2", help="learning-rate multipliers on each optimizer's defaults")
-    ap.add_argument("--steps", type=int, default=60, help="optimizer steps per run (same for every run)")
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (same for every run)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--eval-every", type=int, default=20)
+    ap.add_argument("--eval-every", type=int, default=40)
     ap.add_argument("--eval-sequences", type=int, default=64)
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--threads", type=int, default=1)
