@@ -24,7 +24,7 @@ from . import costmodel, optimizers, targets
 from .cli import parse_args
 from .models import GALORE_VOCAB, build_llama, describe, random_grads
 from .results import fmt, markdown_table, write_results
-from .timing import matmul_flops, repeat_timing, stream_bandwidth, time_call
+from .timing import matmul_flops, paired_timing, stream_bandwidth, time_call
 
 
 def step_floor(name: str, opt: torch.optim.Optimizer) -> tuple[float | None, float]:
@@ -49,8 +49,19 @@ def interval_of(opt: torch.optim.Optimizer) -> tuple[str, int] | None:
     return max(found, key=lambda f: f[1]) if found else None
 
 
-def time_steps(name: str, model: torch.nn.Module, device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
-    """Build ``name`` on ``model``, time its steps, and return one record."""
+def _paired(fn, reference, device: torch.device, args: argparse.Namespace, per_round: int = 1,
+            warmup: int = 0) -> dict[str, Any]:
+    """Rounds of (one AdamW foreach step, ``per_round`` steps of ``fn``): medians and the median round ratio."""
+    times, refs = paired_timing(fn, reference, device, max(1, args.repeats // per_round), per_round=per_round,
+                                warmup=warmup, max_seconds=args.max_seconds)
+    ratios = [t / r for t, r in zip(times, refs)]
+    return {"median_s": statistics.median(times), "times_s": times, "adamw_foreach_paired_s": refs,
+            "vs_adamw_foreach": statistics.median(ratios)}
+
+
+def time_steps(name: str, model: torch.nn.Module, reference: torch.optim.Optimizer, device: torch.device,
+               args: argparse.Namespace) -> dict[str, Any]:
+    """Build ``name`` on ``model``, time its steps in rounds paired with ``reference`` steps, return one record."""
     rec: dict[str, Any] = {"optimizer": name}
     try:
         opt = optimizers.build(name, model)
@@ -60,47 +71,43 @@ def time_steps(name: str, model: torch.nn.Module, device: torch.device, args: ar
     warmup = 0 if first > args.max_seconds / 4 else 1  # a second warm-up only where it is cheap
     interval = interval_of(opt)
     if interval is None:
-        times = repeat_timing(opt.step, device, args.repeats, warmup=warmup, max_seconds=args.max_seconds)
-        rec.update(method="per step", median_s=statistics.median(times), times_s=times)
+        rec.update(method="per step", **_paired(opt.step, reference.step, device, args, warmup=warmup))
     else:
         key, k = interval
         rec["interval"] = {"key": key, "steps": k}
-        if k <= args.max_interval:
-            def window() -> None:  # any k consecutive steps hold exactly one refresh
-                for _ in range(k):
-                    opt.step()
-
-            times = repeat_timing(window, device, max(1, args.repeats // k), warmup=0, max_seconds=args.max_seconds)
-            rec.update(method=f"whole interval of {k} steps", median_s=statistics.median(times) / k,
-                       times_s=[t / k for t in times])
+        if k <= args.max_interval:  # any k consecutive steps hold exactly one refresh
+            rec.update(method=f"whole interval of {k} steps",
+                       **_paired(opt.step, reference.step, device, args, per_round=k))
         else:
-            rec.update(_two_part_estimate(name, opt, key, k, model, device, args))
+            rec.update(_two_part_estimate(name, opt, key, k, model, reference, device, args))
     rec["traffic_bytes"], rec["flops"] = step_floor(name, opt)
     return rec
 
 
 def _two_part_estimate(name: str, opt: torch.optim.Optimizer, key: str, k: int, model: torch.nn.Module,
-                       device: torch.device, args: argparse.Namespace) -> dict[str, Any]:
-    """For intervals too long to time whole here: median plain step, plus the same optimizer refreshing every
-    step; amortized = (refresh + (k - 1) * plain) / k."""
-    plain = statistics.median(repeat_timing(opt.step, device, args.repeats, warmup=1, max_seconds=args.max_seconds))
+                       reference: torch.optim.Optimizer, device: torch.device,
+                       args: argparse.Namespace) -> dict[str, Any]:
+    """For intervals too long to time whole here: plain steps, plus the same optimizer refreshing every step
+    (each paired with AdamW steps); amortized = (refresh + (k - 1) * plain) / k, times and ratios alike."""
+    plain = _paired(opt.step, reference.step, device, args, warmup=1)
     try:
         every = optimizers.build(name, model, **{key: 1})
         time_call(every.step, device)
-        refresh = statistics.median(repeat_timing(every.step, device, args.repeats, warmup=1,
-                                                  max_seconds=args.max_seconds))
+        refresh = _paired(every.step, reference.step, device, args, warmup=1)
         del every
     except (RuntimeError, ValueError, TypeError) as exc:
-        return {"method": f"plain steps only (refresh not timed: {exc})", "median_s": plain, "times_s": [plain]}
-    return {"method": f"estimate: ({key}=1 step + {k - 1} plain steps) / {k}",
-            "median_s": (refresh + (k - 1) * plain) / k, "plain_s": plain, "refresh_step_s": refresh,
-            "times_s": [plain, refresh]}
+        return {**plain, "method": f"plain steps only (refresh not timed: {exc})"}
+    amortized = {f: (refresh[f] + (k - 1) * plain[f]) / k for f in ("median_s", "vs_adamw_foreach")}
+    return {"method": f"estimate: ({key}=1 step + {k - 1} plain steps) / {k}", **amortized,
+            "plain_s": plain["median_s"], "refresh_step_s": refresh["median_s"],
+            "times_s": plain["times_s"] + refresh["times_s"],
+            "adamw_foreach_paired_s": plain["adamw_foreach_paired_s"] + refresh["adamw_foreach_paired_s"]}
 
 
 def run_size(size: str, names: list[str], device: torch.device, args: argparse.Namespace,
              roofline: dict[str, float]) -> list[dict[str, Any]]:
-    """Every optimizer on preset ``size``. Before each one, AdamW (foreach) steps are timed again on the same
-    parameters, and the ratio uses that adjacent reference: a shared machine's load drifts over minutes."""
+    """Every optimizer on preset ``size``, each timed in rounds that alternate with AdamW (foreach) steps on the
+    same parameters; the ratio is the median over rounds, so a shared machine's drifting load cancels."""
     model = build_llama(size, args.vocab, device, num_layers=args.layers)
     random_grads(model, seed=0)
     print(f"[{size}] {describe(model)}", flush=True)
@@ -108,21 +115,20 @@ def run_size(size: str, names: list[str], device: torch.device, args: argparse.N
     time_call(reference.step, device)
     records = []
     for name in names:
-        ref_s = statistics.median(repeat_timing(reference.step, device, args.repeats, warmup=0,
-                                                max_seconds=args.max_seconds))
-        rec = {"size": size, **time_steps(name, model, device, args), "adamw_foreach_adjacent_s": ref_s}
+        rec = {"size": size, **time_steps(name, model, reference, device, args)}
         gc.collect()  # the optimizer and its state are gone; give the memory back before the next one
         if device.type == "cuda":
             torch.cuda.empty_cache()
         records.append(rec)
-        print(f"  {name:14s} " + (rec.get("error") or f"{rec['median_s'] * 1e3:9.2f} ms  (AdamW foreach "
-                                  f"{ref_s * 1e3:.2f} ms; {rec['method']})"), flush=True)
+        print(f"  {name:14s} " + (rec.get("error") or f"{rec['median_s'] * 1e3:9.2f} ms  "
+                                  f"{rec['vs_adamw_foreach']:.2f}x AdamW foreach (paired median "
+                                  f"{statistics.median(rec['adamw_foreach_paired_s']) * 1e3:.2f} ms; "
+                                  f"{rec['method']})"), flush=True)
     fused = next((r.get("median_s") for r in records if r["optimizer"] == "adamw_fused"), None)
     for rec in records:
         t = rec.get("median_s")
         if t is None:
             continue
-        rec["vs_adamw_foreach"] = t / rec["adamw_foreach_adjacent_s"]
         rec["vs_adamw_fused"] = t / fused if fused else None
         floor = max((rec["traffic_bytes"] or 0) / roofline["bandwidth"], rec["flops"] / roofline["flops"])
         rec["floor_s"] = floor if rec["traffic_bytes"] is not None else None
@@ -184,9 +190,10 @@ def main(argv: list[str] | None = None) -> None:
     records = []
     for size in args.sizes.split(","):
         records += run_size(size.strip(), names, device, args, roofline)
-    notes = ["'/ AdamW foreach': against torch.optim.AdamW(foreach) over every parameter of the same model, timed "
-             "right before each optimizer (interleaved, so drifting machine load cancels); '/ AdamW fused': against "
-             "the fused AdamW's median in this run.",
+    notes = ["'/ AdamW foreach': median over rounds of (this optimizer's step / an AdamW(foreach) step over every "
+             "parameter of the same model, timed back to back in the same round), so drifting machine load cancels; "
+             "the adamw_foreach row is AdamW against itself (the noise floor). '/ AdamW fused': against the fused "
+             "AdamW's median in this run.",
              "Refresh-based optimizers: time per step over a whole refresh interval (see 'method' in the JSON)."]
     config = {k: v for k, v in vars(args).items()} | {"roofline": roofline}
     path = write_results(args.out, config, records, to_markdown(records, roofline), notes, device=args.device,

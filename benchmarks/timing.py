@@ -12,7 +12,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["sync", "time_call", "repeat_timing", "stream_bandwidth", "matmul_flops"]
+__all__ = ["sync", "time_call", "repeat_timing", "paired_timing", "stream_bandwidth", "matmul_flops"]
 
 
 def sync(device: torch.device) -> None:
@@ -41,6 +41,24 @@ def repeat_timing(fn: Callable[[], object], device: torch.device, repeats: int, 
         if max_seconds is not None and sum(times) >= max_seconds:
             break
     return times
+
+
+def paired_timing(fn: Callable[[], object], reference: Callable[[], object], device: torch.device, rounds: int,
+                  per_round: int = 1, warmup: int = 1, max_seconds: float | None = None) -> tuple[list[float], list[float]]:
+    """Alternate one ``reference`` call with ``per_round`` calls of ``fn``, ``rounds`` times: (seconds per ``fn``
+    call, seconds per reference call), one entry per round. Timing the two back to back in every round lets
+    ``median(fn_i / reference_i)`` cancel the load drift of a shared machine, which timing one after the
+    other (even minutes apart) does not. Stops early, as ``repeat_timing`` does, after ``max_seconds`` of ``fn``."""
+    for _ in range(warmup):
+        time_call(fn, device)
+    times: list[float] = []
+    refs: list[float] = []
+    while len(times) < rounds:
+        refs.append(time_call(reference, device))
+        times.append(time_call(lambda: [fn() for _ in range(per_round)], device) / per_round)
+        if max_seconds is not None and sum(times) * per_round >= max_seconds:
+            break
+    return times, refs
 
 
 def stream_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 5) -> dict[str, float]:
