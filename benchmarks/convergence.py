@@ -8,7 +8,9 @@ learning-rate sweep, on the tiny LLaMA and the trainer's default corpus.
 Every run is the reference trainer on one process with the same data order, schedule (10% warm-up, cosine
 to 10%) and token budget; only the optimizer and its learning rates change. Each optimizer starts from its
 paper defaults (peers: their authors' LLaMA recipes, ``benchmarks.peers``) with every learning rate scaled
-by the multiplier. The table keeps the best multiplier per optimizer; the figure shows its curves.
+by the multiplier. Where the best run is the largest (smallest) rate tried, the sweep goes on at twice (half)
+that rate, up to ``--extend`` more runs, so the table's best is an optimum, not a sweep end; the figure
+shows the best run's curves.
 Runs go to ``runs/benchmarks/convergence/`` (metrics.jsonl, loss.png), results to ``benchmarks/results/``.
 """
 from __future__ import annotations
@@ -72,6 +74,28 @@ def best_runs(records: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return best
 
 
+def next_multiplier(runs: list[dict[str, Any]], factor: float = 2.0) -> float | None:
+    """The multiplier to try next when one optimizer's best run sits at an end of the rates tried so far (the
+    optimum may lie beyond it), else ``None``. A diverged run never wins, so a sweep that ran into divergence
+    on one side stops there."""
+    best = best_runs(runs)
+    if not best:
+        return None
+    tried = sorted(r["lr_mult"] for r in runs)
+    winner = next(iter(best.values()))["lr_mult"]
+    if winner == tried[-1]:
+        return winner * factor
+    if winner == tried[0]:
+        return winner / factor
+    return None
+
+
+def at_edge(runs: list[dict[str, Any]], best: dict[str, Any]) -> bool:
+    """Whether ``best`` is the largest or smallest rate tried: its loss is then an upper bound on the optimum."""
+    tried = [r["lr_mult"] for r in runs]
+    return best["lr_mult"] in (min(tried), max(tried))
+
+
 def plot(records: list[dict[str, Any]], path: str) -> None:
     import matplotlib
 
@@ -110,17 +134,20 @@ def to_markdown(records: list[dict[str, Any]], mults: list[float], unavailable: 
     best = best_runs(records)
     rows = []
     for name in dict.fromkeys(r["optimizer"] for r in records):
-        runs = {r["lr_mult"]: r for r in records if r["optimizer"] == name}
-        cells = [_outcome(runs[m]) for m in mults]
+        runs = [r for r in records if r["optimizer"] == name]
+        by_mult = {r["lr_mult"]: r for r in runs}
+        cells = [_outcome(by_mult[m]) if m in by_mult else "" for m in mults]
+        extra = "; ".join(f"x{m:g}: {_outcome(by_mult[m])}" for m in sorted(by_mult) if m not in mults)
         b = best.get(name)
-        rows.append([name, *cells, fmt(b["val_loss"], ".3f") if b else "n/a",
-                     fmt(math.exp(b["val_loss"]), ".1f") if b else "n/a",
+        rows.append([name, *cells, extra or "-",
+                     (f"x{b['lr_mult']:g}" + (" (end)" if at_edge(runs, b) else "")) if b else "n/a",
+                     fmt(b["val_loss"], ".3f") if b else "n/a", fmt(math.exp(b["val_loss"]), ".1f") if b else "n/a",
                      fmt(b["tokens_per_s"], ",.0f") if b else "n/a",
                      fmt(b["state_bytes"] / 2**20, ".2f") if b else "n/a"])
     for name, why in unavailable.items():
-        rows.append([name, *["not run"] * len(mults), why, "", "", ""])
-    return markdown_table(["optimizer", *[f"val loss, lr x{m:g}" for m in mults], "best val loss", "val ppl",
-                           "tokens/s", "state MiB"], rows) + "\n![curves](convergence.png)\n"
+        rows.append([name, *["not run"] * len(mults), "", why, "", "", "", ""])
+    return markdown_table(["optimizer", *[f"val loss, lr x{m:g}" for m in mults], "sweep extended", "best lr",
+                           "best val loss", "val ppl", "tokens/s", "state MiB"], rows) + "\n![curves](convergence.png)\n"
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -128,6 +155,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizers", default=None,
                     help="comma list from adamw, the registered names and the peers (default: all of them)")
     ap.add_argument("--lr-mults", default="0.5,1,2", help="learning-rate multipliers on each optimizer's defaults")
+    ap.add_argument("--extend", type=int, default=2,
+                    help="extra runs per optimizer while its best rate is the largest or smallest tried (x2 or /2 "
+                         "each time), so the sweep brackets the optimum; 0 keeps exactly --lr-mults")
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (same for every run)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per step")
     ap.add_argument("--seq", type=int, default=128)
@@ -136,19 +166,27 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=42)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default="convergence")
-    args = parse_args(ap, argv, dict(steps=10, lr_mults="1", eval_every=5, optimizers="adamw,scale,torch_muon"))
+    args = parse_args(ap, argv, dict(steps=10, lr_mults="1", eval_every=5, optimizers="adamw,scale,torch_muon",
+                                     extend=0))
     torch.set_num_threads(args.threads)
     names = optimizers.select(args.optimizers, ["adamw", *optimizers.registered(), *peers.PEERS])
     mults = [float(m) for m in args.lr_mults.split(",")]
     unavailable = {n: peers.available(n)[1] for n in names if n in peers.PEERS and not peers.available(n)[0]}
     records = []
     for name in (n for n in names if n not in unavailable):
-        for mult in mults:
+        runs: list[dict[str, Any]] = []
+        queue = list(mults)
+        while queue:
+            mult = queue.pop(0)
             rec = run_one(name, mult, args)
-            records.append(rec)
+            runs.append(rec)
             outcome = (f"val loss {rec['val_loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s  {rec['wall_s']:.0f}s"
                        if "val_loss" in rec else rec.get("diverged") or rec["error"])
             print(f"{name:12s} lr x{mult:<4g} {outcome}", flush=True)
+            if not queue and len(runs) < len(mults) + args.extend:
+                following = next_multiplier(runs)
+                queue += [following] if following is not None else []
+        records += runs
     for name, why in unavailable.items():
         print(f"{name:12s} not run: {why}")
     args.results_dir.mkdir(parents=True, exist_ok=True)
@@ -156,6 +194,9 @@ def main(argv: list[str] | None = None) -> None:
     plot(records, str(figure))
     markdown = to_markdown(records, mults, unavailable).replace("convergence.png", figure.name)
     notes = [f"Same budget for every run: {args.steps} steps x {args.batch} x {args.seq} tokens on one process.",
+             f"Sweep: lr x {args.lr_mults} of each optimizer's defaults; where the best was the largest or smallest "
+             f"rate tried, up to {args.extend} more runs at twice / half that rate ('sweep extended'). '(end)': the "
+             "best is still at an end of the sweep, so its loss is an upper bound on the optimum.",
              "Peers not run here: " + ("; ".join(f"{k}: {v}" for k, v in unavailable.items()) or "none")]
     config = vars(args) | {"unavailable": unavailable}
     path = write_results(args.out, config, records, markdown, notes, out_dir=args.results_dir)

@@ -68,11 +68,14 @@ def _scaling(data: dict[str, Any]) -> Columns:
 
 
 def _convergence(data: dict[str, Any]) -> Columns:
-    from .convergence import best_runs
+    from .convergence import at_edge, best_runs
 
     out: Columns = {}
     for name, r in best_runs(data["records"]).items():
-        out[name] = {"val loss (best lr)": fmt(r["val_loss"], ".3f"), "tokens/s": fmt(r["tokens_per_s"], ",.0f")}
+        runs = [x for x in data["records"] if x["optimizer"] == name]
+        where = f"lr x{r['lr_mult']:g}" + (", sweep end" if at_edge(runs, r) else "")
+        out[name] = {"val loss (best lr)": f"{fmt(r['val_loss'], '.3f')} ({where})",
+                     "tokens/s": fmt(r["tokens_per_s"], ",.0f")}
     for name, why in data["config"].get("unavailable", {}).items():
         out[name] = {"val loss (best lr)": "not run"}
     return out
