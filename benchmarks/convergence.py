@@ -11,7 +11,8 @@ paper defaults (peers: their authors' LLaMA recipes, ``benchmarks.peers``) with 
 by the multiplier. Where the best run is the largest (smallest) rate tried, the sweep goes on at twice (half)
 that rate, up to ``--extend`` more runs, so the table's best is an optimum, not a sweep end; the figure
 shows the best run's curves.
-Runs go to ``runs/benchmarks/convergence/`` (metrics.jsonl, loss.png), results to ``benchmarks/results/``.
+Runs go to ``runs/benchmarks/convergence/`` (``--quick``: ``runs/benchmarks/quick/convergence/``), results to
+``benchmarks/results/``.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from shardopt.train.model import PRESETS
 
 from . import optimizers, peers
 from .cli import parse_args
-from .results import fmt, markdown_table, write_results
+from .results import QUICK_DIR, fmt, markdown_table, write_results
 
 BASE_CONFIG = "configs/train/single_scale.json"
 RUN_ROOT = "runs/benchmarks/convergence"
@@ -36,7 +37,8 @@ RUN_ROOT = "runs/benchmarks/convergence"
 def run_one(name: str, mult: float, args: argparse.Namespace) -> dict[str, Any]:
     from .train_run import make_config, read_metrics, train
 
-    run_dir = os.path.join(RUN_ROOT, f"{name}_x{mult:g}")
+    root = os.path.join(QUICK_DIR, "convergence") if args.quick else RUN_ROOT  # a smoke run keeps the full runs
+    run_dir = os.path.join(root, f"{name}_x{mult:g}")
     params = {} if name in peers.PEERS else optimizers.sweep_hyperparameters(name, mult)
     cfg = make_config(BASE_CONFIG, name, params, [
         f"run_dir={run_dir}", f"seed={args.seed}", f"train.steps={args.steps}",
