@@ -37,7 +37,7 @@ bench: setup
 	$(BIN)/python -m benchmarks.memory
 	$(BIN)/python -m benchmarks.scaling
 	$(BIN)/python -m benchmarks.convergence
-	$(BIN)/python -m benchmarks.summarize
+	$(BIN)/python -m benchmarks.summarize --readme
 
 clean:
 	rm -rf $(VENV) runs
