@@ -80,16 +80,11 @@ def next_multiplier(runs: list[dict[str, Any]], factor: float = 2.0) -> float | 
     """The multiplier to try next when one optimizer's best run sits at an end of the rates tried so far (the
     optimum may lie beyond it), else ``None``. A diverged run never wins, so a sweep that ran into divergence
     on one side stops there."""
-    best = best_runs(runs)
-    if not best:
+    best = next(iter(best_runs(runs).values()), None)
+    if best is None or not at_edge(runs, best):
         return None
-    tried = sorted(r["lr_mult"] for r in runs)
-    winner = next(iter(best.values()))["lr_mult"]
-    if winner == tried[-1]:
-        return winner * factor
-    if winner == tried[0]:
-        return winner / factor
-    return None
+    top = best["lr_mult"] == max(r["lr_mult"] for r in runs)
+    return best["lr_mult"] * factor if top else best["lr_mult"] / factor
 
 
 def at_edge(runs: list[dict[str, Any]], best: dict[str, Any]) -> bool:

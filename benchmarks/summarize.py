@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.readme and results_dir.resolve() != RESULTS_DIR.resolve():
         raise SystemExit(f"--readme: the README shows the committed results in {RESULTS_DIR}, not {results_dir}")
     text, path, readme = build_summary(results_dir), results_dir / "SUMMARY.md", REPO_ROOT / "README.md"
-    updated = readme_with_summary(readme.read_text(), summary_body(results_dir))
+    updated = readme_with_summary(readme.read_text(), summary_body(results_dir)) if args.readme or args.check else ""
     if args.check:
         stale = [str(f.relative_to(REPO_ROOT)) for f, want in ((path, text), (readme, updated))
                  if not f.exists() or f.read_text() != want]
