@@ -1,30 +1,54 @@
-"""The on-disk form: one safetensors file, written atomically, read without unpickling anything.
+"""The on-disk form: safetensors files, written atomically, read without unpickling anything.
 
-``shardopt_state.safetensors`` holds ``"<param name>::<key>"`` tensors (fp32, logical shapes) and, in its
-metadata, the JSON of ``{format, kinds, optimizer, param_groups, world_size, engine, extra}``.
+A checkpoint is a main file ``shardopt_state.safetensors`` plus, when several ranks wrote it, part files
+beside it (``shardopt_state.<save id>.r<rank>.<n>.safetensors``). Every tensor stored is one *piece* of a
+logical tensor ``"<param name>::<key>"``: a ``FlatPiece`` (a row-major element range) or a ``ColPiece`` (a
+column block) of the logical tensor's 2-D view, exactly as a rank holds it, so no rank ever assembles the
+whole state. The main file's metadata holds the JSON of ``{format, kinds, optimizer, param_groups,
+world_size, engine, extra, keys, index}``; ``index`` maps each logical key to its shape, 2-D view and pieces
+``[file, tensor name, "flat" | "cols", a, b]`` (file ``""`` is the main file). Readers fetch only the slices
+that overlap what they need (``StateReader``); files of format v1 (whole tensors, no index) still load.
 """
 from __future__ import annotations
 
 import json
+import math
 import os
+import struct
 import tempfile
-from typing import Any
+from contextlib import ExitStack
+from typing import Any, Iterable
 
 import torch
 
-from .logical import CheckpointError
+from ..sharding.layout import ColPiece, FlatPiece, _blocks_of
+from .errors import CheckpointError
 
-__all__ = ["STATE_FILE", "FORMAT", "write_state_file", "read_state_file", "read_metadata"]
+__all__ = ["STATE_FILE", "FORMAT", "write_state_file", "write_part", "read_state_file", "read_metadata",
+           "StateReader", "piece_spec", "whole_index"]
 
 STATE_FILE = "shardopt_state.safetensors"
-FORMAT = "shardopt-logical-v1"
+FORMAT = "shardopt-logical-v2"
+_OLD_FORMATS = ("shardopt-logical-v1",)
 
 
-def write_state_file(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
-    """Write atomically: a temporary file in the same directory, fsync, then rename over ``path``.
+def piece_spec(piece: FlatPiece | ColPiece) -> list:
+    return ["flat", piece.lo, piece.hi] if isinstance(piece, FlatPiece) else ["cols", piece.c0, piece.c1]
 
-    A crash mid-save leaves the previous file (if any) intact and loadable.
-    """
+
+def _piece(kind: str, a: int, b: int) -> FlatPiece | ColPiece:
+    return FlatPiece(a, b) if kind == "flat" else ColPiece(a, b)
+
+
+def whole_index(tensors: dict[str, torch.Tensor], file: str = "") -> dict[str, Any]:
+    """Index entries for whole tensors stored under their own names (one piece each)."""
+    return {k: {"shape": list(v.shape), "view": [1, v.numel()], "pieces": [[file, k, "flat", 0, v.numel()]]}
+            for k, v in tensors.items()}
+
+
+def write_part(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> None:
+    """Write atomically: a temporary file in the same directory, fsync, then rename over ``path``. A crash
+    mid-save leaves the previous file (if any) intact. Files get the user's umask, as ``torch.save``'s do."""
     from safetensors.torch import save_file
 
     directory = os.path.dirname(os.path.abspath(path))
@@ -33,7 +57,10 @@ def write_state_file(path: str, tensors: dict[str, torch.Tensor], meta: dict[str
     os.close(fd)
     try:
         save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                  metadata={"shardopt": json.dumps({"format": FORMAT, **meta})})
+                  metadata={"shardopt": json.dumps(meta)} if meta is not None else None)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -47,34 +74,142 @@ def write_state_file(path: str, tensors: dict[str, torch.Tensor], meta: dict[str
             os.unlink(tmp)
 
 
-def read_metadata(path: str) -> dict[str, Any]:
-    from safetensors import safe_open
+def write_state_file(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """One self-contained file of whole logical tensors (single process, conversions)."""
+    flat = {k: v.reshape(-1) for k, v in tensors.items()}
+    write_part(path, flat, {"format": FORMAT, **meta, "index": whole_index(tensors)})
 
+
+def _data_end(path: str) -> tuple[int, dict]:
+    """(bytes the header says the file holds, header) of a safetensors file: the cheap truncation check."""
+    with open(path, "rb") as f:
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError("no header")
+        (n,) = struct.unpack("<Q", raw)
+        header = json.loads(f.read(n))
+    end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    return 8 + n + end, header
+
+
+def read_metadata(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no shardopt state file here (expected {STATE_FILE})")
     try:
-        with safe_open(path, framework="pt") as f:
-            raw = (f.metadata() or {}).get("shardopt")
-    except Exception as err:  # safetensors raises its own error types for a bad header
+        _, header = _data_end(path)
+        raw = (header.get("__metadata__") or {}).get("shardopt")
+    except Exception as err:
         raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({err})") from None
     if raw is None:
         raise CheckpointError(f"{path}: not a shardopt state file (no 'shardopt' metadata)")
     meta = json.loads(raw)
-    if meta.get("format") != FORMAT:
+    if meta.get("format") in _OLD_FORMATS:  # whole tensors under their own names
+        meta["index"] = {k: {"shape": v["shape"], "view": [1, math.prod(v["shape"])],
+                             "pieces": [["", k, "flat", 0, math.prod(v["shape"])]]}
+                         for k, v in header.items() if k != "__metadata__"}
+        meta["flat_stored"] = False
+    elif meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unsupported format {meta.get('format')!r}, expected {FORMAT!r}")
     return meta
 
 
-def read_state_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """Tensors and metadata; a truncated or corrupt file raises ``CheckpointError``."""
-    from safetensors.torch import load_file
+class StateReader:
+    """Reads regions of logical tensors from a checkpoint's files, touching only the overlapping slices."""
 
+    def __init__(self, path: str, meta: dict[str, Any] | None = None):
+        self.path = path
+        self.meta = meta if meta is not None else read_metadata(path)
+        self.index: dict[str, dict] = self.meta["index"]
+        self._stack = ExitStack()
+        self._handles: dict[str, Any] = {}
+        self._flat = self.meta.get("flat_stored", True)
+
+    def __enter__(self) -> "StateReader":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+
+    def _file(self, name: str) -> str:
+        return self.path if not name else os.path.join(os.path.dirname(os.path.abspath(self.path)), name)
+
+    def check_files(self, keys: Iterable[str]) -> None:
+        """Every file and stored tensor that ``keys`` need exists and is complete (before anything loads)."""
+        need: dict[str, set[str]] = {}
+        for k in keys:
+            for file, tname, *_ in self.index[k]["pieces"]:
+                need.setdefault(file, set()).add(tname)
+        for file, names in need.items():
+            path = self._file(file)
+            if not os.path.isfile(path):
+                raise CheckpointError(f"{self.path}: incomplete, part file {file!r} is missing")
+            try:
+                end, header = _data_end(path)
+            except Exception as err:
+                raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({err})") from None
+            if os.path.getsize(path) < end:
+                raise CheckpointError(f"{path}: corrupt or truncated shardopt state file "
+                                      f"({os.path.getsize(path)} of {end} bytes)")
+            missing = sorted(names - set(header))
+            if missing:
+                raise CheckpointError(f"{path}: incomplete, tensor {missing[0]!r} is missing")
+
+    def _slice(self, file: str, tname: str) -> Any:
+        from safetensors import safe_open
+
+        if file not in self._handles:
+            try:
+                self._handles[file] = self._stack.enter_context(safe_open(self._file(file), framework="pt"))
+            except Exception as err:
+                raise CheckpointError(f"{self._file(file)}: corrupt or truncated shardopt state file ({err})") from None
+        return self._handles[file].get_slice(tname)
+
+    def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None:
+        """Write ``target``'s elements of logical tensor ``key`` (on its 2-D view) into the 1-D ``out``."""
+        entry = self.index[key]
+        m, n = entry["view"]
+        want = _blocks_of(target, m, n)
+        for file, tname, kind, a, b in entry["pieces"]:
+            saved = _piece(kind, a, b)
+            if isinstance(saved, FlatPiece) and isinstance(target, FlatPiece) and (b <= target.lo or a >= target.hi):
+                continue
+            sl = None
+            for bs in _blocks_of(saved, m, n):
+                for bt in want:
+                    i0, i1 = max(bs.row, bt.row), min(bs.row + bs.height, bt.row + bt.height)
+                    j0, j1 = max(bs.col, bt.col), min(bs.col + bs.width, bt.col + bt.width)
+                    if i0 >= i1 or j0 >= j1:
+                        continue
+                    sl = sl if sl is not None else self._slice(file, tname)
+                    start = bs.offset + (i0 - bs.row) * bs.width
+                    stop = bs.offset + (i1 - bs.row) * bs.width
+                    chunk = (sl[start:stop] if self._flat else sl[:].reshape(-1)[start:stop])
+                    chunk = chunk.view(i1 - i0, bs.width)[:, j0 - bs.col: j1 - bs.col]
+                    dst = out[bt.offset: bt.offset + bt.height * bt.width].view(bt.height, bt.width)
+                    dst[i0 - bt.row: i1 - bt.row, j0 - bt.col: j1 - bt.col].copy_(chunk)
+
+    def whole(self, key: str) -> torch.Tensor:
+        """The whole logical tensor ``key`` (fp32), assembled from its pieces."""
+        entry = self.index[key]
+        m, n = entry["view"]
+        out = torch.zeros(m * n, dtype=torch.float32)
+        self.fill(key, FlatPiece(0, m * n), out)
+        return out.view(entry["shape"])
+
+
+def read_state_file(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Whole tensors and metadata (offline tools: inspect, convert); a truncated or corrupt file, or a
+    missing part, raises ``CheckpointError``."""
     meta = read_metadata(path)
-    try:
-        tensors = load_file(path)
-    except Exception as err:
-        raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({err})") from None
-    missing = [k for k in meta.get("keys", []) if k not in tensors]
+    missing = [k for k in meta.get("keys", []) if k not in meta["index"]]
     if missing:
         raise CheckpointError(f"{path}: incomplete, {len(missing)} tensors missing (e.g. {missing[0]!r})")
+    with StateReader(path, meta) as reader:
+        reader.check_files(meta["index"])
+        try:
+            tensors = {k: reader.whole(k) for k in meta["index"]}
+        except CheckpointError:
+            raise
+        except Exception as err:
+            raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({err})") from None
     return tensors, meta

@@ -1,34 +1,66 @@
-"""Optimizer state (and the fp32 parameters it steps) with logical, unsharded meaning.
+"""Optimizer state (and the fp32 parameters it steps) with logical, unsharded meaning, kept sharded.
 
-``export_state`` gathers every rank's pieces to rank 0 and assembles, for every parameter name, the full
-tensors: element-wise state and the parameter itself in the parameter's shape, per-row/per-column
-statistics as whole vectors, scalars once. ``import_state`` does the inverse on any engine and world size:
-each rank cuts its own pieces out of the full tensors. How an entry relates to its parameter comes from the
-optimizer's ``state_kinds``; the layout of each piece comes from the fragments the engine adapters build,
-so nothing here knows about DeepSpeed or FSDP.
+Every rank describes what it holds as *records*: a piece of a logical tensor ``"<name>::<key>"`` on the
+tensor's 2-D view. Element-wise state and parameters are the rank's piece of the parameter; per-row/column
+statistics, counters and 0-d entries are whole (the same on every rank after ``state_dict``'s reduction);
+whole-matrix optimizers' small state is the rank's share (``shardopt.sharding.state_split``). ``save_sharded``
+has each rank write its own records (one part file per rank, plus an index in the main file), so no rank
+ever holds more than its share plus one part being written; ``import_from`` has each rank read only the
+slices that overlap its pieces, at any world size and engine. How an entry relates to its parameter comes
+from the optimizer's ``state_kinds``; the layout of each piece comes from the fragments the engine adapters
+build, so nothing here knows about DeepSpeed or FSDP.
 """
 from __future__ import annotations
 
-from typing import Any
+import glob
+import math
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 
 from ..optim.base import ShardedOptimizer
-from ..sharding.fragment import Fragment
-from ..sharding.layout import MatrixLayout
+from ..sharding.comm import Round
+from ..sharding.layout import ColPiece, FlatPiece
+from ..sharding.state_split import share, share_shape
+from .errors import CheckpointError
+from .files import FORMAT, STATE_FILE, StateReader, piece_spec, write_part
 
-__all__ = ["export_state", "import_state", "CheckpointError", "PARAM_KEY", "SEP"]
+__all__ = ["export_state", "import_state", "import_from", "save_sharded", "local_records", "CheckpointError",
+           "PARAM_KEY", "SEP", "PART_BYTES"]
 
 PARAM_KEY = "param"  # the fp32 values the optimizer steps (master weights under mixed precision)
 SEP = "::"
+#: a rank's records are written in part files of at most this many bytes (one tensor may exceed it alone),
+#: so the serialization buffer never holds more than one part
+PART_BYTES = 256 << 20
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, corrupt, truncated or does not match the model; nothing was loaded."""
+@dataclass
+class Record:
+    """This rank's piece of logical tensor ``key`` (shape ``shape``, 2-D view ``view``) as a 1-D tensor."""
+
+    key: str
+    kind: str
+    shape: tuple[int, ...]
+    view: tuple[int, int]
+    piece: FlatPiece | ColPiece
+    data: torch.Tensor
+
+    @property
+    def ident(self) -> str:
+        """Same string on every rank that holds the same piece (replicas write it once)."""
+        return f"{self.key}|{piece_spec(self.piece)}"
 
 
-def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag: Fragment) -> dict[str, torch.Tensor]:
+def _dist() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag) -> dict[str, torch.Tensor]:
     """State entries of one fragment: tensor-level ones plus its per-matrix ones."""
     st = opt.state.get(p, {})
     out = {k: v for k, v in st.items() if k != "matrices"}
@@ -36,131 +68,314 @@ def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag: Fragment) -> dict[str
     return out
 
 
-def _local_records(opt: ShardedOptimizer, include_params: bool) -> list[tuple]:
-    records = []
+def _whole(key: str, kind: str, value: torch.Tensor) -> Record:
+    t = value.detach().float().reshape(-1).cpu() if isinstance(value, torch.Tensor) else torch.tensor([float(value)])
+    return Record(key, kind, tuple(value.shape) if isinstance(value, torch.Tensor) else (), (1, t.numel()),
+                  FlatPiece(0, t.numel()), t)
+
+
+def _matrix_view(shape: tuple[int, ...], dim: int) -> tuple[tuple[int, int], Any]:
+    """2-D view of a split state tensor and the piece kind its share is along ``dim``."""
+    if dim == 0:
+        return (shape[0], math.prod(shape[1:])), FlatPiece
+    return (shape[0], shape[1]), ColPiece
+
+
+def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Record]:
+    """This rank's pieces of every logical tensor. Collective (per-row/column statistics are completed with
+    one bucketed all-reduce and 0-d small state is synced from owners), so every rank calls it."""
+    opt.sync_state()
+    records: list[Record] = []
+    pending: list[tuple[int, torch.Tensor]] = []  # rows/cols vectors completed by the round below
+    rnd = Round()
     for p in opt.stepped_tensors():
         for frag in opt.fragments(p):
             lay = frag.layout
-            meta = (frag.name, lay.shape, frag.logical_shape, lay.pieces, lay.rank)
             items = dict(_entries(opt, p, frag))
             if include_params:
                 items[PARAM_KEY] = p
-            for key, value in items.items():
+            for key in sorted(items):
+                value, name = items[key], f"{frag.name}{SEP}{key}"
                 kind = "elements" if key == PARAM_KEY else opt.state_kinds.get(key)
                 if kind is None:
                     raise CheckpointError(f"state entry {key!r} of {frag.name!r} has no declared kind in "
                                           f"{type(opt).__name__}.state_kinds")
                 if kind == "elements":
-                    data = frag.local(value).detach().float().cpu().clone()
+                    if frag.numel:
+                        data = frag.local(value).detach().float().cpu()
+                        records.append(Record(name, kind, frag.logical_shape, lay.shape, lay.pieces[lay.rank], data))
                 elif kind in ("rows", "cols"):
-                    owned = lay.axis_plan(0 if kind == "rows" else 1).owned
-                    data = torch.zeros_like(value, dtype=torch.float32, device="cpu")
-                    data[owned] = value.detach().float().cpu()[owned]
+                    full = value.detach().float().clone()
+                    if lay.group is not None:
+                        owned = lay.axis_plan(0 if kind == "rows" else 1).owned
+                        full = torch.zeros_like(full)
+                        full[owned] = value.detach().float()[owned]
+                        rnd.add_full(lay, full)
+                    pending.append((len(records), full))
+                    records.append(_whole(name, kind, full))
+                elif kind == "matrix" and isinstance(value, torch.Tensor) and value.dim():
+                    found = opt.matrix_state_share(frag.name)
+                    spec = found[1].get(key) if found else None
+                    if spec is None or spec[1] is None:
+                        records.append(_whole(name, kind, value))
+                        continue
+                    plan, (shape, dim) = found[0], spec
+                    view, piece_type = _matrix_view(shape, dim)
+                    lo, hi = share(plan, shape[dim])
+                    if hi > lo and value.numel():
+                        w = view[1] if dim == 0 else 1
+                        piece = FlatPiece(lo * w, hi * w) if piece_type is FlatPiece else ColPiece(lo, hi)
+                        records.append(Record(name, kind, tuple(shape), view, piece,
+                                              value.detach().float().contiguous().reshape(-1).cpu()))
                 else:
-                    data = value.detach().float().cpu().clone() if isinstance(value, torch.Tensor) \
-                        else torch.tensor(float(value))
-                records.append((meta, key, kind, data))
+                    records.append(_whole(name, kind, value))
+    rnd.run()
+    for i, full in pending:
+        records[i].data = full.reshape(-1).cpu()
     return records
 
 
-def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Full logical tensors ``{"<name>::<key>": tensor}`` and ``{key: kind}``, on rank 0 (others get ``{}``).
+# ---------------------------------------------------------------------------------------------- saving
+def _assign(descriptors: list[list[tuple[str, int]]], stem: str, save_id: str) -> tuple[list[list[tuple[int, str]]], dict]:
+    """Who writes what, where: each piece by the first rank that holds it; each rank's pieces in part files of
+    at most ``PART_BYTES`` (rank 0's first part is the main file, ``""``). Returns per-rank ``(record index,
+    file)`` lists and the index ``{key: {"pieces": [[file, tensor name, ...]]}}`` (shapes added later)."""
+    seen: set[str] = set()
+    plan: list[list[tuple[int, str]]] = []
+    for rank, descs in enumerate(descriptors):
+        mine, part, used = [], 0, 0
+        for i, (ident, nbytes) in enumerate(descs):
+            if ident in seen:
+                continue
+            seen.add(ident)
+            if used and used + nbytes > PART_BYTES:
+                part, used = part + 1, 0
+            used += nbytes
+            file = "" if rank == 0 and part == 0 else f"{stem}.{save_id}.r{rank:05d}.{part}.safetensors"
+            mine.append((i, file))
+        plan.append(mine)
+    return plan, {}
 
-    Collective when ``torch.distributed`` is initialized: every rank must call it.
-    """
-    opt.sync_state()
-    records = _local_records(opt, include_params)
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-        dist.gather_object(records, gathered, dst=0)
-        if dist.get_rank() != 0:
-            return {}, {}
-        all_records = [r for part in gathered for r in part]
+
+def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include_params: bool = True) -> str:
+    """Write ``opt``'s state (and stepped parameters) at ``path`` (the main ``.safetensors`` file). Collective;
+    each rank writes only its own pieces. Returns ``path`` on every rank."""
+    records = local_records(opt, include_params)
+    rank = dist.get_rank() if _dist() else 0
+    world = dist.get_world_size() if _dist() else 1
+    descs = [(r.ident, r.data.numel() * 4) for r in records]
+    info = [(r.key, r.kind, list(r.shape), list(r.view), piece_spec(r.piece)) for r in records]
+    directory = os.path.dirname(os.path.abspath(path))
+    stem = os.path.basename(path)[: -len(".safetensors")]
+    if _dist():
+        gathered_d: list[Any] = [None] * world if rank == 0 else None
+        gathered_i: list[Any] = [None] * world if rank == 0 else None
+        dist.gather_object(descs, gathered_d, dst=0)
+        dist.gather_object(info, gathered_i, dst=0)
     else:
-        all_records = records
-    kinds: dict[str, str] = {}
-    full: dict[str, torch.Tensor] = {}
-    seen: set[tuple] = set()
-    logical_shapes: dict[str, tuple] = {}
-    for (name, shape2d, logical, pieces, rank), key, kind, data in all_records:
-        logical_shapes.setdefault(name, logical)
-        ident = (name, key, rank)
-        if ident in seen:
-            continue  # replicas (DDP, HSDP) hold the same piece
-        seen.add(ident)
-        kinds[key] = kind
-        k = f"{name}{SEP}{key}"
-        if kind == "elements":
-            if k not in full:
-                full[k] = torch.zeros(shape2d, dtype=torch.float32)
-            lay = MatrixLayout(shape2d, pieces, rank)
-            for b, view in lay.views(data):
-                full[k][b.row: b.row + b.height, b.col: b.col + b.width] = view
-        elif kind in ("rows", "cols"):
-            full[k] = full[k] + data if k in full else data.clone()
-        elif k not in full:
-            full[k] = data
-    for k, v in list(full.items()):
-        name, key = k.split(SEP)
-        if kinds[key] == "elements":
-            full[k] = v.reshape(logical_shapes[name]).contiguous()
-    return full, kinds
+        gathered_d, gathered_i = [descs], [info]
+    todo: list[Any] = [None]
+    index: dict[str, Any] = {}
+    if rank == 0:
+        save_id = uuid.uuid4().hex[:8]
+        plan, _ = _assign(gathered_d, stem, save_id)
+        for r, mine in enumerate(plan):
+            for i, file in mine:
+                key, kind, shape, view, spec = gathered_i[r][i]
+                entry = index.setdefault(key, {"shape": shape, "view": view, "pieces": []})
+                entry["pieces"].append([file, f"{key}@{r}", *spec])
+        scatter = plan
+    else:
+        scatter = None
+    if _dist():
+        dist.scatter_object_list(todo, scatter, src=0)
+    else:
+        todo = [scatter[0]]
+    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    for i, file in todo[0]:
+        by_file.setdefault(file, {})[f"{records[i].key}@{rank}"] = records[i].data
+    try:
+        for file, tensors in by_file.items():
+            if file:
+                write_part(os.path.join(directory, file), tensors)
+        if _dist():
+            dist.barrier()
+        if rank == 0:
+            kinds = {r.key.split(SEP)[1]: r.kind for r in records}
+            for part in gathered_i or []:
+                for key, kind, *_ in part:
+                    kinds[key.split(SEP)[1]] = kind
+            write_part(path, by_file.get("", {}), {"format": FORMAT, **meta, "kinds": kinds, "keys": sorted(index),
+                                                    "index": index, "world_size": world})
+            referenced = {p[0] for e in index.values() for p in e["pieces"]}
+            for stale in glob.glob(os.path.join(directory, f"{glob.escape(stem)}.*.r*.safetensors")):
+                if os.path.basename(stale) not in referenced:
+                    os.unlink(stale)
+    finally:
+        if _dist():
+            dist.barrier()
+    return path
 
 
-def _piece(full: torch.Tensor, frag: Fragment) -> torch.Tensor:
-    full2d = full.reshape(frag.layout.shape)
-    local = torch.empty(frag.numel, dtype=torch.float32)
-    for b, view in frag.layout.views(local):
-        view.copy_(full2d[b.row: b.row + b.height, b.col: b.col + b.width])
-    return local
+# ---------------------------------------------------------------------------------------------- loading
+class Source(Protocol):
+    """Where logical tensors come from: a checkpoint's files (``StateReader``) or whole tensors in memory."""
+
+    index: dict[str, dict]
+
+    def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None: ...
 
 
-def import_state(opt: ShardedOptimizer, full: dict[str, torch.Tensor], kinds: dict[str, str],
-                 load_params: bool = True) -> None:
-    """Rebuild this rank's optimizer state (and stepped parameters) from full logical tensors.
+class WholeTensors:
+    """Whole logical tensors held in memory as a ``Source``."""
 
-    Everything is checked and built first; the optimizer is changed only if every entry is present and has
-    the right shape, so a bad checkpoint leaves nothing half-loaded.
-    """
-    new_state: dict[torch.Tensor, dict] = {}
-    param_writes: list[tuple[torch.Tensor, torch.Tensor]] = []
-    names_in_file = {k.split(SEP)[0] for k in full}
+    def __init__(self, full: dict[str, torch.Tensor]):
+        self.full = full
+        self.index = {k: {"shape": list(v.shape), "view": [1, v.numel()] if v.dim() != 2 else list(v.shape)}
+                      for k, v in full.items()}
+
+    def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None:
+        m, n = self.index[key]["view"]
+        full2d = self.full[key].reshape(m, n)
+        from ..sharding.layout import _blocks_of
+
+        for b in _blocks_of(target, m, n):
+            out[b.offset: b.offset + b.height * b.width].view(b.height, b.width).copy_(
+                full2d[b.row: b.row + b.height, b.col: b.col + b.width])
+
+    def check_files(self, keys: Any) -> None:
+        return None
+
+
+def _target(source: Source, key: str, lay, frag_logical: tuple[int, ...]) -> FlatPiece | ColPiece:
+    """This rank's piece of an element-wise tensor on the source's 2-D view of it."""
+    m, n = source.index[key]["view"]
+    if (m, n) == tuple(lay.shape):
+        return lay.pieces[lay.rank]
+    piece = lay.pieces[lay.rank]
+    if isinstance(piece, FlatPiece):  # the same row-major elements on another 2-D view
+        return FlatPiece(piece.lo, piece.hi)
+    raise CheckpointError(f"{key}: stored as {m}x{n}, cannot cut this rank's column block from it")
+
+
+def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], load_params: bool = True) -> None:
+    """Rebuild this rank's optimizer state (and stepped parameters) from ``source``, reading only this rank's
+    pieces. Everything is checked first (entries present, shapes, files complete); the optimizer changes only
+    when every entry has been read."""
+    by_name: dict[str, list[str]] = {}
+    for k in source.index:
+        by_name.setdefault(k.split(SEP)[0], []).append(k)
+    actions: list[tuple] = []
+    needed: list[str] = []
     for p in opt.stepped_tensors():
-        frags = opt.fragments(p)
-        st: dict[str, Any] = {}
-        for frag in frags:
-            if frag.name not in names_in_file:
+        for frag in opt.fragments(p):
+            if frag.name not in by_name:
                 raise CheckpointError(f"checkpoint has no entries for parameter {frag.name!r}; it was saved from "
                                       "another model or is incomplete")
-            for k in [k for k in full if k.split(SEP)[0] == frag.name]:
+            for k in by_name[frag.name]:
                 key = k.split(SEP)[1]
-                kind, value = kinds.get(key), full[k]
-                numel = 1
-                for s in frag.logical_shape:
-                    numel *= s
-                if kind == "elements" and value.numel() != numel:
-                    raise CheckpointError(f"{k}: checkpoint shape {tuple(value.shape)} does not match the "
+                kind, shape = kinds.get(key), tuple(source.index[k]["shape"])
+                if kind == "elements" and math.prod(shape) != math.prod(frag.logical_shape):
+                    raise CheckpointError(f"{k}: checkpoint shape {shape} does not match the "
                                           f"parameter's {frag.logical_shape}")
-                if key == PARAM_KEY:
-                    if load_params:
-                        param_writes.append((frag.local(p), _piece(value, frag)))
-                    continue
-                if kind == "elements":
-                    if key not in st:
-                        st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                    param_writes.append((frag.local(st[key]), _piece(value, frag)))
-                elif kind == "tensor":
-                    st[key] = value.clone()
-                elif kind in ("rows", "cols", "scalar", "matrix"):
-                    target = st.setdefault("matrices", {}).setdefault(frag.name, {}) if opt.is_flat(p) else st
-                    target[key] = value.clone().to(frag.local(p).device)
-                else:
+                if kind not in ("elements", "tensor", "rows", "cols", "scalar", "matrix"):
                     raise CheckpointError(f"{k}: unknown kind {kind!r}")
-        new_state[p] = st
+                if key == PARAM_KEY and not load_params:
+                    continue
+                actions.append((p, frag, k, key, kind, shape))
+                needed.append(k)
+    source.check_files(needed)
+    new_state: dict[torch.Tensor, dict] = {p: {} for p in opt.stepped_tensors()}
+    param_reads: list[tuple] = []
+    for p, frag, k, key, kind, shape in actions:
+        st = new_state[p]
+        device = frag.local(p).device
+        if key == PARAM_KEY:
+            param_reads.append((p, frag, k))
+            continue
+        if kind == "elements":
+            if key not in st:
+                st[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            if frag.numel:
+                buf = torch.empty(frag.numel, dtype=torch.float32)
+                source.fill(k, _target(source, k, frag.layout, frag.logical_shape), buf)
+                frag.local(st[key]).copy_(buf)
+            continue
+        target = st.setdefault("matrices", {}).setdefault(frag.name, {}) if opt.is_flat(p) else st
+        if kind == "tensor":
+            st[key] = _read_whole(source, k)
+            continue
+        found = opt.matrix_state_share(frag.name) if kind == "matrix" and shape else None
+        spec = found[1].get(key) if found else None
+        if spec is None or spec[1] is None:
+            target[key] = _read_whole(source, k).to(device)
+            continue
+        plan, (want, dim) = found[0], spec
+        if tuple(want) != shape:
+            raise CheckpointError(f"{k}: checkpoint shape {shape} does not match {tuple(want)} (another rank or "
+                                  "matrix_ops setting changes no shape; another model or hyperparameters do)")
+        view, piece_type = _matrix_view(shape, dim)
+        lo, hi = share(plan, shape[dim])
+        local_shape = share_shape(plan, shape, dim)
+        buf = torch.zeros(math.prod(local_shape), dtype=torch.float32)
+        if hi > lo:
+            w = view[1] if dim == 0 else 1
+            piece = FlatPiece(lo * w, hi * w) if piece_type is FlatPiece else ColPiece(lo, hi)
+            source.fill(k, piece, buf)
+        target[key] = buf.view(local_shape).to(device)
     with torch.no_grad():
-        for dst, src in param_writes:
-            dst.copy_(src.to(dst.dtype))
+        for p, frag, k in param_reads:
+            if frag.numel:
+                buf = torch.empty(frag.numel, dtype=torch.float32)
+                source.fill(k, _target(source, k, frag.layout, frag.logical_shape), buf)
+                frag.local(p).copy_(buf.to(p.dtype))
     opt.state.clear()
     for p, st in new_state.items():
         if st:
             opt.state[p] = st
+
+
+def _read_whole(source: Source, k: str) -> torch.Tensor:
+    entry = source.index[k]
+    m, n = entry["view"]
+    out = torch.zeros(m * n, dtype=torch.float32)
+    source.fill(k, FlatPiece(0, m * n), out)
+    return out.view(entry["shape"])
+
+
+def import_state(opt: ShardedOptimizer, full: dict[str, torch.Tensor], kinds: dict[str, str],
+                 load_params: bool = True) -> None:
+    """``import_from`` whole logical tensors held in memory (conversions, tests)."""
+    import_from(opt, WholeTensors(full), kinds, load_params)
+
+
+def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Whole logical tensors ``{"<name>::<key>": tensor}`` and ``{key: kind}`` on rank 0 (others get ``{}``).
+
+    Assembles everything on rank 0: for inspection and tests. Checkpoints use ``save_sharded``, which never
+    does. Collective when ``torch.distributed`` is initialized."""
+    records = local_records(opt, include_params)
+    if _dist():
+        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        dist.gather_object(records, gathered, dst=0)
+        if dist.get_rank() != 0:
+            return {}, {}
+        records = [r for part in gathered for r in part]
+    index: dict[str, dict] = {}
+    for r in records:
+        index.setdefault(r.key, {"shape": list(r.shape), "view": list(r.view), "recs": {}})["recs"].setdefault(
+            r.ident, r)
+    full: dict[str, torch.Tensor] = {}
+    kinds: dict[str, str] = {}
+    for key, entry in index.items():
+        m, n = entry["view"]
+        out = torch.zeros(m, n, dtype=torch.float32)
+        for rec in entry["recs"].values():
+            from ..sharding.layout import _blocks_of
+
+            for b in _blocks_of(rec.piece, m, n):
+                out[b.row: b.row + b.height, b.col: b.col + b.width] = \
+                    rec.data[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
+            kinds[key.split(SEP)[1]] = rec.kind
+        full[key] = out.reshape(entry["shape"])
+    return full, kinds

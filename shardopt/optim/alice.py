@@ -70,19 +70,35 @@ class Alice(ShardedOptimizer):
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
                          matrix_ops=matrix_ops)
 
+    whole_matrix_work = True
+
+    def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
+        m, n = shape
+        return m > n
+
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+        rows, cols = a_shape
+        r = min(group["rank"], rows, cols)
+        return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r,
+                      reduced=r * cols + cols + 1,
+                      state=rows * r + 2 * r * cols + cols + (r * r if group["tracking"] else 0))
+
+    def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
+        rows, cols = a_shape
+        r = min(group["rank"], rows, cols)
+        spec = {"basis": ((rows, r), 0), "exp_avg_low": ((r, cols), 1), "exp_avg_sq_low": ((r, cols), 1),
+                "col_energy": ((cols,), 0), "phi": ((), None), "switches": ((), None)}
+        if group["tracking"]:
+            spec["tracking"] = ((r, r), 1)
+        return spec
+
     def _step_alice(self, group: dict) -> None:
         steps = {id(p): self._step_count(p) for p in group["params"]}
         items = self._matrix_items(group)
-        transposes = [m > n for m, n in (it.layout.shape for it in items)]
+        self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))
+
+    def _alice_bucket(self, group: dict, items: list, ops: MatrixOps, steps: dict) -> None:
         rank = group["rank"]
-
-        def cost(a_shape: tuple[int, int]) -> OpCost:
-            rows, cols = a_shape
-            r = min(rank, rows)
-            return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r,
-                          reduced=r * cols + cols + 1)
-
-        ops = self._matrix_ops(items, transposes, cost)
         blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         b1, b2, b3 = group["betas"]
         ranks, lead = {}, {}

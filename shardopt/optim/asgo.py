@@ -44,7 +44,7 @@ def asgo_left(shape: tuple[int, int], side: str) -> bool:
 
 def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
     rows, k = a_shape
-    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k)
+    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k)
 
 
 class _MomentumMixin:
@@ -60,6 +60,9 @@ class _MomentumMixin:
             if p.grad is not None:
                 st["exp_avg"].lerp_(p.grad.to(torch.float32), 1 - beta1)
         return steps
+
+    def elementwise_state_copies(self, group: dict) -> int:
+        return 2 if group.get("treatment", "adamw") == "adamw" else 1
 
     def _momentum_piece(self, it) -> torch.Tensor:
         return it.frag.local(self.state[it.tensor]["exp_avg"])  # type: ignore[attr-defined]
@@ -95,12 +98,27 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
                          matrix_ops=matrix_ops)
 
+    whole_matrix_work = True
+
+    def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
+        return asgo_left(shape, group["side"])
+
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+        return _asgo_cost(a_shape)
+
+    def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
+        k = a_shape[1]
+        return {"precond_stat": ((k, k), 1), "precond": ((k, k), 1)}
+
     def _step_asgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
         steps = self._update_momentum(group, b1)
         items = self._matrix_items(group)
-        left = [asgo_left(it.layout.shape, group["side"]) for it in items]
-        ops = self._matrix_ops(items, left, _asgo_cost)
+        self._run_whole_matrix(group, items, lambda its, ops: self._asgo_bucket(group, its, ops, steps))
+
+    def _asgo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
+        b1, b2 = group["betas"]
+        left = [self.whole_matrix_transpose(group, it.layout.shape) for it in items]
         from_momentum = group["statistic"] == "momentum"
         channels = [[self._momentum_piece(it)] if from_momentum else [it.grad, self._momentum_piece(it)]
                     for it in items]
@@ -153,6 +171,9 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
                          matrix_ops=matrix_ops)
+
+    def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
+        return shape[1] if group.get("treatment", "adamw") != "adamw" else 0
 
     def _step_dasgo(self, group: dict) -> None:
         b1, b2 = group["betas"]

@@ -18,13 +18,15 @@ from ..sharding.fragment import Fragment, local_flat
 from ..sharding.primitives import scale_into
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter, world_group_allreduce_max
-from ..sharding.matrix_ops import STRATEGIES, MatrixOps, OpCost
+from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.plan import check_same_plan
+from ..sharding.state_split import StateSpec, as_sharded_tensor, gather_full, keep_share, local_share, share_numel, share_shape
 from .adamw import adamw_step
 
 __all__ = ["ShardedOptimizer", "MatrixItem"]
 
 LayoutResolver = Callable[[torch.Tensor], MatrixLayout]
+RowPlanT = Any  # shardopt.sharding.blocks.RowPlan
 
 
 class MatrixItem:
@@ -108,6 +110,11 @@ def _normalize_groups(params: Iterable[Any]) -> tuple[list[dict], dict[int, str]
     return groups, names
 
 
+def _is_dtensor(p: torch.Tensor) -> bool:
+    """FSDP2 / DTensor parameters: their optimizer state goes to DCP, which needs sharded entries described."""
+    return hasattr(p, "device_mesh") and hasattr(p, "placements")
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Base class: param groups with a ``treatment``, fragment discovery, AdamW for vectors.
 
@@ -117,6 +124,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     """
 
     matrix_treatments: tuple[str, ...] = ()
+    #: whether the matrix rule needs whole-matrix operations (then ``whole_matrix_transpose``/``_cost`` and
+    #: ``matrix_state_spec`` describe it, and steps run through ``_run_whole_matrix``)
+    whole_matrix_work: bool = False
     #: How each state entry relates to its parameter, for checkpoints that reshard (shardopt.checkpoint):
     #: "elements" follows the parameter's elements, "rows"/"cols" is one value per row/column of the
     #: matrix view, "tensor" is one value per stepped tensor (step counters), "scalar" one per matrix,
@@ -161,9 +171,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.matrix_strategy not in STRATEGIES:
             raise ValueError(f"matrix_ops.strategy must be one of {STRATEGIES}, got {self.matrix_strategy!r}")
         self._comm_stats: dict[str, dict[str, float]] = {}
-        self._ops_cache: dict[tuple, MatrixOps] = {}
+        self._ops_cache: dict[int, MatrixOps | None] = {}
         #: group rank that keeps each matrix's "matrix"-kind state current (gather strategy); see sync_state
         self._matrix_owner: dict[str, tuple[int, MatrixLayout]] = {}
+        #: param group and row plan of every whole-matrix matrix (where its small state rests)
+        self._matrix_plans: dict[str, tuple[int, Any]] = {}
 
     # ------------------------------------------------------------------ groups
     def _resolve_treatment(self, group: dict, names: dict[int, str]) -> None:
@@ -191,6 +203,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "_ops_cache"):
+            self._forget_plans()
         if hasattr(self, "param_names"):  # after __init__: same preprocessing as the constructor
             groups, names = _normalize_groups([param_group])
             self.param_names.update(names)
@@ -203,16 +217,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """How a plain stepped tensor maps to a matrix layout (default: DTensor placements, else whole)."""
         self._layout_resolver = resolver
         self._fragments.clear()
+        self._forget_plans()
 
     def attach_fragments(self, tensor: torch.Tensor, fragments: list[Fragment]) -> None:
         """Declare the matrices inside a stepped tensor (used by engines with flat partitions)."""
         self._fragments[id(tensor)] = list(fragments)
         self._attached[id(tensor)] = tensor
+        self._forget_plans()
+
+    def _forget_plans(self) -> None:
+        """Layouts changed (an engine attached its partitions): whole-matrix plans are rebuilt on next use."""
+        self._ops_cache.clear()
+        self._matrix_plans.clear()
+        self._matrix_owner.clear()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``torch.optim`` loading, then statistics back to fp32: torch casts floating state to the parameter
         dtype, which would leave a bf16 model's moments and scales in bf16 after a resume."""
-        super().load_state_dict(state_dict)
+        super().load_state_dict(self._local_state_entries(state_dict))
 
         def to_fp32(d: dict) -> None:
             for k, v in d.items():
@@ -262,6 +284,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         continue
                 for key, value in list(target.items()):
                     kind = self.state_kinds.get(key)
+                    if kind == "matrix" and value.dim() and frag.layout.group is not None and _is_dtensor(p):
+                        target[key] = self._sharded_entry(frag.name, key, value)
                     if kind in ("rows", "cols") and frag.layout.group is not None:
                         axis = 0 if kind == "rows" else 1
                         owned = frag.layout.axis_plan(axis).owned
@@ -272,6 +296,40 @@ class ShardedOptimizer(torch.optim.Optimizer):
             packed[idx] = new
         rnd.run()
         return sd
+
+    def _sharded_entry(self, name: str, key: str, value: torch.Tensor) -> Any:
+        """A "matrix"-kind share as a ``ShardedTensor`` for DCP (each share written once, resharded on load)."""
+        plan, spec = self.matrix_state_share(name)
+        shape, dim = spec[key]
+        return as_sharded_tensor(plan, value, shape, dim)
+
+    def _local_state_entries(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """Replace ``ShardedTensor`` entries (a DCP load) by this rank's share, shaped as this rank keeps it."""
+        by_index = dict(enumerate(p for g in self.param_groups for p in g["params"]))
+        state = {}
+        for idx, entries in state_dict.get("state", {}).items():
+            p = by_index.get(idx) if isinstance(idx, int) else None
+            if p is None or not isinstance(entries, dict):
+                state[idx] = entries
+                continue
+            entries = dict(entries)
+            frags = self.fragments(p)
+            if self.is_flat(p):
+                entries["matrices"] = {n: dict(m) for n, m in (entries.get("matrices") or {}).items()}
+                targets = [(m, n) for n, m in entries["matrices"].items()]
+            else:
+                targets = [(entries, frags[0].name)]
+            for target, name in targets:
+                for key, value in list(target.items()):
+                    local = local_share(value)
+                    if local is None:
+                        plan, spec = self.matrix_state_share(name)
+                        shape, dim = spec[key]
+                        local = torch.zeros(share_shape(plan, shape, dim), dtype=torch.float32,
+                                            device=local_flat(p).device)
+                    target[key] = local
+            state[idx] = entries
+        return {**state_dict, "state": state}
 
     def fragments(self, p: torch.Tensor) -> list[Fragment]:
         frags = self._fragments.get(id(p))
@@ -342,25 +400,142 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     # ------------------------------------------------------------------ whole-matrix work
-    def _matrix_ops(self, items: list["MatrixItem"], transposes: list[bool],
-                    cost: Callable[[tuple[int, int]], OpCost]) -> MatrixOps:
-        """The (cached, static) whole-matrix plan of these matrices under the configured strategy."""
-        key = (self.matrix_strategy, tuple(id(it.layout) for it in items), tuple(transposes))
-        ops = self._ops_cache.get(key)
-        if ops is None:
-            ops = MatrixOps([it.layout for it in items], [it.frag.name for it in items], transposes,
-                            self.matrix_strategy, cost)
-            self._ops_cache[key] = ops
-            for it, kind, owner in zip(items, ops.kinds, ops.owners):
+    # Optimizers with whole-matrix work (Gram matrices, projections, factorizations) describe it per param
+    # group with three static functions of the matrix shape; the base class builds one plan for all matrices
+    # of the group, runs steps in buckets and keeps the small state split over the ranks between steps.
+    def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
+        """Whether the algorithm works on ``A = G^T`` (else ``A = G``) for an ``m x n`` matrix."""
+        raise NotImplementedError
+
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+        """Estimated work, reduced elements and small-state size for the oriented ``A`` (rows x cols)."""
+        raise NotImplementedError
+
+    def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> StateSpec:
+        """``{key: (logical shape, split dim or None)}`` of one matrix's small ("matrix"-kind) state."""
+        return {}
+
+    def _group_index(self, group: dict) -> int:
+        return next(i for i, g in enumerate(self.param_groups) if g is group)
+
+    def _fragments_by_group(self, all_groups: bool = False) -> dict[int, list[Fragment]]:
+        """Every matrix of every whole-matrix group, in a rank-independent order. Flat engine partitions hold
+        matrices of several groups (ZeRO-3 sub-groups hold part of one), so a matrix belongs to the group
+        whose parameter names list it."""
+        owner: dict[str, int] = {}
+        for g, names in enumerate(self.group_param_names):
+            for n in names:
+                owner.setdefault(n, g)
+        for g, group in enumerate(self.param_groups):
+            for p in group["params"]:
+                for frag in self.fragments(p):
+                    owner.setdefault(frag.name, g)
+        out: dict[int, list[Fragment]] = {}
+        for p in self.stepped_tensors():
+            for frag in self.fragments(p):
+                g = owner.get(frag.name)
+                if g is not None and (all_groups or self.param_groups[g].get("treatment", "adamw") != "adamw"):
+                    out.setdefault(g, []).append(frag)
+        return out
+
+    def matrix_plan(self, g: int) -> MatrixOps | None:
+        """The static whole-matrix plan of param group ``g`` (strategies, owners, row plans, state shares),
+        built once from the layouts of all its matrices; None for groups without whole-matrix work."""
+        if g in self._ops_cache:
+            return self._ops_cache[g]
+        group = self.param_groups[g]
+        frags = self._fragments_by_group().get(g, [])
+        ops = None
+        if self.whole_matrix_work and group.get("treatment", "adamw") in self.matrix_treatments and frags:
+            transposes = [self.whole_matrix_transpose(group, f.layout.shape) for f in frags]
+            ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], transposes, self.matrix_strategy,
+                            lambda a_shape: self.whole_matrix_cost(group, a_shape))
+            for f, kind, owner, plan in zip(frags, ops.kinds, ops.owners, ops.plans):
+                self._matrix_plans[f.name] = (g, plan)
                 if kind == "gather":
-                    self._matrix_owner[it.frag.name] = (owner, it.layout)
+                    self._matrix_owner[f.name] = (owner, f.layout)
                 else:
-                    self._matrix_owner.pop(it.frag.name, None)
+                    self._matrix_owner.pop(f.name, None)
+        self._ops_cache[g] = ops
         return ops
 
+    def matrix_state_share(self, name: str) -> tuple[RowPlanT, StateSpec] | None:
+        """The row plan and state spec of matrix ``name`` (None when it keeps no split state)."""
+        entry = self._matrix_plans.get(name)
+        if entry is None:
+            for g in range(len(self.param_groups)):
+                self.matrix_plan(g)
+            entry = self._matrix_plans.get(name)
+        if entry is None:
+            return None
+        g, plan = entry
+        return plan, self.matrix_state_spec(self.param_groups[g], plan.a_shape)
+
+    # ------------------------------------------------------------------ memory plan
+    def elementwise_state_copies(self, group: dict) -> int:
+        """fp32 tensors shaped like the parameter that a group's rule keeps (AdamW: its two moments)."""
+        return 2 if group.get("treatment", "adamw") == "adamw" else 0
+
+    def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
+        """Per-row/per-column statistics (kinds "rows", "cols", "scalar") one matrix keeps on every rank."""
+        return 0
+
+    def planned_state_elements(self, rank: int | None = None) -> dict[str, int]:
+        """fp32 elements of optimizer state that ``rank`` of the layouts' groups (default: this rank) keeps
+        after a step, by kind ("elements", "vectors", "matrix"), computed from the static plans alone, so one
+        process can tell every rank's memory (benchmarks.scale); a test checks it against real allocations."""
+        out = {"elements": 0, "vectors": 0, "matrix": 0}
+        plans = {g: self.matrix_plan(g) for g in range(len(self.param_groups))}
+        frags_by_group = self._fragments_by_group(all_groups=True)
+        for g, frags in frags_by_group.items():
+            group = self.param_groups[g]
+            copies = self.elementwise_state_copies(group)
+            ops = plans.get(g)
+            index = {n: i for i, n in enumerate(ops.names)} if ops is not None else {}
+            for f in frags:
+                lay = f.layout
+                r = lay.rank if rank is None else rank
+                out["elements"] += copies * lay._piece_numel(lay.pieces[r])
+                out["vectors"] += self.vector_state(group, lay.shape)
+                if f.name in index:
+                    plan = ops.plans[index[f.name]]
+                    out["matrix"] += share_numel(plan, self.matrix_state_spec(group, plan.a_shape), r)
+        return out
+
+    def _run_whole_matrix(self, group: dict, items: list["MatrixItem"],
+                          body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
+        """Run ``body(items, ops)`` bucket by bucket: the small state of each bucket's distributed matrices is
+        gathered whole for the step (one all-gather per group) and cut back to this rank's share after it."""
+        plan = self.matrix_plan(self._group_index(group))
+        if plan is None or not items:
+            return
+        index = {name: i for i, name in enumerate(plan.names)}
+        ops = plan.subset([index[it.frag.name] for it in items])
+        limit = float(getattr(self, "matrix_bucket_elements", BUCKET_ELEMENTS))
+        for idx in ops.buckets(limit):
+            sub, its = ops.subset(idx), [items[i] for i in idx]
+            specs = [self.matrix_state_spec(group, p.a_shape) for p in sub.plans]
+            entries, where = [], []
+            for i, (it, spec) in enumerate(zip(its, specs)):
+                if sub.kinds[i] != "distributed":
+                    continue  # owner / local: the computing rank already holds all of it
+                for key in sorted(spec):
+                    shape, dim = spec[key]
+                    if dim is not None and key in it.state:
+                        entries.append((sub.plans[i], it.state[key], shape, dim, it.frag.name))
+                        where.append((it, key))
+            for (it, key), full in zip(where, gather_full(entries)):
+                it.state[key] = full
+            body(its, sub)
+            for i, (it, spec) in enumerate(zip(its, specs)):
+                for key, (shape, dim) in spec.items():
+                    if dim is not None and key in it.state:
+                        it.state[key] = keep_share(sub.plans[i], it.state[key], dim)
+
     def sync_state(self) -> None:
-        """Make every "matrix"-kind entry identical on all ranks: the owner's value wins (one bucketed
-        all-reduce). Collective; ``state_dict`` and checkpoint export call it."""
+        """Make every 0-d "matrix"-kind entry (counters, limiter norms) identical on all ranks: under the gather
+        strategy the owner's value wins (one bucketed all-reduce). Larger small state is never replicated: it
+        stays split over the ranks (``matrix_state_spec``). Collective; ``state_dict`` and checkpoints call it."""
         rnd = Round()
         for p in self.stepped_tensors():
             for frag in self.fragments(p):
@@ -372,10 +547,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if "matrices" in target:
                     target = target["matrices"].get(frag.name, {})
                 for key in sorted(target):
-                    if self.state_kinds.get(key) == "matrix":
+                    if self.state_kinds.get(key) == "matrix" and target[key].dim() == 0:
                         if layout.rank != rank:
                             target[key].zero_()
-                        rnd.add_full(layout, target[key])
+                        rnd.add_full(layout, target[key].view(1))
         rnd.run()
 
     def _nonfinite_grads(self) -> bool:

@@ -53,6 +53,9 @@ class Muon(ShardedOptimizer):
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
 
+    def elementwise_state_copies(self, group: dict) -> int:
+        return 2 if group.get("treatment", "adamw") == "adamw" else 1
+
     def _step_muon(self, group: dict) -> None:
         mu = group["momentum"]
 

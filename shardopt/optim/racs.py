@@ -64,6 +64,9 @@ class RACS(ShardedOptimizer):
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
 
+    def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
+        return shape[0] + shape[1] + 1 if group.get("treatment", "adamw") != "adamw" else 0
+
     def _step_racs(self, group: dict) -> None:
         items = self._matrix_items(group)
         rnd = Round()

@@ -66,6 +66,11 @@ class SCALE(ShardedOptimizer):
         super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
 
+    def elementwise_state_copies(self, group: dict) -> int:
+        if group.get("treatment", "adamw") == "adamw":
+            return 2
+        return 1 if group["momentum"] else 0
+
     def _step_scale(self, group: dict) -> None:
         beta = group["momentum"]
 

@@ -75,20 +75,31 @@ class SUMO(ShardedOptimizer):
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
                          matrix_ops=matrix_ops)
 
+    whole_matrix_work = True
+
+    def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
+        m, n = shape
+        return (m < n) if group["side"] == "auto" else group["side"] == "right"
+
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+        rows, cols = a_shape
+        r = min(group["rank"], rows, cols)
+        return OpCost(row_flops=4.0 * rows * cols * r, small_flops=4.0 * cols * r * r + 8.0 * r ** 3,
+                      reduced=r * cols, state=(rows + cols) * r)
+
+    def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
+        rows, cols = a_shape
+        r = min(group["rank"], rows, cols)
+        return {"basis": ((rows, r), 0), "moment": ((r, cols), 1), "prev_onorm": ((), None),
+                "refreshes": ((), None)}
+
     def _step_sumo(self, group: dict) -> None:
         steps = {id(p): self._step_count(p) for p in group["params"]}
         items = self._matrix_items(group)
-        side = group["side"]
-        transposes = [(m < n) if side == "auto" else side == "right" for m, n in (it.layout.shape for it in items)]
+        self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))
+
+    def _sumo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
         rank = group["rank"]
-
-        def cost(a_shape: tuple[int, int]) -> OpCost:
-            rows, cols = a_shape
-            r = min(rank, rows, cols)
-            return OpCost(row_flops=4.0 * rows * cols * r, small_flops=4.0 * cols * r * r + 8.0 * r ** 3,
-                          reduced=r * cols)
-
-        ops = self._matrix_ops(items, transposes, cost)
         blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         ranks = {}
         for i, it in enumerate(items):

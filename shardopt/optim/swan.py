@@ -88,16 +88,22 @@ class SWAN(ShardedOptimizer):
         for it in items:
             it.apply(it.work["x"], lr, group["weight_decay"])
 
+    whole_matrix_work = True
+
+    def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
+        m, n = shape
+        return m <= n
+
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+        rows, k = a_shape
+        return OpCost(row_flops=4.0 * rows * k * k, small_flops=4.0 * group["ns_steps"] * k ** 3, reduced=k * k)
+
     def _whiten(self, items: list, group: dict) -> None:
         """``x <- sqrt(k) x (x^T x)^{-1/2}`` on the orientation whose Gram is small: a sum over the long
         dimension's rows, reduced over row blocks (distributed) or computed by an owner (gather)."""
+        self._run_whole_matrix(group, items, lambda its, ops: self._whiten_bucket(its, ops, group))
 
-        def cost(a_shape: tuple[int, int]) -> OpCost:
-            rows, k = a_shape
-            return OpCost(row_flops=4.0 * rows * k * k, small_flops=4.0 * group["ns_steps"] * k ** 3, reduced=k * k)
-
-        transposes = [m <= n for m, n in (it.layout.shape for it in items)]
-        ops = self._matrix_ops(items, transposes, cost)
+    def _whiten_bucket(self, items: list, ops, group: dict) -> None:
         blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in active})

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import os
 from typing import Any, Mapping
 
@@ -212,24 +213,31 @@ def _latest_tag(load_dir: str) -> str | None:
     return None
 
 
-def _sync_bit16_params(engine: Any, tensors: dict[str, torch.Tensor], names: Mapping[int, str]) -> None:
-    """After the fp32 masters were loaded, give the module's (bit16) parameters the same values."""
+def _sync_bit16_params(engine: Any, reader: Any, names: Mapping[int, str]) -> None:
+    """After the fp32 masters were loaded, give the module's (bit16) parameters the same values, reading from
+    the checkpoint only what this rank's module holds (its ZeRO-3 partition, or the replicated weights of
+    ZeRO-1/2), one parameter at a time."""
     from ..checkpoint.logical import PARAM_KEY, SEP
+    from ..sharding.layout import FlatPiece
 
     with torch.no_grad():
         for p in engine.module.parameters():
             key = f"{names.get(id(p))}{SEP}{PARAM_KEY}"
-            if key not in tensors:
+            if key not in reader.index:
                 continue
-            full = tensors[key].reshape(-1)
+            numel = math.prod(reader.index[key]["shape"])
             if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's padded partition of the flat parameter
                 part = p.ds_tensor.numel()
                 rank = dist.get_rank(group=p.ds_process_group) if hasattr(p, "ds_process_group") else dist.get_rank()
-                lo, hi = min(rank * part, full.numel()), min((rank + 1) * part, full.numel())
+                lo, hi = min(rank * part, numel), min((rank + 1) * part, numel)
+                buf = torch.empty(hi - lo, dtype=torch.float32)
+                reader.fill(key, FlatPiece(lo, hi), buf)
                 p.ds_tensor.data.zero_()
-                p.ds_tensor.data[: hi - lo].copy_(full[lo:hi].to(p.ds_tensor.dtype))
+                p.ds_tensor.data[: hi - lo].copy_(buf.to(p.ds_tensor.dtype))
             else:
-                p.data.copy_(full.view_as(p.data).to(p.dtype))
+                buf = torch.empty(numel, dtype=torch.float32)
+                reader.fill(key, FlatPiece(0, numel), buf)
+                p.data.copy_(buf.view_as(p.data).to(p.dtype))
 
 
 def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:
@@ -276,9 +284,9 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
             return native()
         ours = ckpt.state_path(os.path.join(str(load_dir), str(tag)))
         extra = ckpt.read_metadata(ours).get("extra") or {}
-        tensors, meta = ckpt.read_state_file(ours)
         ckpt.load(ours, opt, load_params=True)
-        _sync_bit16_params(engine, tensors, names)
+        with ckpt.StateReader(ours) as reader:
+            _sync_bit16_params(engine, reader, names)
         if load_lr_scheduler_states and extra.get("lr_scheduler") and engine.lr_scheduler is not None:
             engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
         if "global_steps" in extra:

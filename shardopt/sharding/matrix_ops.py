@@ -15,8 +15,13 @@ small factorizations on identical inputs on every rank that takes part, and retu
 
 ``strategy="auto"`` picks per matrix the one with the lower estimated per-rank cost (bytes moved weighted by
 ``FLOPS_PER_BYTE`` plus FLOPs; a gathered matrix costs its owner the whole op, about 1/P per rank once the
-owner plan balances them; the distributed strategy splits the row products and repeats small factorizations); ``"gather"`` / ``"distributed"`` force one. A matrix
-held whole by a single rank of its group is computed there with no communication under any strategy.
+owner plan balances them; the distributed strategy splits the row products and repeats small factorizations),
+and never gathers where the owners' small state would exceed its even share (``auto`` keeps memory per rank
+within ``STATE_SLACK`` of total / P); ``"gather"`` / ``"distributed"`` force one. A matrix held whole by a
+single rank of its group is computed there with no communication under any strategy.
+
+Small persistent state (``OpCost.state``) rests split over the ranks by ``shardopt.sharding.state_split``; a
+step runs in buckets (``buckets``) whose whole-tensor transients stay below a bound, not the model's size.
 """
 from __future__ import annotations
 
@@ -30,13 +35,19 @@ from .comm import collective_counter
 from .layout import MatrixLayout
 from .owner import owner_plan
 
-__all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES"]
+__all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUCKET_ELEMENTS"]
 
 Strategy = Literal["auto", "gather", "distributed"]
 STRATEGIES = ("auto", "gather", "distributed")
 #: how many FLOPs one byte on the network is worth in the strategy choice (~ a GPU's FLOP rate over its
 #: interconnect bandwidth, an order of magnitude below it to favour moving little data)
 FLOPS_PER_BYTE = 100.0
+#: under ``auto`` the busiest owner's gathered state may exceed the even share (all small state / P) by this
+#: fraction plus ``STATE_SLACK_ELEMENTS``; matrices whose gathering would break that run distributed
+STATE_SLACK = 0.10
+STATE_SLACK_ELEMENTS = 1 << 20
+#: default bound on a bucket's whole-matrix transients (fp32 elements: 128 MiB)
+BUCKET_ELEMENTS = 32 << 20
 
 
 @dataclass(frozen=True)
@@ -51,6 +62,7 @@ class OpCost:
     row_flops: float
     small_flops: float = 0.0
     reduced: float = 0.0
+    state: float = 0.0  # fp32 elements of small persistent state (bases, moments, k x k statistics)
 
 
 class MatrixOps:
@@ -76,18 +88,54 @@ class MatrixOps:
                 self.kinds.append("distributed")
             else:
                 self.kinds.append(self._cheaper(lay, t, c))
-        gathered = [i for i in range(n) if self.kinds[i] == "gather"]
-        owners = owner_plan([layouts[i] for i in gathered], [self.names[i] for i in gathered],
-                            [_gather_cost(self.costs[i], layouts[i].shape) for i in gathered])
-        self.owners = [-1] * n
-        for i, o in zip(gathered, owners):
-            self.owners[i] = o
+        self.owners = self._assign_owners(layouts, strategy == "auto")
         self.plans: list[RowPlan] = []
         for i, (lay, t) in enumerate(zip(layouts, transposes)):
             if self.kinds[i] == "gather":
                 self.plans.append(RowPlan.owner(lay, t, self.owners[i]))
             else:
                 self.plans.append(RowPlan.aligned(lay, t))
+
+    def _assign_owners(self, layouts: Sequence[MatrixLayout], memory_bound: bool) -> list[int]:
+        """Owners of the gathered matrices, balancing FLOPs and small state together (each normalized by its
+        total). With ``memory_bound`` (auto), the largest-state gathered matrices switch to the distributed
+        strategy until the busiest owner's state is within ``STATE_SLACK`` of the even share."""
+        n = len(layouts)
+        if memory_bound:  # LPT keeps the busiest owner within one matrix of the mean: no matrix may exceed the slack
+            for idx in _by_group(layouts).values():
+                world = layouts[idx[0]].world
+                limit = STATE_SLACK * sum(self.costs[i].state for i in idx) / world + STATE_SLACK_ELEMENTS
+                for i in idx:
+                    if self.kinds[i] == "gather" and layouts[i].holders > 1 and self.costs[i].state > limit:
+                        self.kinds[i] = "distributed"
+        while True:
+            gathered = [i for i in range(n) if self.kinds[i] == "gather"]
+            owners = owner_plan([layouts[i] for i in gathered], [self.names[i] for i in gathered],
+                                _balance_weights([self.costs[i] for i in gathered],
+                                                 [layouts[i].shape for i in gathered]))
+            result = [-1] * n
+            for i, o in zip(gathered, owners):
+                result[i] = o
+            if not memory_bound:
+                return result
+            worst = self._worst_owner_overflow(layouts, result)
+            if worst is None:
+                return result
+            self.kinds[worst] = "distributed"
+
+    def _worst_owner_overflow(self, layouts: Sequence[MatrixLayout], owners: list[int]) -> int | None:
+        """The largest-state gathered matrix on an owner whose state exceeds its even share, else None."""
+        for idx in _by_group(layouts).values():
+            world = layouts[idx[0]].world
+            bound = (1 + STATE_SLACK) * sum(self.costs[i].state for i in idx) / world + STATE_SLACK_ELEMENTS
+            load: dict[int, list[int]] = {}
+            for i in idx:
+                if self.kinds[i] == "gather" and layouts[i].holders > 1:
+                    load.setdefault(owners[i], []).append(i)
+            for mats in load.values():
+                if sum(self.costs[i].state for i in mats) > bound:
+                    return max(mats, key=lambda i: (self.costs[i].state, self.names[i]))
+        return None
 
     @staticmethod
     def _cheaper(lay: MatrixLayout, transpose: bool, c: OpCost) -> str:
@@ -102,6 +150,33 @@ class MatrixOps:
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
         return len(self.plans)
+
+    def subset(self, idx: Sequence[int]) -> "MatrixOps":
+        """The plan of matrices ``idx`` only (same strategies, owners and row plans): a bucket, or the
+        matrices of one ``step()`` call when an engine steps part of a param group (ZeRO-3 sub-groups)."""
+        sub = object.__new__(MatrixOps)
+        sub.names = [self.names[i] for i in idx]
+        sub.kinds = [self.kinds[i] for i in idx]
+        sub.costs = [self.costs[i] for i in idx]
+        sub.owners = [self.owners[i] for i in idx]
+        sub.plans = [self.plans[i] for i in idx]
+        return sub
+
+    def buckets(self, limit: float = BUCKET_ELEMENTS) -> list[list[int]]:
+        """Consecutive runs of matrices whose whole-tensor transients (small state gathered for the step,
+        reduced partial sums, whole matrices on their owner) add up to at most ``limit`` elements; at
+        least one matrix each. Static, so every rank runs the same buckets in the same order."""
+        out: list[list[int]] = []
+        used = 0.0
+        for i, (c, kind, plan) in enumerate(zip(self.costs, self.kinds, self.plans)):
+            m, n = plan.a_shape
+            size = c.state + c.reduced + (m * n if kind == "gather" else 0)
+            if not out or used + size > limit:
+                out.append([])
+                used = 0.0
+            out[-1].append(i)
+            used += size
+        return out
 
     def active(self, i: int) -> bool:
         """Whether this rank computes matrix ``i`` (holds its rows, or takes part in its reductions)."""
@@ -188,6 +263,23 @@ class MatrixOps:
             a0, a1 = plan.rows()
             share = (a1 - a0) / max(plan.a_shape[0], 1)
             collective_counter.add_flops(self.kinds[i], c.row_flops * share + c.small_flops)
+
+
+def _by_group(layouts: Sequence[MatrixLayout]) -> dict[int, list[int]]:
+    by: dict[int, list[int]] = {}
+    for i, lay in enumerate(layouts):
+        if lay.group is not None:
+            by.setdefault(id(lay.group), []).append(i)
+    return by
+
+
+def _balance_weights(costs: Sequence[OpCost], shapes: Sequence[tuple[int, int]]) -> list[float]:
+    """One number per gathered matrix for the owner plan: its share of the gathered FLOPs plus its share of
+    the gathered small state, so owners end up balanced in both time and memory."""
+    work = [_gather_cost(c, s) for c, s in zip(costs, shapes)]
+    total_work = sum(work) or 1.0
+    total_state = sum(c.state for c in costs)
+    return [w / total_work + (c.state / total_state if total_state else 0.0) for w, c in zip(work, costs)]
 
 
 def _gather_cost(c: OpCost, shape: tuple[int, int]) -> float:

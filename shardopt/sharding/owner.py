@@ -10,6 +10,7 @@ locally.
 """
 from __future__ import annotations
 
+import heapq
 from typing import Any, Callable, Sequence
 
 import torch
@@ -31,7 +32,8 @@ def newton_schulz_cost(shape: tuple[int, int], steps: int = 5) -> float:
 def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: CostFn | Sequence[float]) -> list[int]:
     """Owner (group rank) of each matrix; -1 for matrices computed locally (no group).
 
-    ``cost`` is a function of the matrix shape or one number per matrix."""
+    ``cost`` is a function of the matrix shape or one number per matrix. Longest-processing-time first with
+    a heap of rank loads (ties to the lowest rank), so a plan over thousands of ranks builds in milliseconds."""
     costs = [float(c) for c in cost] if not callable(cost) else [cost(lay.shape) for lay in layouts]
     owners = [-1] * len(layouts)
     by_group: dict[int, list[int]] = {}
@@ -41,14 +43,27 @@ def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: Cost
     for idx in by_group.values():
         world = layouts[idx[0]].world
         load = [0.0] * world
+        heap = [(0.0, r) for r in range(world)]
         for i in sorted(idx, key=lambda i: (-costs[i], names[i])):
             lay = layouts[i]
-            holders = [r for r in range(world) if lay._piece_numel(lay.pieces[r]) > 0]
-            # a matrix one rank already holds whole stays there (nothing to move); else least-loaded rank
-            r = holders[0] if len(holders) == 1 else min(range(world), key=lambda r: (load[r], r))
+            holder = _sole_holder(lay)
+            if holder is not None:  # a matrix one rank already holds whole stays there (nothing to move)
+                r = holder
+            else:
+                while heap[0][0] != load[heap[0][1]]:  # drop entries made stale by a sole-holder placement
+                    heapq.heapreplace(heap, (load[heap[0][1]], heap[0][1]))
+                r = heap[0][1]
             owners[i] = r
             load[r] += costs[i]
+            if holder is None:
+                heapq.heapreplace(heap, (load[r], r))
     return owners
+
+
+def _sole_holder(lay: MatrixLayout) -> int | None:
+    if lay.holders != 1:
+        return None
+    return next(r for r, p in enumerate(lay.pieces) if lay._piece_numel(p) > 0)
 
 
 def run_on_owners(
