@@ -77,6 +77,7 @@ def write_part(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
 def write_state_file(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
     """One self-contained file of whole logical tensors (single process, conversions)."""
     flat = {k: v.reshape(-1) for k, v in tensors.items()}
+    meta = {k: v for k, v in meta.items() if k not in ("format", "index", "flat_stored")}
     write_part(path, flat, {"format": FORMAT, **meta, "index": whole_index(tensors)})
 
 

@@ -155,6 +155,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 names.setdefault(id(p), getattr(p, "_shardopt_name", None) or f"param_{position}")
                 position += 1
         self.param_names: dict[int, str] = names
+        self._group_list: list[dict] = list(self.param_groups)  # see _groups
         #: parameter names of each group as built (engines may later replace group tensors by flat partitions)
         self.group_param_names: list[list[str]] = [[names.get(id(p), "") for p in g["params"]] for g in groups]
         self._fragments: dict[int, list[Fragment]] = {}
@@ -235,6 +236,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``torch.optim`` loading, then statistics back to fp32: torch casts floating state to the parameter
         dtype, which would leave a bf16 model's moments and scales in bf16 after a resume."""
         super().load_state_dict(self._local_state_entries(state_dict))
+        self._group_list = list(self.param_groups)  # torch rebuilt the group dicts
+        self._forget_plans()
 
         def to_fp32(d: dict) -> None:
             for k, v in d.items():
@@ -322,11 +325,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for target, name in targets:
                 for key, value in list(target.items()):
                     local = local_share(value)
+                    found = self.matrix_state_share(name) if self.state_kinds.get(key) == "matrix" else None
+                    if found is None or key not in found[1] or found[1][key][1] is None:
+                        target[key] = local
+                        continue
+                    plan, (shape, dim) = found[0], found[1][key]
                     if local is None:
-                        plan, spec = self.matrix_state_share(name)
-                        shape, dim = spec[key]
                         local = torch.zeros(share_shape(plan, shape, dim), dtype=torch.float32,
                                             device=local_flat(p).device)
+                    elif tuple(local.shape) == tuple(shape):  # a whole tensor (checkpoints before shares)
+                        local = keep_share(plan, local, dim)
                     target[key] = local
             state[idx] = entries
         return {**state_dict, "state": state}
@@ -415,8 +423,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """``{key: (logical shape, split dim or None)}`` of one matrix's small ("matrix"-kind) state."""
         return {}
 
+    def _groups(self) -> list[dict]:
+        """The param groups as built (DeepSpeed ZeRO-1/2 replace ``param_groups`` by a one-group list while
+        they step it; the group dicts themselves stay the same objects)."""
+        known = self.__dict__.setdefault("_group_list", [])
+        for g in self.param_groups:
+            if not any(g is k for k in known):
+                known.append(g)
+        return known
+
     def _group_index(self, group: dict) -> int:
-        return next(i for i, g in enumerate(self.param_groups) if g is group)
+        return next(i for i, g in enumerate(self._groups()) if g is group)
 
     def _fragments_by_group(self, all_groups: bool = False) -> dict[int, list[Fragment]]:
         """Every matrix of every whole-matrix group, in a rank-independent order. Flat engine partitions hold
@@ -426,7 +443,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g, names in enumerate(self.group_param_names):
             for n in names:
                 owner.setdefault(n, g)
-        for g, group in enumerate(self.param_groups):
+        groups = self._groups()
+        for g, group in enumerate(groups):
             for p in group["params"]:
                 for frag in self.fragments(p):
                     owner.setdefault(frag.name, g)
@@ -434,7 +452,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p in self.stepped_tensors():
             for frag in self.fragments(p):
                 g = owner.get(frag.name)
-                if g is not None and (all_groups or self.param_groups[g].get("treatment", "adamw") != "adamw"):
+                if g is not None and g < len(groups) and \
+                        (all_groups or groups[g].get("treatment", "adamw") != "adamw"):
                     out.setdefault(g, []).append(frag)
         return out
 
@@ -443,7 +462,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         built once from the layouts of all its matrices; None for groups without whole-matrix work."""
         if g in self._ops_cache:
             return self._ops_cache[g]
-        group = self.param_groups[g]
+        group = self._groups()[g]
         frags = self._fragments_by_group().get(g, [])
         ops = None
         if self.whole_matrix_work and group.get("treatment", "adamw") in self.matrix_treatments and frags:
@@ -463,13 +482,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """The row plan and state spec of matrix ``name`` (None when it keeps no split state)."""
         entry = self._matrix_plans.get(name)
         if entry is None:
-            for g in range(len(self.param_groups)):
+            for g in range(len(self._groups())):
                 self.matrix_plan(g)
             entry = self._matrix_plans.get(name)
         if entry is None:
             return None
         g, plan = entry
-        return plan, self.matrix_state_spec(self.param_groups[g], plan.a_shape)
+        return plan, self.matrix_state_spec(self._groups()[g], plan.a_shape)
 
     # ------------------------------------------------------------------ memory plan
     def elementwise_state_copies(self, group: dict) -> int:
@@ -485,10 +504,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         after a step, by kind ("elements", "vectors", "matrix"), computed from the static plans alone, so one
         process can tell every rank's memory (benchmarks.scale); a test checks it against real allocations."""
         out = {"elements": 0, "vectors": 0, "matrix": 0}
-        plans = {g: self.matrix_plan(g) for g in range(len(self.param_groups))}
+        groups = self._groups()
+        plans = {g: self.matrix_plan(g) for g in range(len(groups))}
         frags_by_group = self._fragments_by_group(all_groups=True)
         for g, frags in frags_by_group.items():
-            group = self.param_groups[g]
+            group = groups[g]
             copies = self.elementwise_state_copies(group)
             ops = plans.get(g)
             index = {n: i for i, n in enumerate(ops.names)} if ops is not None else {}

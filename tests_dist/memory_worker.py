@@ -1,0 +1,189 @@
+"""Memory worker: every optimizer's state per rank on FSDP2 and ZeRO-2 at this world size, measured from the
+tensors it really holds after two steps, against the single-process state of the same model.
+
+A small LLaMA-like model (4 blocks of q/k/v/o and a SwiGLU MLP, hidden 64) so that the matrices, not the
+per-row/column vectors, carry the state, as in real models. SUMO and Alice run at rank 8 (their state is
+low-rank, as in real use). Each record: bytes per rank, the planner's prediction per rank
+(``planned_state_elements``, which the scale benchmark relies on), and the single-process bytes.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import logging
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import finish_worker  # noqa: E402
+import shardopt  # noqa: E402
+from shardopt.optim.registry import OPTIMIZERS  # noqa: E402
+
+VOCAB, DIM, FFN, BLOCKS, SEQ, BATCH = 96, 64, 176, 4, 8, 4
+WHOLE_MATRIX = ("swan", "asgo", "sumo", "alice", "alice0")
+EXTRA = {"sumo": {"rank": 8}, "alice": {"rank": 8, "leading": 4}, "alice0": {"rank": 8, "leading": 4}}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
+        self.down = nn.Linear(FFN, DIM, bias=False)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / DIM ** 0.5, -1) @ self.v(x)
+        h = h + self.o(a)
+        return h + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class SmallLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.lm_head(h)
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+def state_bytes(opt) -> int:
+    """Bytes of every state tensor this rank holds (DTensor: its local shard)."""
+    total = 0
+
+    def walk(v):
+        nonlocal total
+        if isinstance(v, dict):
+            for x in v.values():
+                walk(x)
+        elif isinstance(v, torch.Tensor):
+            local = v.to_local() if hasattr(v, "to_local") else v
+            total += local.numel() * local.element_size()
+
+    for st in opt.state.values():
+        for k, v in st.items():
+            if k != "step":
+                walk(v)
+    return total
+
+
+def kwargs(name: str, strategy: str | None) -> dict:
+    kw = dict(EXTRA.get(name, {}))
+    if strategy:
+        kw["matrix_ops"] = {"strategy": strategy}
+    return kw
+
+
+def single_process_bytes(name: str) -> int:
+    torch.manual_seed(0)
+    model = SmallLM()
+    opt = shardopt.create_optimizer(model, name, **kwargs(name, None))
+    for s in range(2):
+        opt.zero_grad()
+        loss_of(model, batch(s)).backward()
+        opt.step()
+    return state_bytes(opt)
+
+
+def sharded(name: str, engine: str, strategy: str | None) -> tuple[int, int, int]:
+    torch.manual_seed(0)
+    model = SmallLM()
+    if engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = shardopt.create_optimizer(model, name, **kwargs(name, strategy))
+        for s in range(2):
+            opt.zero_grad()
+            loss_of(model, batch(s)).backward()
+            opt.step()
+    else:
+        kw = kwargs(name, strategy)
+        config = {"train_batch_size": BATCH * dist.get_world_size(), "train_micro_batch_size_per_gpu": BATCH,
+                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+                  "shardopt": {"optimizer": name, "params": kw}}
+        eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
+        opt = eng.optimizer.optimizer
+        for s in range(2):
+            loss = loss_of(eng, batch(s))
+            eng.backward(loss)
+            eng.step()
+    planned = sum(opt.planned_state_elements().values()) * 4
+    return state_bytes(opt), planned, written_bytes(opt)
+
+
+def written_bytes(opt) -> int:
+    """Bytes of the checkpoint files this rank wrote: its own pieces only (rank 0: the main file)."""
+    import glob
+    import tempfile
+
+    import shardopt.checkpoint as ckpt
+
+    root = [tempfile.mkdtemp(prefix="shardopt-mem-")] if dist.get_rank() == 0 else [None]
+    dist.broadcast_object_list(root, src=0)
+    main = ckpt.save(root[0], opt)
+    mine = glob.glob(os.path.join(root[0], f"*.r{dist.get_rank():05d}.*.safetensors"))
+    if dist.get_rank() == 0:
+        mine.append(main)
+    size = sum(os.path.getsize(f) for f in mine)
+    dist.barrier()
+    return size
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    records = []
+    for name in OPTIMIZERS:
+        single = single_process_bytes(name)
+        for engine in ("fsdp2", "zero2"):
+            for strategy in (("gather", "distributed") if name in WHOLE_MATRIX else (None,)):
+                rec = {"optimizer": name, "engine": engine, "strategy": strategy, "single": single}
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        result = sharded(name, engine, strategy)
+                    got: list = [None] * dist.get_world_size()
+                    dist.all_gather_object(got, result)
+                    rec["per_rank"] = [g[0] for g in got]
+                    rec["planned"] = [g[1] for g in got]
+                    rec["written"] = [g[2] for g in got]
+                    rec["params"] = sum(p.numel() for p in SmallLM().parameters()) * 4
+                except Exception:
+                    rec["error"] = traceback.format_exc()
+                records.append(rec)
+                dist.barrier()
+    finish_worker(records, args.out)
+
+
+if __name__ == "__main__":
+    main()
