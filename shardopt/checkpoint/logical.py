@@ -101,8 +101,8 @@ def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Re
                     raise CheckpointError(f"state entry {key!r} of {frag.name!r} has no declared kind in "
                                           f"{type(opt).__name__}.state_kinds")
                 if kind == "elements":
-                    if frag.numel:
-                        data = frag.local(value).detach().float().cpu()
+                    if frag.numel:  # kept in its dtype: converted to fp32 part by part when written
+                        data = frag.local(value).detach()
                         records.append(Record(name, kind, frag.logical_shape, lay.shape, lay.pieces[lay.rank], data))
                 elif kind in ("rows", "cols"):
                     full = value.detach().float().clone()
@@ -125,8 +125,7 @@ def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Re
                     if hi > lo and value.numel():
                         w = view[1] if dim == 0 else 1
                         piece = FlatPiece(lo * w, hi * w) if piece_type is FlatPiece else ColPiece(lo, hi)
-                        records.append(Record(name, kind, tuple(shape), view, piece,
-                                              value.detach().float().contiguous().reshape(-1).cpu()))
+                        records.append(Record(name, kind, tuple(shape), view, piece, value.detach().reshape(-1)))
                 else:
                     records.append(_whole(name, kind, value))
     rnd.run()
@@ -191,13 +190,17 @@ def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include
         dist.scatter_object_list(todo, scatter, src=0)
     else:
         todo = [scatter[0]]
-    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    by_file: dict[str, list[Record]] = {}
     for i, file in todo[0]:
-        by_file.setdefault(file, {})[f"{records[i].key}@{rank}"] = records[i].data
+        by_file.setdefault(file, []).append(records[i])
+
+    def part_tensors(file: str) -> dict[str, torch.Tensor]:  # fp32 CPU copies made for one part file at a time
+        return {f"{r.key}@{rank}": r.data.detach().float().cpu().contiguous() for r in by_file.get(file, [])}
+
     try:
-        for file, tensors in by_file.items():
+        for file in by_file:
             if file:
-                write_part(os.path.join(directory, file), tensors)
+                write_part(os.path.join(directory, file), part_tensors(file))
         if _dist():
             dist.barrier()
         if rank == 0:
@@ -205,7 +208,7 @@ def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include
             for part in gathered_i or []:
                 for key, kind, *_ in part:
                     kinds[key.split(SEP)[1]] = kind
-            write_part(path, by_file.get("", {}), {"format": FORMAT, **meta, "kinds": kinds, "keys": sorted(index),
+            write_part(path, part_tensors(""), {"format": FORMAT, **meta, "kinds": kinds, "keys": sorted(index),
                                                     "index": index, "world_size": world})
             referenced = {p[0] for e in index.values() for p in e["pieces"]}
             for stale in glob.glob(os.path.join(directory, f"{glob.escape(stem)}.*.r*.safetensors")):
@@ -260,8 +263,8 @@ def _target(source: Source, key: str, lay, frag_logical: tuple[int, ...]) -> Fla
 
 def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], load_params: bool = True) -> None:
     """Rebuild this rank's optimizer state (and stepped parameters) from ``source``, reading only this rank's
-    pieces. Everything is checked first (entries present, shapes, files complete); the optimizer changes only
-    when every entry has been read."""
+    pieces. Everything is checked first (entries present, shapes, files complete); a checkpoint that fails
+    those checks changes nothing."""
     by_name: dict[str, list[str]] = {}
     for k in source.index:
         by_name.setdefault(k.split(SEP)[0], []).append(k)
@@ -285,6 +288,9 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
                 actions.append((p, frag, k, key, kind, shape))
                 needed.append(k)
     source.check_files(needed)
+    # everything is checked: the old state goes before the new one is read, so a load in place never holds
+    # two copies of the state
+    opt.state.clear()
     new_state: dict[torch.Tensor, dict] = {p: {} for p in opt.stepped_tensors()}
     param_reads: list[tuple] = []
     for p, frag, k, key, kind, shape in actions:
@@ -355,6 +361,8 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
     Assembles everything on rank 0: for inspection and tests. Checkpoints use ``save_sharded``, which never
     does. Collective when ``torch.distributed`` is initialized."""
     records = local_records(opt, include_params)
+    for r in records:
+        r.data = r.data.detach().float().cpu()
     if _dist():
         gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(records, gathered, dst=0)
@@ -375,7 +383,7 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
 
             for b in _blocks_of(rec.piece, m, n):
                 out[b.row: b.row + b.height, b.col: b.col + b.width] = \
-                    rec.data[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
+                    rec.data[b.offset: b.offset + b.height * b.width].view(b.height, b.width).float().cpu()
             kinds[key.split(SEP)[1]] = rec.kind
         full[key] = out.reshape(entry["shape"])
     return full, kinds

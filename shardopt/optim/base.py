@@ -522,6 +522,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     out["matrix"] += share_numel(plan, self.matrix_state_spec(group, plan.a_shape), r)
         return out
 
+    def planned_transient_elements(self, rank: int | None = None) -> float:
+        """fp32 elements of whole-matrix transients ``rank`` holds at most at once during a step (one bucket)."""
+        limit = float(getattr(self, "matrix_bucket_elements", BUCKET_ELEMENTS))
+        plans = [self.matrix_plan(g) for g in range(len(self._groups()))]
+        return max((ops.peak_transient(limit, rank) for ops in plans if ops is not None), default=0.0)
+
     def _run_whole_matrix(self, group: dict, items: list["MatrixItem"],
                           body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
         """Run ``body(items, ops)`` bucket by bucket: the small state of each bucket's distributed matrices is

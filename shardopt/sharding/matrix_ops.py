@@ -147,6 +147,22 @@ class MatrixOps:
         dist = FLOPS_PER_BYTE * 4 * (2 * max(plan.sent) + 2 * c.reduced) + c.row_flops / p + c.small_flops
         return "distributed" if dist <= _gather_cost(c, lay.shape) / p else "gather"
 
+    def _transient(self, i: int, rank: int | None) -> float:
+        """Whole-tensor elements matrix ``i`` puts on ``rank`` during its bucket's step."""
+        c, plan = self.costs[i], self.plans[i]
+        if self.kinds[i] == "distributed":
+            return c.state + c.reduced
+        if self.kinds[i] == "gather":
+            r = plan.layout.rank if rank is None else rank
+            m, n = plan.a_shape
+            return c.state + c.reduced + m * n if self.owners[i] == r else 0.0
+        return 0.0
+
+    def peak_transient(self, limit: float = BUCKET_ELEMENTS, rank: int | None = None) -> float:
+        """The largest bucket's whole-tensor transients on ``rank`` (elements): gathered state, reduced
+        partial sums, whole matrices on their owner. Bounded by ``limit`` (or by one matrix, if larger)."""
+        return max((sum(self._transient(i, rank) for i in b) for b in self.buckets(limit)), default=0.0)
+
     # ------------------------------------------------------------------ queries
     def __len__(self) -> int:
         return len(self.plans)
