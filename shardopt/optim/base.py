@@ -169,6 +169,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.debug_plan = bool(int(os.environ.get("SHARDOPT_DEBUG_PLAN", "0"))) if debug_plan is None else debug_plan
         #: whole-matrix strategy: "auto" | "gather" | "distributed" (shardopt.sharding.matrix_ops)
         self.matrix_strategy = str((matrix_ops or {}).get("strategy", "auto"))
+        #: bound on one bucket's whole-matrix transients (gathered state, reduced sums, owners' whole matrices)
+        self.matrix_bucket_elements = float((matrix_ops or {}).get("bucket_mb", BUCKET_ELEMENTS * 4 / 2**20)) * 2**20 / 4
         if self.matrix_strategy not in STRATEGIES:
             raise ValueError(f"matrix_ops.strategy must be one of {STRATEGIES}, got {self.matrix_strategy!r}")
         self._comm_stats: dict[str, dict[str, float]] = {}
@@ -524,7 +526,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def planned_transient_elements(self, rank: int | None = None) -> float:
         """fp32 elements of whole-matrix transients ``rank`` holds at most at once during a step (one bucket)."""
-        limit = float(getattr(self, "matrix_bucket_elements", BUCKET_ELEMENTS))
+        limit = self.matrix_bucket_elements
         plans = [self.matrix_plan(g) for g in range(len(self._groups()))]
         return max((ops.peak_transient(limit, rank) for ops in plans if ops is not None), default=0.0)
 
@@ -537,8 +539,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return
         index = {name: i for i, name in enumerate(plan.names)}
         ops = plan.subset([index[it.frag.name] for it in items])
-        limit = float(getattr(self, "matrix_bucket_elements", BUCKET_ELEMENTS))
-        for idx in ops.buckets(limit):
+        for idx in ops.buckets(self.matrix_bucket_elements):
             sub, its = ops.subset(idx), [items[i] for i in idx]
             specs = [self.matrix_state_spec(group, p.a_shape) for p in sub.plans]
             entries, where = [], []

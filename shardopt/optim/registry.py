@@ -48,6 +48,8 @@ class MatrixOpsConfig(_Strict):
     strategy: Literal["auto", "gather", "distributed"] = pydantic.Field(
         "auto", description="gather to owner ranks, compute from row blocks with reduced small matrices, or "
                             "pick per matrix by the cost model")
+    bucket_mb: float = pydantic.Field(128.0, gt=0, description="bound on one bucket's whole-matrix transients "
+                                                               "(gathered small state, reduced sums), MiB")
 
 
 class _WholeMatrixFields(_AdamFields):
