@@ -61,3 +61,29 @@ def test_every_rank_derives_the_same_strategy_and_owners():
         plans = [_ops(strategy, rank=r)[0] for r in range(4)]
         assert all(p.kinds == plans[0].kinds and p.owners == plans[0].owners for p in plans), strategy
         assert all([pl.starts for pl in p.plans] == [pl.starts for pl in plans[0].plans] for p in plans)
+
+
+def test_owners_balance_state_and_flops_together_on_llama_60m():
+    """Under gather the owner keeps a matrix's small state: owners must balance memory as well as time."""
+    from shardopt.optim.alice import Alice
+    from shardopt.optim.asgo import _asgo_cost
+    from shardopt.optim.sumo import SUMO
+    from shardopt.sharding.matrix_ops import MatrixOps, _gather_cost
+
+    block = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
+    shapes = block * 8  # LLaMA-60M: 8 layers
+    names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
+    rules = {
+        "sumo": (lambda s: SUMO.whole_matrix_cost(None, {"rank": 128}, s), lambda m, n: m < n),
+        "alice": (lambda s: Alice.whole_matrix_cost(None, {"rank": 128, "tracking": True}, s), lambda m, n: m > n),
+        "asgo": (_asgo_cost, lambda m, n: m < n),
+    }
+    for name, (cost, transpose) in rules.items():
+        for world in (4, 8):
+            ops = MatrixOps(layouts(shapes, world=world), names, [transpose(*s) for s in shapes], "gather", cost)
+            state, work = [0.0] * world, [0.0] * world
+            for i, o in enumerate(ops.owners):
+                state[o] += ops.costs[i].state
+                work[o] += _gather_cost(ops.costs[i], shapes[i])
+            assert max(state) <= 1.25 * sum(state) / world, (name, world, state)
+            assert max(work) <= 1.25 * sum(work) / world, (name, world, work)
