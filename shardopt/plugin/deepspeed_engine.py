@@ -26,8 +26,7 @@ from ..optim.registry import (
     OPTIMIZERS, ConfigError, _format_errors, build_param_groups, optimizer_kwargs, validate_hyperparameters,
 )
 from ..sharding.fragment import Fragment
-from ..sharding.layout import FlatPiece, MatrixLayout
-from .discover import matrix_shape
+from .zero_layouts import flat_fragments, zero3_fragments
 
 __all__ = ["initialize", "ShardoptSection", "load_config", "attach_zero_layouts"]
 
@@ -99,22 +98,9 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseMo
 def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition: int, rank: int, world: int,
                   group: Any, names: Mapping[int, str], shape_of) -> list[Fragment]:
     """Fragments of parameters concatenated at ``offsets`` into a flat buffer cut into ``world`` parts of
-    ``partition`` elements (ZeRO-1/2 and the bf16 ZeRO-1 wrapper)."""
-    frags = []
-    lo_mine = rank * partition
-    for p, start in zip(order, offsets):
-        logical = shape_of(p)
-        shape = matrix_shape(logical)
-        numel = shape[0] * shape[1]
-        pieces = []
-        for r in range(world):
-            a = min(max(start, r * partition), start + numel)
-            b = max(min(start + numel, (r + 1) * partition), a)
-            pieces.append(FlatPiece(a - start, b - start))
-        layout = MatrixLayout(shape, pieces, rank, group)
-        offset = max(start, lo_mine) - lo_mine if layout.local_numel else 0
-        frags.append(Fragment(names[id(p)], layout, offset, logical))
-    return frags
+    ``partition`` elements (ZeRO-1/2 and the bf16 ZeRO-1 wrapper; ``zero_layouts.flat_fragments``)."""
+    return flat_fragments([names[id(p)] for p in order], [shape_of(p) for p in order], offsets, partition, world,
+                          rank, group)
 
 
 def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:
@@ -150,15 +136,9 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
                 else wrapper.dp_process_group
             world = dist.get_world_size(group=pg)
             rank = dist.get_rank(group=pg)
-            frags, cursor = [], 0
-            for p in wrapper.fp16_groups[sg]:
-                part = p.partition_numel()
-                logical = tuple(p.ds_shape)
-                numel = p.ds_numel
-                pieces = [FlatPiece(min(r * part, numel), min((r + 1) * part, numel)) for r in range(world)]
-                layout = MatrixLayout(matrix_shape(logical), pieces, rank, pg)
-                frags.append(Fragment(names[id(p)], layout, cursor, logical))
-                cursor += part
+            params = wrapper.fp16_groups[sg]
+            frags, _ = zero3_fragments([names[id(p)] for p in params], [tuple(p.ds_shape) for p in params], world,
+                                       rank, pg, partition_numels=[p.partition_numel() for p in params])
             _attach(opt, flat, frags)
     else:
         raise NotImplementedError(

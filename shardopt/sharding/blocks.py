@@ -20,6 +20,8 @@ same way. Elements a rank keeps are copied locally and never cross the network.
 """
 from __future__ import annotations
 
+import bisect
+import itertools
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Callable, Sequence
@@ -27,7 +29,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from .comm import collective_counter
-from .layout import Block, ColPiece, MatrixLayout, _blocks_of
+from .layout import Block, ColPiece, FlatPiece, MatrixLayout
 
 __all__ = ["RowPlan", "to_blocks", "from_blocks"]
 
@@ -48,37 +50,86 @@ class RowPlan:
     # ------------------------------------------------------------------ constructors
     @classmethod
     def aligned(cls, layout: MatrixLayout, transpose: bool) -> "RowPlan":
-        """Rows of ``A`` where the engine already keeps them (distributed strategy)."""
+        """Rows of ``A`` where the engine already keeps them (distributed strategy). Built once per layout and
+        orientation (the strategy choice and the plan share it)."""
+        cache = layout.__dict__.setdefault("_aligned_row_plans", {})
+        plan = cache.get(transpose)
+        if plan is None:
+            plan = cache[transpose] = cls(layout, transpose, cls._aligned_starts(layout, transpose))
+        return plan
+
+    @classmethod
+    def _aligned_starts(cls, layout: MatrixLayout, transpose: bool) -> tuple[int, ...]:
         rows = layout.shape[1] if transpose else layout.shape[0]
         if layout.world == 1:
-            return cls(layout, transpose, (0, rows))
+            return (0, rows)
         along = isinstance(layout.pieces[0], ColPiece) == transpose
         if along:
-            holder = cls._majority_holder(layout, transpose)
-            if all(a <= b for a, b in zip(holder, holder[1:])):
-                starts = [0] * (layout.world + 1)
-                for p in range(layout.world):
-                    starts[p + 1] = starts[p] + sum(1 for h in holder if h == p)
-                return cls(layout, transpose, tuple(starts))
-        return cls(layout, transpose, _even_starts(rows, layout.world))
+            runs = cls._majority_runs(layout, transpose)
+            if all(a[2] <= b[2] for a, b in zip(runs, runs[1:])):  # holders non-decreasing along the rows
+                count = [0] * layout.world
+                for lo, hi, p in runs:
+                    count[p] += hi - lo
+                return (0, *itertools.accumulate(count))
+        return _even_starts(rows, layout.world)
 
     @classmethod
     def owner(cls, layout: MatrixLayout, transpose: bool, owner: int) -> "RowPlan":
         """Every row on ``owner`` (gather strategy)."""
         rows = layout.shape[1] if transpose else layout.shape[0]
-        return cls(layout, transpose, tuple(0 if p <= owner else rows for p in range(layout.world + 1)))
+        return cls(layout, transpose, (0,) * (owner + 1) + (rows,) * (layout.world - owner))
+
+    @staticmethod
+    def _majority_runs(layout: MatrixLayout, transpose: bool) -> list[tuple[int, int, int]]:
+        """``(lo, hi, rank)`` runs covering the rows of ``A``: ``rank`` holds the most elements of each row in
+        ``[lo, hi)`` (ties: the lowest rank; a row nobody holds: rank 0). A sweep over the pieces' blocks, so
+        O(blocks log blocks), never world x rows."""
+        size = layout.shape[1] if transpose else layout.shape[0]
+        if not size:
+            return []
+        spans = _element_spans(layout, transpose)
+        if spans is not None:
+            runs = _tiled_majority_runs(*spans, size)
+            if runs is not None:
+                return runs
+        deltas: dict[int, list[tuple[int, int]]] = {}
+        for p, blocks in enumerate(layout.all_blocks):
+            for b in blocks:
+                lo, hi, w = (b.col, b.col + b.width, b.height) if transpose else (b.row, b.row + b.height, b.width)
+                lo, hi = max(lo, 0), min(hi, size)
+                if lo < hi:
+                    deltas.setdefault(lo, []).append((p, w))
+                    deltas.setdefault(hi, []).append((p, -w))
+        points = sorted(deltas.keys() | {0, size})
+        active: dict[int, int] = {}
+        runs: list[tuple[int, int, int]] = []
+        for lo, hi in zip(points, points[1:]):
+            for p, w in deltas.get(lo, ()):
+                v = active.get(p, 0) + w
+                if v:
+                    active[p] = v
+                else:
+                    del active[p]
+            if not active:
+                best = 0
+            elif len(active) == 1:
+                best = next(iter(active))
+            else:
+                top = max(active.values())
+                best = min(p for p, v in active.items() if v == top)
+            if runs and runs[-1][2] == best:
+                runs[-1] = (runs[-1][0], hi, best)
+            else:
+                runs.append((lo, hi, best))
+        return runs
 
     @staticmethod
     def _majority_holder(layout: MatrixLayout, transpose: bool) -> list[int]:
-        size = layout.shape[1] if transpose else layout.shape[0]
-        counts = torch.zeros(layout.world, size, dtype=torch.int64)
-        for p, piece in enumerate(layout.pieces):
-            for b in _blocks_of(piece, *layout.shape):
-                if transpose:
-                    counts[p, b.col: b.col + b.width] += b.height
-                else:
-                    counts[p, b.row: b.row + b.height] += b.width
-        return counts.argmax(0).tolist() if size else []  # ties: lowest rank (argmax returns the first)
+        """The rank holding most of each row of ``A`` (ties: the lowest rank), one entry per row."""
+        out: list[int] = []
+        for lo, hi, p in RowPlan._majority_runs(layout, transpose):
+            out.extend([p] * (hi - lo))
+        return out
 
     # ------------------------------------------------------------------ geometry
     @property
@@ -111,19 +162,97 @@ class RowPlan:
             if i0 < i1 and j0 < j1:
                 yield b, (i0, i1), (j0, j1)
 
-    @cached_property
-    def _piece_blocks(self) -> list[tuple[Block, ...]]:
-        return [_blocks_of(piece, *self.layout.shape) for piece in self.layout.pieces]
+    @property
+    def _piece_blocks(self) -> tuple[tuple[Block, ...], ...]:
+        return self.layout.all_blocks
 
     def moved(self, src: int, dst: int) -> int:
         """Elements ``src`` sends to ``dst`` when filling the blocks (static; the same on every rank)."""
         return sum((i1 - i0) * (j1 - j0) for _, (i0, i1), (j0, j1) in self._cuts(self._piece_blocks[src], dst))
 
+    def _along(self, b: Block) -> tuple[int, int, int]:
+        """A block as ``(first row of A, last row + 1, elements per row of A)``."""
+        return (b.col, b.col + b.width, b.height) if self.transpose else (b.row, b.row + b.height, b.width)
+
+    def _monotone(self) -> bool:
+        s = self.starts
+        return all(a <= b for a, b in zip(s, s[1:]))
+
     @cached_property
     def sent(self) -> tuple[int, ...]:
-        """Elements each rank sends to other ranks to fill the blocks."""
+        """Elements each rank sends to other ranks to fill the blocks: its piece within the rows of ``A`` that
+        some rank holds, less what lands in its own block. O(blocks), not O(world^2)."""
         w = self.layout.world
-        return tuple(sum(self.moved(s, d) for d in range(w) if d != s) for s in range(w))
+        if not self._monotone():
+            return tuple(sum(self.moved(s, d) for d in range(w) if d != s) for s in range(w))
+        lo, hi = self.starts[0], self.starts[-1]
+        spans = _element_spans(self.layout, self.transpose)
+        if spans is not None:  # along the grain: a piece's elements in rows [a, b) of A are one overlap
+            ivals, k = spans
+            starts = [x * k for x in self.starts]
+            lo, hi = lo * k, hi * k
+            return tuple(max(min(b, hi) - max(a, lo), 0) - max(min(b, a1) - max(a, a0), 0)
+                         for (a, b), a0, a1 in zip(ivals, starts, starts[1:]))
+        out = []
+        for s, blocks in enumerate(self._piece_blocks):
+            a0, a1 = self.starts[s], self.starts[s + 1]
+            n = 0
+            for b in blocks:
+                r0, r1, per = self._along(b)
+                n += per * (max(min(r1, hi) - max(r0, lo), 0) - max(min(r1, a1) - max(r0, a0), 0))
+            out.append(n)
+        return tuple(out)
+
+    def destinations(self, src: int) -> list[int]:
+        """Ranks other than ``src`` that ``src``'s piece sends to (``moved(src, d) > 0``), in rank order."""
+        w = self.layout.world
+        if not self._monotone():
+            return [d for d in range(w) if d != src and self.moved(src, d)]
+        found = set()
+        for b in self._piece_blocks[src]:
+            r0, r1, _ = self._along(b)
+            # ranks whose rows [starts[d], starts[d+1]) meet [r0, r1): a contiguous run of non-empty ones
+            d = bisect.bisect_right(self.starts, r0) - 1
+            d = max(d, 0)
+            while d < w and self.starts[d] < r1:
+                if self.starts[d + 1] > max(r0, self.starts[d]) and d != src:
+                    found.add(d)
+                d += 1
+        return sorted(found)
+
+    @cached_property
+    def _received(self) -> dict[int, int]:
+        """``{src: moved(src, this rank)}`` for every other rank that sends this rank anything."""
+        me = self.layout.rank
+        a0, a1 = self.rows(me)
+        out: dict[int, int] = {}
+        if a0 >= a1:
+            return out
+        spans = _element_spans(self.layout, self.transpose)
+        if spans is not None:
+            ivals, k = spans
+            a0, a1 = a0 * k, a1 * k
+            for s, (a, b) in enumerate(ivals):
+                n = min(b, a1) - max(a, a0)
+                if n > 0 and s != me:
+                    out[s] = n
+            return out
+        for s, blocks in enumerate(self._piece_blocks):
+            if s == me:
+                continue
+            k = 0
+            for b in blocks:
+                r0, r1, per = self._along(b)
+                k += per * max(min(r1, a1) - max(r0, a0), 0)
+            if k:
+                out[s] = k
+        return out
+
+    @cached_property
+    def _sends(self) -> dict[int, int]:
+        """``{dst: moved(this rank, dst)}`` for every other rank this rank sends anything."""
+        me = self.layout.rank
+        return {d: self.moved(me, d) for d in self.destinations(me)}
 
     # ------------------------------------------------------------------ packing
     def pack_piece(self, piece: torch.Tensor, dst: int) -> list[torch.Tensor]:
@@ -166,36 +295,116 @@ class RowPlan:
             pos += h * w
 
 
-def _exchange(plans: Sequence[RowPlan], send_parts: list[list[list[torch.Tensor]]], recv_counts: list[list[int]],
-              dtype: torch.dtype, device: torch.device, tags: Sequence[str]) -> list[list[torch.Tensor]]:
-    """One ``all_to_all_single`` for the entries of one group: ``send_parts[e][dst]`` -> ``out[e][src]``."""
+def _element_spans(layout: MatrixLayout, transpose: bool) -> tuple[list[tuple[int, int]], int] | None:
+    """Along the grain (flat pieces of ``A = G``, column pieces of ``A = G^T``) every piece is one interval
+    ``[lo, hi)`` of ``A``'s elements in row-major order, ``k`` per row of ``A``: ``(intervals by rank, k)``, so
+    rows held and elements moved are overlaps of intervals, with no blocks. None across the grain, for mixed or
+    out-of-range pieces and empty rows (the block-based paths handle them)."""
+    cache = layout.__dict__.setdefault("_element_spans", {})
+    if transpose in cache:
+        return cache[transpose]
+    m, n = layout.shape
+    out = None
+    if transpose and all(isinstance(p, ColPiece) for p in layout.pieces) and m > 0:
+        if all(0 <= p.c0 and p.c1 <= n for p in layout.pieces):
+            out = ([(p.c0 * m, max(p.c1, p.c0) * m) for p in layout.pieces], m)
+    elif not transpose and all(isinstance(p, FlatPiece) for p in layout.pieces) and n > 0:
+        if all(0 <= p.lo and p.hi <= m * n for p in layout.pieces):
+            out = ([(p.lo, max(p.hi, p.lo)) for p in layout.pieces], n)
+    cache[transpose] = out
+    return out
+
+
+def _tiled_majority_runs(ivals: list[tuple[int, int]], k: int, size: int) -> list[tuple[int, int, int]] | None:
+    """``RowPlan._majority_runs`` when the non-empty intervals follow each other in rank order without
+    overlapping (every engine's partitions): one pass, each row decided among the consecutive ranks that
+    share it. None when the intervals are not so ordered."""
+    runs: list[tuple[int, int, int]] = []
+    done = 0  # rows before this one are in ``runs``
+
+    def emit(a: int, b: int, p: int) -> None:
+        nonlocal done
+        if a > done:
+            emit(done, a, 0)  # rows nobody holds
+        if runs and runs[-1][2] == p:
+            runs[-1] = (runs[-1][0], b, p)
+        else:
+            runs.append((a, b, p))
+        done = b
+
+    pend = None  # [row, best rank, its elements]: a row shared by consecutive ranks, still open
+    prev_hi = 0
+    for p, (lo, hi) in enumerate(ivals):
+        if hi <= lo:
+            continue
+        if lo < prev_hi:
+            return None
+        prev_hi = hi
+        r0, c0 = divmod(lo, k)
+        r1, c1 = divmod(hi, k)
+        parts = [(r0, c1 - c0)] if r0 == r1 else ([(r0, k - c0)] if c0 else []) + [(None, (r0 + (c0 > 0), r1))] + \
+            ([(r1, c1)] if c1 else [])
+        for row, w in parts:
+            if row is None:  # whole rows of this rank alone
+                a, b = w
+                if a < b:
+                    if pend is not None:
+                        emit(pend[0], pend[0] + 1, pend[1])
+                        pend = None
+                    emit(a, b, p)
+            elif pend is not None and pend[0] == row:
+                if w > pend[2]:
+                    pend[1], pend[2] = p, w
+            else:
+                if pend is not None:
+                    emit(pend[0], pend[0] + 1, pend[1])
+                pend = [row, p, w]
+    if pend is not None:
+        emit(pend[0], pend[0] + 1, pend[1])
+    if done < size:
+        emit(done, size, 0)
+    return runs
+
+
+def _exchange(plans: Sequence[RowPlan], send_parts: list[dict[int, list[torch.Tensor]]],
+              recv_counts: list[dict[int, int]], dtype: torch.dtype, device: torch.device,
+              tags: Sequence[str]) -> list[dict[int, torch.Tensor]]:
+    """One ``all_to_all_single`` for the entries of one group: ``send_parts[e][dst]`` -> ``out[e][src]``.
+
+    Only the ranks an entry exchanges with appear in its maps (never this rank), so the work is proportional
+    to the pieces that move, not to the world size; the buffers are laid out by rank, then entry."""
     import torch.distributed as dist
 
     lay = plans[0].layout
     world, me = lay.world, lay.rank
-    chunks, in_sizes = [], []
-    for d in range(world):
-        parts = [p for e in range(len(plans)) for p in send_parts[e][d]] if d != me else []
-        chunks.extend(parts)
-        in_sizes.append(sum(p.numel() for p in parts))
-    out_sizes = [sum(recv_counts[e][s] for e in range(len(plans))) if s != me else 0 for s in range(world)]
+    by_dst: dict[int, list[torch.Tensor]] = {}
+    by_tag: dict[str, int] = {}
+    for e, parts in enumerate(send_parts):
+        sent = 0
+        for d, ps in parts.items():
+            if d != me and ps:
+                by_dst.setdefault(d, []).extend(ps)
+                sent += sum(p.numel() for p in ps)
+        by_tag[tags[e]] = by_tag.get(tags[e], 0) + sent
+    chunks: list[torch.Tensor] = []
+    in_sizes = [0] * world
+    for d in sorted(by_dst):
+        chunks.extend(by_dst[d])
+        in_sizes[d] = sum(p.numel() for p in by_dst[d])
+    arrivals = sorted((s, e, k) for e, counts in enumerate(recv_counts) for s, k in counts.items() if s != me and k)
+    out_sizes = [0] * world
+    for s, _, k in arrivals:
+        out_sizes[s] += k
     inp = torch.cat(chunks) if chunks else torch.empty(0, dtype=dtype, device=device)
     out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
-    by_tag: dict[str, int] = {}
-    for e, tag in enumerate(tags):
-        sent = sum(p.numel() for d in range(world) if d != me for p in send_parts[e][d])
-        by_tag[tag] = by_tag.get(tag, 0) + sent * inp.element_size()
+    by_tag = {tag: n * inp.element_size() for tag, n in by_tag.items()}
     collective_counter.record(inp, "gather" if "gather" in by_tag else tags[0], by_tag)
     dist.all_to_all_single(out, inp.contiguous(), out_sizes, in_sizes, group=lay.group)
-    result: list[list[torch.Tensor]] = [[torch.empty(0, dtype=dtype, device=device)] * world for _ in plans]
+    result: list[dict[int, torch.Tensor]] = [{} for _ in plans]
     pos = 0
-    for s in range(world):
-        if s == me:
-            continue
-        for e in range(len(plans)):
-            k = recv_counts[e][s]
-            result[e][s] = out[pos: pos + k]
-            pos += k
+    for s, e, k in arrivals:
+        result[e][s] = out[pos: pos + k]
+        pos += k
     return result
 
 
@@ -208,22 +417,22 @@ def _groups(plans: Sequence[RowPlan]) -> dict[int, list[int]]:
 
 
 def _exchange_groups(plans: Sequence[RowPlan], send: Callable[[int, int], list[torch.Tensor]],
-                     count: Callable[[RowPlan, int], int], receive: Callable[[int, int, torch.Tensor], None],
+                     sends_to: Callable[[RowPlan], dict[int, int]], receives_from: Callable[[RowPlan], dict[int, int]],
+                     receive: Callable[[int, int, torch.Tensor], None],
                      tags: Sequence[str], dtype: torch.dtype, device: torch.device) -> None:
-    """One ``all_to_all`` per process group for every entry that moves: ``send(e, dst)`` packs, ``count(plan,
-    src)`` says how much arrives from ``src``, ``receive(e, src, flat)`` unpacks. Groups whose static plans
-    move nothing issue no collective on any rank."""
+    """One ``all_to_all`` per process group for every entry that moves: ``send(e, dst)`` packs for each rank
+    of ``sends_to(plan)``, ``receives_from(plan)`` says how much arrives from which rank, ``receive(e, src,
+    flat)`` unpacks. Groups whose static plans move nothing issue no collective on any rank."""
     for idx in _groups(plans).values():
         sub = [plans[e] for e in idx]
         if not any(any(p.sent) for p in sub):
             continue
-        world, me = sub[0].layout.world, sub[0].layout.rank
-        parts = [[send(e, d) for d in range(world)] for e in idx]
-        counts = [[count(p, s) for s in range(world)] for p in sub]
+        parts = [{d: send(e, d) for d in sends_to(p)} for e, p in zip(idx, sub)]
+        counts = [receives_from(p) for p in sub]
         got = _exchange(sub, parts, counts, dtype, device, [tags[e] for e in idx])
         for e, row in zip(idx, got):
-            for s in range(world):
-                if s != me and row[s].numel():
+            for s in sorted(row):
+                if row[s].numel():
                     receive(e, s, row[s])
 
 
@@ -247,7 +456,7 @@ def to_blocks(plans: Sequence[RowPlan], pieces: Sequence[torch.Tensor], tags: Se
         blocks.append(block)
     if pieces:
         _exchange_groups(plans, lambda e, d: plans[e].pack_piece(pieces[e], d),
-                         lambda p, s: p.moved(s, p.layout.rank),
+                         lambda p: p._sends, lambda p: p._received,
                          lambda e, s, flat: plans[e].unpack_into_block(blocks[e], s, flat),
                          tags, pieces[0].dtype, pieces[0].device)
     return blocks
@@ -272,7 +481,7 @@ def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None],
         pieces.append(piece)
     if pieces:
         _exchange_groups(plans, lambda e, d: plans[e].pack_block(blocks[e], d),
-                         lambda p, s: p.moved(p.layout.rank, s),
+                         lambda p: p._received, lambda p: p._sends,
                          lambda e, s, flat: plans[e].unpack_into_piece(pieces[e], s, flat),
                          tags, pieces[0].dtype, pieces[0].device)
     return pieces

@@ -118,7 +118,8 @@ class MatrixLayout:
             raise ValueError(f"rank {rank} outside the {len(self.pieces)} pieces of a {m}x{n} matrix")
         self.rank = rank
         self.group = group if len(self.pieces) > 1 else None
-        total = sum(self._piece_numel(p) for p in self.pieces)
+        total = sum((p.hi - p.lo if p.hi > p.lo else 0) if isinstance(p, FlatPiece) else max(p.c1 - p.c0, 0) * m
+                    for p in self.pieces)
         if total != m * n:
             raise ValueError(f"pieces of a {m}x{n} matrix cover {total} elements, expected {m * n}")
 
@@ -160,6 +161,12 @@ class MatrixLayout:
     def blocks(self) -> tuple[Block, ...]:
         return _blocks_of(self.pieces[self.rank], *self.shape)
 
+    @cached_property
+    def all_blocks(self) -> tuple[tuple[Block, ...], ...]:
+        """The blocks of every rank's piece (static, computed once per layout)."""
+        m, n = self.shape
+        return tuple(_blocks_of(p, m, n) for p in self.pieces)
+
     def views(self, local: torch.Tensor) -> Iterator[tuple[Block, torch.Tensor]]:
         """Yield ``(block, 2-D view)`` for each block of this rank's 1-D local piece ``local``."""
         for b in self.blocks:
@@ -168,18 +175,21 @@ class MatrixLayout:
     @cached_property
     def holders(self) -> int:
         """Number of ranks holding at least one element."""
-        return sum(1 for p in self.pieces if self._piece_numel(p) > 0)
+        m = self.shape[0]
+        return sum(1 for p in self.pieces if (p.hi > p.lo if isinstance(p, FlatPiece) else p.c1 > p.c0 and m > 0))
 
     # ------------------------------------------------------------------ reduction plan
     def _touch_counts(self, axis: int) -> torch.Tensor:
+        """How many ranks' blocks cover each row (axis 0) or column (axis 1): a difference array filled in
+        Python (one entry per block edge) and summed once, O(blocks + size)."""
         size = self.shape[axis]
-        diff = torch.zeros(size + 1, dtype=torch.int64)
-        for p in self.pieces:
-            for b in _blocks_of(p, *self.shape):
+        diff = [0] * (size + 1)
+        for blocks in self.all_blocks:
+            for b in blocks:
                 start, length = (b.row, b.height) if axis == 0 else (b.col, b.width)
                 diff[start] += 1
                 diff[start + length] -= 1
-        return diff.cumsum(0)[:size]
+        return torch.tensor(diff, dtype=torch.int64).cumsum(0)[:size]
 
     def _touched_by_me(self, axis: int) -> torch.Tensor:
         size = self.shape[axis]

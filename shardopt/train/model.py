@@ -47,6 +47,7 @@ PRESETS: dict[str, dict[str, int]] = {
     "130m": dict(hidden_size=768, intermediate_size=2048, num_heads=12, num_layers=12, max_seq_len=256),
     "350m": dict(hidden_size=1024, intermediate_size=2736, num_heads=16, num_layers=24, max_seq_len=256),
     "1b": dict(hidden_size=2048, intermediate_size=5461, num_heads=32, num_layers=24, max_seq_len=256),
+    "7b": dict(hidden_size=4096, intermediate_size=11008, num_heads=32, num_layers=32, max_seq_len=256),
 }
 
 
