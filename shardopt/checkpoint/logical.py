@@ -69,7 +69,10 @@ def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag) -> dict[str, torch.Te
 
 
 def _whole(key: str, kind: str, value: torch.Tensor) -> Record:
-    t = value.detach().float().reshape(-1).cpu() if isinstance(value, torch.Tensor) else torch.tensor([float(value)])
+    # a copy: whole entries are small, and one tensor may be listed under several names (a ZeRO partition's
+    # step counter for each of its matrices), which safetensors refuses to store twice
+    t = value.detach().float().reshape(-1).cpu().clone() if isinstance(value, torch.Tensor) \
+        else torch.tensor([float(value)])
     return Record(key, kind, tuple(value.shape) if isinstance(value, torch.Tensor) else (), (1, t.numel()),
                   FlatPiece(0, t.numel()), t)
 
