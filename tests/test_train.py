@@ -62,7 +62,7 @@ def test_presets_and_tied_head():
     tied = Llama(model_config("tiny", vocab_size=100, tie_embeddings=True))
     assert tied.lm_head.weight is tied.embed_tokens.weight
     with pytest.raises(ValueError, match="unknown model preset"):
-        model_config("7b", vocab_size=10)
+        model_config("13b", vocab_size=10)
 
 
 # ----------------------------------------------------------------------------------------------- config
@@ -74,7 +74,7 @@ BASE = {"engine": {"name": "single"}, "optimizer": {"name": "scale"}}
     ({"modle": {}}, r"modle: unknown key"),
     ({"train": {"micro_batch_size": 0}}, r"train\.micro_batch_size: .*greater than 0"),
     ({"train": {"warmup_fraction": 1.5}}, r"train\.warmup_fraction"),
-    ({"model": {"preset": "7b"}}, r"model\.preset: unknown preset '7b'"),
+    ({"model": {"preset": "13b"}}, r"model\.preset: unknown preset '13b'"),
     ({"data": {"source": "c4"}}, r"data\.source"),
     ({"data": {"source": "text"}}, r"data\.path is required"),
     ({"engine": {"name": "deepspeed"}}, r"engine\.deepspeed_config is required"),

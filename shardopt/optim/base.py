@@ -533,7 +533,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _run_whole_matrix(self, group: dict, items: list["MatrixItem"],
                           body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
         """Run ``body(items, ops)`` bucket by bucket: the small state of each bucket's distributed matrices is
-        gathered whole for the step (one all-gather per group) and cut back to this rank's share after it."""
+        gathered whole for the step (one all-gather per group, on every step, the first included: the state is
+        created from ``matrix_state_spec`` as zeros before it) and cut back to this rank's share after it."""
         plan = self.matrix_plan(self._group_index(group))
         if plan is None or not items:
             return
@@ -544,11 +545,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             specs = [self.matrix_state_spec(group, p.a_shape) for p in sub.plans]
             entries, where = [], []
             for i, (it, spec) in enumerate(zip(its, specs)):
+                for key, (shape, dim) in spec.items():  # state starts as zeros, created here from its spec
+                    if key not in it.state:
+                        it.state[key] = torch.zeros(share_shape(sub.plans[i], shape, dim), dtype=torch.float32,
+                                                    device=it.grad.device)
                 if sub.kinds[i] != "distributed":
                     continue  # owner / local: the computing rank already holds all of it
                 for key in sorted(spec):
                     shape, dim = spec[key]
-                    if dim is not None and key in it.state:
+                    if dim is not None:
                         entries.append((sub.plans[i], it.state[key], shape, dim, it.frag.name))
                         where.append((it, key))
             for (it, key), full in zip(where, gather_full(entries)):
