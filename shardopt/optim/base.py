@@ -20,7 +20,8 @@ from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter, world_group_allreduce_max
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.plan import check_same_plan
-from ..sharding.state_split import StateSpec, as_sharded_tensor, gather_full, keep_share, local_share, share_numel, share_shape
+from ..sharding.state_split import (StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
+                                   shares_to_dtensors)
 from .adamw import adamw_step
 
 __all__ = ["ShardedOptimizer", "MatrixItem"]
@@ -272,6 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.sync_state()
         sd = super().state_dict()
         rnd = Round()
+        even: list[tuple[dict, str, tuple]] = []  # FSDP2: small-state shares -> even DTensor chunks for DCP
         packed = sd["state"]
         by_index = dict(enumerate(p for g in self.param_groups for p in g["params"]))
         for idx, entries in list(packed.items()):
@@ -290,7 +292,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 for key, value in list(target.items()):
                     kind = self.state_kinds.get(key)
                     if kind == "matrix" and value.dim() and frag.layout.group is not None and _is_dtensor(p):
-                        target[key] = self._sharded_entry(frag.name, key, value)
+                        even.append((target, key, self._even_entry(p, frag.name, key, value)))
                     if kind in ("rows", "cols") and frag.layout.group is not None:
                         axis = 0 if kind == "rows" else 1
                         owned = frag.layout.axis_plan(axis).owned
@@ -300,18 +302,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         target[key] = full
             packed[idx] = new
         rnd.run()
+        for (target, key, _), dt in zip(even, shares_to_dtensors([e for _, _, e in even])):
+            target[key] = dt
         return sd
 
-    def _sharded_entry(self, name: str, key: str, value: torch.Tensor) -> Any:
-        """A "matrix"-kind share as a ``ShardedTensor`` for DCP (each share written once, resharded on load)."""
+    def _even_entry(self, p: torch.Tensor, name: str, key: str, value: torch.Tensor) -> tuple:
+        """What ``shares_to_dtensors`` needs to give a "matrix"-kind share the parameter's mesh: DCP then
+        writes each element once (no replicated copy) and reshards it like any DTensor."""
         plan, spec = self.matrix_state_share(name)
         shape, dim = spec[key]
-        return as_sharded_tensor(plan, value, shape, dim)
+        mesh_dim = next(d for d, pl in enumerate(p.placements) if pl.is_shard())
+        return plan, value, tuple(shape), dim, p.device_mesh, mesh_dim
 
     def _local_state_entries(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        """Replace ``ShardedTensor`` entries (a DCP load) by this rank's share, shaped as this rank keeps it."""
+        """Give every "matrix"-kind entry the shape this rank keeps: even DTensor chunks (a DCP load) are
+        redistributed to this rank's share (one all-to-all per group; collective, as ``set_state_dict`` is),
+        a whole tensor (a per-rank state dict from before shares) is cut to it."""
         by_index = dict(enumerate(p for g in self.param_groups for p in g["params"]))
-        state = {}
+        state, pending = {}, []
         for idx, entries in state_dict.get("state", {}).items():
             p = by_index.get(idx) if isinstance(idx, int) else None
             if p is None or not isinstance(entries, dict):
@@ -326,19 +334,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 targets = [(entries, frags[0].name)]
             for target, name in targets:
                 for key, value in list(target.items()):
-                    local = local_share(value)
                     found = self.matrix_state_share(name) if self.state_kinds.get(key) == "matrix" else None
                     if found is None or key not in found[1] or found[1][key][1] is None:
-                        target[key] = local
                         continue
                     plan, (shape, dim) = found[0], found[1][key]
-                    if local is None:
-                        local = torch.zeros(share_shape(plan, shape, dim), dtype=torch.float32,
-                                            device=local_flat(p).device)
-                    elif tuple(local.shape) == tuple(shape):  # a whole tensor (checkpoints before shares)
-                        local = keep_share(plan, local, dim)
-                    target[key] = local
+                    if _is_dtensor(value):
+                        pending.append((target, key, (plan, value.to_local(), tuple(shape), dim)))
+                    elif tuple(value.shape) == tuple(shape) and share_shape(plan, shape, dim) != tuple(shape):
+                        target[key] = keep_share(plan, value, dim)
             state[idx] = entries
+        for (target, key, _), share in zip(pending, dtensors_to_shares([e for _, _, e in pending])):
+            target[key] = share
         return {**state_dict, "state": state}
 
     def fragments(self, p: torch.Tensor) -> list[Fragment]:

@@ -26,7 +26,7 @@ from .blocks import RowPlan
 from .comm import collective_counter
 
 __all__ = ["StateSpec", "share", "share_shape", "share_numel", "gather_full", "keep_share", "StateShapeError",
-           "as_sharded_tensor", "local_share"]
+           "shares_to_dtensors", "dtensors_to_shares"]
 
 #: ``{key: (logical shape, split dim or None)}`` of one matrix's small state
 StateSpec = dict[str, tuple[tuple[int, ...], "int | None"]]
@@ -120,39 +120,88 @@ def gather_full(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], 
     return out  # type: ignore[return-value]
 
 
-def as_sharded_tensor(plan: RowPlan, local: torch.Tensor, shape: tuple[int, ...], dim: int) -> Any:
-    """This rank's share as a ``ShardedTensor`` whose global metadata (every rank's share, from the static
-    plan, no communication) lets ``torch.distributed.checkpoint`` write each share once and reshard on load."""
+def _even(length: int, world: int, rank: int) -> tuple[int, int]:
+    """``torch.chunk`` / DTensor ``Shard`` span of ``rank`` in a dimension of ``length``."""
+    c = -(-length // world) if length else 0
+    return min(rank * c, length), min((rank + 1) * c, length)
+
+
+def _redistribute(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], int]], to_even: bool) -> list[torch.Tensor]:
+    """Move each entry's split dimension between the plan's shares and even (``torch.chunk``) chunks: one
+    ``all_to_all_single`` per process group for all entries. ``entries[e] = (plan, local, logical shape, dim)``."""
     import torch.distributed as dist
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import ShardedTensorMetadata, TensorProperties
 
-    group = plan.layout.group
-    shards, mine = [], []
-    for r in range(plan.layout.world):
-        lo, hi = share(plan, shape[dim], r)
-        if hi <= lo or math.prod(shape) == 0:
-            continue
-        offsets = [lo if d == dim else 0 for d in range(len(shape))]
-        sizes = list(share_shape(plan, shape, dim, r))
-        device = local.device if r == plan.layout.rank else torch.device(local.device.type)
-        md = ShardMetadata(offsets, sizes, f"rank:{dist.get_global_rank(group, r)}/{device}")
-        shards.append(md)
-        if r == plan.layout.rank:
-            mine.append(Shard(local, md))
-    props = TensorProperties(dtype=local.dtype, layout=torch.strided, requires_grad=False,
-                             memory_format=torch.contiguous_format, pin_memory=False)
-    meta = ShardedTensorMetadata(shards, torch.Size(shape), props)
-    return ShardedTensor._init_from_local_shards_and_global_metadata(mine, meta, process_group=group)
+    out: list[torch.Tensor | None] = [None] * len(entries)
+    by_group: dict[int, list[int]] = {}
+    for e, (plan, *_rest) in enumerate(entries):
+        by_group.setdefault(id(plan.layout.group), []).append(e)
+    for idx in by_group.values():
+        plan0 = entries[idx[0]][0]
+        world, me = plan0.layout.world, plan0.layout.rank
+
+        def src(plan, length, q):
+            return share(plan, length, q) if to_even else _even(length, world, q)
+
+        def dst(plan, length, q):
+            return _even(length, world, q) if to_even else share(plan, length, q)
+
+        sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        recv_sizes = [0] * world
+        results, spans = [], []
+        for e in idx:
+            plan, local, shape, dim = entries[e]
+            length = shape[dim]
+            lo, hi = src(plan, length, me)
+            mine = dst(plan, length, me)
+            result = torch.empty(tuple(mine[1] - mine[0] if d == dim else n for d, n in enumerate(shape)),
+                                 dtype=local.dtype, device=local.device)
+            results.append(result)
+            inner = math.prod(shape) // length if length else 0
+            for q in range(world):
+                a, b = max(lo, dst(plan, length, q)[0]), min(hi, dst(plan, length, q)[1])
+                if b > a:
+                    sends[q].append(local.narrow(dim, a - lo, b - a).contiguous().reshape(-1))
+                qa, qb = src(plan, length, q)
+                a, b = max(qa, mine[0]), min(qb, mine[1])
+                recv_sizes[q] += max(b - a, 0) * inner
+            spans.append((lo, hi, mine, length))
+        like = entries[idx[0]][1]
+        flat = [torch.cat(parts) if parts else like.new_empty(0) for parts in sends]
+        send = torch.cat(flat)
+        recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
+        collective_counter.record(send, "state")
+        dist.all_to_all_single(recv, send, recv_sizes, [t.numel() for t in flat], group=plan0.layout.group)
+        pos = [sum(recv_sizes[:q]) for q in range(world)]
+        for k, e in enumerate(idx):
+            plan, _, shape, dim = entries[e]
+            _, _, mine, length = spans[k]
+            for q in range(world):
+                qa, qb = src(plan, length, q)
+                a, b = max(qa, mine[0]), min(qb, mine[1])
+                if b > a:
+                    part_shape = tuple(b - a if d == dim else n for d, n in enumerate(shape))
+                    numel = math.prod(part_shape)
+                    results[k].narrow(dim, a - mine[0], b - a).copy_(recv[pos[q]: pos[q] + numel].view(part_shape))
+                    pos[q] += numel
+            out[e] = results[k]
+    return out  # type: ignore[return-value]
 
 
-def local_share(value: Any) -> Any:
-    """A ``ShardedTensor`` (as loaded by DCP) -> this rank's share as a plain tensor (None where this rank
-    keeps none of it); anything else unchanged."""
-    from torch.distributed._shard.sharded_tensor import ShardedTensor
+def shares_to_dtensors(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], int, Any, int]]) -> list[Any]:
+    """Shares -> DTensors sharded evenly along their split dimension over the mesh dimension of the plan's group
+    (replicated over the others, as HSDP replicas hold the same shares), so DCP writes each element once
+    and reshards on load. ``entries[e] = (plan, local, logical shape, dim, mesh, mesh dim)``."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if not isinstance(value, ShardedTensor):
-        return value
-    shards = value.local_shards()
-    return shards[0].tensor if shards else None
+    chunks = _redistribute([e[:4] for e in entries], to_even=True)
+    out = []
+    for (plan, _, shape, dim, mesh, mesh_dim), chunk in zip(entries, chunks):
+        placements = [Shard(dim) if d == mesh_dim else Replicate() for d in range(mesh.ndim)]
+        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        out.append(DTensor.from_local(chunk, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride))
+    return out
+
+
+def dtensors_to_shares(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], int]]) -> list[torch.Tensor]:
+    """The inverse of ``shares_to_dtensors``: each entry's local even chunk -> this rank's share."""
+    return _redistribute(entries, to_even=False)
