@@ -295,8 +295,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         parameter dtype, so here tensors only move to the parameter's device and floating ones are (or stay)
         fp32: a bf16 model's state survives ``load_state_dict(state_dict())`` bit-exactly. A number ``step``
         (older state dicts) becomes a tensor; entries not keyed by a parameter (a hook's flags) are kept as
-        they are. ``param_names`` in the loaded groups also rename the parameters here, so seeded draws go on
-        with the saved names.
+        they are. ``param_names`` in the loaded groups also rename the parameters here, so seeded draws (SUMO,
+        Alice) go on with the saved names; a state dict without names keeps this optimizer's names (torch's
+        rule), so its later draws follow those.
         """
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():

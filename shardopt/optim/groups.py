@@ -71,7 +71,10 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
         tensors, names = named_or_unnamed(g["params"] if not isinstance(g["params"], torch.Tensor)
                                           else [g["params"]])
         if names is None and g.get("param_names") is not None:
-            names = list(g["param_names"])
+            if len(g["param_names"]) == len(tensors):
+                names = list(g["param_names"])
+            else:  # a wrapper that re-split groups (ZeroRedundancyOptimizer) copied names that no longer match
+                g.pop("param_names")
         per_group.append((tensors, names))
     named_all = [(n, t) for tensors, names in per_group if names for n, t in zip(names, tensors)]
     roles_by_name = roles_from_names(named_all) if named_all else {}
