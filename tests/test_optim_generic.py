@@ -14,10 +14,12 @@ parameters, a small MLP) and check that
   and pickle give an optimizer that steps identically;
 - bad input gets torch's errors (or a clear one).
 
-By design (documented in the table): SinkGD and SWAN, and SCALE without momentum, keep no per-matrix state
-(their state entries are empty); shardopt steps real tensors only (complex parameters are refused); SCALE's
-AdamW puts eps outside the bias correction (its released code), so the AdamW comparison switches that
-group option to torch's.
+By design (documented in the table and the tests): SinkGD and SWAN, and SCALE without momentum, keep no
+per-matrix state (their state entries are empty); matrix rules count every step, gradient or not (their
+refresh schedules drive collectives, and under sharding one rank may lack a gradient another has), while
+AdamW counts only steps with a gradient, as torch; shardopt steps real tensors only (complex parameters are
+refused); SCALE's AdamW puts eps outside the bias correction (its released code), so the AdamW comparison
+switches that group option to torch's.
 """
 from __future__ import annotations
 
@@ -25,9 +27,8 @@ import copy
 import functools
 import io
 import pickle
-import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import pytest
@@ -409,9 +410,9 @@ def test_muon_equals_torch_muon(info, case):
 # ---------------------------------------------------------------------------------------- no-op steps, printing
 @pytest.mark.parametrize("info,case", ALL_CASES)
 def test_step_is_noop_when_params_have_no_grad(info, case):
-    """Nothing moves. Vectors get no state (as torch's AdamW); a matrix rule may allocate its state for every
-    matrix of a group, gradient or not, so that all ranks hold the same state layout (by design), but it
-    stays zero."""
+    """Nothing moves, and vectors get no state (as torch's AdamW). By design a matrix rule keeps counting
+    steps and allocates its state for every matrix of a group, gradient or not: its refresh schedule drives
+    collectives, and under sharding one rank may lack a gradient another has."""
     params = [torch.randn(2, 3, requires_grad=False) for _ in range(2)] + [torch.randn(3)]
     old = [p.clone() for p in params]
     opt = info.cls(params, **copy.deepcopy(case.kwargs))
@@ -419,8 +420,6 @@ def test_step_is_noop_when_params_have_no_grad(info, case):
         assert opt.step(lambda: torch.tensor([1.0])).item() == 1.0
     assert all(torch.equal(p, q) for p, q in zip(params, old))
     assert params[2] not in opt.state
-    for st in opt.state.values():
-        assert all(not bool(v.any()) for v in st.values() if isinstance(v, torch.Tensor)), st
 
 
 @pytest.mark.parametrize("info,case", ALL_CASES)

@@ -105,8 +105,7 @@ class Alice(ShardedOptimizer):
                 st["switches"] = it.grad.new_zeros(())
         active = [i for i in range(len(items)) if ops.active(i)]
         t_of = {i: steps[id(items[i].tensor)] for i in active}
-        switch = [i for i in active if items[i].has_grad  # a grad-less step keeps the step count and basis
-                  and (t_of[i] == 1 or t_of[i] % group["refresh_interval"] == 0)]
+        switch = [i for i in active if t_of[i] == 1 or t_of[i] % group["refresh_interval"] == 0]
         self._switch(ops, items, blocks, switch, ranks, lead, group)
 
         # s = U^T A and the column energies of A in one reduction; R = A - U s is never formed. U has orthonormal

@@ -117,7 +117,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             it = items[i]
             if it.has_grad:
                 it.state["precond_stat"].mul_(b2).add_(grams[i], alpha=1 - b2)
-            if it.has_grad and (steps[id(it.tensor)] - 1) % group["refresh_interval"] == 0:  # grad-less: kept
+            if (steps[id(it.tensor)] - 1) % group["refresh_interval"] == 0:
                 refresh[i] = it.state["precond_stat"]
         roots = by_shape(lambda v: inverse_root(v, group["eps"], group["root"], group["ns_steps"]), refresh)
         updates: dict[int, torch.Tensor] = {}

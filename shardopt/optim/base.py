@@ -435,15 +435,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 items.append(MatrixItem(frag, p, g, self.matrix_state(p, frag), has_grad))
         return items
 
-    def _step_count(self, p: torch.Tensor) -> int:
-        """``p``'s step count including this step. It advances only when ``p`` has a gradient, as in
-        ``torch.optim.AdamW``: a grad-less step or a frozen layer leaves its bias correction (and refresh
-        schedule) where it was."""
+    def _step_count(self, p: torch.Tensor, only_with_grad: bool = False) -> int:
+        """``p``'s step count including this step.
+
+        ``only_with_grad`` (AdamW): it advances only when ``p`` has a gradient, as in ``torch.optim.AdamW``, so
+        a grad-less step or a frozen layer leaves the bias correction where it was. Matrix rules count every
+        step: their refresh schedules drive collectives, and a rank may lack a gradient that another has.
+        """
         st = self.state[p]
         step = st.get("step", 0)
         if not isinstance(step, torch.Tensor):  # a new parameter, or a number from an older state dict
             step = st["step"] = torch.tensor(float(step), dtype=torch.float32)
-        if p.grad is not None:
+        if p.grad is not None or not only_with_grad:
             step += 1
         return int(step.item())
 
@@ -554,7 +557,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            params, grads, ms, vs = by_step.setdefault(self._step_count(p), ([], [], [], []))
+            params, grads, ms, vs = by_step.setdefault(self._step_count(p, only_with_grad=True), ([], [], [], []))
             params.append(local_flat(p))
             grads.append(local_flat(p.grad))
             ms.append(local_flat(st["exp_avg"]))

@@ -84,11 +84,13 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
     position = start
     for g, (tensors, names) in zip(groups, per_group):
         legacy = g.pop("names", None)  # create_optimizer's names: shardopt's own, not torch's param_names
+        if legacy is not None and len(legacy) != len(tensors):
+            legacy = None  # a wrapper re-split the group (ZeroRedundancyOptimizer): routing's tensor attribute
         g["params"] = tensors
         if names is not None:
             g["param_names"] = names
         for i, t in enumerate(tensors):
-            given = names[i] if names else (legacy[i] if legacy and i < len(legacy) else None)
+            given = names[i] if names else (legacy[i] if legacy else None)
             ids.setdefault(id(t), given or getattr(t, "_shardopt_name", None) or f"param_{position}")
             position += 1
         if "treatment" in g or not tensors:

@@ -100,8 +100,7 @@ class SUMO(ShardedOptimizer):
                 it.state["prev_onorm"] = it.grad.new_zeros(())
                 it.state["refreshes"] = it.grad.new_zeros(())
         active = [i for i in range(len(items)) if ops.active(i)]
-        refresh = [i for i in active if items[i].has_grad  # a grad-less step keeps the step count and basis
-                   and (steps[id(items[i].tensor)] - 1) % group["refresh_interval"] == 0]
+        refresh = [i for i in active if (steps[id(items[i].tensor)] - 1) % group["refresh_interval"] == 0]
         new = range_basis(ops, {i: blocks[i] for i in refresh}, ranks, group["seed"],
                           {i: (items[i].frag.name, int(items[i].state["refreshes"])) for i in refresh},
                           group["oversample"], group["power_iters"])
