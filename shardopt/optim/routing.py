@@ -176,7 +176,7 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
         named = list(zip(names, tensors))
         return named, roles_from_names(named), "torch"
     named = [(getattr(t, "_shardopt_name", None) or f"param_{i}", t) for i, t in enumerate(tensors)]
-    if any(t.dim() == 2 for t in tensors):
+    if len({t.dim() == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
         warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer
     return named, {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}, "position"
 
