@@ -4,7 +4,6 @@ file inside ``<dir>/<tag>/``), and a PyTorch DCP directory (``{"model": ..., "op
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import torch
@@ -12,6 +11,7 @@ import torch
 from ..optim.registry import OPTIMIZERS
 from .files import STATE_FILE, read_state_file, write_state_file
 from .logical import PARAM_KEY, SEP, CheckpointError
+from .safe_pickle import load_dcp_metadata, read_dcp_state_dict
 
 __all__ = ["detect", "read_any", "write_logical", "write_deepspeed", "write_dcp"]
 
@@ -47,13 +47,9 @@ def _treatment_class(groups: list[dict]) -> type:
 
 
 def _check_dcp_files(path: str) -> None:
-    """Name a missing or truncated shard file before DCP fails deep inside its reader."""
-    from torch.distributed.checkpoint import FileSystemReader
-
-    try:
-        storage = FileSystemReader(path).read_metadata().storage_data or {}
-    except Exception as err:
-        raise CheckpointError(f"{path}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
+    """Name a missing or truncated shard file before DCP fails deep inside its reader (the metadata is read
+    by the restricted unpickler: nothing in a crafted file runs)."""
+    storage = load_dcp_metadata(os.path.join(path, ".metadata")).storage_data or {}
     need: dict[str, int] = {}
     for info in storage.values():
         rel = getattr(info, "relative_path", None)
@@ -69,19 +65,8 @@ def _check_dcp_files(path: str) -> None:
 
 
 def _read_dcp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     _check_dcp_files(path)
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "full.pt")
-        try:
-            dcp_to_torch_save(path, out)
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException as err:  # DCP's CheckpointException derives from BaseException
-            last = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-            raise CheckpointError(f"{path}: incomplete or corrupt DCP checkpoint ({last})") from None
-        sd = torch.load(out, weights_only=True)
+    sd = read_dcp_state_dict(path)
     if "optim" not in sd or "model" not in sd:
         raise CheckpointError(f"{path}: DCP checkpoint lacks the 'model' and 'optim' entries of get_state_dict")
     groups = sd["optim"].get("param_groups", [])
@@ -128,7 +113,8 @@ def write_deepspeed(path: str, tensors: dict[str, torch.Tensor], meta: dict[str,
 
 def write_dcp(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
     """A DCP directory in ``get_state_dict`` form, loadable with ``dcp.load`` + ``set_state_dict``."""
-    from torch.distributed.checkpoint.format_utils import torch_save_to_dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+    from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
     model, state = {}, {}
     for k, v in tensors.items():
@@ -139,8 +125,7 @@ def write_dcp(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any])
             state.setdefault(name, {})[key] = v
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
               for g in meta.get("param_groups", [])]
-    with tempfile.TemporaryDirectory() as tmp:
-        src = os.path.join(tmp, "full.pt")
-        torch.save({"model": model, "optim": {"state": state, "param_groups": groups}}, src)
-        torch_save_to_dcp(src, path)
+    # written straight from memory (torch_save_to_dcp would round-trip a temporary file through full pickle)
+    _save_state_dict({"model": model, "optim": {"state": state, "param_groups": groups}},
+                     storage_writer=FileSystemWriter(path), no_dist=True)
     return path

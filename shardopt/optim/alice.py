@@ -45,6 +45,8 @@ class Alice(ShardedOptimizer):
 
     matrix_treatments = ("alice",)
     tracking_default = True
+    #: named parameters route as create_optimizer: the LM head is trained with the low-rank method too
+    role_table = {**ShardedOptimizer.role_table, "lm_head": {}}
     state_kinds = {**ShardedOptimizer.state_kinds, "basis": "matrix", "tracking": "matrix", "exp_avg_low": "matrix",
                    "exp_avg_sq_low": "matrix", "col_energy": "matrix", "phi": "matrix", "switches": "matrix"}
 

@@ -8,8 +8,11 @@ tensor holds and how each one is laid out across ranks; the algorithm never asks
 """
 from __future__ import annotations
 
+import copy
 import os
 import warnings
+from collections import defaultdict
+from itertools import chain
 from typing import Any, Callable, Iterable
 
 import torch
@@ -23,6 +26,8 @@ from ..sharding.plan import check_same_plan
 from ..sharding.state_split import (StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
 from .adamw import adamw_step
+from .contiguous import contiguous_steps
+from .groups import normalize_param_groups
 
 __all__ = ["ShardedOptimizer", "MatrixItem"]
 
@@ -88,27 +93,49 @@ class MatrixItem:
                 wb.add_(xb, alpha=-lr)
 
 
-def _normalize_groups(params: Iterable[Any]) -> tuple[list[dict], dict[int, str]]:
-    """Accept tensors, ``(name, tensor)`` pairs or group dicts (optionally with ``names``)."""
-    params = list(params)
-    if not params:
-        raise ValueError("optimizer got an empty parameter list")
-    if not isinstance(params[0], dict):
-        params = [{"params": params}]
-    groups, names = [], {}
-    for group in params:
-        group = dict(group)
-        tensors = []
-        for i, item in enumerate(group["params"] if not isinstance(group["params"], torch.Tensor) else [group["params"]]):
-            if isinstance(item, tuple):
-                name, item = item
-                names[id(item)] = name
-            tensors.append(item)
-        for name, t in zip(group.pop("names", []) or [], tensors):
-            names[id(t)] = name
-        group["params"] = tensors
-        groups.append(group)
-    return groups, names
+def check_lr(lr: Any, where: str = "lr") -> None:
+    """torch's rule for a tensor learning rate: one element (it is read as a number at each step)."""
+    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
+        raise ValueError(f"Tensor lr must be 1-element ({where} has shape {tuple(lr.shape)})")
+
+
+def check_hyperparameters(options: dict, where: str) -> None:
+    """torch's checks of the hyperparameters every group may hold (``lr``, ``weight_decay``, ``eps``,
+    ``betas``, ``momentum``), as ``ValueError``s that say which value and where."""
+    lr = options.get("lr")
+    check_lr(lr, f"{where} lr")
+    if lr is not None and not lr >= 0:
+        raise ValueError(f"Invalid learning rate: {float(lr)} ({where}; must be >= 0)")
+    for key in ("weight_decay", "eps"):
+        if options.get(key) is not None and not options[key] >= 0:
+            raise ValueError(f"Invalid {key} value: {options[key]} ({where}; must be >= 0)")
+    for i, beta in enumerate(options.get("betas") or ()):
+        if not 0.0 <= beta < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {beta} ({where}; must be in [0, 1))")
+    momentum = options.get("momentum")
+    if momentum is not None and not 0.0 <= momentum < 1.0:
+        raise ValueError(f"Invalid momentum value: {momentum} ({where}; must be in [0, 1))")
+
+
+def _float_lr(group: dict) -> dict:
+    """The group as the rules see it: a tensor ``lr`` read as a float (torch's tensor-lr convention)."""
+    lr = group.get("lr")
+    return {**group, "lr": float(lr)} if isinstance(lr, torch.Tensor) else group
+
+
+def _state_for_param(value: Any, device: torch.device, key: Any = None) -> Any:
+    """One loaded state entry: tensors on the parameter's device, floating ones in fp32 (statistics are fp32
+    whatever the parameter dtype, so a bf16 model's state must not pass through bf16), ``step`` as a float32
+    tensor on the CPU (older state dicts hold a Python number)."""
+    if key == "step":
+        return value if isinstance(value, torch.Tensor) else torch.tensor(float(value), dtype=torch.float32)
+    if isinstance(value, torch.Tensor):
+        return value.to(device=device, dtype=torch.float32 if value.is_floating_point() else value.dtype)
+    if isinstance(value, dict):
+        return {k: _state_for_param(v, device, k) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_state_for_param(v, device) for v in value)
+    return value
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -135,26 +162,27 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: gather strategy only the owner rank keeps it current and ``sync_state`` replicates it.
     state_kinds: dict[str, str] = {"exp_avg": "elements", "exp_avg_sq": "elements", "step": "tensor"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
+    #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
+    #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
+    role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
+                                   "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None,
                  on_nonfinite: str = "skip", debug_plan: bool | None = None, matrix_ops: dict | None = None,
                  **adam):
         if on_nonfinite not in ("skip", "raise", "ignore"):
             raise ValueError(f"on_nonfinite must be 'skip', 'raise' or 'ignore', got {on_nonfinite!r}")
-        groups, names = _normalize_groups(params)
+        check_hyperparameters(defaults, f"{type(self).__name__} defaults")
+        check_hyperparameters({**adam, "lr": adam_lr}, f"{type(self).__name__} AdamW defaults (adam_*)")
+        # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
+        # the tensor, else the one routing attached to it (survives wrappers that re-split param groups,
+        # like ZeroRedundancyOptimizer), else the tensor's position
+        groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=3)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
         for g in groups:
             self._resolve_treatment(g, names)
         super().__init__(groups, defaults)
-        # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
-        # the tensor, else the one routing attached to it (survives wrappers that re-split param groups,
-        # like ZeroRedundancyOptimizer), else the tensor's position
-        position = 0
-        for g in groups:
-            for p in g["params"]:
-                names.setdefault(id(p), getattr(p, "_shardopt_name", None) or f"param_{position}")
-                position += 1
         self.param_names: dict[int, str] = names
         self._group_list: list[dict] = list(self.param_groups)  # see _groups
         #: parameter names of each group as built (engines may later replace group tensors by flat partitions)
@@ -182,10 +210,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._matrix_plans: dict[str, tuple[int, Any]] = {}
 
     # ------------------------------------------------------------------ groups
+    def _role_options(self, role: str) -> dict:
+        options = dict(self.role_table[role])
+        options.setdefault("treatment", self.matrix_treatments[0])
+        return options
+
     def _resolve_treatment(self, group: dict, names: dict[int, str]) -> None:
         if "treatment" not in group:
             dims = {p.dim() for p in group["params"]}
             group["treatment"] = self.matrix_treatments[0] if dims == {2} else "adamw"
+        first = names.get(id(group["params"][0]), "<unnamed>") if group["params"] else "<empty>"
+        check_hyperparameters(group, f"the {group['treatment']!r} param group of {first!r}")
+        for p in group["params"]:
+            if p.is_complex():
+                name = names.get(id(p), "<unnamed>")
+                raise ValueError(f"parameter {name!r} is complex ({p.dtype}); {type(self).__name__} steps real "
+                                 f"tensors (its {group['treatment']!r} rule included): optimize "
+                                 "torch.view_as_real(p) instead")
         t = group["treatment"]
         if t == "adamw":
             for k, v in self._adam_group_defaults.items():
@@ -207,14 +248,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        if hasattr(self, "_ops_cache"):
-            self._forget_plans()
-        if hasattr(self, "param_names"):  # after __init__: same preprocessing as the constructor
-            groups, names = _normalize_groups([param_group])
-            self.param_names.update(names)
-            param_group = groups[0]
-            self._resolve_treatment(param_group, self.param_names)
-        super().add_param_group(param_group)
+        """torch's ``add_param_group`` after the constructor's preprocessing: a group without ``treatment`` is
+        split by role, and its tensors are named by position after the existing ones (never by address)."""
+        if not hasattr(self, "param_names"):  # torch's __init__ adding the groups prepared in ours
+            super().add_param_group(param_group)
+            return
+        if not isinstance(param_group, dict):
+            raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
+        start = sum(len(n) for n in self.group_param_names)
+        groups, names = normalize_param_groups([param_group], self._role_options, type(self).__name__, start=start,
+                                               stacklevel=2)
+        for group in groups:
+            self._resolve_treatment(group, {**self.param_names, **names})
+            super().add_param_group(group)
+            for p in group["params"]:
+                self.param_names.setdefault(id(p), names[id(p)])
+            self.group_param_names.append([self.param_names[id(p)] for p in group["params"]])
+        self._groups()  # the stable group list follows (see _groups)
+        self._forget_plans()
 
     # ------------------------------------------------------------------ layouts
     def set_layout_resolver(self, resolver: LayoutResolver | None) -> None:
@@ -235,22 +286,98 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._matrix_plans.clear()
         self._matrix_owner.clear()
 
+    # ------------------------------------------------------------------ copy / pickle
+    #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
+    _BY_TENSOR_ID = ("param_names", "_fragments", "_attached")
+    #: caches keyed by object identity, rebuilt on the next step
+    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner")
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an
+        optimizer that steps identically."""
+        state = {k: v for k, v in self.__dict__.items()
+                 if not k.startswith("_optimizer_") and k != "_zero_grad_profile_name"}
+        tensors = {id(t): t for t in chain((p for g in self.param_groups for p in g["params"]),
+                                           self.__dict__.get("_attached", {}).values())}
+        for key in self._BY_TENSOR_ID:  # entries of tensors the optimizer does not hold cannot follow a copy
+            if key in state:
+                state[key] = [(tensors[i], v) for i, v in state[key].items() if i in tensors]
+        for key in self._IDENTITY_CACHES:
+            if key in state:
+                state[key] = type(state[key])()
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        for key in self._BY_TENSOR_ID:
+            if isinstance(state.get(key), list):
+                state[key] = {id(t): v for t, v in state[key]}
+        super().__setstate__(state)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """``torch.optim`` loading, then statistics back to fp32: torch casts floating state to the parameter
-        dtype, which would leave a bf16 model's moments and scales in bf16 after a resume."""
-        super().load_state_dict(self._local_state_entries(state_dict))
-        self._group_list = list(self.param_groups)  # torch rebuilt the group dicts
+        """``torch.optim`` loading (pre/post hooks, group checks, ``param_names``) with shardopt's state policy.
+
+        torch casts floating state to each parameter's dtype; shardopt's statistics are fp32 whatever the
+        parameter dtype, so here tensors only move to the parameter's device and floating ones are (or stay)
+        fp32: a bf16 model's state survives ``load_state_dict(state_dict())`` bit-exactly. A number ``step``
+        (older state dicts) becomes a tensor; entries not keyed by a parameter (a hook's flags) are kept as
+        they are. ``param_names`` in the loaded groups also rename the parameters here, so seeded draws (SUMO,
+        Alice) go on with the saved names; a state dict without names keeps this optimizer's names (torch's
+        rule), so its later draws follow those.
+        """
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        state_dict = self._local_state_entries(state_dict)  # small-state shares as this rank keeps them
+        groups = self.param_groups
+        saved_groups = copy.deepcopy(state_dict["param_groups"])
+        if len(groups) != len(saved_groups):
+            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}, "
+                             f"this optimizer has {len(groups)}); build the optimizer with the same parameters "
+                             "and routing (named and unnamed parameters can route differently)")
+        for i, (g, saved) in enumerate(zip(groups, saved_groups)):
+            if len(g["params"]) != len(saved["params"]):
+                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
+                                 f"optimizer's group (group {i}: {len(saved['params'])} saved, {len(g['params'])} here)")
+        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
+                          chain.from_iterable(g["params"] for g in groups)))
+        state: defaultdict[Any, Any] = defaultdict(dict)
+        for k, v in state_dict["state"].items():
+            if k in id_map:
+                p = id_map[k]
+                state[p] = _state_for_param(v, p.device)
+            else:
+                state[k] = v
+        for g, saved in zip(groups, saved_groups):
+            saved["params"] = g["params"]
+            if "param_names" in g and "param_names" not in saved:
+                saved["param_names"] = g["param_names"]
+        self.state = state
+        self.param_groups = saved_groups
+        self._group_list = list(self.param_groups)  # new group dicts: plans are rebuilt from them
         self._forget_plans()
+        self._adopt_param_names()
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
-        def to_fp32(d: dict) -> None:
-            for k, v in d.items():
-                if isinstance(v, dict):
-                    to_fp32(v)
-                elif isinstance(v, torch.Tensor) and v.is_floating_point() and v.dtype != torch.float32:
-                    d[k] = v.float()
-
-        for st in self.state.values():
-            to_fp32(st)
+    def _adopt_param_names(self) -> None:
+        """Take the groups' ``param_names`` as the parameters' names (fragments are rebuilt with them)."""
+        renamed = False
+        for i, g in enumerate(self.param_groups):
+            names = g.get("param_names")
+            if not names or len(names) != len(g["params"]):
+                continue
+            for p, name in zip(g["params"], names):
+                if self.param_names.get(id(p)) != name and not self.is_flat(p):
+                    self.param_names[id(p)] = name
+                    self._fragments.pop(id(p), None)
+                    renamed = True
+            if i < len(self.group_param_names):
+                self.group_param_names[i] = list(names)
+        if renamed and hasattr(self, "_ops_cache"):
+            self._forget_plans()
 
     def stepped_tensors(self) -> list[torch.Tensor]:
         """Every tensor this optimizer steps, in a rank-independent order (engine flat partitions when an
@@ -383,12 +510,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 items.append(MatrixItem(frag, p, g, self.matrix_state(p, frag), has_grad))
         return items
 
-    def _step_count(self, p: torch.Tensor) -> int:
+    def _step_count(self, p: torch.Tensor, only_with_grad: bool = False) -> int:
+        """``p``'s step count including this step.
+
+        ``only_with_grad`` (AdamW): it advances only when ``p`` has a gradient, as in ``torch.optim.AdamW``, so
+        a grad-less step or a frozen layer leaves the bias correction where it was. Matrix rules count every
+        step: their refresh schedules drive collectives, and a rank may lack a gradient that another has.
+        """
         st = self.state[p]
-        if "step" not in st:
-            st["step"] = torch.zeros((), dtype=torch.float32)
-        st["step"] += 1
-        return int(st["step"].item())
+        step = st.get("step", 0)
+        if not isinstance(step, torch.Tensor):  # a new parameter, or a number from an older state dict
+            step = st["step"] = torch.tensor(float(step), dtype=torch.float32)
+        if p.grad is not None or not only_with_grad:
+            step += 1
+        return int(step.item())
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
@@ -397,13 +532,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with collective_counter.capture(self._comm_stats):
+        params = [p for g in self.param_groups for p in g["params"]]
+        with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:
                 check_same_plan(self)
             if self.on_nonfinite != "ignore" and self._nonfinite_grads():
                 return loss
             for group in self.param_groups:
-                getattr(self, f"_step_{group['treatment']}")(group)
+                getattr(self, f"_step_{group['treatment']}")(_float_lr(group))
         return loss
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
@@ -441,7 +577,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return known
 
     def _group_index(self, group: dict) -> int:
-        return next(i for i, g in enumerate(self._groups()) if g is group)
+        """Index of ``group`` in ``_groups()``; a rule may see a copy of its group (a tensor ``lr`` read as a
+        float), which still holds the same ``params`` list."""
+        return next(i for i, g in enumerate(self._groups()) if g is group or g["params"] is group["params"])
 
     def _fragments_by_group(self, all_groups: bool = False) -> dict[int, list[Fragment]]:
         """Every matrix of every whole-matrix group, in a rank-independent order. Flat engine partitions hold
@@ -625,23 +763,24 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return True
 
     def _step_adamw(self, group: dict) -> None:
-        params, grads, ms, vs = [], [], [], []
-        step = 0
+        """AdamW on every tensor of the group that has a gradient (others get no state and keep their step
+        count, as in ``torch.optim.AdamW``); one fused call per distinct step count."""
+        by_step: dict[int, tuple[list, list, list, list]] = {}
         for p in group["params"]:
+            if p.grad is None:
+                continue
             st = self.state[p]
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            step = self._step_count(p)
-            if p.grad is None:
-                continue
+            params, grads, ms, vs = by_step.setdefault(self._step_count(p, only_with_grad=True), ([], [], [], []))
             params.append(local_flat(p))
             grads.append(local_flat(p.grad))
             ms.append(local_flat(st["exp_avg"]))
             vs.append(local_flat(st["exp_avg_sq"]))
-        by_step = step  # all tensors of a group advance together
-        adamw_step(
-            params, grads, ms, vs, by_step,
-            lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-            weight_decay=group["weight_decay"], eps_mode=group["eps_mode"],
-        )
+        for step, (params, grads, ms, vs) in by_step.items():
+            adamw_step(
+                params, grads, ms, vs, step,
+                lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
+                weight_decay=group["weight_decay"], eps_mode=group["eps_mode"],
+            )

@@ -16,7 +16,7 @@ import torch
 
 from ..sharding.linalg import MUON_COEFFICIENTS, newton_schulz
 from ..sharding.owner import newton_schulz_cost, run_on_owners
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, check_lr
 
 __all__ = ["Muon", "adjusted_lr"]
 
@@ -44,6 +44,8 @@ class Muon(ShardedOptimizer):
                  ns_dtype: str = "float32", adam_lr: float | None = None, adam_betas: tuple[float, float] = (0.9, 0.999),
                  adam_eps: float = 1e-8, adam_weight_decay: float = 0.0, on_nonfinite: str = "skip",
                  debug_plan: bool | None = None):
+        check_lr(lr)
+        adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # an unknown rule is an error now, not at the first step
         if lr < 0 or not 0.0 <= momentum < 1.0:
             raise ValueError(f"need lr >= 0 and momentum in [0, 1), got lr={lr}, momentum={momentum}")
         if ns_dtype not in _DTYPES:

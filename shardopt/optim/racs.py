@@ -19,7 +19,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, axis_sum, col_sums, local_sum, masked_reciprocal, masked_rsqrt, row_sums, scale_into
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, check_lr
 
 __all__ = ["RACS"]
 
@@ -51,6 +51,7 @@ class RACS(ShardedOptimizer):
         on_nonfinite: str = "skip",
         debug_plan: bool | None = None,
     ):
+        check_lr(lr)
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0.0 <= beta < 1.0:

@@ -1,7 +1,7 @@
 """Optimizer names, their hyperparameter schemas (pydantic) and role tables; ``create_optimizer``."""
 from __future__ import annotations
 
-from typing import Any, Callable, Literal, Mapping
+from typing import Any, Callable, Iterable, Literal, Mapping
 
 import pydantic
 import torch
@@ -294,7 +294,7 @@ def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], wher
         raise ConfigError(f"{_format_errors(err, where)} [optimizer {key!r} accepts: {valid}]") from None
 
 
-def build_param_groups(model: nn.Module, name: str, cfg: pydantic.BaseModel,
+def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: pydantic.BaseModel,
                        routing: Mapping[str, str] | None = None) -> list[dict]:
     cls, _, roles = OPTIMIZERS[name.lower()]
     groups = route(model, roles(cfg), routing, optimizer_name=name)
@@ -315,12 +315,14 @@ def optimizer_kwargs(cfg: pydantic.BaseModel) -> dict[str, Any]:
     return kw
 
 
-def create_optimizer(model: nn.Module, name: str, routing: Mapping[str, str] | None = None,
+def create_optimizer(model: nn.Module | Iterable[Any], name: str, routing: Mapping[str, str] | None = None,
                      **hyperparameters: Any) -> torch.optim.Optimizer:
     """Build shardopt optimizer ``name`` (a key of ``OPTIMIZERS``) for ``model``.
 
     Call it after ``fully_shard`` (FSDP2) or on the plain/DDP model; parameters are routed by role
-    (see ``shardopt.optim.routing``); ``routing`` maps name patterns to roles or ``"adamw"``.
+    (see ``shardopt.optim.routing``); ``routing`` maps name patterns to roles or ``"adamw"``. As torch.optim,
+    it also takes ``model.named_parameters()`` (roles from the names; state dicts carry ``param_names``) or a
+    flat list of tensors (2-D tensors get the matrix rule, the rest AdamW).
     """
     cfg = validate_hyperparameters(name, hyperparameters, where="create_optimizer")
     groups = build_param_groups(model, name, cfg, routing)

@@ -5,16 +5,21 @@ is tied to an embedding, or the last Linear whose ``out_features`` equals an emb
 ``matrix`` (every other 2-D Linear weight), ``vector`` (everything else: norms, biases, >2-D tensors).
 User patterns (``fnmatch`` on the parameter name, first match wins) override the role, or force
 ``"adamw"``. Each optimizer maps roles to param-group options (its ``ROLE_TABLE``).
+
+Without the model (``named_parameters()`` passed to an optimizer or to ``create_optimizer``) roles come from
+the names alone (``roles_from_names``); without names every 2-D tensor is a ``matrix`` (``unnamed_roles``).
 """
 from __future__ import annotations
 
 import fnmatch
-from typing import Mapping
+import re
+import warnings
+from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
 
-__all__ = ["ROLES", "param_roles", "route", "RoutingError"]
+__all__ = ["ROLES", "param_roles", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route", "RoutingError"]
 
 
 class ConfigError(ValueError):
@@ -72,25 +77,131 @@ def param_roles(model: nn.Module) -> dict[str, str]:
     return roles
 
 
+#: module names (the component before ``.weight``) that mark an embedding: ``embed_tokens``, ``wte``, ...
+_EMBEDDING_WORDS = {"wte", "wpe", "emb", "embed", "embeds", "embedding", "embeddings"}
+
+
+def _module_words(name: str) -> set[str]:
+    parts = name.split(".")
+    module = parts[-2] if len(parts) > 1 else parts[-1]
+    return set(re.split(r"[_\-]", module.lower()))
+
+
+def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """Default roles from parameter names and shapes alone (``model.named_parameters()`` without the model).
+
+    The name-based counterpart of ``param_roles``: a 2-D weight whose module name is an embedding word
+    (``embed_tokens``, ``tok_embeddings``, ``wte``, ``wpe``, ...) is an ``embedding``; the LM head is the 2-D
+    weight of a module named ``lm_head``, else the last other 2-D weight whose first dimension equals an
+    embedding's vocabulary size; other 2-D tensors are ``matrix``, the rest ``vector``. Tied weights are not
+    visible in names (``named_parameters()`` lists them once, as the embedding): pass the model to
+    ``create_optimizer`` for a tied head.
+    """
+    roles: dict[str, str] = {}
+    vocab = set()
+    for name, p in named:
+        if p.dim() == 2 and _module_words(name) & _EMBEDDING_WORDS:
+            roles[name] = "embedding"
+            vocab.add(p.shape[0])
+    matrices = [(name, p) for name, p in named if p.dim() == 2 and name not in roles]
+    heads = [name for name, _ in matrices if "lm_head" in name.split(".")[-2:-1]]
+    if not heads:
+        heads = [name for name, p in matrices if p.shape[0] in vocab]
+    for name, _ in matrices:
+        roles[name] = "matrix"
+    if heads:
+        roles[heads[-1]] = "lm_head"
+    for name, _ in named:
+        roles.setdefault(name, "vector")
+    return roles
+
+
+def unnamed_roles(tensors: Sequence[torch.Tensor]) -> list[str]:
+    """Roles of tensors passed without names: ``matrix`` for 2-D, ``vector`` otherwise (no embedding or LM
+    head can be told apart without names)."""
+    return ["matrix" if t.dim() == 2 else "vector" for t in tensors]
+
+
+_SET_ERROR = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors "
+              "in sets will change between runs. Please use a list instead.")
+
+
+def named_or_unnamed(items: Any, where: str = "params") -> tuple[list[torch.Tensor], list[str] | None]:
+    """Split torch.optim's parameter forms: tensors, or ``(name, tensor)`` pairs as ``named_parameters()``
+    yields them (all or none named). Returns the tensors and their names (``None`` when unnamed), raising
+    torch's ``TypeError`` / ``ValueError`` for a set, a bare tensor or a mix."""
+    if isinstance(items, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        + torch.typename(items))
+    if isinstance(items, (set, frozenset)):
+        raise TypeError(_SET_ERROR)
+    tensors: list[torch.Tensor] = []
+    names: list[str] = []
+    for item in items:
+        if isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str):
+            names.append(item[0])
+            item = item[1]
+        if not isinstance(item, torch.Tensor):
+            raise TypeError(f"optimizer can only optimize Tensors, but one of the {where} is " + torch.typename(item))
+        tensors.append(item)
+    if names and len(names) != len(tensors):
+        raise ValueError("all optimizer params should be with/without names. Some param names are missing")
+    return tensors, (names if names else None)
+
+
+_WARNED: set[str] = set()
+
+
+def warn_unnamed_once(who: str, treatment: str, stacklevel: int = 2) -> None:
+    """Warn once per optimizer that parameters without names cannot get embedding / LM-head roles."""
+    if who in _WARNED:
+        return
+    _WARNED.add(who)
+    warnings.warn(f"{who}: parameters were given without names, so every 2-D tensor gets the {treatment!r} rule "
+                  "and everything else AdamW; embedding and LM-head roles need names: pass "
+                  "model.named_parameters(), or the model to shardopt.create_optimizer", UserWarning,
+                  stacklevel=stacklevel + 1)
+
+
+def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str],
+                                                                        str]:
+    """``(name, tensor)`` pairs, their roles, and where the names come from: ``"module"``, ``"torch"`` (the
+    user's ``named_parameters()``, kept as torch's ``param_names``) or ``"position"``."""
+    if isinstance(model, nn.Module):
+        return list(model.named_parameters()), param_roles(model), "module"
+    tensors, names = named_or_unnamed(model)
+    if not tensors:
+        raise ValueError("optimizer got an empty parameter list")
+    if names is not None:
+        named = list(zip(names, tensors))
+        return named, roles_from_names(named), "torch"
+    named = [(getattr(t, "_shardopt_name", None) or f"param_{i}", t) for i, t in enumerate(tensors)]
+    if len({t.dim() == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
+        warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer
+    return named, {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}, "position"
+
+
 def route(
-    model: nn.Module,
+    model: nn.Module | Iterable[Any],
     role_table: Mapping[str, dict],
     overrides: Mapping[str, str] | None = None,
     optimizer_name: str = "optimizer",
 ) -> list[dict]:
     """Param groups (one per distinct option set, in a fixed order) for ``model``'s trainable parameters.
 
+    ``model`` is a module, or what torch.optim takes: ``model.named_parameters()`` (roles from names; groups
+    keep torch's ``param_names``) or a flat list of tensors (2-D -> ``matrix``, else ``vector``).
     ``role_table[role]`` gives the group options for that role (must contain ``treatment``). Raises a
     ``ValueError`` naming the parameter, its shape and the rule when a non-2-D tensor would reach a matrix rule.
     """
-    roles = param_roles(model)
+    named, roles, source = _named_params_and_roles(model, optimizer_name)
     overrides = dict(overrides or {})
     for pattern, role in overrides.items():
         if role not in ROLES:
             raise RoutingError(f"routing[{pattern!r}] = {role!r}: unknown role; use one of {list(ROLES)}")
     used = set()
     groups: dict[tuple, dict] = {}
-    for name, p in model.named_parameters():
+    for name, p in named:
         if not p.requires_grad:
             continue
         role, why = roles[name], "default routing"
@@ -114,7 +225,10 @@ def route(
             group["roles"].append(role)
         group["params"].append(p)
         group["names"].append(name)
-        p._shardopt_name = name  # the optimizer finds its name even if a wrapper drops "names"
+        if source == "torch":
+            group.setdefault("param_names", []).append(name)
+        if source != "position":
+            p._shardopt_name = name  # the optimizer finds its name even if a wrapper drops "names"
     unused = [p for p in overrides if p not in used]
     if unused:
         raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")

@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, row_sums
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, check_lr
 
 __all__ = ["SCALE"]
 
@@ -37,6 +37,8 @@ class SCALE(ShardedOptimizer):
     matrix_treatments = ("scale",)
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="outside")
+    #: named parameters route as create_optimizer: the embedding normalized per column, momentum on the LM head
+    role_table = {**ShardedOptimizer.role_table, "embedding": {"norm_dim": 0}, "lm_head": {"momentum": 0.9}}
 
     def __init__(
         self,
@@ -54,6 +56,7 @@ class SCALE(ShardedOptimizer):
         on_nonfinite: str = "skip",
         debug_plan: bool | None = None,
     ):
+        check_lr(lr)
         if lr < 0:
             raise ValueError(f"lr must be >= 0, got {lr}")
         if not 0.0 <= momentum < 1.0:

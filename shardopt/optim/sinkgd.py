@@ -17,7 +17,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, masked_reciprocal, row_sums, scale_into
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, check_lr
 
 __all__ = ["SinkGD", "sr_sinkhorn_scales"]
 
@@ -64,6 +64,7 @@ class SinkGD(ShardedOptimizer):
         on_nonfinite: str = "skip",
         debug_plan: bool | None = None,
     ):
+        check_lr(lr)
         if lr < 0 or lr_scale < 0:
             raise ValueError(f"lr and lr_scale must be >= 0, got lr={lr}, lr_scale={lr_scale}")
         if int(iterations) < 1:

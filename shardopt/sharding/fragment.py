@@ -21,7 +21,9 @@ def local_flat(t: torch.Tensor) -> torch.Tensor:
     to_local = getattr(t, "to_local", None)
     local = to_local() if to_local is not None else t
     if not local.is_contiguous():
-        raise RuntimeError(f"shardopt needs contiguous local tensors, got strides {local.stride()}")
+        raise RuntimeError(f"shardopt needs a flat view of this tensor's local elements, but it is a non-contiguous "
+                           f"view (shape {tuple(local.shape)}, strides {local.stride()}); optimizer.step() handles "
+                           "such parameters, elsewhere pass t.contiguous()")
     return local.view(-1)
 
 

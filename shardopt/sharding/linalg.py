@@ -109,10 +109,18 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
     with ``eps == 0`` a pseudo-inverse root that ignores eigenvalues below ``k * 1.2e-7 * lambda_max``
     (specs/asgo.md section 6 item 1). ``newton_schulz``: the coupled iteration of specs/asgo.md 1.6
     (``Y0 = A/s, Z0 = I``, ``T = (3I - ZY)/2``), in fp32, for comparison with the paper's damping study.
+
+    The iteration converges, or with few ``ns_steps`` stops short in the smallest eigendirections (a damped
+    root: every eigenvalue of ``Z A Z`` stays in (0, 1]); but in fp32 it is unstable on ill-conditioned
+    ``A`` (rounding grows by about ``sqrt(cond A)`` per step: a rank-1 gradient with a small ``eps`` turns it
+    into inf/NaN within 50 steps). A matrix whose result is not finite or whose residual
+    ``|Z A Z - I|_F`` exceeds ``1.5 sqrt(k)`` (the bound of a converged or damped root) gets the ``eigh``
+    root instead; so does ``eps == 0``, which the iteration cannot pseudo-invert (it would amplify null
+    directions by ``1.5^ns_steps``).
     """
     k = v.shape[-1]
     a = 0.5 * (v.double() + v.double().mT) + eps * torch.eye(k, dtype=torch.float64, device=v.device)
-    if method == "newton_schulz":
+    if method == "newton_schulz" and eps > 0:
         a32 = a.float()
         s = torch.linalg.matrix_norm(a32).clamp(min=1e-30)[..., None, None]
         eye = torch.eye(k, dtype=torch.float32, device=v.device)
@@ -120,12 +128,33 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
         for _ in range(ns_steps):
             t = 0.5 * (3.0 * eye - z @ y)
             y, z = y @ t, t @ z
-        return z / s.sqrt()
-    if method != "eigh":
+        return _stable_or_eigh(z / s.sqrt(), a)
+    if method not in ("eigh", "newton_schulz"):
         raise ValueError(f"root method must be 'eigh' or 'newton_schulz', got {method!r}")
+    return _eigh_inverse_root(a, pseudo_inverse=eps == 0)
+
+
+def _stable_or_eigh(root: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
+    """``root`` where it is a converged or damped inverse square root of ``a`` (float64), else the eigh root."""
+    k = a.shape[-1]
+    eye = torch.eye(k, dtype=torch.float64, device=a.device)
+    z = root.double()
+    residual = torch.linalg.matrix_norm(z @ a @ z - eye)
+    bad = ~torch.isfinite(residual) | (residual > 1.5 * k ** 0.5)
+    if not bool(bad.any()):
+        return root
+    out = root.clone()
+    out[bad] = _eigh_inverse_root(a[bad], pseudo_inverse=False)
+    return out
+
+
+def _eigh_inverse_root(a: torch.Tensor, pseudo_inverse: bool) -> torch.Tensor:
+    """``a^{-1/2}`` of symmetric float64 ``a`` (damping already added), in fp32; ``pseudo_inverse`` drops
+    eigenvalues below ``k * 1.2e-7 * lambda_max``."""
+    k = a.shape[-1]
     lam, vec = torch.linalg.eigh(a)
     lam = lam.clamp(min=0)
-    cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if eps == 0 else torch.zeros_like(lam)
+    cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if pseudo_inverse else torch.zeros_like(lam)
     inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt(), torch.zeros_like(lam))
     return ((vec * inv.unsqueeze(-2)) @ vec.mT).float()
 

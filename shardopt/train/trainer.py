@@ -332,6 +332,8 @@ class Trainer:
         self.log(f"checkpoint step {self.step} -> {os.path.join(root, tag)}")
 
     def _load(self) -> bool:
+        from ..checkpoint.safe_pickle import load_plain  # never full pickle on files from disk
+
         root = self.cfg.checkpoint_dir
         latest = os.path.join(root, "latest")
         if not os.path.isfile(latest):
@@ -347,17 +349,20 @@ class Trainer:
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+            from ..checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
+
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, checkpoint_id=os.path.join(root, tag))
+            # DCP's default reader and planner unpickle .metadata and non-tensor values with full pickle
+            dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(root, tag)), planner=SafeLoadPlanner())
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"])
-            extra = torch.load(os.path.join(root, tag, "trainer_state.pt"), weights_only=False)
+            extra = load_plain(os.path.join(root, tag, "trainer_state.pt"))
             self.scheduler.load_state_dict(extra["scheduler"])
             self.step = int(extra["step"])
         else:
             path = os.path.join(root, tag, f"rank{self.rank}.pt")
-            ck = torch.load(path, map_location=self.device, weights_only=False)
+            ck = load_plain(path, map_location=self.device)
             if ck.get("world", 1) != self.world:
                 raise RuntimeError(f"{path} was written by {ck.get('world')} ranks; resume with the same world size")
             self.module.load_state_dict(ck["model"])

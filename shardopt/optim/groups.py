@@ -1,0 +1,104 @@
+"""torch.optim's ways of passing parameters, turned into shardopt param groups.
+
+torch takes tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or group dicts holding either;
+a shardopt group also needs a ``treatment``. A group that sets none is split the way ``create_optimizer``
+routes: by role when its parameters are named (roles from names, ``routing.roles_from_names``), else 2-D
+tensors to the matrix rule and everything else to AdamW (warning once that embedding and LM-head roles need
+names). Named groups keep torch's ``param_names`` key, so state dicts carry it as torch >= 2.5 does.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .routing import named_or_unnamed, roles_from_names, unnamed_roles, warn_unnamed_once
+
+__all__ = ["normalize_param_groups"]
+
+RoleOptions = Callable[[str], dict]
+
+
+def _as_groups(params: Any) -> list[dict]:
+    if isinstance(params, torch.Tensor):
+        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+                        + torch.typename(params))
+    if isinstance(params, (set, frozenset)):
+        named_or_unnamed(params)  # torch's TypeError for unordered parameters
+    items = list(params)
+    if not items:
+        raise ValueError("optimizer got an empty parameter list")
+    if not isinstance(items[0], dict):
+        return [{"params": items}]
+    for g in items:
+        if not isinstance(g, dict):
+            raise TypeError(f"param_group must be a dict, but got {torch.typename(g)}")
+    return [dict(g) for g in items]
+
+
+def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], named: bool,
+                   role_options: RoleOptions) -> list[dict]:
+    """One group per distinct role option set, in order of first appearance; the user's own group keys
+    (``lr``, ``weight_decay``, ...) apply to every part."""
+    user = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+    names = group.get("param_names") or [None] * len(tensors)
+    parts: dict[tuple, dict] = {}
+    for p, name, role in zip(tensors, names, roles):
+        options = role_options(role)
+        part = parts.setdefault(tuple(sorted(options.items(), key=lambda kv: kv[0])),
+                                {**options, **user, "params": [], **({"param_names": []} if named else {}),
+                                 "roles": []})
+        part["params"].append(p)
+        if named:
+            part["param_names"].append(name)
+        if role not in part["roles"]:
+            part["roles"].append(role)
+    return list(parts.values())
+
+
+def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptions, who: str,
+                           start: int = 0, stacklevel: int = 2) -> tuple[list[dict], dict[int, str]]:
+    """Param groups with a ``treatment`` each, and a name for every tensor (keyed by ``id``).
+
+    Names, first found wins: the user's (``named_parameters()`` pairs, a group's ``param_names``, or the
+    ``names`` that ``create_optimizer`` passes), the one routing attached to the tensor, else its position in
+    the input (``param_<start + i>``), so seeded draws and checkpoints never depend on memory addresses.
+    ``role_options(role)`` gives the group options for a role (with ``treatment``).
+    """
+    groups = _as_groups(params)
+    per_group = []
+    for g in groups:
+        tensors, names = named_or_unnamed(g["params"] if not isinstance(g["params"], torch.Tensor)
+                                          else [g["params"]])
+        if names is None and g.get("param_names") is not None:
+            if len(g["param_names"]) == len(tensors):
+                names = list(g["param_names"])
+            else:  # a wrapper that re-split groups (ZeroRedundancyOptimizer) copied names that no longer match
+                g.pop("param_names")
+        per_group.append((tensors, names))
+    named_all = [(n, t) for tensors, names in per_group if names for n, t in zip(names, tensors)]
+    roles_by_name = roles_from_names(named_all) if named_all else {}
+
+    out: list[dict] = []
+    ids: dict[int, str] = {}
+    position = start
+    for g, (tensors, names) in zip(groups, per_group):
+        legacy = g.pop("names", None)  # create_optimizer's names: shardopt's own, not torch's param_names
+        if legacy is not None and len(legacy) != len(tensors):
+            legacy = None  # a wrapper re-split the group (ZeroRedundancyOptimizer): routing's tensor attribute
+        g["params"] = tensors
+        if names is not None:
+            g["param_names"] = names
+        for i, t in enumerate(tensors):
+            given = names[i] if names else (legacy[i] if legacy else None)
+            ids.setdefault(id(t), given or getattr(t, "_shardopt_name", None) or f"param_{position}")
+            position += 1
+        if "treatment" in g or not tensors:
+            out.append(g if "treatment" in g else {**role_options("vector"), **g})
+            continue
+        roles = [roles_by_name[n] for n in names] if names else unnamed_roles(tensors)
+        parts = _split_by_role(g, tensors, roles, names is not None, role_options)
+        if names is None and len(parts) > 1:  # a model's list (matrices and vectors), not a list of matrices
+            warn_unnamed_once(who, role_options("matrix")["treatment"], stacklevel=stacklevel + 1)
+        out.extend(parts)
+    return out, ids
