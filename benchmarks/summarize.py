@@ -4,6 +4,7 @@
     python -m benchmarks.summarize --readme   # ... and puts the same table into README.md between its markers
     python -m benchmarks.summarize --check    # exit 1 if SUMMARY.md or README.md disagree with the results
     python -m benchmarks.summarize --quick    # the same from the smoke runs in runs/benchmarks/quick
+    python -m benchmarks.summarize --scale    # print the scale-simulation table (benchmarks.scale); writes nothing
 
 One row per optimizer, one column group per benchmark, then every issue-6 target with its measured figure.
 A benchmark without a result file shows "not run"; nothing is filled in by hand, and a test runs ``--check``,
@@ -85,6 +86,44 @@ def _convergence(data: dict[str, Any]) -> Columns:
     for name, why in data["config"].get("unavailable", {}).items():
         out[name] = {"val loss (best lr)": "not run"}
     return out
+
+
+def scale_section(data: dict[str, Any] | None) -> str:
+    """Per-rank optimizer state at simulated scale (``benchmarks.scale``): one row per optimizer under its
+    default strategy (auto), the busiest rank's state at the largest world size of each model (worst layout)
+    and against torch AdamW's busiest rank there, whether busiest <= 1.15 x single / P + 16 MiB held in every
+    case the bound covers (auto, distributed, optimizers without whole-matrix work), and plan building."""
+    if data is None:
+        return "Scale simulation (`benchmarks.scale`): not run.\n"
+    recs = [r for r in data["records"] if "error" not in r]
+    models = list(dict.fromkeys(r["model"] for r in recs))
+    top = {m: max(r["world_size"] for r in recs if r["model"] == m) for m in models}
+    mib = 1 << 20
+    rows = []
+    for name in _ordered(dict.fromkeys(r["optimizer"] for r in recs)):
+        mine = [r for r in recs if r["optimizer"] == name]
+        default = [r for r in mine if r["strategy"] in ("-", "auto")]
+        row = [name]
+        for m in models:
+            at = [r for r in default if r["model"] == m and r["world_size"] == top[m]]
+            worst = max(at, key=lambda r: r["busiest_bytes"], default=None)
+            row.append("n/a" if worst is None else
+                       f"{worst['busiest_bytes'] / mib:.1f} ({worst['vs_adamw']:.2f}x AdamW, {worst['layout']})")
+        covered = [r for r in mine if r["bound_applies"]]
+        miss = [r for r in covered if not r["within_bound"]]
+        row.append("met" if not miss else "MISSED: " + ", ".join(
+            f"{r['model']} {r['layout']} P={r['world_size']} {r['strategy']} "
+            f"({r['busiest_bytes'] / r['bound_bytes']:.2f}x)" for r in miss))
+        gather = [r for r in mine if r["strategy"] == "gather"]
+        row.append(fmt(max(r["busiest_bytes"] / r["bound_bytes"] for r in gather), ".2f") if gather else "-")
+        row.append(fmt(max(r["plan_s"] for r in mine), ".2f"))
+        rows.append(row)
+    heads = ["optimizer", *[f"busiest MiB, {m} P={top[m]} (worst layout)" for m in models],
+             "bound (auto, distributed)", "gather: busiest / bound", "plan s (max)"]
+    return (f"Per-rank optimizer state at simulated scale (`benchmarks.scale`, {_describe_run(data)}; "
+            f"layouts {', '.join(dict.fromkeys(r['layout'] for r in recs))}; "
+            f"P = {', '.join(str(w) for w in dict.fromkeys(r['world_size'] for r in recs))}):\n\n"
+            + markdown_table(heads, rows))
 
 
 SOURCES: dict[str, Callable[[dict[str, Any]], Columns]] = {
@@ -171,12 +210,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help=f"summarize the smoke runs in {QUICK_DIR}")
     ap.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
     ap.add_argument("--readme", action="store_true", help="also write the summary into README.md between its markers")
+    ap.add_argument("--scale", action="store_true",
+                    help="print the scale-simulation table (benchmarks.scale) and write nothing")
     ap.add_argument("--check", action="store_true",
                     help="write nothing; exit 1 if SUMMARY.md or the README's table differ from the result files")
     args = ap.parse_args(argv)
     results_dir = args.results_dir or (QUICK_DIR if args.quick else RESULTS_DIR)
     if args.readme and results_dir.resolve() != RESULTS_DIR.resolve():
         raise SystemExit(f"--readme: the README shows the committed results in {RESULTS_DIR}, not {results_dir}")
+    if args.scale:
+        print(scale_section(read_results("scale", results_dir)))
+        return
     text, path, readme = build_summary(results_dir), results_dir / "SUMMARY.md", REPO_ROOT / "README.md"
     updated = readme_with_summary(readme.read_text(), summary_body(results_dir)) if args.readme or args.check else ""
     if args.check:

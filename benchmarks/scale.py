@@ -1,0 +1,492 @@
+"""Scale simulation: every optimizer's optimizer state per rank, plan-building time, traffic and whole-matrix
+FLOPs at simulated world sizes up to 1024, on LLaMA 1B and 7B shapes (issue 15, part 4).
+
+    python -m benchmarks.scale            # 1b and 7b; P = 8, 64, 256, 1024; FSDP2, ZeRO-1/2, ZeRO-3
+    python -m benchmarks.scale --quick    # 1b; P = 8, 64; a few optimizers (runs/benchmarks/quick/)
+
+One process acts as rank 0 of P through torch's fake process group (``FakeStore``, backend ``"fake"``; its
+collectives do nothing), re-initialized for every P. Models are built on the meta device, so nothing is
+allocated: the plans depend only on the layouts (shapes and every rank's pieces), which every rank derives
+identically, so this one process knows every rank's plan.
+
+* Layouts. ``fsdp2``: ``fully_shard`` on every block and the root over a 1-D mesh of P ranks (``Shard(0)``
+  row chunks; the meta parameters' local shards are never materialized, the plans need only their shapes).
+  ``zero1/2`` and ``zero3``: DeepSpeed ZeRO's flat fp32 partitions from ``shardopt.plugin.zero_layouts``, the
+  functions the DeepSpeed adapter maps a live engine with (checked against DeepSpeed 0.19 at simulated world
+  sizes by ``tests/test_scale_plans.py``), attached to the optimizer as DeepSpeed's wrapper does (ZeRO-1 and
+  ZeRO-2 partition the optimizer state identically). Default hyperparameters (SUMO/Alice rank 128).
+* State per rank: ``ShardedOptimizer.planned_state_elements(r)`` (fp32 elements kept after a step, from the
+  static plans; a test checks it against real allocations) for every rank r, computed here for all P ranks at
+  once from the same plans and cross-checked against ``planned_state_elements(r)`` itself on rank 0, the
+  busiest rank, the last rank and random ranks (every rank when P <= 64). "single" is the same optimizer on the
+  unsharded model (whole layouts). The bound (issue 15): busiest <= 1.15 x single / P + 16 MiB; it applies to
+  ``auto`` and ``distributed`` and to the optimizers without whole-matrix work; ``gather`` is reported.
+  AdamW: torch AdamW's two moments over each rank's local elements in the same layout (ZeRO: the padded
+  flat partition it would step).
+* Plan building: optimizer construction + layouts (ZeRO: the fragments) + ``matrix_plan`` of every group;
+  for Muon also the gather plan its ``step()`` builds every step (``run_on_owners``), reported separately.
+* Traffic per step, estimated from the plans (bytes summed over all ranks, shown per rank = sum / P):
+  gather = each gathered matrix to its owner and back (2 x 4 B x the elements not already on the owner);
+  realign = rows moved to fill the distributed strategy's row blocks and back (2 x 4 B x sum of
+  ``RowPlan.sent``); allreduce = the reduced partial sums (a ring all-reduce: 2 (P-1) x 4 B x reduced
+  elements); state = the split small state of distributed matrices all-gathered for the step ((P-1) x 4 B x
+  its elements). The per-row/column statistics of SCALE/SinkGD/RACS/DASGO are not estimated here (``comm``).
+* FLOPs (whole-matrix work, per step): a rank computes ``row_flops`` x its share of A's rows + ``small_flops``
+  for every distributed matrix, and everything for the matrices it owns under gather.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import random
+import time
+from typing import Any
+
+import torch
+
+from . import optimizers
+from .cli import parse_args
+from .results import fmt, markdown_table, write_results
+
+MIB = 1 << 20
+#: issue 15: busiest rank's state <= BOUND_FACTOR x single-process state / P + BOUND_SLACK bytes
+BOUND_FACTOR = 1.15
+BOUND_SLACK = 16 * MIB
+VOCAB = 32000
+LAYOUTS = ("fsdp2", "zero1/2", "zero3")
+STRATEGIES = ("auto", "distributed", "gather")
+
+
+# ---------------------------------------------------------------------------------------------- world
+def init_world(world: int) -> None:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+def close_world() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def meta_model(size: str) -> torch.nn.Module:
+    from .models import build_llama
+
+    return build_llama(size, VOCAB, device="meta")
+
+
+def fsdp2_model(size: str, world: int) -> torch.nn.Module:
+    """FSDP2 row shards on a 1-D mesh of ``world`` fake ranks (meta parameters: shapes only)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = meta_model(size)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def whole_matrix(name: str) -> bool:
+    from shardopt.optim.registry import OPTIMIZERS
+
+    return bool(OPTIMIZERS[name][0].whole_matrix_work)
+
+
+def _groups(opt: Any) -> list[dict]:
+    return opt._groups() if hasattr(opt, "_groups") else opt.param_groups
+
+
+def build_plans(opt: Any) -> None:
+    for g in range(len(_groups(opt))):
+        opt.matrix_plan(g)
+
+
+def attach_zero(opt: Any, shapes: dict[str, tuple[int, ...]], world: int, stage: str) -> torch.Tensor:
+    """Replace each param group's parameters by ZeRO flat fp32 partitions of rank 0 (meta tensors) with their
+    fragments, as DeepSpeed's wrapper and ``attach_zero_layouts`` do; AdamW's per-rank elements (padded)."""
+    import torch.distributed as dist
+
+    from shardopt.plugin.zero_layouts import zero12_fragments, zero3_fragments, zero3_partition_numel, zero3_sub_groups
+
+    group = dist.group.WORLD
+    local = 0
+    for g, pg in enumerate(_groups(opt)):
+        names = list(opt.group_param_names[g])
+        if not names:
+            continue
+        flats = []
+        if stage == "zero1/2":
+            frags, part = zero12_fragments(names, [shapes[n] for n in names], world, 0, group)
+            flats.append((torch.empty(part, device="meta"), frags))
+        else:
+            parts = [zero3_partition_numel(math.prod(shapes[n]), world) for n in names]
+            for idx in zero3_sub_groups(parts):
+                sub = [names[i] for i in idx]
+                frags, length = zero3_fragments(sub, [shapes[n] for n in sub], world, 0, group)
+                flats.append((torch.empty(length, device="meta"), frags))
+        for flat, frags in flats:
+            flat._shardopt_flat = True  # type: ignore[attr-defined]
+            opt.attach_fragments(flat, frags)
+            local += flat.numel()
+        pg["params"] = [f for f, _ in flats] if stage == "zero1/2" else []  # ZeRO-3 empties them between steps
+    return torch.full((world,), 2 * local, dtype=torch.int64)
+
+
+def build(layout: str, model: torch.nn.Module, name: str, kw: dict, world: int) -> tuple[Any, float, torch.Tensor]:
+    """The optimizer on ``layout`` with every plan built: (optimizer, seconds, AdamW elements per rank)."""
+    import shardopt
+
+    if layout == "fsdp2":
+        t0 = time.perf_counter()
+        opt = shardopt.create_optimizer(model, name, **kw)
+        build_plans(opt)
+        seconds = time.perf_counter() - t0
+        adamw = torch.zeros(world, dtype=torch.int64)
+        for p in model.parameters():
+            adamw += 2 * piece_numels(opt.fragments(p)[0].layout)
+        return opt, seconds, adamw
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    t0 = time.perf_counter()
+    opt = shardopt.create_optimizer(model, name, **kw)
+    adamw = attach_zero(opt, shapes, world, layout)
+    build_plans(opt)
+    return opt, time.perf_counter() - t0, adamw
+
+
+# ---------------------------------------------------------------------------------------------- per rank
+def piece_numels(lay: Any) -> torch.Tensor:
+    return torch.tensor([lay._piece_numel(p) for p in lay.pieces], dtype=torch.int64)
+
+
+def share_numels(plan: Any, spec: dict, world: int) -> torch.Tensor:
+    """``state_split.share_numel(plan, spec, r)`` for every rank r at once (the same integer arithmetic)."""
+    from shardopt.sharding.state_split import share_numel
+
+    rows = plan.a_shape[0]
+    if rows == 0:
+        return torch.tensor([share_numel(plan, spec, r) for r in range(world)], dtype=torch.int64)
+    starts = torch.tensor(plan.starts, dtype=torch.int64)
+    out = torch.zeros(world, dtype=torch.int64)
+    for shape, dim in spec.values():
+        if dim is None:
+            out += math.prod(shape)
+            continue
+        other = math.prod(s for d, s in enumerate(shape) if d != dim)
+        cut = starts * shape[dim] // rows
+        out += (cut[1:] - cut[:-1]) * other
+    return out
+
+
+def per_rank_state(opt: Any, world: int) -> dict[str, torch.Tensor]:
+    """``planned_state_elements(r)`` for every rank r (int64 tensors of ``world`` entries, by kind)."""
+    groups = _groups(opt)
+    out = {k: torch.zeros(world, dtype=torch.int64) for k in ("elements", "vectors", "matrix")}
+    for g, frags in opt._fragments_by_group(all_groups=True).items():
+        group = groups[g]
+        copies = opt.elementwise_state_copies(group)
+        ops = opt.matrix_plan(g)
+        index = {n: i for i, n in enumerate(ops.names)} if ops is not None else {}
+        for f in frags:
+            lay = f.layout
+            if copies:
+                out["elements"] += copies * piece_numels(lay)
+            out["vectors"] += opt.vector_state(group, lay.shape)
+            if f.name in index:
+                plan = ops.plans[index[f.name]]
+                out["matrix"] += share_numels(plan, opt.matrix_state_spec(group, plan.a_shape), world)
+    return out
+
+
+def check_ranks(opt: Any, state: dict[str, torch.Tensor], world: int, busiest: int, samples: int) -> list[int]:
+    """Compare the vectorized per-rank state with ``planned_state_elements(r)`` (every rank up to 64)."""
+    rng = random.Random(world)
+    ranks = list(range(world)) if world <= 64 else sorted({0, busiest, world - 1, *rng.sample(range(world), samples)})
+    for r in ranks:
+        want = opt.planned_state_elements(r)
+        got = {k: int(v[r]) for k, v in state.items()}
+        if got != want:
+            raise AssertionError(f"rank {r}: per-rank state {got} differs from planned_state_elements {want}")
+    return ranks
+
+
+def traffic_and_flops(opt: Any, world: int) -> tuple[dict[str, float], torch.Tensor, dict[str, int]]:
+    """Per-step traffic (fp32 elements summed over ranks, by kind), whole-matrix FLOPs per rank, strategies."""
+    traffic = {"gather": 0.0, "realign": 0.0, "allreduce": 0.0, "state": 0.0}
+    flops = torch.zeros(world, dtype=torch.float64)
+    kinds: dict[str, int] = {}
+    groups = _groups(opt)
+    for g in range(len(groups)):
+        ops = opt.matrix_plan(g)
+        if ops is not None:
+            _add_costs(ops, world, traffic, flops, kinds,
+                       lambda plan: opt.matrix_state_spec(groups[g], plan.a_shape))
+    return traffic, flops, kinds
+
+
+def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Tensor, kinds: dict[str, int],
+               spec_of: Any, flops_of: Any = None) -> None:
+    for kind, c, plan, owner in zip(ops.kinds, ops.costs, ops.plans, ops.owners):
+        kinds[kind] = kinds.get(kind, 0) + 1
+        work = flops_of(plan) if flops_of is not None else (c.row_flops, c.small_flops)
+        if kind == "local":
+            flops += work[0] + work[1]
+            continue
+        sent = sum(plan.sent)
+        if kind == "gather":
+            traffic["gather"] += 2 * sent
+            flops[owner] += work[0] + work[1]
+            continue
+        traffic["realign"] += 2 * sent
+        traffic["allreduce"] += 2 * (world - 1) * c.reduced
+        spec = spec_of(plan)
+        traffic["state"] += (world - 1) * sum(math.prod(s) for s, d in spec.values() if d is not None)
+        starts = torch.tensor(plan.starts, dtype=torch.float64)
+        flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1) + work[1]
+
+
+def muon_step_plan(opt: Any, world: int, traffic: dict, flops: torch.Tensor, kinds: dict) -> float:
+    """Muon gathers every matrix to an owner inside ``step()`` (``run_on_owners``): build that plan as the step
+    does, time it, and add its traffic and Newton-Schulz FLOPs."""
+    from shardopt.sharding.matrix_ops import MatrixOps, OpCost
+    from shardopt.sharding.owner import newton_schulz_cost
+
+    groups = _groups(opt)
+    seconds = 0.0
+    for g, frags in opt._fragments_by_group().items():
+        steps = groups[g].get("ns_steps", 5)
+        t0 = time.perf_counter()
+        ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], [False] * len(frags), "gather",
+                        lambda shape: OpCost(newton_schulz_cost(shape, steps)))
+        seconds += time.perf_counter() - t0
+
+        def ns_flops(plan: Any) -> tuple[float, float]:
+            m, n = plan.layout.shape
+            return newton_schulz_cost((m, n), steps) - 8.0 * m * n, 0.0
+
+        _add_costs(ops, world, traffic, flops, kinds, lambda plan: {}, ns_flops)
+    return seconds
+
+
+def busiest_transient(opt: Any, world: int) -> float | None:
+    """The largest per-rank whole-matrix transient of a step (elements), if the optimizer can tell it: every
+    owner of a gathered matrix, and one rank that owns none (all such ranks hold the same)."""
+    if not hasattr(opt, "planned_transient_elements"):
+        return None
+    owners = set()
+    for g in range(len(_groups(opt))):
+        ops = opt.matrix_plan(g)
+        if ops is not None:
+            owners |= {o for k, o in zip(ops.kinds, ops.owners) if k == "gather"}
+    others = [r for r in range(min(world, len(owners) + 1)) if r not in owners][:1]
+    return max(float(opt.planned_transient_elements(r)) for r in sorted(owners) + others)
+
+
+# ---------------------------------------------------------------------------------------------- one case
+def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, name: str, strategy: str | None,
+             single_bytes: int, n_params: int, samples: int) -> dict[str, Any]:
+    kw = {"matrix_ops": {"strategy": strategy}} if strategy else {}
+    opt, plan_s, adamw = build(layout, model, name, kw, world)
+    state = per_rank_state(opt, world)
+    total = 4 * (state["elements"] + state["vectors"] + state["matrix"])
+    busiest = int(total.argmax())
+    checked = check_ranks(opt, state, world, busiest, samples)
+    traffic, flops, kinds = traffic_and_flops(opt, world)
+    step_plan_s = None
+    if type(opt).__name__ == "Muon":
+        step_plan_s = muon_step_plan(opt, world, traffic, flops, kinds)
+    transient = busiest_transient(opt, world)
+    bound = BOUND_FACTOR * single_bytes / world + BOUND_SLACK
+    rec = {
+        "model": model_size, "layout": layout, "world_size": world, "optimizer": name, "strategy": strategy or "-",
+        "params": n_params, "single_bytes": single_bytes,
+        "busiest_bytes": int(total[busiest]), "busiest_rank": busiest, "mean_bytes": float(total.double().mean()),
+        "rank0_bytes": int(total[0]), "min_bytes": int(total.min()), "sum_over_single": float(total.sum()) / single_bytes,
+        "busiest_by_kind": {k: 4 * int(v[busiest]) for k, v in state.items()},
+        "adamw_busiest_bytes": 4 * int(adamw.max()), "vs_adamw": float(total[busiest]) / (4 * int(adamw.max())),
+        "bound_bytes": bound, "within_bound": int(total[busiest]) <= bound,
+        "bound_applies": strategy in (None, "auto", "distributed"),
+        "plan_s": plan_s, "step_plan_s": step_plan_s, "strategies": kinds,
+        "traffic_bytes": {k: 4 * v for k, v in traffic.items()},
+        "traffic_per_rank_bytes": 4 * sum(traffic.values()) / world,
+        "traffic_vs_grad": (4 * sum(traffic.values()) / world) / (4 * n_params),
+        "busiest_flops": float(flops.max()), "mean_flops": float(flops.mean()),
+        "transient_busiest_bytes": 4 * transient if transient is not None else None,
+        "checked_ranks": len(checked),
+    }
+    del opt
+    return rec
+
+
+def single_state(model: torch.nn.Module, name: str) -> int:
+    import shardopt
+
+    opt = shardopt.create_optimizer(model, name)
+    return 4 * sum(opt.planned_state_elements().values())
+
+
+def cases(names: list[str], strategies: list[str]) -> list[tuple[str, str | None]]:
+    out = []
+    for name in names:
+        if whole_matrix(name):
+            out += [(name, s) for s in strategies]
+        else:
+            out.append((name, None))
+    return out
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    names = optimizers.select(args.optimizers, optimizers.registered())
+    todo = cases(names, args.strategies.split(","))
+    records = []
+    for size in args.models.split(","):
+        plain = meta_model(size)
+        n_params = sum(p.numel() for p in plain.parameters())
+        init_world(1)
+        singles = {name: single_state(plain, name) for name in names}
+        for world in (int(w) for w in args.worlds.split(",")):
+            init_world(world)
+            for layout in args.layouts.split(","):
+                model = fsdp2_model(size, world) if layout == "fsdp2" else meta_model(size)
+                for name, strategy in todo:
+                    t0 = time.perf_counter()
+                    try:
+                        rec = run_case(size, layout, world, model, name, strategy, singles[name], n_params,
+                                       args.check_ranks)
+                    except Exception as err:  # a failing case is reported, the others still run
+                        import traceback
+
+                        traceback.print_exc()
+                        rec = {"model": size, "layout": layout, "world_size": world, "optimizer": name,
+                               "strategy": strategy or "-", "error": f"{type(err).__name__}: {err}"}
+                    records.append(rec)
+                    gc.collect()
+                    if "error" not in rec:
+                        print(f"{size} {layout:8s} P={world:5d} {name:7s} {rec['strategy']:11s} busiest "
+                              f"{rec['busiest_bytes'] / MIB:9.1f} MiB bound {rec['bound_bytes'] / MIB:9.1f} "
+                              f"{'ok ' if rec['within_bound'] else 'OVER'} plan {rec['plan_s']:6.2f} s "
+                              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                del model
+        close_world()
+    return records
+
+
+# ---------------------------------------------------------------------------------------------- tables
+def _label(r: dict) -> str:
+    return r["optimizer"] if r["strategy"] == "-" else f"{r['optimizer']} ({r['strategy']})"
+
+
+def to_markdown(records: list[dict[str, Any]]) -> str:
+    ok = [r for r in records if "error" not in r]
+    out = []
+    for size in dict.fromkeys(r["model"] for r in records):
+        rs = [r for r in ok if r["model"] == size]
+        cols = list(dict.fromkeys((r["layout"], r["world_size"]) for r in rs))
+        labels = list(dict.fromkeys(_label(r) for r in rs))
+        cell = {(_label(r), r["layout"], r["world_size"]): r for r in rs}
+
+        def ratio(r: dict | None) -> str:
+            if r is None:
+                return "error"
+            s = f"{r['busiest_bytes'] / r['bound_bytes']:.2f}"
+            return s if r["within_bound"] else (f"**{s}**" if r["bound_applies"] else f"({s})")
+
+        out.append(f"\n## {size}: busiest rank's state / bound (1.15 x single / P + 16 MiB)\n\n"
+                   "Above 1 misses the bound: **bold** where the bound applies (auto, distributed, optimizers "
+                   "without whole-matrix work), (parenthesized) under gather, which the bound does not cover.\n\n")
+        out.append(markdown_table(["optimizer (strategy)", *[f"{lay} P={w}" for lay, w in cols]],
+                                  [[lab, *[ratio(cell.get((lab, lay, w))) for lay, w in cols]] for lab in labels]))
+        worlds = list(dict.fromkeys(w for _, w in cols))
+        out.append(f"\n## {size}: plan building (s; construction + layouts + every group's plan), slowest layout\n\n")
+        rows = []
+        for lab in labels:
+            row = [lab]
+            for w in worlds:
+                t = [cell[(lab, lay, w)]["plan_s"] for lay, ww in cols if ww == w and (lab, lay, w) in cell]
+                row.append(fmt(max(t), ".2f") if t else "")
+            rows.append(row)
+        out.append(markdown_table(["optimizer (strategy)", *[f"P={w}" for w in worlds]], rows))
+        out.append(f"\n## {size}: every case\n\nMiB per rank; AdamW = torch AdamW's busiest rank in the same layout; "
+                   "traffic = estimated bytes sent per step per rank (sum over ranks / P) by kind, and their sum over "
+                   "the fp32 gradient; FLOPs = busiest rank's whole-matrix work per step; transient = busiest rank's "
+                   "largest bucket of whole-matrix transients.\n\n")
+        rows = []
+        for r in rs:
+            t = r["traffic_bytes"]
+            rows.append([r["layout"], str(r["world_size"]), _label(r), fmt(r["busiest_bytes"] / MIB, ".1f"),
+                         fmt(r["mean_bytes"] / MIB, ".1f"), fmt(r["rank0_bytes"] / MIB, ".1f"),
+                         fmt(r["adamw_busiest_bytes"] / MIB, ".1f"), fmt(r["vs_adamw"], ".3f"),
+                         fmt(r["single_bytes"] / r["world_size"] / MIB, ".1f"), fmt(r["bound_bytes"] / MIB, ".1f"),
+                         "yes" if r["within_bound"] else ("NO" if r["bound_applies"] else "no (gather)"),
+                         fmt(r["plan_s"], ".2f") + (f" (+{r['step_plan_s']:.2f}/step)" if r["step_plan_s"] else ""),
+                         " / ".join(fmt(t[k] / r["world_size"] / MIB, ".1f") for k in ("gather", "realign", "allreduce",
+                                                                                         "state")),
+                         fmt(r["traffic_vs_grad"], ".2f"), fmt(r["busiest_flops"] / 1e9, ".1f"),
+                         fmt(r["transient_busiest_bytes"] / MIB if r["transient_busiest_bytes"] is not None else None,
+                             ".0f")])
+        out.append(markdown_table(["layout", "P", "optimizer (strategy)", "busiest", "mean", "rank 0", "AdamW",
+                                   "busiest / AdamW", "single / P", "bound", "within", "plan s",
+                                   "traffic MiB/rank: gather / realign / allreduce / state", "traffic / grad",
+                                   "GFLOP busiest", "transient MiB"], rows))
+    errors = [r for r in records if "error" in r]
+    if errors:
+        out.append("\n## errors\n\n" + markdown_table(["model", "layout", "P", "optimizer (strategy)", "error"],
+                                                     [[r["model"], r["layout"], str(r["world_size"]), _label(r),
+                                                       r["error"]] for r in errors]))
+    return "".join(out)
+
+
+def notes_for(records: list[dict[str, Any]]) -> list[str]:
+    ok = [r for r in records if "error" not in r]
+    miss = [r for r in ok if r["bound_applies"] and not r["within_bound"]]
+    gather_miss = [r for r in ok if not r["bound_applies"] and not r["within_bound"]]
+    slowest = max(ok, key=lambda r: r["plan_s"], default=None)
+    notes = [f"bound (auto, distributed, optimizers without whole-matrix work): "
+             f"{'met in every case' if not miss else f'MISSED in {len(miss)} case(s)'}"
+             + "".join(f"; {r['model']} {r['layout']} P={r['world_size']} {_label(r)}: busiest (rank "
+                       f"{r['busiest_rank']}) {r['busiest_bytes'] / MIB:.1f} MiB (small matrix state "
+                       f"{r['busiest_by_kind']['matrix'] / MIB:.1f}, elementwise {r['busiest_by_kind']['elements'] / MIB:.1f})"
+                       f" > bound {r['bound_bytes'] / MIB:.1f} MiB, mean {r['mean_bytes'] / MIB:.1f} MiB, strategies "
+                       f"{r['strategies']}" for r in miss[:10]),
+             f"gather above the bound in {len(gather_miss)} of {sum(not r['bound_applies'] for r in ok)} case(s) "
+             "(one matrix's state cannot be split under gather)."]
+    if slowest is not None:
+        notes.append(f"slowest plan building: {slowest['plan_s']:.2f} s ({slowest['model']} {slowest['layout']} "
+                     f"P={slowest['world_size']} {_label(slowest)}).")
+    notes.append("per-rank state of every rank computed from the plans and checked against "
+                 "planned_state_elements(r) on the ranks listed in 'checked_ranks' (all ranks when P <= 64).")
+    return notes
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="1b,7b", help="model presets (shardopt.train.model.PRESETS)")
+    ap.add_argument("--worlds", default="8,64,256,1024", help="simulated world sizes")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {LAYOUTS}")
+    ap.add_argument("--optimizers", default=None, help="comma list of shardopt names (default: all registered)")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES), help="whole-matrix strategies to run")
+    ap.add_argument("--check-ranks", type=int, default=4,
+                    help="random ranks (beyond 0, the busiest and the last) checked against planned_state_elements")
+    ap.add_argument("--out", default="scale", help="result file stem")
+    args = parse_args(ap, argv, dict(models="1b", worlds="8,64", optimizers="scale,muon,sumo,alice"))
+    for lay in args.layouts.split(","):
+        if lay not in LAYOUTS:
+            raise SystemExit(f"--layouts: unknown {lay!r}; choose from {LAYOUTS}")
+    torch.set_num_threads(1)
+    t0 = time.perf_counter()
+    records = run(args)
+    notes = notes_for(records) + [f"whole run: {time.perf_counter() - t0:.0f} s"]
+    path = write_results(args.out, dict(vars(args)), records, to_markdown(records), notes, out_dir=args.results_dir)
+    print("\n".join(notes))
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main()
