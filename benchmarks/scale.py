@@ -166,22 +166,26 @@ def piece_numels(lay: Any) -> torch.Tensor:
     return torch.tensor([lay._piece_numel(p) for p in lay.pieces], dtype=torch.int64)
 
 
-def share_numels(plan: Any, spec: dict, world: int) -> torch.Tensor:
-    """``state_split.share_numel(plan, spec, r)`` for every rank r at once (the same integer arithmetic)."""
-    from shardopt.sharding.state_split import share_numel
-
-    rows = plan.a_shape[0]
-    if rows == 0:
-        return torch.tensor([share_numel(plan, spec, r) for r in range(world)], dtype=torch.int64)
-    starts = torch.tensor(plan.starts, dtype=torch.int64)
+def share_numels(place: Any, spec: dict, world: int) -> torch.Tensor:
+    """``state_split.share_numel(place, spec, r)`` for every rank r at once (the same integer arithmetic:
+    whole on the owner under gather, ``torch.chunk`` cuts otherwise)."""
     out = torch.zeros(world, dtype=torch.int64)
+    ranks = torch.arange(world, dtype=torch.int64)
     for shape, dim in spec.values():
         if dim is None:
             out += math.prod(shape)
             continue
         other = math.prod(s for d, s in enumerate(shape) if d != dim)
-        cut = starts * shape[dim] // rows
-        out += (cut[1:] - cut[:-1]) * other
+        length = shape[dim]
+        if place.owner is not None:
+            out[place.owner] += length * other
+            continue
+        if place.world == 1:
+            out += length * other
+            continue
+        c = -(-length // world) if length else 0
+        lo, hi = (ranks * c).clamp(max=length), ((ranks + 1) * c).clamp(max=length)
+        out += (hi - lo) * other
     return out
 
 
@@ -200,8 +204,9 @@ def per_rank_state(opt: Any, world: int) -> dict[str, torch.Tensor]:
                 out["elements"] += copies * piece_numels(lay)
             out["vectors"] += opt.vector_state(group, lay.shape)
             if f.name in index:
-                plan = ops.plans[index[f.name]]
-                out["matrix"] += share_numels(plan, opt.matrix_state_spec(group, plan.a_shape), world)
+                i = index[f.name]
+                out["matrix"] += share_numels(ops.placements[i], opt.matrix_state_spec(group, ops.plans[i].a_shape),
+                                              world)
     return out
 
 

@@ -12,7 +12,7 @@ from torch import nn
 import shardopt
 from shardopt.sharding import FlatPiece, MatrixLayout
 from shardopt.sharding.blocks import RowPlan
-from shardopt.sharding.state_split import share, share_numel, share_shape
+from shardopt.sharding.state_split import Placement, share, share_numel, share_shape
 from shardopt.optim.registry import OPTIMIZERS
 from tiny_model import Tiny
 
@@ -28,26 +28,28 @@ def flat_layout(shape, world, rank, rng):
 
 
 @pytest.mark.parametrize("seed", range(20))
-def test_shares_partition_every_dimension_and_follow_the_rows(seed):
+def test_shares_partition_every_dimension_evenly_and_owners_keep_everything(seed):
     rng = random.Random(seed)
     shape, world = (rng.randint(1, 40), rng.randint(1, 40)), rng.randint(2, 6)
     lay = flat_layout(shape, world, 0, rng)
     for transpose in (False, True):
         plan = RowPlan.aligned(lay, transpose)
+        even = Placement.of(plan, None)  # distributed: cut like torch.chunk (DTensor's Shard), whatever rows
         for length in (plan.a_shape[0], plan.a_shape[1], 7, 1):
-            spans = [share(plan, length, r) for r in range(world)]
+            spans = [share(even, length, r) for r in range(world)]
             assert spans[0][0] == 0 and spans[-1][1] == length
             assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))  # contiguous, disjoint, complete
-        # a basis (one row per row of A) keeps exactly the rank's rows of A
-        assert [share(plan, plan.a_shape[0], r) for r in range(world)] == [plan.rows(r) for r in range(world)]
+            chunks = torch.arange(length).chunk(world)
+            assert [hi - lo for lo, hi in spans][: len(chunks)] == [len(c) for c in chunks]
         owner = rng.randrange(world)
-        gathered = RowPlan.owner(lay, transpose, owner)
+        gathered = Placement.of(RowPlan.owner(lay, transpose, owner), owner)
         for r in range(world):
             want = (5, 3) if r == owner else (5, 0)
             assert share_shape(gathered, (5, 3), 1, r) == want  # the owner keeps all of it, others nothing
         spec = {"basis": ((plan.a_shape[0], 3), 0), "moment": ((3, plan.a_shape[1]), 1), "n": ((), None)}
-        total = sum(share_numel(plan, spec, r) for r in range(world))
-        assert total == 3 * plan.a_shape[0] + 3 * plan.a_shape[1] + world  # 0-d entries: one per rank
+        for place in (even, gathered):
+            total = sum(share_numel(place, spec, r) for r in range(world))
+            assert total == 3 * plan.a_shape[0] + 3 * plan.a_shape[1] + world  # 0-d entries: one per rank
 
 
 def train(name, steps=3, **kw):

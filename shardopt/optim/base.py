@@ -23,7 +23,7 @@ from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter, world_group_allreduce_max
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.plan import check_same_plan
-from ..sharding.state_split import (StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
+from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
 from .adamw import adamw_step
 from .contiguous import contiguous_steps
@@ -32,7 +32,6 @@ from .groups import normalize_param_groups
 __all__ = ["ShardedOptimizer", "MatrixItem"]
 
 LayoutResolver = Callable[[torch.Tensor], MatrixLayout]
-RowPlanT = Any  # shardopt.sharding.blocks.RowPlan
 
 
 class MatrixItem:
@@ -615,8 +614,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             transposes = [self.whole_matrix_transpose(group, f.layout.shape) for f in frags]
             ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], transposes, self.matrix_strategy,
                             lambda a_shape: self.whole_matrix_cost(group, a_shape))
-            for f, kind, owner, plan in zip(frags, ops.kinds, ops.owners, ops.plans):
-                self._matrix_plans[f.name] = (g, plan)
+            for f, kind, owner, plan, place in zip(frags, ops.kinds, ops.owners, ops.plans, ops.placements):
+                self._matrix_plans[f.name] = (g, plan.a_shape, place)
                 if kind == "gather":
                     self._matrix_owner[f.name] = (owner, f.layout)
                 else:
@@ -624,8 +623,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ops_cache[g] = ops
         return ops
 
-    def matrix_state_share(self, name: str) -> tuple[RowPlanT, StateSpec] | None:
-        """The row plan and state spec of matrix ``name`` (None when it keeps no split state)."""
+    def matrix_state_share(self, name: str) -> tuple[Placement, StateSpec] | None:
+        """Where matrix ``name``'s small state rests and its spec (None for matrices without such state)."""
         entry = self._matrix_plans.get(name)
         if entry is None:
             for g in range(len(self._groups())):
@@ -633,8 +632,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             entry = self._matrix_plans.get(name)
         if entry is None:
             return None
-        g, plan = entry
-        return plan, self.matrix_state_spec(self._groups()[g], plan.a_shape)
+        g, a_shape, place = entry
+        return place, self.matrix_state_spec(self._groups()[g], a_shape)
 
     # ------------------------------------------------------------------ memory plan
     def elementwise_state_copies(self, group: dict) -> int:
@@ -664,8 +663,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 out["elements"] += copies * lay._piece_numel(lay.pieces[r])
                 out["vectors"] += self.vector_state(group, lay.shape)
                 if f.name in index:
-                    plan = ops.plans[index[f.name]]
-                    out["matrix"] += share_numel(plan, self.matrix_state_spec(group, plan.a_shape), r)
+                    i = index[f.name]
+                    out["matrix"] += share_numel(ops.placements[i], self.matrix_state_spec(group, ops.plans[i].a_shape), r)
         return out
 
     def planned_transient_elements(self, rank: int | None = None) -> float:
@@ -691,14 +690,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for i, (it, spec) in enumerate(zip(its, specs)):
                 for key, (shape, dim) in spec.items():  # state starts as zeros, created here from its spec
                     if key not in it.state:
-                        it.state[key] = torch.zeros(share_shape(sub.plans[i], shape, dim), dtype=torch.float32,
+                        it.state[key] = torch.zeros(share_shape(sub.placements[i], shape, dim), dtype=torch.float32,
                                                     device=it.grad.device)
                 if sub.kinds[i] != "distributed":
                     continue  # owner / local: the computing rank already holds all of it
                 for key in sorted(spec):
                     shape, dim = spec[key]
                     if dim is not None:
-                        entries.append((sub.plans[i], it.state[key], shape, dim, it.frag.name))
+                        entries.append((sub.placements[i], it.state[key], shape, dim, it.frag.name))
                         where.append((it, key))
             for (it, key), full in zip(where, gather_full(entries)):
                 it.state[key] = full
@@ -706,7 +705,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for i, (it, spec) in enumerate(zip(its, specs)):
                 for key, (shape, dim) in spec.items():
                     if dim is not None and key in it.state:
-                        it.state[key] = keep_share(sub.plans[i], it.state[key], dim)
+                        it.state[key] = keep_share(sub.placements[i], it.state[key], dim)
 
     def sync_state(self) -> None:
         """Make every 0-d "matrix"-kind entry (counters, limiter norms) identical on all ranks: under the gather

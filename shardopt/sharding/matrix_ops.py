@@ -34,6 +34,7 @@ from .blocks import RowPlan, from_blocks, to_blocks
 from .comm import collective_counter
 from .layout import MatrixLayout
 from .owner import owner_plan
+from .state_split import Placement
 
 __all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUCKET_ELEMENTS"]
 
@@ -88,13 +89,16 @@ class MatrixOps:
                 self.kinds.append("distributed")
             else:
                 self.kinds.append(self._cheaper(lay, t, c))
-        self.owners = self._assign_owners(layouts, strategy == "auto")
+        self.owners = self._assign_owners(layouts, strategy != "gather")
         self.plans: list[RowPlan] = []
+        #: where each matrix's small state rests (shardopt.sharding.state_split)
+        self.placements: list[Placement] = []
         for i, (lay, t) in enumerate(zip(layouts, transposes)):
             if self.kinds[i] == "gather":
                 self.plans.append(RowPlan.owner(lay, t, self.owners[i]))
             else:
                 self.plans.append(RowPlan.aligned(lay, t))
+            self.placements.append(Placement.of(self.plans[-1], self.owners[i] if self.kinds[i] == "gather" else None))
 
     def _assign_owners(self, layouts: Sequence[MatrixLayout], memory_bound: bool) -> list[int]:
         """Owners of the gathered matrices, balancing FLOPs and small state together (each normalized by its
@@ -105,8 +109,8 @@ class MatrixOps:
             for idx in _by_group(layouts).values():
                 world = layouts[idx[0]].world
                 limit = STATE_SLACK * sum(self.costs[i].state for i in idx) / world + STATE_SLACK_ELEMENTS
-                for i in idx:
-                    if self.kinds[i] == "gather" and layouts[i].holders > 1 and self.costs[i].state > limit:
+                for i in idx:  # also a matrix one rank holds whole: its state would all rest on that rank
+                    if self.kinds[i] == "gather" and self.costs[i].state > limit:
                         self.kinds[i] = "distributed"
         while True:
             gathered = [i for i in range(n) if self.kinds[i] == "gather"]
@@ -130,7 +134,7 @@ class MatrixOps:
             bound = (1 + STATE_SLACK) * sum(self.costs[i].state for i in idx) / world + STATE_SLACK_ELEMENTS
             load: dict[int, list[int]] = {}
             for i in idx:
-                if self.kinds[i] == "gather" and layouts[i].holders > 1:
+                if self.kinds[i] == "gather":
                     load.setdefault(owners[i], []).append(i)
             for mats in load.values():
                 if sum(self.costs[i].state for i in mats) > bound:
@@ -176,6 +180,7 @@ class MatrixOps:
         sub.costs = [self.costs[i] for i in idx]
         sub.owners = [self.owners[i] for i in idx]
         sub.plans = [self.plans[i] for i in idx]
+        sub.placements = [self.placements[i] for i in idx]
         return sub
 
     def buckets(self, limit: float = BUCKET_ELEMENTS) -> list[list[int]]:

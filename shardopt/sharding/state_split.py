@@ -1,13 +1,14 @@
 """Where whole-matrix optimizers' small state rests between steps: each rank keeps only its share.
 
 A matrix's small state (a basis with one row per row of ``A``, ``r x cols`` moments, ``k x k`` statistics)
-is declared by its optimizer as ``{key: (logical shape, split dim)}``. The split dimension is cut in
-proportion to the rows of ``A`` each rank computes on (its ``RowPlan``):
+is declared by its optimizer as ``{key: (logical shape, split dim)}``; a ``Placement`` says how the split
+dimension is cut over the ranks of the matrix's process group:
 
-* distributed strategy: the rows the engine gave the rank, so per-rank state follows the per-rank share of
-  the parameters (a basis's rows are exactly the rank's rows of ``A``);
-* gather strategy: the owner's plan holds every row, so the owner keeps all of the state and the other
-  ranks nothing;
+* distributed strategy: evenly (``torch.chunk``, DTensor's ``Shard``), whatever rows of ``A`` a rank
+  computes on. Every rank gathers the whole state for the step anyway, so an even cut costs nothing and keeps
+  ranks balanced where engines hand out contiguous ranges of the model (ZeRO-1/2: a rank holding attention
+  matrices would otherwise keep more state per parameter than one holding MLP matrices);
+* gather strategy: whole on the owner, nothing elsewhere;
 * not sharded (single process, DDP): the whole tensor.
 
 0-d entries (counters, limiter norms) are kept on every rank (``split dim`` None). For a step,
@@ -18,6 +19,7 @@ this rank's share back out, so the transient is one bucket, never the model.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import torch
@@ -25,7 +27,7 @@ import torch
 from .blocks import RowPlan
 from .comm import collective_counter
 
-__all__ = ["StateSpec", "share", "share_shape", "share_numel", "gather_full", "keep_share", "StateShapeError",
+__all__ = ["StateSpec", "Placement", "share", "share_shape", "share_numel", "gather_full", "keep_share", "StateShapeError",
            "shares_to_dtensors", "dtensors_to_shares"]
 
 #: ``{key: (logical shape, split dim or None)}`` of one matrix's small state
@@ -37,16 +39,33 @@ class StateShapeError(RuntimeError):
     another world size, engine or strategy)."""
 
 
-def share(plan: RowPlan, length: int, rank: int | None = None) -> tuple[int, int]:
+@dataclass(frozen=True)
+class Placement:
+    """How one matrix's small state is cut over its process group: whole on ``owner`` (gather strategy) or,
+    with ``owner`` None, evenly over the ``world`` ranks (distributed; a group of one holds it whole).
+    ``rank`` is this process's index in ``group``."""
+
+    world: int
+    rank: int
+    owner: int | None = None
+    group: Any = None
+
+    @classmethod
+    def of(cls, plan: RowPlan, owner: int | None) -> "Placement":
+        lay = plan.layout
+        return cls(lay.world, lay.rank, owner if lay.group is not None and owner is not None and owner >= 0 else None,
+                   lay.group)
+
+
+def share(place: Placement, length: int, rank: int | None = None) -> tuple[int, int]:
     """``[lo, hi)`` of a dimension of ``length`` that ``rank`` (default: this rank) keeps."""
-    rows = plan.a_shape[0]
-    a0, a1 = plan.rows(rank)
-    if rows == 0:  # a degenerate 0 x n matrix: rank 0 keeps its (empty-row) state
-        return (0, length) if (plan.layout.rank if rank is None else rank) == 0 else (0, 0)
-    return a0 * length // rows, a1 * length // rows
+    r = place.rank if rank is None else rank
+    if place.owner is not None:
+        return (0, length) if r == place.owner else (0, 0)
+    return _even(length, place.world, r)
 
 
-def share_shape(plan: RowPlan, shape: tuple[int, ...], dim: int | None, rank: int | None = None) -> tuple[int, ...]:
+def share_shape(plan: Placement, shape: tuple[int, ...], dim: int | None, rank: int | None = None) -> tuple[int, ...]:
     """Shape of ``rank``'s share of a state tensor of logical ``shape`` split along ``dim``."""
     if dim is None:
         return tuple(shape)
@@ -54,12 +73,12 @@ def share_shape(plan: RowPlan, shape: tuple[int, ...], dim: int | None, rank: in
     return tuple(hi - lo if d == dim else s for d, s in enumerate(shape))
 
 
-def share_numel(plan: RowPlan, spec: StateSpec, rank: int | None = None) -> int:
+def share_numel(plan: Placement, spec: StateSpec, rank: int | None = None) -> int:
     """Elements of one matrix's small state that ``rank`` keeps."""
     return sum(math.prod(share_shape(plan, shape, dim, rank)) for shape, dim in spec.values())
 
 
-def keep_share(plan: RowPlan, full: torch.Tensor, dim: int | None) -> torch.Tensor:
+def keep_share(plan: Placement, full: torch.Tensor, dim: int | None) -> torch.Tensor:
     """This rank's share of a whole state tensor (the tensor itself when the share is all of it)."""
     if dim is None:
         return full
@@ -69,7 +88,7 @@ def keep_share(plan: RowPlan, full: torch.Tensor, dim: int | None) -> torch.Tens
     return full.narrow(dim, lo, hi - lo).clone()
 
 
-def gather_full(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], int, str]]) -> list[torch.Tensor]:
+def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int, str]]) -> list[torch.Tensor]:
     """Whole tensors from every rank's share: ``entries[e] = (plan, local share, logical shape, dim, name)``.
 
     One ``all_gather`` per process group for all entries (shares padded to the largest rank's total). Every
@@ -88,10 +107,10 @@ def gather_full(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], 
     out: list[torch.Tensor | None] = [None] * len(entries)
     by_group: dict[int, list[int]] = {}
     for e, (plan, *_rest) in enumerate(entries):
-        by_group.setdefault(id(plan.layout.group), []).append(e)
+        by_group.setdefault(id(plan.group), []).append(e)
     for idx in by_group.values():
         plan0 = entries[idx[0]][0]
-        world = plan0.layout.world
+        world = plan0.world
         sizes = [[math.prod(share_shape(entries[e][0], entries[e][2], entries[e][3], r)) for e in idx]
                  for r in range(world)]
         width = max(sum(s) for s in sizes)
@@ -104,7 +123,7 @@ def gather_full(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], 
             pos += t.numel()
         recv = [torch.empty_like(send) for _ in range(world)]
         collective_counter.record(send, "state")
-        dist.all_gather(recv, send, group=plan0.layout.group)
+        dist.all_gather(recv, send, group=plan0.group)
         offsets = [0] * world
         for k, e in enumerate(idx):
             plan, _, shape, dim, _ = entries[e]
@@ -126,7 +145,7 @@ def _even(length: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * c, length), min((rank + 1) * c, length)
 
 
-def _redistribute(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], int]], to_even: bool) -> list[torch.Tensor]:
+def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int]], to_even: bool) -> list[torch.Tensor]:
     """Move each entry's split dimension between the plan's shares and even (``torch.chunk``) chunks: one
     ``all_to_all_single`` per process group for all entries. ``entries[e] = (plan, local, logical shape, dim)``."""
     import torch.distributed as dist
@@ -134,10 +153,10 @@ def _redistribute(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...]
     out: list[torch.Tensor | None] = [None] * len(entries)
     by_group: dict[int, list[int]] = {}
     for e, (plan, *_rest) in enumerate(entries):
-        by_group.setdefault(id(plan.layout.group), []).append(e)
+        by_group.setdefault(id(plan.group), []).append(e)
     for idx in by_group.values():
         plan0 = entries[idx[0]][0]
-        world, me = plan0.layout.world, plan0.layout.rank
+        world, me = plan0.world, plan0.rank
 
         def src(plan, length, q):
             return share(plan, length, q) if to_even else _even(length, world, q)
@@ -170,7 +189,13 @@ def _redistribute(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...]
         send = torch.cat(flat)
         recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
         collective_counter.record(send, "state")
-        dist.all_to_all_single(recv, send, recv_sizes, [t.numel() for t in flat], group=plan0.layout.group)
+        if all(src(entries[e][0], entries[e][2][entries[e][3]], q) == dst(entries[e][0], entries[e][2][entries[e][3]], q)
+               for e in idx for q in range(world)):
+            out_local = [entries[e][1] for e in idx]  # even shares are already DTensor chunks: nothing moves
+            for e, t in zip(idx, out_local):
+                out[e] = t
+            continue
+        dist.all_to_all_single(recv, send, recv_sizes, [t.numel() for t in flat], group=plan0.group)
         pos = [sum(recv_sizes[:q]) for q in range(world)]
         for k, e in enumerate(idx):
             plan, _, shape, dim = entries[e]
@@ -187,7 +212,7 @@ def _redistribute(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...]
     return out  # type: ignore[return-value]
 
 
-def shares_to_dtensors(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], int, Any, int]]) -> list[Any]:
+def shares_to_dtensors(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int, Any, int]]) -> list[Any]:
     """Shares -> DTensors sharded evenly along their split dimension over the mesh dimension of the plan's group
     (replicated over the others, as HSDP replicas hold the same shares), so DCP writes each element once
     and reshards on load. ``entries[e] = (plan, local, logical shape, dim, mesh, mesh dim)``."""
@@ -202,6 +227,6 @@ def shares_to_dtensors(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int,
     return out
 
 
-def dtensors_to_shares(entries: Sequence[tuple[RowPlan, torch.Tensor, tuple[int, ...], int]]) -> list[torch.Tensor]:
+def dtensors_to_shares(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int]]) -> list[torch.Tensor]:
     """The inverse of ``shares_to_dtensors``: each entry's local even chunk -> this rank's share."""
     return _redistribute(entries, to_even=False)
