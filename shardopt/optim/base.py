@@ -329,7 +329,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        state_dict = self._local_state_entries(state_dict)  # small-state shares as this rank keeps them
         groups = self.param_groups
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
@@ -342,6 +341,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                                  f"optimizer's group (group {i}: {len(saved['params'])} saved, {len(g['params'])} here)")
         id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
                           chain.from_iterable(g["params"] for g in groups)))
+        state_dict = self._local_state_entries(state_dict, id_map)  # small-state shares as this rank keeps them
         state: defaultdict[Any, Any] = defaultdict(dict)
         for k, v in state_dict["state"].items():
             if k in id_map:
@@ -440,14 +440,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mesh_dim = next(d for d, pl in enumerate(p.placements) if pl.is_shard())
         return plan, value, tuple(shape), dim, p.device_mesh, mesh_dim
 
-    def _local_state_entries(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+    def _local_state_entries(self, state_dict: dict[str, Any], id_map: dict[Any, torch.Tensor]) -> dict[str, Any]:
         """Give every "matrix"-kind entry the shape this rank keeps: even DTensor chunks (a DCP load) are
         redistributed to this rank's share (one all-to-all per group; collective, as ``set_state_dict`` is),
         a whole tensor (a per-rank state dict from before shares) is cut to it."""
-        by_index = dict(enumerate(p for g in self.param_groups for p in g["params"]))
         state, pending = {}, []
         for idx, entries in state_dict.get("state", {}).items():
-            p = by_index.get(idx) if isinstance(idx, int) else None
+            p = id_map.get(idx)  # saved keys: indices, or names (DCP's get_state_dict)
             if p is None or not isinstance(entries, dict):
                 state[idx] = entries
                 continue
