@@ -172,7 +172,8 @@ def summary_body(results_dir: Path = RESULTS_DIR) -> str:
     body = [[n] + [table[n].get(c, "") for c in columns] for n in _ordered(table)]
     sources = "; ".join(f"`{n}`: {_describe_run(r)}" for n, r in results.items())
     return (markdown_table(["optimizer", *columns], body) + "\nTargets (issue 6):\n\n"
-            + "\n".join(target_lines(results)) + f"\n\nSources: {sources}.\n")
+            + "\n".join(target_lines(results)) + f"\n\nSources: {sources}.\n\n"
+            + scale_section(read_results("scale", results_dir)))
 
 
 def build_summary(results_dir: Path = RESULTS_DIR) -> str:
