@@ -40,9 +40,14 @@ def _piece(kind: str, a: int, b: int) -> FlatPiece | ColPiece:
     return FlatPiece(a, b) if kind == "flat" else ColPiece(a, b)
 
 
+def _natural_view(shape: tuple[int, ...]) -> list[int]:
+    """A tensor's 2-D view as parameters and small state use it: rows x the rest (vectors: one row)."""
+    return [shape[0], math.prod(shape[1:])] if len(shape) >= 2 else [1, math.prod(shape)]
+
+
 def whole_index(tensors: dict[str, torch.Tensor], file: str = "") -> dict[str, Any]:
     """Index entries for whole tensors stored under their own names (one piece each)."""
-    return {k: {"shape": list(v.shape), "view": [1, v.numel()], "pieces": [[file, k, "flat", 0, v.numel()]]}
+    return {k: {"shape": list(v.shape), "view": _natural_view(tuple(v.shape)), "pieces": [[file, k, "flat", 0, v.numel()]]}
             for k, v in tensors.items()}
 
 

@@ -27,7 +27,7 @@ from ..sharding.comm import Round
 from ..sharding.layout import ColPiece, FlatPiece
 from ..sharding.state_split import share, share_shape
 from .errors import CheckpointError
-from .files import FORMAT, STATE_FILE, StateReader, piece_spec, write_part
+from .files import FORMAT, STATE_FILE, StateReader, _natural_view, piece_spec, write_part
 
 __all__ = ["export_state", "import_state", "import_from", "save_sharded", "local_records", "CheckpointError",
            "PARAM_KEY", "SEP", "PART_BYTES"]
@@ -237,8 +237,7 @@ class WholeTensors:
 
     def __init__(self, full: dict[str, torch.Tensor]):
         self.full = full
-        self.index = {k: {"shape": list(v.shape), "view": [1, v.numel()] if v.dim() != 2 else list(v.shape)}
-                      for k, v in full.items()}
+        self.index = {k: {"shape": list(v.shape), "view": _natural_view(tuple(v.shape))} for k, v in full.items()}
 
     def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None:
         m, n = self.index[key]["view"]
@@ -327,7 +326,11 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
         lo, hi = share(plan, shape[dim])
         local_shape = share_shape(plan, shape, dim)
         buf = torch.zeros(math.prod(local_shape), dtype=torch.float32)
-        if hi > lo:
+        if hi > lo and tuple(source.index[k]["view"]) != tuple(view) and piece_type is ColPiece:
+            # stored on another 2-D view (a file of whole tensors from elsewhere): cut the share from the whole
+            # tensor of this one matrix
+            buf = _read_whole(source, k).narrow(dim, lo, hi - lo).contiguous().reshape(-1)
+        elif hi > lo:
             w = view[1] if dim == 0 else 1
             piece = FlatPiece(lo * w, hi * w) if piece_type is FlatPiece else ColPiece(lo, hi)
             source.fill(k, piece, buf)
