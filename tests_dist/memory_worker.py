@@ -1,8 +1,10 @@
 """Memory worker: every optimizer's state per rank on FSDP2 and ZeRO-2 at this world size, measured from the
 tensors it really holds after two steps, against the single-process state of the same model.
 
-A small LLaMA-like model (4 blocks of q/k/v/o and a SwiGLU MLP, hidden 64) so that the matrices, not the
-per-row/column vectors, carry the state, as in real models. SUMO and Alice run at rank 8 (their state is
+A small LLaMA-like model (4 blocks of q/k/v/o and a SwiGLU MLP, hidden 64, vocabulary 16x the hidden size:
+LLaMA-7B has 7.8x, LLaMA-60M 62x) so that parameters, not per-row/column vectors, carry the state as in real
+models: RACS and DASGO keep their O(m + n) row/column statistics on every rank by design (a rank that holds
+rows of a matrix touches all of its columns, so it needs the whole column vector at every step). SUMO and Alice run at rank 8 (their state is
 low-rank, as in real use). Each record: bytes per rank, the planner's prediction per rank
 (``planned_state_elements``, which the scale benchmark relies on), and the single-process bytes.
 """
@@ -27,7 +29,7 @@ from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
 from shardopt.optim.registry import OPTIMIZERS  # noqa: E402
 
-VOCAB, DIM, FFN, BLOCKS, SEQ, BATCH = 96, 64, 176, 4, 8, 4
+VOCAB, DIM, FFN, BLOCKS, SEQ, BATCH = 1024, 64, 176, 4, 8, 4
 WHOLE_MATRIX = ("swan", "asgo", "sumo", "alice", "alice0")
 EXTRA = {"sumo": {"rank": 8}, "alice": {"rank": 8, "leading": 4}, "alice0": {"rank": 8, "leading": 4}}
 
