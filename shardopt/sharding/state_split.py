@@ -88,6 +88,14 @@ def keep_share(plan: Placement, full: torch.Tensor, dim: int | None) -> torch.Te
     return full.narrow(dim, lo, hi - lo).clone()
 
 
+def _by_group(entries: Sequence[tuple]) -> list[list[int]]:
+    """Entry indices by process group (one collective each), in first-seen order."""
+    by: dict[int, list[int]] = {}
+    for e, (place, *_rest) in enumerate(entries):
+        by.setdefault(id(place.group), []).append(e)
+    return list(by.values())
+
+
 def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int, str]]) -> list[torch.Tensor]:
     """Whole tensors from every rank's share: ``entries[e] = (plan, local share, logical shape, dim, name)``.
 
@@ -105,10 +113,7 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
                 "same world size, engine and matrix_ops strategy; reshard with torch.distributed.checkpoint "
                 "(get_state_dict / set_state_dict) or shardopt.checkpoint.save / load")
     out: list[torch.Tensor | None] = [None] * len(entries)
-    by_group: dict[int, list[int]] = {}
-    for e, (plan, *_rest) in enumerate(entries):
-        by_group.setdefault(id(plan.group), []).append(e)
-    for idx in by_group.values():
+    for idx in _by_group(entries):
         plan0 = entries[idx[0]][0]
         world = plan0.world
         sizes = [[math.prod(share_shape(entries[e][0], entries[e][2], entries[e][3], r)) for e in idx]
@@ -151,10 +156,7 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
     import torch.distributed as dist
 
     out: list[torch.Tensor | None] = [None] * len(entries)
-    by_group: dict[int, list[int]] = {}
-    for e, (plan, *_rest) in enumerate(entries):
-        by_group.setdefault(id(plan.group), []).append(e)
-    for idx in by_group.values():
+    for idx in _by_group(entries):
         plan0 = entries[idx[0]][0]
         world, me = plan0.world, plan0.rank
 
