@@ -93,10 +93,12 @@ def _infer_steps(ck: Checkpoint) -> None:
     extra = ck.meta.setdefault("extra", {})
     if extra.get("global_steps") is None:
         steps = [float(t.max()) for k, t in ck.tensors.items() if k.endswith(f"{SEP}step") and t.numel()]
+        sched = extra.get("lr_scheduler") or {}
         if steps:
             extra["global_steps"] = int(max(steps))
-            ck.notes.append(f"no saved step counter; global step {extra['global_steps']} taken from the optimizer's "
-                            "step counts")
+            if sched.get("last_epoch") != extra["global_steps"]:  # a scheduler stepped with the optimizer agrees
+                ck.notes.append(f"no saved step counter; global step {extra['global_steps']} taken from the "
+                                "optimizer's step counts")
     if not extra.get("lr_scheduler"):
         ck.notes.append("no LR-scheduler state in the checkpoint: an engine loading it keeps its scheduler where "
                         "it is (save scheduler.state_dict() as 'scheduler' next to 'model' and 'optim')")
