@@ -18,9 +18,9 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
 
-import shardopt.deepspeed  # noqa: E402
+import shardopt.deepspeed
 
-from common import finish, init_distributed, tiny_llama, token_batches  # noqa: E402
+from common import finish, init_distributed, tiny_llama, token_batches
 
 
 def main() -> None:
@@ -35,7 +35,7 @@ def main() -> None:
     model = tiny_llama()
     config = args.config
 
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))  # noqa: E731
+    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     engine, optimizer, _, scheduler = shardopt.deepspeed.initialize(model=model, config=config, lr_scheduler=schedule)
     if args.load:
         engine.load_checkpoint(args.load)
