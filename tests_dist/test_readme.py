@@ -19,7 +19,8 @@ validation set appended (the configs' 400 steps take minutes); ``pip install`` g
 --no-build-isolation`` (nothing is installed or downloaded); rendezvous ports come from the environment
 (``PET_MASTER_PORT``, ``MASTER_PORT``), free ones. The tokenizer cache is the checkout's ``runs/cache`` (as
 for ``make demo``). The examples the README runs are tiny by default, so they run unchanged. Every block has
-a timeout. About 3-4 minutes on 2 cores (the first DeepSpeed launch on a machine also builds its CPU op).
+a timeout. About 2.5 minutes on 2 quiet cores, 5 under load (the first DeepSpeed launch on a machine
+also builds its CPU op: 1-2 minutes more).
 """
 from __future__ import annotations
 
