@@ -11,13 +11,15 @@ comment on the line before it (invisible on GitHub):
   in FILE in the same order (whitespace-normalized), it must compile, and a runnable block must run FILE.
 - ``<!-- readme-test: same-as FILE -->``: the block is FILE's content (a config the README shows).
 
+``text`` blocks are output, not code, and are not run.
+
 Every other bash block runs, in order, in one scratch directory that looks like a fresh clone (links to the
 checkout's files and its ``.venv``), after the README's own set-up block (``. .venv/bin/activate``), with
 ``DS_ACCELERATOR`` unset as in a new user's shell. What this test changes, and only to keep it short:
 trainer launches (``-m shardopt.train``, ``launch/multinode.sh``) get ``--set train.steps=2`` and a small
 validation set appended (the configs' 400 steps take minutes); ``pip install`` gets ``--dry-run --no-index
---no-build-isolation`` (nothing is installed or downloaded); rendezvous ports come from the environment
-(``PET_MASTER_PORT``, ``MASTER_PORT``), free ones. The tokenizer cache is the checkout's ``runs/cache`` (as
+--no-build-isolation`` (nothing is installed or downloaded); ``launch/multinode.sh`` gets a free
+``MASTER_PORT`` from the environment (single-node ``torchrun`` picks a free port itself). The tokenizer cache is the checkout's ``runs/cache`` (as
 for ``make demo``). The examples the README runs are tiny by default, so they run unchanged. Every block has
 a timeout. About 2.5 minutes on 2 quiet cores, 5 under load (the first DeepSpeed launch on a machine
 also builds its CPU op: 1-2 minutes more).
@@ -132,7 +134,8 @@ def _is_setup(block: Block) -> bool:
 def test_every_block_has_a_language_and_a_known_marker():
     assert BLOCKS, "README.md has no code blocks"
     for b in BLOCKS:
-        assert b.lang in ("bash", "python", "json"), f"{b.where()}: tag the block as bash, python or json"
+        assert b.lang in ("bash", "python", "json", "text"), \
+            f"{b.where()}: tag the block as bash, python or json (or text for output that is not run)"
         assert b.kind in ("", "ci", "syntax-only", "excerpt", "same-as"), f"{b.where()}: unknown marker {b.marker!r}"
         if b.kind == "syntax-only":
             assert b.arg in SYNTAX_ONLY_REASONS, \
@@ -235,7 +238,7 @@ def test_every_readme_block_runs_as_written(tmp_path):
             continue
         script = _runnable_bash(b)
         env = _env()
-        env["PET_MASTER_PORT"] = env["MASTER_PORT"] = str(free_port())
+        env["MASTER_PORT"] = str(free_port())  # launch/multinode.sh's rendezvous (plain torchrun finds a free one)
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(["bash", "-c", f"set -eo pipefail\n{setup}{script}"], cwd=cwd, env=env,
