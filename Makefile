@@ -1,4 +1,4 @@
-# Two commands do all set-up on a fresh machine (Python 3.11, pip, gcc; no torch needed):
+# Two commands do all set-up on a fresh machine (Python 3.10 or newer, tested on 3.11; pip, gcc; no torch needed):
 #   make demo   - the main job: a small 2-process CPU DeepSpeed ZeRO-2 training run with SCALE
 #   make test   - single-process tests (tests/) and multi-process correctness tests (tests_dist/)
 PYTHON ?= python3

@@ -17,6 +17,7 @@ export TOKENIZERS_PARALLELISM=${TOKENIZERS_PARALLELISM:-true}
 export PYTHONWARNINGS=${PYTHONWARNINGS:-ignore::FutureWarning}
 
 echo "== shardopt demo: $CONFIG on $NPROC processes (DS_ACCELERATOR=${DS_ACCELERATOR:-auto}) =="
+echo "== the first run builds DeepSpeed's CPU communication op and trains the tokenizer (1-2 minutes); later runs reuse both =="
 start=$(date +%s)
 "$PY" -m torch.distributed.run --nproc_per_node "$NPROC" --master_addr 127.0.0.1 \
     --master_port "${MASTER_PORT:-$("$PY" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')}" \

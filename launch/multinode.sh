@@ -12,6 +12,12 @@
 #   NNODES=2 NODE_RANK=0 bash launch/multinode.sh --config configs/train/demo.json &
 #   NNODES=2 NODE_RANK=1 bash launch/multinode.sh --config configs/train/demo.json; wait
 set -euo pipefail
+case " $* " in
+    *" --config "*|*" --config="*) ;;
+    *) echo "usage: [NNODES=N NODE_RANK=R MASTER_ADDR=host MASTER_PORT=port] bash launch/multinode.sh" \
+            "--config configs/train/<name>.json [--resume] [--set key=value ...]" >&2
+       exit 2 ;;
+esac
 cd "$(dirname "$0")/.."
 
 PY=python3

@@ -5,15 +5,31 @@ import argparse
 import sys
 from collections import defaultdict
 
+from .checkpoint.locate import ACCEPTED
 from .checkpoint.logical import SEP, CheckpointError
 
 
-def _inspect(path: str) -> int:
-    from .checkpoint.convert import read_any
+def _counters(meta: dict) -> str:
+    extra = meta.get("extra") or {}
+    step = extra.get("global_steps")
+    sched = extra.get("lr_scheduler")
+    if step is None and not sched:
+        return "no step counter or LR-scheduler state saved"
+    where = sched.get("last_epoch", sched.get("last_batch_iteration")) if isinstance(sched, dict) else None
+    return (f"global step {step if step is not None else 'not saved'}, LR scheduler "
+            + (f"at step {where}" if where is not None else "state saved" if sched else "state not saved"))
 
-    tensors, meta, kind = read_any(path)
-    print(f"{path}: {kind} checkpoint, optimizer {meta.get('optimizer')}, engine {meta.get('engine')}, "
-          f"saved at world size {meta.get('world_size')}")
+
+def _inspect(path: str) -> int:
+    from .checkpoint.convert import read
+
+    ck = read(path)
+    meta, tensors = ck.meta, ck.tensors
+    for note in ck.notes:
+        print(f"{path}: {note}")
+    optimizer = meta.get("optimizer") or "not a shardopt optimizer"
+    print(f"{ck.path}: {ck.kind} checkpoint, optimizer {optimizer}, engine {meta.get('engine')}, "
+          f"saved at world size {meta.get('world_size') or 'unknown'}")
     per_param: dict[str, list[str]] = defaultdict(list)
     total = 0
     steps = set()
@@ -28,20 +44,24 @@ def _inspect(path: str) -> int:
     for name, entries in per_param.items():
         print(f"  {name}: " + ", ".join(entries))
     print(f"{len(per_param)} parameters, {len(tensors)} tensors, {total} bytes; step {sorted(steps) or 'n/a'}")
+    print(f"counters: {_counters(meta)}")
     return 0
 
 
 def _convert(src: str, dst: str, to: str) -> int:
     from .checkpoint import convert
 
-    tensors, meta, kind = convert.read_any(src)
+    ck = convert.read(src)
+    for note in ck.notes:
+        print(f"{src}: {note}", file=sys.stderr)
     if to == "file":
-        out = convert.write_logical(dst, tensors, meta)
+        out = convert.write_logical(dst, ck.tensors, ck.meta)
     elif to == "deepspeed":
-        out = convert.write_deepspeed(dst, tensors, meta)
+        out = convert.write_deepspeed(dst, ck.tensors, ck.meta)
     else:
-        out = convert.write_dcp(dst, tensors, meta)
-    print(f"converted {kind} checkpoint {src} -> {to} {out} ({len(tensors)} tensors)")
+        out = convert.write_dcp(dst, ck.tensors, ck.meta)
+    print(f"converted {ck.kind} checkpoint {ck.path} -> {to} {out} ({len(ck.tensors)} tensors; "
+          f"{_counters(ck.meta)})")
     return 0
 
 
@@ -51,9 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ck = sub.add_parser("checkpoint", help="inspect or convert checkpoints")
     cks = ck.add_subparsers(dest="action", required=True)
     ins = cks.add_parser("inspect", help="parameters, state tensors, shapes, bytes, step")
-    ins.add_argument("path")
-    conv = cks.add_parser("convert", help="DeepSpeed ZeRO <-> FSDP2 DCP <-> single file")
-    conv.add_argument("src")
+    ins.add_argument("path", help=f"the checkpoint: {ACCEPTED}")
+    conv = cks.add_parser("convert", help="DeepSpeed ZeRO <-> FSDP2 DCP <-> single file (also from trainer DDP files)")
+    conv.add_argument("src", help="as for inspect")
     conv.add_argument("dst")
     conv.add_argument("--to", choices=["file", "deepspeed", "dcp"], required=True)
     args = ap.parse_args(argv)

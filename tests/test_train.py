@@ -148,6 +148,20 @@ def test_demo_config_is_the_documented_one():
     assert cfg.run_dir == "runs/demo"
 
 
+def test_deepspeed_configs_are_what_the_readme_says():
+    """README: ``configs/deepspeed/`` holds every optimizer x ZeRO stage 1/2/3 (and AdamW baselines in adamw/)."""
+    from shardopt.optim.registry import OPTIMIZERS
+
+    readme = " ".join(open(os.path.join(ROOT, "README.md")).read().split())
+    assert "`configs/deepspeed/`: every optimizer x ZeRO stage 1/2/3" in readme
+    want = {f"zero{stage}_{name}.json": (stage, name) for name in OPTIMIZERS for stage in (1, 2, 3)}
+    assert sorted(map(os.path.basename, DS_CONFIGS)) == sorted(want)
+    for path in DS_CONFIGS:
+        ds = validate_deepspeed_config(path)
+        assert (ds["zero_optimization"]["stage"], ds["shardopt"]["optimizer"]) == want[os.path.basename(path)], path
+    assert sorted(map(os.path.basename, ADAMW_DS_CONFIGS)) == [f"zero{s}_adamw.json" for s in (1, 2, 3)]
+
+
 # ------------------------------------------------------------------------------------------------- data
 def test_strip_markdown():
     md = ("# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_Enter BERNARDO_\n\n**BERNARDO**  \n"

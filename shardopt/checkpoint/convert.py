@@ -1,31 +1,39 @@
-"""Read and write the three checkpoint forms: shardopt's logical file, a DeepSpeed directory (shardopt's
-file inside ``<dir>/<tag>/``), and a PyTorch DCP directory (``{"model": ..., "optim": ...}`` as written by
-``get_state_dict``). The logical file is the hub every conversion goes through."""
+"""Read and write the checkpoint forms: shardopt's logical file, a DeepSpeed directory (shardopt's file
+inside ``<dir>/<tag>/``), a PyTorch DCP directory (``{"model": ..., "optim": ...}`` as written by
+``get_state_dict``) and, for reading, the reference trainer's DDP files. The logical file is the hub every
+conversion goes through. Step counters travel in the metadata's ``extra`` (``global_steps``,
+``lr_scheduler``), which a shardopt DeepSpeed engine resumes its schedule from."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ..optim.registry import OPTIMIZERS
 from .files import STATE_FILE, read_state_file, write_state_file
+from .locate import Located, dcp_writer_ranks, locate
 from .logical import PARAM_KEY, SEP, CheckpointError
-from .safe_pickle import load_dcp_metadata, read_dcp_state_dict
+from .safe_pickle import load_dcp_metadata, load_plain, read_dcp_state_dict
+from .torch_state import counters, logical_from_state_dicts, read_ddp
 
-__all__ = ["detect", "read_any", "write_logical", "write_deepspeed", "write_dcp"]
+__all__ = ["Checkpoint", "detect", "read", "read_any", "write_logical", "write_deepspeed", "write_dcp"]
+
+
+@dataclass
+class Checkpoint:
+    """What an offline tool read: whole logical tensors, metadata, the kind found and how it was found."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any]
+    kind: str
+    path: str
+    notes: list[str] = field(default_factory=list)
 
 
 def detect(path: str) -> str:
-    if os.path.isfile(path):
-        return "file"
-    if os.path.isfile(os.path.join(path, STATE_FILE)):
-        return "file"
-    if os.path.isfile(os.path.join(path, ".metadata")):
-        return "dcp"
-    if os.path.isfile(os.path.join(path, "latest")):
-        return "deepspeed"
-    raise CheckpointError(f"{path}: not a shardopt file, DeepSpeed checkpoint directory or DCP directory")
+    """"file", "deepspeed", "dcp" or "ddp" (see ``shardopt.checkpoint.locate``)."""
+    return locate(path).kind
 
 
 def _deepspeed_state(path: str) -> str:
@@ -36,14 +44,6 @@ def _deepspeed_state(path: str) -> str:
         raise CheckpointError(f"{path}: DeepSpeed checkpoint tag {tag!r} has no {STATE_FILE}; it was not saved "
                               "through shardopt.deepspeed.initialize's engine")
     return target
-
-
-def _treatment_class(groups: list[dict]) -> type:
-    for g in groups:
-        for name, (cls, _, _) in OPTIMIZERS.items():
-            if g.get("treatment") in cls.matrix_treatments:
-                return cls
-    return OPTIMIZERS["scale"][0]
 
 
 def _check_dcp_files(path: str) -> None:
@@ -64,35 +64,77 @@ def _check_dcp_files(path: str) -> None:
                                   f"({os.path.getsize(file)} of {size} bytes)")
 
 
+def _dcp_counters(path: str, sd: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    """Step counters and world size of a DCP directory: the trainer's ``trainer_state.pt`` beside it, else
+    top-level ``step`` / ``scheduler`` entries of the saved state dict; the world size from the shard files."""
+    trainer = os.path.join(path, "trainer_state.pt")
+    state = load_plain(trainer) if os.path.isfile(trainer) else sd
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{trainer}: not the trainer's state (expected a dict with 'step' and 'scheduler')")
+    world = state.get("world") if state is not sd else None
+    return counters(state.get("step"), state.get("scheduler")), (int(world) if world else
+                                                                 len(dcp_writer_ranks(path)) or None)
+
+
 def _read_dcp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     _check_dcp_files(path)
     sd = read_dcp_state_dict(path)
     if "optim" not in sd or "model" not in sd:
         raise CheckpointError(f"{path}: DCP checkpoint lacks the 'model' and 'optim' entries of get_state_dict")
-    groups = sd["optim"].get("param_groups", [])
-    cls = _treatment_class(groups)
-    tensors = {f"{n}{SEP}{PARAM_KEY}": t.float() for n, t in sd["model"].items() if isinstance(t, torch.Tensor)}
-    kinds = {PARAM_KEY: "elements"}
-    for name, entries in sd["optim"].get("state", {}).items():
-        for key, value in entries.items():
-            tensors[f"{name}{SEP}{key}"] = torch.as_tensor(value).float()
-            kinds[key] = cls.state_kinds.get(key, "tensor")
-    meta = {"kinds": kinds, "optimizer": cls.__name__, "param_groups": groups, "world_size": None,
-            "engine": "dcp", "keys": sorted(tensors), "extra": {}}
+    extra, world = _dcp_counters(path, sd)
+    tensors, meta = logical_from_state_dicts(sd["model"], sd["optim"], "dcp", world)
+    meta["extra"] = extra
     return tensors, meta
 
 
+def _infer_steps(ck: Checkpoint) -> None:
+    """A checkpoint without a saved step (a DCP written by hand): the optimizer's own step counters say how
+    many steps were taken; said in the notes, as is a missing LR-scheduler state."""
+    extra = ck.meta.setdefault("extra", {})
+    if extra.get("global_steps") is None:
+        steps = [float(t.max()) for k, t in ck.tensors.items() if k.endswith(f"{SEP}step") and t.numel()]
+        sched = extra.get("lr_scheduler") or {}
+        if steps:
+            extra["global_steps"] = int(max(steps))
+            if sched.get("last_epoch") != extra["global_steps"]:  # a scheduler stepped with the optimizer agrees
+                ck.notes.append(f"no saved step counter; global step {extra['global_steps']} taken from the "
+                                "optimizer's step counts")
+    if not extra.get("lr_scheduler"):
+        ck.notes.append("no LR-scheduler state in the checkpoint: an engine loading it keeps its scheduler where "
+                        "it is (save scheduler.state_dict() as 'scheduler' next to 'model' and 'optim')")
+
+
+def read(path: str) -> Checkpoint:
+    """The checkpoint ``path`` means (a file, a DeepSpeed, DCP or trainer run directory, a DDP rank file)."""
+    found: Located = locate(path)
+    notes = [found.note] if found.note else []
+    if found.kind == "file":
+        tensors, meta = read_state_file(found.path)
+    elif found.kind == "deepspeed":
+        tensors, meta = read_state_file(_deepspeed_state(found.path))
+    elif found.kind == "ddp":
+        tensors, meta = read_ddp(found.path)
+    else:
+        tensors, meta = _read_dcp(found.path)
+    ck = Checkpoint(tensors, meta, found.kind, found.path, notes)
+    if found.kind in ("dcp", "ddp"):
+        _infer_steps(ck)
+    return ck
+
+
 def read_any(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
-    kind = detect(path)
-    if kind == "file":
-        target = path if os.path.isfile(path) else os.path.join(path, STATE_FILE)
-        return (*read_state_file(target), kind)
-    if kind == "deepspeed":
-        return (*read_state_file(_deepspeed_state(path)), kind)
-    return (*_read_dcp(path), kind)
+    ck = read(path)
+    return ck.tensors, ck.meta, ck.kind
+
+
+def _shardopt_only(meta: dict[str, Any]) -> None:
+    if meta.get("optimizer") is None:
+        raise CheckpointError("the checkpoint holds the state of an optimizer that is not shardopt's (no param group "
+                              "has a shardopt 'treatment'); only shardopt optimizers' checkpoints convert")
 
 
 def write_logical(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
+    _shardopt_only(meta)
     target = path if path.endswith(".safetensors") else os.path.join(path, STATE_FILE)
     meta = {k: v for k, v in meta.items() if k != "format"}
     meta["keys"] = sorted(tensors)
@@ -123,9 +165,15 @@ def write_dcp(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any])
             model[name] = v
         else:
             state.setdefault(name, {})[key] = v
+    _shardopt_only(meta)
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
               for g in meta.get("param_groups", [])]
+    sd: dict[str, Any] = {"model": model, "optim": {"state": state, "param_groups": groups}}
+    extra = meta.get("extra") or {}
+    if extra.get("global_steps") is not None:  # the counters, where _dcp_counters reads them back
+        sd["step"] = int(extra["global_steps"])
+    if extra.get("lr_scheduler"):
+        sd["scheduler"] = extra["lr_scheduler"]
     # written straight from memory (torch_save_to_dcp would round-trip a temporary file through full pickle)
-    _save_state_dict({"model": model, "optim": {"state": state, "param_groups": groups}},
-                     storage_writer=FileSystemWriter(path), no_dist=True)
+    _save_state_dict(sd, storage_writer=FileSystemWriter(path), no_dist=True)
     return path

@@ -22,10 +22,11 @@ import importlib.util
 import json
 import os
 import re
-import tempfile
+import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 import numpy as np
 import torch
@@ -108,20 +109,28 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
     return tok
 
 
-def _atomic_write_bytes(path: Path, data: bytes) -> None:
+def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Write through a temporary file and a rename, so concurrent writers and crashes leave whole files. The
+    file is created by ``os.open`` with mode 0666, so it gets the user's umask as ``open`` and ``torch.save``
+    give (``tempfile.mkstemp`` would make it 0600: unreadable to colleagues sharing the cache)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    tmp = path.parent / f".{path.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _atomic_write_bytes(path: Path, data: bytes) -> None:
+    _atomic_write(path, lambda f: f.write(data))
 
 
 def _atomic_save_npy(path: Path, arr: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name + ".", suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-        np.save(f, arr)
-    os.replace(tmp, path)
+    _atomic_write(path, lambda f: np.save(f, arr))
 
 
 def _encode_docs(tok: Any, docs: Sequence[tuple[str, str]], eos_id: int, dtype: np.dtype) -> np.ndarray:
@@ -206,9 +215,12 @@ def prepare_data(source: str = "shakespeare", path: str | None = None, val_path:
     tok_json = None
     if rank == 0:
         if not tok_path.exists():
-            log(f"training a {vocab_size}-token byte-level BPE on {len(train_docs)} documents -> {tok_path}")
+            log(f"training a {vocab_size}-token byte-level BPE on {len(train_docs)} documents -> {tok_path} "
+                "(once; later runs reuse it)")
+            t0 = time.perf_counter()
             tok = train_tokenizer([t for _, t in train_docs], vocab_size)
             _atomic_write_bytes(tok_path, tok.to_str().encode())
+            log(f"tokenizer trained in {time.perf_counter() - t0:.0f}s")
         tok_json = tok_path.read_text()
     tok_json = _broadcast_str(tok_json)
     if not tok_path.exists() or tok_path.read_text() != tok_json:
@@ -223,6 +235,7 @@ def prepare_data(source: str = "shakespeare", path: str | None = None, val_path:
     dtype = np.dtype(np.uint16 if n_vocab <= 65536 else np.uint32)
     train_file, val_file = cache / "train.npy", cache / "val.npy"
     if local_rank == 0 and not (train_file.exists() and val_file.exists()):
+        log(f"tokenizing {len(train_docs)} train / {len(val_docs)} validation documents -> {cache}")
         train_arr = _encode_docs(tok, train_docs, eos_id, dtype)
         if val_docs:
             val_arr = _encode_docs(tok, val_docs, eos_id, dtype)

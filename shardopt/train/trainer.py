@@ -93,6 +93,9 @@ class Trainer:
 
                 ds_logger.setLevel(logging.WARNING)
             if not dist.is_initialized():
+                if not use_cuda and os.environ.get("RANK", "0") == "0":  # before the group: rank 0 by env
+                    print(f"starting DeepSpeed on cpu, {os.environ.get('WORLD_SIZE', '1')} processes (the first run "
+                          "on a machine builds DeepSpeed's CPU communication op: 1-2 minutes)", flush=True)
                 deepspeed.init_distributed(dist_backend=backend)
         elif not dist.is_initialized():
             dist.init_process_group(backend=backend, device_id=self.device if use_cuda else None)
@@ -317,12 +320,17 @@ class Trainer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, tag))
             if self.rank == 0:
-                torch.save({"step": self.step, "scheduler": self.scheduler.state_dict()},
+                torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world},
                            os.path.join(root, tag, "trainer_state.pt"))
         else:
             os.makedirs(os.path.join(root, tag), exist_ok=True)
+            # param_names: the optimizer's state is keyed by position; the names let offline tools
+            # (shardopt checkpoint inspect/convert) tell which parameter each entry belongs to
+            names = {id(p): n for n, p in self.module.named_parameters()}
             torch.save({"step": self.step, "model": self.module.state_dict(), "optim": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(), "world": self.world},
+                        "scheduler": self.scheduler.state_dict(), "world": self.world,
+                        "param_names": [[names.get(id(p), "") for p in g["params"]]
+                                        for g in self.optimizer.param_groups]},
                        os.path.join(root, tag, f"rank{self.rank}.pt"))
         self._barrier()
         if self.rank == 0 and self.engine_name != "deepspeed":
@@ -344,7 +352,9 @@ class Trainer:
             path, client = self.model.load_checkpoint(root, tag=tag)
             if path is None:
                 raise RuntimeError(f"DeepSpeed could not load checkpoint {root}/{tag}")
-            self.step = int(client["step"])
+            # a checkpoint converted by `shardopt checkpoint convert` has no client state: the engine's own
+            # global step (restored from the converted file) is the step
+            self.step = int((client or {}).get("step", self.model.global_steps))
         elif self.engine_name == "fsdp2":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -1,0 +1,78 @@
+"""Logical tensors from ``torch.optim``-style state dicts: a DCP checkpoint's ``{"model", "optim"}`` entries
+(keyed by parameter name) and the trainer's DDP files (``rank<N>.pt``, keyed by position, with the names saved
+beside them). Offline tools read both into the ``"<name>::<key>"`` form every conversion goes through."""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..optim.registry import OPTIMIZERS
+from .errors import CheckpointError
+from .logical import PARAM_KEY, SEP
+from .safe_pickle import load_plain
+
+__all__ = ["optimizer_class", "logical_from_state_dicts", "counters", "read_ddp"]
+
+
+def optimizer_class(groups: list[dict]) -> type | None:
+    """The shardopt class whose param groups these are (None: not a shardopt optimizer's state)."""
+    if not any("treatment" in g for g in groups):
+        return None
+    for g in groups:
+        for cls, _, _ in OPTIMIZERS.values():
+            if g.get("treatment") in cls.matrix_treatments:
+                return cls
+    return OPTIMIZERS["scale"][0]  # only AdamW groups: every class stores them the same way
+
+
+def counters(step: Any, scheduler: Any) -> dict[str, Any]:
+    """The ``extra`` entries a DeepSpeed engine resumes its schedule from (``install_checkpoint_hooks``)."""
+    extra: dict[str, Any] = {}
+    if step is not None:
+        extra["global_steps"] = int(step)
+    if isinstance(scheduler, dict):
+        extra["lr_scheduler"] = scheduler
+    return extra
+
+
+def logical_from_state_dicts(model: dict[str, Any], optim: dict[str, Any], engine: str,
+                             world_size: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """``optim`` has ``state`` keyed by parameter name and ``param_groups`` whose ``params`` are names."""
+    groups = optim.get("param_groups", [])
+    cls = optimizer_class(groups)
+    state_kinds = cls.state_kinds if cls is not None else {}
+    tensors = {f"{n}{SEP}{PARAM_KEY}": t.float() for n, t in model.items() if isinstance(t, torch.Tensor)}
+    kinds = {PARAM_KEY: "elements"}
+    for name, entries in optim.get("state", {}).items():
+        for key, value in entries.items():
+            if isinstance(value, (torch.Tensor, int, float, bool)):
+                tensors[f"{name}{SEP}{key}"] = torch.as_tensor(value).float()
+                kinds[key] = state_kinds.get(key, "tensor")
+    meta = {"kinds": kinds, "optimizer": cls.__name__ if cls is not None else None, "param_groups": groups,
+            "world_size": world_size, "engine": engine, "keys": sorted(tensors), "extra": {}}
+    return tensors, meta
+
+
+def read_ddp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A trainer DDP (or single-process) file ``rank<N>.pt``: every rank holds the whole state, so one file is
+    the checkpoint. Read with ``weights_only`` (nothing in the file runs)."""
+    ck = load_plain(path)
+    if not isinstance(ck, dict) or "model" not in ck or "optim" not in ck:
+        raise CheckpointError(f"{path}: not a trainer DDP checkpoint (expected the 'model' and 'optim' entries "
+                              "that shardopt.train writes)")
+    optim = ck["optim"]
+    names = ck.get("param_names")
+    groups = optim.get("param_groups", [])
+    if names is None or len(names) != len(groups) or any(len(n) != len(g["params"]) for n, g in zip(names, groups)):
+        raise CheckpointError(f"{path}: the file does not name the optimizer's parameters (written by a trainer "
+                              "older than the checkpoint tool); resume it with the same trainer instead, or save "
+                              "again with this version")
+    by_index = {i: n for g, ns in zip(groups, names) for i, n in zip(g["params"], ns)}
+    named = {"state": {by_index[i]: v for i, v in optim.get("state", {}).items() if i in by_index},
+             "param_groups": [{**g, "params": list(ns)} for g, ns in zip(groups, names)]}
+    params = set(by_index.values())
+    model = {n: t for n, t in ck["model"].items() if n in params}
+    tensors, meta = logical_from_state_dicts(model, named, "ddp", ck.get("world"))
+    meta["extra"] = counters(ck.get("step"), ck.get("scheduler"))
+    return tensors, meta
