@@ -1,7 +1,7 @@
 """``shardopt checkpoint`` on every checkpoint the project writes, in one process: the trainer's own
 files (single-process/DDP ``rank<N>.pt``, run directories, step directories), DCP directories with and without
 step counters, and the messages that name the path to give. Also: checkpoint files get the user's umask.
-(FSDP2 runs at world size 2 and the DCP -> DeepSpeed -> resume schedule: tests_dist/test_checkpoint_tool.py.)"""
+(FSDP2 runs at world size 2 and the DCP -> DeepSpeed -> resume schedule: tests_dist/test_convert_resume.py.)"""
 from __future__ import annotations
 
 import json
