@@ -27,7 +27,7 @@ from ..sharding.comm import Round
 from ..sharding.layout import ColPiece, FlatPiece
 from ..sharding.state_split import share, share_shape
 from .errors import CheckpointError
-from .files import FORMAT, STATE_FILE, StateReader, _natural_view, piece_spec, write_part
+from .files import FORMAT, _natural_view, piece_spec, write_part
 
 __all__ = ["export_state", "import_state", "import_from", "save_sharded", "local_records", "CheckpointError",
            "PARAM_KEY", "SEP", "PART_BYTES"]
@@ -138,10 +138,10 @@ def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Re
 
 
 # ---------------------------------------------------------------------------------------------- saving
-def _assign(descriptors: list[list[tuple[str, int]]], stem: str, save_id: str) -> tuple[list[list[tuple[int, str]]], dict]:
+def _assign(descriptors: list[list[tuple[str, int]]], stem: str, save_id: str) -> list[list[tuple[int, str]]]:
     """Who writes what, where: each piece by the first rank that holds it; each rank's pieces in part files of
     at most ``PART_BYTES`` (rank 0's first part is the main file, ``""``). Returns per-rank ``(record index,
-    file)`` lists and the index ``{key: {"pieces": [[file, tensor name, ...]]}}`` (shapes added later)."""
+    file)`` lists."""
     seen: set[str] = set()
     plan: list[list[tuple[int, str]]] = []
     for rank, descs in enumerate(descriptors):
@@ -156,7 +156,7 @@ def _assign(descriptors: list[list[tuple[str, int]]], stem: str, save_id: str) -
             file = "" if rank == 0 and part == 0 else f"{stem}.{save_id}.r{rank:05d}.{part}.safetensors"
             mine.append((i, file))
         plan.append(mine)
-    return plan, {}
+    return plan
 
 
 def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include_params: bool = True) -> str:
@@ -180,7 +180,7 @@ def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include
     index: dict[str, Any] = {}
     if rank == 0:
         save_id = uuid.uuid4().hex[:8]
-        plan, _ = _assign(gathered_d, stem, save_id)
+        plan = _assign(gathered_d, stem, save_id)
         for r, mine in enumerate(plan):
             for i, file in mine:
                 key, kind, shape, view, spec = gathered_i[r][i]

@@ -74,7 +74,6 @@ class MatrixOps:
         if strategy not in STRATEGIES:
             raise ValueError(f"matrix_ops strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.names = list(names)
-        n = len(layouts)
         self.kinds: list[str] = []
         self.costs: list[OpCost] = []
         for lay, t in zip(layouts, transposes):
