@@ -1,11 +1,11 @@
-"""Slow float64 references written line by line from the spec cards (never used by the package)."""
+"""Slow float64 references written line by line from docs/algorithms/ and the papers (never used by the package)."""
 from __future__ import annotations
 
 import torch
 
 
 def scale_step(W, G, M, lr, beta=0.0, dim=1, eps=1e-8):
-    """specs/scale.md section 2: RMS normalization along ``dim`` (of M when beta > 0)."""
+    """docs/algorithms/scale.md: RMS normalization along ``dim`` (of M when beta > 0)."""
     X = G
     if beta:
         M = beta * M + (1 - beta) * G
@@ -15,7 +15,7 @@ def scale_step(W, G, M, lr, beta=0.0, dim=1, eps=1e-8):
 
 
 def sr_sinkhorn(G, L):
-    """specs/sinkgd.md section 1.2, direct form with zero-safe divisions."""
+    """docs/algorithms/sinkgd.md, direct form with zero-safe divisions."""
     X = G.clone()
     m, n = X.shape
     for _ in range(L):
@@ -27,7 +27,7 @@ def sr_sinkhorn(G, L):
 
 
 def racs_fixed_point(P, iterations):
-    """specs/racs_alice.md section 1.1: q = 1; repeat: s = P^T q / |q|^2; q = P s / |s|^2."""
+    """docs/algorithms/racs.md: q = 1; repeat: s = P^T q / |q|^2; q = P s / |s|^2."""
     q = torch.ones(P.shape[0], dtype=P.dtype)
     for _ in range(iterations):
         s = P.T @ q / (q @ q)

@@ -1,9 +1,9 @@
-"""Whole-matrix optimizers against the float64 invariants of their spec cards (single process).
+"""Whole-matrix optimizers against the float64 invariants in docs/algorithms/ (single process).
 
-ASGO's first step equals its closed form through the SVD of G (specs/asgo.md 5.1), and its staleness law
+ASGO's first step equals its closed form through the SVD of G (docs/algorithms/asgo.md), and its staleness law
 (5.4); DASGO's first step (5.6); SUMO's update is a rank-r partial isometry in span(Q) and, on a rank-r
-gradient, the polar factor of G (specs/sumo.md I1, I5, I6); Alice's basis is orthonormal after every switch
-and at full rank the step reduces to its dense form, Adam in the basis (specs/racs_alice.md 8, 12).
+gradient, the polar factor of G (docs/algorithms/sumo.md); Alice's basis is orthonormal after every switch
+and at full rank the step reduces to its dense form, Adam in the basis (docs/algorithms/alice.md).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_asgo_first_step_closed_form(shape: tuple[int, int], eps: float) -> None
 
 def test_asgo_stale_root_follows_the_refresh_law() -> None:
     """Constant G, eps = 0, tau = 1: factor (1 - b1^(t+1)) / sqrt(1 - b2^(t+1)); with tau = 3 the denominator
-    stays at the last refresh (specs/asgo.md 5.4)."""
+    stays at the last refresh (docs/algorithms/asgo.md)."""
     from shardopt.optim.asgo import ASGO
 
     g = rand(5, 8, seed=2)
@@ -160,7 +160,7 @@ def test_alice_full_rank_is_adam_in_its_basis() -> None:
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
 def test_alice_compensation_matches_the_explicit_residual_form(shape: tuple[int, int]) -> None:
-    """r < rows: the step equals the card's form with R = A - U s and C = sqrt(rows - r) R / sqrt(p) formed
+    """r < rows: the step equals the documented form with R = A - U s and C = sqrt(rows - r) R / sqrt(p) formed
     explicitly (float64), the norm-growth limiter included, although the optimizer forms neither."""
     from shardopt.optim.alice import Alice
 

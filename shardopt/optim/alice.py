@@ -1,5 +1,5 @@
 """Alice and Alice-0: low-rank Adam in a tracked, switched subspace plus compensation (arXiv:2502.07752
-Alg. 2-4 and 10; specs/racs_alice.md sections 1.3 and 6).
+Alg. 2-4 and 10; docs/algorithms/alice.md).
 
 Per matrix, on ``A = G`` when ``m <= n`` (rows projected) or ``A = G^T`` otherwise (``U`` is ``rows x r``)::
 

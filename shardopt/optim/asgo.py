@@ -1,4 +1,4 @@
-"""ASGO (one-sided Shampoo) and DASGO, its diagonal form (arXiv:2503.20762 Alg. 2 and 3; specs/asgo.md).
+"""ASGO (one-sided Shampoo) and DASGO, its diagonal form (arXiv:2503.20762 Alg. 2 and 3; docs/algorithms/asgo.md).
 
 ASGO per matrix, on the side of the smaller dimension (``k = min(m, n)``; ties precondition the inputs)::
 
@@ -87,7 +87,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                  matrix_ops: dict | None = None):
         if eps == 0 and refresh_interval > 1:
             raise ValueError("eps = 0 with refresh_interval > 1 amplifies directions outside the stale "
-                             "preconditioner's range (specs/asgo.md section 6 item 1); use eps > 0 or tau = 1")
+                             "preconditioner's range (docs/algorithms/asgo.md); use eps > 0 or tau = 1")
         if statistic not in ("gradient", "momentum"):
             raise ValueError(f"statistic must be 'gradient' or 'momentum', got {statistic!r}")
         asgo_left((1, 1), side)

@@ -1,4 +1,4 @@
-"""RACS: row and column scaled SGD (arXiv:2502.07752, Alg. 1; specs/racs_alice.md section 1.1).
+"""RACS: row and column scaled SGD (arXiv:2502.07752, Alg. 1; docs/algorithms/racs.md).
 
 Per matrix ``G`` with ``P = G * G``::
 
@@ -28,7 +28,7 @@ class RACS(ShardedOptimizer):
     """RACS optimizer. Matrix groups use ``treatment="racs"`` with keys ``lr`` (lambda, 0.02), ``beta`` (0.9),
     ``alpha`` (0.05), ``gamma`` (norm-growth limiter, 1.01), ``iterations`` (5), ``weight_decay`` (0).
     State per matrix: ``row_scale`` (q, m), ``col_scale`` (s, n), ``phi``. Other params use AdamW at the
-    group's base lr unless ``adam_lr`` is given (card section 6 item 11).
+    group's base lr unless ``adam_lr`` is given (docs/algorithms/racs.md).
     """
 
     matrix_treatments = ("racs",)

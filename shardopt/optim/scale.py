@@ -1,4 +1,4 @@
-"""SCALE: column-normalized SGD with momentum on the LM head only (arXiv:2506.16659 v3; specs/scale.md).
+"""SCALE: column-normalized SGD with momentum on the LM head only (arXiv:2506.16659 v3; docs/algorithms/scale.md).
 
 Per matrix ``G`` (PyTorch ``(out, in)``), "column-wise" in the paper is one statistic per *output unit*,
 i.e. per row here (``norm_dim=1``: reduce over ``in``); the token embedding ``(V, d)`` reduces over the
@@ -30,7 +30,7 @@ class SCALE(ShardedOptimizer):
     0: per column), ``momentum`` (EMA beta; 0 = none), ``eps``, ``norm`` ("rms" | "l2"), ``weight_decay``.
     Other groups use ``treatment="adamw"`` (``adam_lr``, ``adam_betas``, ``adam_eps``, ``adam_weight_decay``).
 
-    Defaults follow the card: lr 1e-3, LM-head beta 0.9, eps 1e-8 (a clamp on the RMS), wd 0, AdamW for
+    Defaults (docs/algorithms/scale.md): lr 1e-3, LM-head beta 0.9, eps 1e-8 (a clamp on the RMS), wd 0, AdamW for
     vectors at 1e-3 with eps outside the bias correction as in the released code.
     """
 

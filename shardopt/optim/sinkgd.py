@@ -1,4 +1,4 @@
-"""SinkGD: SR-Sinkhorn multi-normalized gradient descent (arXiv:2502.06742; specs/sinkgd.md).
+"""SinkGD: SR-Sinkhorn multi-normalized gradient descent (arXiv:2502.06742; docs/algorithms/sinkgd.md).
 
 Scaling-vector form of SR-Sinkhorn on ``A = G * G`` (rows first, columns last; ``L`` sweeps)::
 
@@ -45,7 +45,7 @@ def sr_sinkhorn_scales(items: list, iterations: int) -> None:
 class SinkGD(ShardedOptimizer):
     """SinkGD optimizer. Matrix groups use ``treatment="sinkgd"`` with keys ``lr`` (global lr, 0.02),
     ``lr_scale`` (alpha, 0.05: peak matrix lr 1e-3), ``iterations`` (L = 5), ``weight_decay`` (0).
-    Embedding, LM head and vectors use AdamW at the global lr, as in the paper (card section 7 item 5).
+    Embedding, LM head and vectors use AdamW at the global lr, as in the paper (docs/algorithms/sinkgd.md).
     """
 
     matrix_treatments = ("sinkgd",)

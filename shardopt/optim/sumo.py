@@ -1,4 +1,4 @@
-"""SUMO: low-rank moment, orthogonalized by an exact SVD (arXiv:2505.24749 v1 Alg. 1; specs/sumo.md).
+"""SUMO: low-rank moment, orthogonalized by an exact SVD (arXiv:2505.24749 v1 Alg. 1; docs/algorithms/sumo.md).
 
 Per matrix, on ``A = G`` when ``m >= n`` (left projection, ``Q`` is ``m x r``) or ``A = G^T`` otherwise::
 
@@ -30,7 +30,7 @@ _SCALES = ("none", "sqrt_max", "moonlight", "muon")
 
 
 def step_scale(rule: str, shape: tuple[int, int]) -> float:
-    """c(m, n) of specs/sumo.md G7."""
+    """c(m, n) of docs/algorithms/sumo.md."""
     m, n = shape
     return {"none": 1.0, "sqrt_max": math.sqrt(max(m, n)), "moonlight": 0.2 * math.sqrt(max(m, n)),
             "muon": math.sqrt(max(1.0, m / n))}[rule]

@@ -1,5 +1,5 @@
 """SWAN as a multi-normalized gradient: row normalization, then whitening (arXiv:2502.06742 section 3.4,
-specs/sinkgd.md section 1.4 and section 7 item 4).
+docs/algorithms/swan.md).
 
 For m <= n (else on the transpose, so lines are columns and k = m)::
 
