@@ -91,8 +91,8 @@ def test_racs_scaling_vectors_solve_the_fixed_point():
     opt = RACS([p], beta=0.0, iterations=500)
     p.grad = G.float()
     opt.step()
-    torch.testing.assert_close(opt.state[p]["row_scale"].double(), q, rtol=1e-4, atol=1e-6)
-    torch.testing.assert_close(opt.state[p]["col_scale"].double(), s, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(opt.state[p]["q"].double(), q, rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(opt.state[p]["s"].double(), s, rtol=1e-4, atol=1e-6)
 
 
 
