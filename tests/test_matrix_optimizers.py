@@ -131,7 +131,7 @@ def test_alice_basis_orthonormal_after_every_switch(shape: tuple[int, int]) -> N
     opt = Alice([p], rank=3, leading=1, refresh_interval=2)
     for t in range(7):
         step_with(opt, p, rand(*shape, seed=20 + t))
-        u = opt.state[p]["basis"].double()
+        u = opt.state[p]["U"].double()
         assert torch.allclose(u.T @ u, torch.eye(3, dtype=torch.float64), atol=1e-5)
     assert int(opt.state[p]["switches"]) == 4  # steps 1, 2, 4, 6
 
@@ -149,7 +149,7 @@ def test_alice_full_rank_is_adam_in_its_basis() -> None:
     var = torch.zeros(m, n, dtype=torch.float64)
     for t, g in enumerate(grads):
         delta = step_with(opt, p, g)
-        u = opt.state[p]["basis"].double()
+        u = opt.state[p]["U"].double()
         assert torch.allclose(u.T @ u, torch.eye(m, dtype=torch.float64), atol=1e-6)
         s = u.T @ g
         mom = b1 * mom + (1 - b1) * s
@@ -160,7 +160,7 @@ def test_alice_full_rank_is_adam_in_its_basis() -> None:
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
 def test_alice_compensation_matches_the_explicit_residual_form(shape: tuple[int, int]) -> None:
-    """r < rows: the step equals the documented form with R = A - U s and C = sqrt(rows - r) R / sqrt(p) formed
+    """r < rows: the step equals the documented form with R = A - U sigma and C = sqrt(rows - r) R / sqrt(p) formed
     explicitly (float64), the norm-growth limiter included, although the optimizer forms neither."""
     from shardopt.optim.alice import Alice
 
@@ -176,7 +176,7 @@ def test_alice_compensation_matches_the_explicit_residual_form(shape: tuple[int,
         g = rand(*shape, seed=50 + t) * (3.0 if t == 3 else 1.0)  # a jump that the limiter must cap
         delta = step_with(opt, p, g)
         a = g.T if transpose else g
-        u = opt.state[p]["basis"].double()
+        u = opt.state[p]["U"].double()
         s = u.T @ a
         mom, var = b1 * mom + (1 - b1) * s, b2 * var + (1 - b2) * s * s
         resid = a - u @ s
@@ -199,7 +199,7 @@ def test_alice0_has_no_tracking_state_and_same_first_step_as_alice() -> None:
     da = step_with(Alice([a], rank=3, leading=1), a, g)
     opt0 = Alice0([b], rank=3, leading=1)
     db = step_with(opt0, b, g)
-    assert "tracking" not in opt0.state[b]
+    assert "Q_tilde" not in opt0.state[b]
     assert torch.allclose(da, db, atol=1e-7)
 
 
