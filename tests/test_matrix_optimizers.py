@@ -108,7 +108,7 @@ def test_sumo_moment_orthogonalized_to_unit_singular_values() -> None:
         sv = torch.linalg.svdvals(delta)
         assert torch.allclose(sv[:r], torch.ones(r, dtype=torch.float64), atol=1e-5), sv
         assert sv[r:].abs().max() < 1e-5
-        q = opt.state[p]["basis"].double()
+        q = opt.state[p]["Q"].double()
         assert torch.allclose(q.T @ q, torch.eye(r, dtype=torch.float64), atol=1e-5)
         assert (delta - q @ (q.T @ delta)).abs().max() < 1e-5
 
