@@ -3,7 +3,9 @@
 The fixtures (``tests/fixtures/old_checkpoints/``, written by its ``generate.py`` with the code of commit
 e5cf985) hold, per optimizer whose keys were renamed, the state after 3 steps of a tiny model in both forms
 (a shardopt checkpoint and ``opt.state_dict()``) and the parameters of the uninterrupted run 1 and 2 steps
-later. Loading either form must rename the old keys (``state_key_renames``) and give those parameters.
+later. Loading either form must rename the old keys (``state_key_renames``) and give those parameters. RACS's
+state is also there as an FSDP2 trainer's DCP checkpoint, which the trainer's ``SafeLoadPlanner`` reads into
+today's keys.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import shardopt.checkpoint as ckpt
 from tiny_model import Tiny
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "old_checkpoints")
-NAMES = ["racs", "alice", "alice0", "sumo", "asgo", "dasgo"]
+NAMES = ["racs", "alice", "sumo", "asgo", "dasgo"]  # Alice-0's keys are Alice's without Q_tilde
 
 
 def _fixture(name):
@@ -75,4 +77,25 @@ def test_old_state_dict_loads_and_continues(name):
         groups.append({k: tuple(v) if isinstance(g.get(k), tuple) else v for k, v in saved.items()})
     opt.load_state_dict({"state": state, "param_groups": groups})
     _no_old_keys(opt, name)
+    _continue_and_compare(model, opt, continued)
+
+
+def test_old_dcp_checkpoint_loads_into_todays_keys_and_continues():
+    """The FSDP2 trainer's resume path (``shardopt.train.trainer``): a DCP template of today's keys filled from a
+    checkpoint that holds ``row_scale``/``col_scale``."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    from shardopt.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
+
+    _, _, continued = _fixture("racs")
+    model = Tiny()
+    opt = shardopt.create_optimizer(model, "racs")
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd}
+    dcp.load(sd, storage_reader=SafeFileSystemReader(os.path.join(HERE, "racs", "dcp")), planner=SafeLoadPlanner(),
+             no_dist=True)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    _no_old_keys(opt, "racs")
+    assert any("q" in st for st in opt.state.values())
     _continue_and_compare(model, opt, continued)
