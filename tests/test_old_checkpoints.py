@@ -99,3 +99,15 @@ def test_old_dcp_checkpoint_loads_into_todays_keys_and_continues():
     _no_old_keys(opt, "racs")
     assert any("q" in st for st in opt.state.values())
     _continue_and_compare(model, opt, continued)
+
+
+def test_renames_reach_the_per_matrix_entries_of_flat_partitions():
+    """A DeepSpeed ZeRO flat partition keeps each matrix's small state under ``state[i]["matrices"][name]``."""
+    from shardopt.optim.alice import Alice
+
+    opt = Alice([torch.nn.Parameter(torch.zeros(4, 6))], rank=2)
+    old = {"state": {0: {"exp_avg": 1, "matrices": {"a.weight": {"basis": 2, "col_energy": 3, "phi": 4}}}},
+           "param_groups": []}
+    new = opt._renamed_state_keys(old)
+    assert new["state"][0] == {"exp_avg": 1, "matrices": {"a.weight": {"U": 2, "p": 3, "phi": 4}}}
+    assert "basis" in old["state"][0]["matrices"]["a.weight"]  # the caller's dict is left as it was
