@@ -105,7 +105,7 @@ def test_renames_reach_the_per_matrix_entries_of_flat_partitions():
     """A DeepSpeed ZeRO flat partition keeps each matrix's small state under ``state[i]["matrices"][name]``."""
     from shardopt.optim.alice import Alice
 
-    opt = Alice([torch.nn.Parameter(torch.zeros(4, 6))], rank=2)
+    opt = Alice([torch.nn.Parameter(torch.zeros(4, 6))], rank=2, leading=1)
     old = {"state": {0: {"exp_avg": 1, "matrices": {"a.weight": {"basis": 2, "col_energy": 3, "phi": 4}}}},
            "param_groups": []}
     new = opt._renamed_state_keys(old)
