@@ -49,7 +49,7 @@ def subspace_sketch(a_rows: torch.Tensor, at_u: torch.Tensor, u_rows: torch.Tens
     (``u_rows`` the same rows of ``U``; ``at_u = A^T U`` reduced over all rows)."""
     h = (1 - b3) * (a_rows @ at_u)
     if Q_tilde is not None and b3:
-        h = h + b3 * (u_rows @ (Q_tilde @ (U.T @ U)))
+        h = h + b3 * (u_rows @ (Q_tilde @ (U.mT @ U)))
     return h
 
 
@@ -57,12 +57,12 @@ def ritz_vectors(u_tilde: torch.Tensor, at_ut: torch.Tensor, U: torch.Tensor, Q_
                  b3: float) -> torch.Tensor:
     """Rayleigh-Ritz: the eigenvectors of ``Ut^T Q Ut = (1 - b3) (A^T Ut)^T (A^T Ut) + b3 C Q_tilde C^T`` (``C =
     Ut^T U``) mapped back by ``Ut``, by descending Ritz value (float64 eigh, fp32 result)."""
-    vr = (1 - b3) * (at_ut.T @ at_ut).double()
+    vr = (1 - b3) * (at_ut.mT @ at_ut).double()
     if Q_tilde is not None and b3:
-        c = (u_tilde.T @ U).double()
-        vr = vr + b3 * (c @ Q_tilde.double() @ c.T)
-    lam, vec = torch.linalg.eigh(0.5 * (vr + vr.T))
-    return (u_tilde.double() @ vec.flip(1)).float()
+        c = (u_tilde.mT @ U).double()
+        vr = vr + b3 * (c @ Q_tilde.double() @ c.mT)
+    lam, vec = torch.linalg.eigh(0.5 * (vr + vr.mT))
+    return (u_tilde.double() @ vec.flip(-1)).float()
 
 
 def switched_basis(u1: torch.Tensor, lead: int, pick: torch.Tensor | None) -> torch.Tensor:
@@ -77,8 +77,8 @@ def switched_basis(u1: torch.Tensor, lead: int, pick: torch.Tensor | None) -> to
 
 def reproject_tracking(Q_tilde: torch.Tensor, U_new: torch.Tensor, U: torch.Tensor) -> None:
     """``Q_tilde <- (U_new^T U) Q_tilde (U^T U_new)`` in place: the tracked statistic in the new basis."""
-    c = U_new.T @ U
-    Q_tilde.copy_(c @ Q_tilde @ c.T)
+    c = U_new.mT @ U
+    Q_tilde.copy_(c @ Q_tilde @ c.mT)
 
 
 def residual_energy(a_energy: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:

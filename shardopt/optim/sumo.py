@@ -40,7 +40,7 @@ def step_scale(rule: str, shape: tuple[int, int]) -> float:
 
 def carry_moment(Q_new: torch.Tensor, Q: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
     """The moment expressed in the new basis: ``(Q_new^T Q) M``."""
-    return (Q_new.T @ Q) @ M
+    return (Q_new.mT @ Q) @ M
 
 
 def limit_growth(O: torch.Tensor, prev_norm: torch.Tensor, gamma: float | None) -> torch.Tensor:
