@@ -78,7 +78,7 @@ def test_inspect_a_trainer_run_directory_reads_its_latest_step(single_run, capsy
         assert out.returncode == 0, out.stderr
         assert f"latest checkpoint of {single_run / 'checkpoints'}: {single_run / 'checkpoints' / 'step_4'}" in out.stdout
         assert "ddp checkpoint, optimizer RACS, engine ddp, saved at world size 1" in out.stdout
-        assert "layers.0.mlp.up_proj.weight: " in out.stdout and "row_scale(64,) [rows" in out.stdout
+        assert "layers.0.mlp.up_proj.weight: " in out.stdout and ", q(64,) [rows" in out.stdout
         assert "counters: global step 4, LR scheduler at step 4" in out.stdout
 
 

@@ -278,8 +278,10 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
                 raise CheckpointError(f"checkpoint has no entries for parameter {frag.name!r}; it was saved from "
                                       "another model or is incomplete")
             for k in by_name[frag.name]:
-                key = k.split(SEP)[1]
-                kind, shape = kinds.get(key), tuple(source.index[k]["shape"])
+                stored = k.split(SEP)[1]
+                # the kind is recorded under the stored key; the state takes today's name of an old key
+                key = opt.state_key_renames.get(stored, stored)
+                kind, shape = kinds.get(stored), tuple(source.index[k]["shape"])
                 if kind == "elements" and math.prod(shape) != math.prod(frag.logical_shape):
                     raise CheckpointError(f"{k}: checkpoint shape {shape} does not match the "
                                           f"parameter's {frag.logical_shape}")

@@ -1,19 +1,20 @@
-"""ASGO (one-sided Shampoo) and DASGO, its diagonal form (arXiv:2503.20762 Alg. 2 and 3; specs/asgo.md).
+"""ASGO (one-sided Shampoo) and DASGO, its diagonal form (arXiv:2503.20762 Alg. 2 and 3; docs/algorithms/asgo.md).
 
-ASGO per matrix, on the side of the smaller dimension (``k = min(m, n)``; ties precondition the inputs)::
+ASGO per matrix, on the side of the smaller dimension (``k = min(m, n)``; ties precondition the inputs); the
+state keys are the symbols ``V`` and ``P`` (``M`` is ``exp_avg``, element-wise like AdamW's)::
 
     M = b1 M + (1 - b1) G                          (EMA, no bias correction)
     V = b2 V + (1 - b2) G^T G   (right, k = n)   or  G G^T (left, k = m)   (from M with statistic="momentum")
     every tau steps:  P = (V + eps I)^{-1/2}       (eigh in float64; eps = 0 is a pseudo-inverse root)
-    W = W (1 - lr wd) - lr * (M P  or  P M)        (optionally grafted to RMS ``update_rms``)
+    W = W (1 - lr wd) - lr * (M P  or  P M)        (optionally grafted to RMS ``update_rms``: ``graft_to_rms``)
 
 Written on ``MatrixOps`` with ``A = G`` (right) or ``A = G^T`` (left): the statistic is the Gram ``A^T A``, a
 sum over the rows of ``A``, so under the distributed strategy each rank adds its rows' ``k x k`` partial Gram
 and one bucketed all-reduce completes it; the root is computed identically on every rank from identical
 inputs, and the update ``M_A P`` is row-local. Under the gather strategy an owner computes all of it.
 
-DASGO: ``v = b2 v + (1 - b2) colsum(G * G)``; ``W -= lr M / sqrt(v + eps)`` per column: only the split columns'
-partial sums cross the network (the core primitives), no whole-matrix work.
+DASGO: ``v = b2 v + (1 - b2) colsum(G * G)``; ``W -= lr M / sqrt(v + eps)`` per column (state key ``v``): only
+the split columns' partial sums cross the network (the core primitives), no whole-matrix work.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from ..sharding.linalg import by_shape, inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 
-__all__ = ["ASGO", "DASGO", "asgo_left"]
+__all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms"]
 
 
 def asgo_left(shape: tuple[int, int], side: str) -> bool:
@@ -40,6 +41,13 @@ def asgo_left(shape: tuple[int, int], side: str) -> bool:
         raise ValueError(f"side must be 'auto', 'left' or 'right', got {side!r}")
     m, n = shape
     return m < n
+
+
+def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: tuple[int, int]) -> torch.Tensor:
+    """``update`` rescaled to RMS ``rms`` over the whole ``m x n`` matrix (``norm2``: its reduced squared
+    Frobenius norm; ``update`` may be a block of its rows)."""
+    m, n = shape
+    return update * (rms * math.sqrt(m * n) / norm2.sqrt().clamp(min=1e-12))
 
 
 def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
@@ -72,11 +80,12 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
     """ASGO (``treatment="asgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.95), ``eps`` (1e-6, inside the
     root), ``refresh_interval`` tau (1), ``side`` ("auto" | "left" | "right"), ``root`` ("eigh" |
     "newton_schulz": the eigh root wherever the fp32 iteration is unstable, see ``linalg.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
-    released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (m x n, like the
-    parameter), ``precond_stat`` V and ``precond`` P (k x k)."""
+    released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (M, m x n, like the
+    parameter), ``V`` (EMA Gram) and ``P`` (its inverse root), k x k (docs/algorithms/asgo.md)."""
 
     matrix_treatments = ("asgo",)
-    state_kinds = {**ShardedOptimizer.state_kinds, "precond_stat": "matrix", "precond": "matrix"}
+    state_kinds = {**ShardedOptimizer.state_kinds, "V": "matrix", "P": "matrix"}
+    state_key_renames = {"precond_stat": "V", "precond": "P"}
 
     def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.95),
                  eps: float = 1e-6, refresh_interval: int = 1, side: str = "auto", root: str = "eigh",
@@ -87,7 +96,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                  matrix_ops: dict | None = None):
         if eps == 0 and refresh_interval > 1:
             raise ValueError("eps = 0 with refresh_interval > 1 amplifies directions outside the stale "
-                             "preconditioner's range (specs/asgo.md section 6 item 1); use eps > 0 or tau = 1")
+                             "preconditioner's range (docs/algorithms/asgo.md); use eps > 0 or tau = 1")
         if statistic not in ("gradient", "momentum"):
             raise ValueError(f"statistic must be 'gradient' or 'momentum', got {statistic!r}")
         asgo_left((1, 1), side)
@@ -108,7 +117,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]
-        return {"precond_stat": ((k, k), 1), "precond": ((k, k), 1)}
+        return {"V": ((k, k), 1), "P": ((k, k), 1)}
 
     def _step_asgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
@@ -125,30 +134,28 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         blocks = ops.to_blocks(channels)
         for it, is_left in zip(items, left):
             k = it.layout.shape[0] if is_left else it.layout.shape[1]
-            if "precond_stat" not in it.state:
-                it.state["precond_stat"] = it.grad.new_zeros(k, k)
-                it.state["precond"] = it.grad.new_zeros(k, k)
+            if "V" not in it.state:
+                it.state["V"] = it.grad.new_zeros(k, k)
+                it.state["P"] = it.grad.new_zeros(k, k)
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i][0].T @ blocks[i][0] for i in active})
         refresh = {}
         for i in active:
             it = items[i]
             if it.has_grad:
-                it.state["precond_stat"].mul_(b2).add_(grams[i], alpha=1 - b2)
+                it.state["V"].mul_(b2).add_(grams[i], alpha=1 - b2)
             if (steps[id(it.tensor)] - 1) % group["refresh_interval"] == 0:
-                refresh[i] = it.state["precond_stat"]
+                refresh[i] = it.state["V"]
         roots = by_shape(lambda v: inverse_root(v, group["eps"], group["root"], group["ns_steps"]), refresh)
         updates: dict[int, torch.Tensor] = {}
         for i in active:
             if i in roots:
-                items[i].state["precond"].copy_(roots[i])
-            updates[i] = blocks[i][-1] @ items[i].state["precond"]
+                items[i].state["P"].copy_(roots[i])
+            updates[i] = blocks[i][-1] @ items[i].state["P"]
         if group["update_rms"] is not None:
             norms = ops.allreduce({i: (updates[i] * updates[i]).sum().reshape(1) for i in active})
             for i in active:
-                m, n = items[i].layout.shape
-                target = group["update_rms"] * math.sqrt(m * n)
-                updates[i] = updates[i] * (target / norms[i].sqrt().clamp(min=1e-12))
+                updates[i] = graft_to_rms(updates[i], norms[i], group["update_rms"], items[i].layout.shape)
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
         for it, piece in zip(items, pieces):
@@ -157,10 +164,11 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
 class DASGO(_MomentumMixin, ShardedOptimizer):
     """DASGO (``treatment="dasgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.99), ``eps`` (1e-6), ``weight_decay``
-    (0). State per matrix: ``exp_avg`` (m x n) and ``col_stat`` v (n)."""
+    (0). State per matrix: ``exp_avg`` (M, m x n) and ``v`` (EMA column energy, n)."""
 
     matrix_treatments = ("dasgo",)
-    state_kinds = {**ShardedOptimizer.state_kinds, "col_stat": "cols"}
+    state_kinds = {**ShardedOptimizer.state_kinds, "v": "cols"}
+    state_key_renames = {"col_stat": "v"}
 
     def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.99),
                  eps: float = 1e-6, weight_decay: float = 0.0, adam_lr: float | None = None,
@@ -186,9 +194,9 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
             it.work["sums"] = sums
         rnd.run()
         for it in items:
-            if "col_stat" not in it.state:
-                it.state["col_stat"] = it.grad.new_zeros(it.layout.shape[1])
-            v = it.state["col_stat"]
+            if "v" not in it.state:
+                it.state["v"] = it.grad.new_zeros(it.layout.shape[1])
+            v = it.state["v"]
             if it.has_grad:
                 v.mul_(b2).add_(it.work["sums"], alpha=1 - b2)
             it.apply_scaled(self._momentum_piece(it), group["lr"], group["weight_decay"],

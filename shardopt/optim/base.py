@@ -160,6 +160,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: "matrix" a small per-matrix tensor (k x k factor, low-rank basis) with one logical value; under the
     #: gather strategy only the owner rank keeps it current and ``sync_state`` replicates it.
     state_kinds: dict[str, str] = {"exp_avg": "elements", "exp_avg_sq": "elements", "step": "tensor"}
+    #: state keys of older releases -> today's (named after the algorithm's symbols, docs/algorithms/): both
+    #: loaders, ``load_state_dict`` and ``shardopt.checkpoint``, rename them, so old checkpoints keep loading
+    state_key_renames: dict[str, str] = {}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
@@ -329,6 +332,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = self._renamed_state_keys(state_dict)
         groups = self.param_groups
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
@@ -360,6 +364,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._adopt_param_names()
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
+
+    def _renamed_state_keys(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the old state keys of ``state_key_renames`` under their new names (also inside
+        the per-matrix ``"matrices"`` entries of engine flat partitions)."""
+        renames = self.state_key_renames
+        if not renames:
+            return state_dict
+
+        def rename(entries: Any) -> Any:
+            if not isinstance(entries, dict):
+                return entries
+            out = {renames.get(k, k) if isinstance(k, str) else k: v for k, v in entries.items()}
+            if isinstance(out.get("matrices"), dict):
+                out["matrices"] = {n: rename(m) for n, m in out["matrices"].items()}
+            return out
+
+        return {**state_dict, "state": {k: rename(v) for k, v in state_dict.get("state", {}).items()}}
 
     def _adopt_param_names(self) -> None:
         """Take the groups' ``param_names`` as the parameters' names (fragments are rebuilt with them)."""

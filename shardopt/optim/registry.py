@@ -57,7 +57,7 @@ class _WholeMatrixFields(_AdamFields):
 
 
 class SCALEConfig(_AdamFields):
-    """specs/scale.md: matrix lr 1e-3, LM-head momentum 0.9, RMS clamp 1e-8, AdamW 1e-3 for vectors."""
+    """docs/algorithms/scale.md: matrix lr 1e-3, LM-head momentum 0.9, RMS clamp 1e-8, AdamW 1e-3 for vectors."""
 
     lr: float = pydantic.Field(1e-3, ge=0)
     momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="EMA beta of the LM-head momentum")
@@ -69,7 +69,7 @@ class SCALEConfig(_AdamFields):
 
 
 class SinkGDConfig(_AdamFields):
-    """specs/sinkgd.md: global lr 0.02, matrix lr scale 0.05, L = 5; AdamW at the global lr."""
+    """docs/algorithms/sinkgd.md: global lr 0.02, matrix lr scale 0.05, L = 5; AdamW at the global lr."""
 
     lr: float = pydantic.Field(0.02, ge=0)
     lr_scale: float = pydantic.Field(0.05, ge=0)
@@ -79,7 +79,7 @@ class SinkGDConfig(_AdamFields):
 
 
 class RACSConfig(_AdamFields):
-    """specs/racs_alice.md: lambda 0.02, beta 0.9, alpha 0.05, gamma 1.01, 5 fixed-point steps."""
+    """docs/algorithms/racs.md: lambda 0.02, beta 0.9, alpha 0.05, gamma 1.01, 5 fixed-point steps."""
 
     lr: float = pydantic.Field(0.02, ge=0)
     beta: float = pydantic.Field(0.9, ge=0, lt=1)
@@ -105,7 +105,7 @@ class MuonConfig(_AdamFields):
 
 
 class SWANConfig(_WholeMatrixFields):
-    """specs/sinkgd.md 1.4: SWAN-dagger lr 0.02 x 0.05, one normalize+whiten sweep, no centering."""
+    """docs/algorithms/swan.md: SWAN-dagger lr 0.02 x 0.05, one normalize+whiten sweep, no centering."""
 
     lr: float = pydantic.Field(0.02, ge=0)
     lr_scale: float = pydantic.Field(0.05, ge=0)
@@ -118,7 +118,7 @@ class SWANConfig(_WholeMatrixFields):
 
 
 ASGO_PRESETS: dict[str, dict[str, Any]] = {
-    # specs/asgo.md 1.6 and 6.1: the GPT-2 run's text: direct SVD/eigh, eps = 0 (pseudo-inverse), tau = 1
+    # docs/algorithms/asgo.md: the GPT-2 run's text: direct SVD/eigh, eps = 0 (pseudo-inverse), tau = 1
     "paper_gpt2": dict(lr=0.1, betas=(0.9, 0.95), eps=0.0, refresh_interval=1, root="eigh"),
     # the authors' released code: beta2 0.8, wd 0.1, coupled Newton-Schulz root, RMS-0.2 graft, tau = 1
     "released_code": dict(lr=0.01, betas=(0.9, 0.8), eps=1e-10, refresh_interval=1, root="newton_schulz",
@@ -127,7 +127,7 @@ ASGO_PRESETS: dict[str, dict[str, Any]] = {
 
 
 class ASGOConfig(_WholeMatrixFields):
-    """specs/asgo.md Alg. 2: betas (0.9, 0.95) and eps 1e-6 (Table 4), tau 1, eigh root, smaller side."""
+    """docs/algorithms/asgo.md: betas (0.9, 0.95) and eps 1e-6 (Table 4), tau 1, eigh root, smaller side."""
 
     preset: Literal["paper_gpt2", "released_code"] | None = pydantic.Field(
         None, description="defaults of the paper's GPT-2 run or of the released code; explicit keys win")
@@ -162,7 +162,7 @@ class ASGOConfig(_WholeMatrixFields):
 
 
 class DASGOConfig(_AdamFields):
-    """specs/asgo.md Alg. 3: Table 4's betas (0.9, 0.99), eps 1e-6."""
+    """docs/algorithms/asgo.md: Table 4's betas (0.9, 0.99), eps 1e-6."""
 
     lr: float = pydantic.Field(0.01, ge=0)
     betas: tuple[float, float] = (0.9, 0.99)
@@ -172,7 +172,7 @@ class DASGOConfig(_AdamFields):
 
 
 class SUMOConfig(_WholeMatrixFields):
-    """specs/sumo.md 1.3 defaults: GaLore's C4 recipe (lr 0.01, alpha 0.25, K 200), mu 0.9, gamma 1.1."""
+    """docs/algorithms/sumo.md defaults: GaLore's C4 recipe (lr 0.01, alpha 0.25, K 200), mu 0.9, gamma 1.1."""
 
     lr: float = pydantic.Field(0.01, ge=0)
     rank: int = pydantic.Field(128, ge=1)
@@ -190,7 +190,7 @@ class SUMOConfig(_WholeMatrixFields):
 
 
 class AliceConfig(_WholeMatrixFields):
-    """specs/racs_alice.md Table 7-11 (60M-350M): lr 0.02, alpha 0.3, alpha_c 0.4, betas (0.9, 0.9, 0.999),
+    """docs/algorithms/alice.md: lr 0.02, alpha 0.3, alpha_c 0.4, betas (0.9, 0.9, 0.999),
     K 200, r 128, l 40, gamma 1.01."""
 
     lr: float = pydantic.Field(0.02, ge=0)

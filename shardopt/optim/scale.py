@@ -1,4 +1,4 @@
-"""SCALE: column-normalized SGD with momentum on the LM head only (arXiv:2506.16659 v3; specs/scale.md).
+"""SCALE: column-normalized SGD with momentum on the LM head only (arXiv:2506.16659 v3; docs/algorithms/scale.md).
 
 Per matrix ``G`` (PyTorch ``(out, in)``), "column-wise" in the paper is one statistic per *output unit*,
 i.e. per row here (``norm_dim=1``: reduce over ``in``); the token embedding ``(V, d)`` reduces over the
@@ -9,8 +9,11 @@ instead of ``G``::
     s = max(sqrt(mean(X * X, norm_dim)), eps)       (RMS, as the released code; norm="l2": no mean)
     W = W * (1 - lr * wd) - lr * X / s
 
+The state key ``momentum_buffer`` holds ``M`` (torch.optim's name for it, as in SGD and Muon).
+
 Sharded: the per-row/per-column sums of squares are partial sums over local elements, completed by one
-bucketed all-reduce of the split indices only (none for FSDP2 row shards with ``norm_dim=1``).
+bucketed all-reduce of the split indices only (none for FSDP2 row shards with ``norm_dim=1``); ``inverse_rms``
+is the math on the completed sums.
 """
 from __future__ import annotations
 
@@ -22,7 +25,15 @@ import torch
 from ..sharding import Round, col_sums, row_sums
 from .base import ShardedOptimizer, check_lr
 
-__all__ = ["SCALE"]
+__all__ = ["SCALE", "inverse_rms"]
+
+
+def inverse_rms(sumsq: torch.Tensor, count: int, eps: float, norm: str = "rms") -> torch.Tensor:
+    """``1 / s`` with ``s = max(sqrt(sumsq / count), eps)`` per line (``norm="l2"``: no division by the line
+    length ``count``), from each line's completed sum of squares."""
+    if norm == "rms":
+        sumsq = sumsq / count
+    return 1.0 / sumsq.sqrt().clamp_min(eps)
 
 
 class SCALE(ShardedOptimizer):
@@ -30,7 +41,7 @@ class SCALE(ShardedOptimizer):
     0: per column), ``momentum`` (EMA beta; 0 = none), ``eps``, ``norm`` ("rms" | "l2"), ``weight_decay``.
     Other groups use ``treatment="adamw"`` (``adam_lr``, ``adam_betas``, ``adam_eps``, ``adam_weight_decay``).
 
-    Defaults follow the card: lr 1e-3, LM-head beta 0.9, eps 1e-8 (a clamp on the RMS), wd 0, AdamW for
+    Defaults (docs/algorithms/scale.md): lr 1e-3, LM-head beta 0.9, eps 1e-8 (a clamp on the RMS), wd 0, AdamW for
     vectors at 1e-3 with eps outside the bias correction as in the released code.
     """
 
@@ -99,9 +110,6 @@ class SCALE(ShardedOptimizer):
         for it in items:
             m, n = it.layout.shape
             count = n if axis == 0 else m
-            stats = it.work["stats"]
-            if group["norm"] == "rms":
-                stats = stats / count
-            inv = 1.0 / stats.sqrt().clamp_min(group["eps"])
+            inv = inverse_rms(it.work["stats"], count, group["eps"], group["norm"])
             it.apply_scaled(it.grad, group["lr"], group["weight_decay"],
                             row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)

@@ -1,4 +1,4 @@
-"""SinkGD: SR-Sinkhorn multi-normalized gradient descent (arXiv:2502.06742; specs/sinkgd.md).
+"""SinkGD: SR-Sinkhorn multi-normalized gradient descent (arXiv:2502.06742; docs/algorithms/sinkgd.md).
 
 Scaling-vector form of SR-Sinkhorn on ``A = G * G`` (rows first, columns last; ``L`` sweeps)::
 
@@ -6,7 +6,8 @@ Scaling-vector form of SR-Sinkhorn on ``A = G * G`` (rows first, columns last; `
     repeat L:  u = n / (A v);   v = m / (A^T u)        (zero lines get zero scales, never NaN)
     W = W * (1 - lr * scale * wd) - lr * scale * diag(sqrt(u)) G diag(sqrt(v))
 
-Every column of the update has l2 norm sqrt(m); rows approach sqrt(n). Sharded: each half-sweep is one
+Every column of the update has l2 norm sqrt(m); rows approach sqrt(n). ``sinkhorn_scale`` is the math of a
+half-sweep on the completed sums (u or v). Sharded: each half-sweep is one
 bucketed all-reduce of the split indices of ``A v`` or ``A^T u``; FSDP2 row shards need only the column
 rounds (``L`` collectives per step for all matrices together), ZeRO flat slices add tiny boundary-row rounds.
 """
@@ -19,7 +20,13 @@ import torch
 from ..sharding import Round, col_sums, masked_reciprocal, row_sums, scale_into
 from .base import ShardedOptimizer, check_lr
 
-__all__ = ["SinkGD", "sr_sinkhorn_scales"]
+__all__ = ["SinkGD", "sr_sinkhorn_scales", "sinkhorn_scale"]
+
+
+def sinkhorn_scale(weighted_sums: torch.Tensor, length: int) -> torch.Tensor:
+    """One half-sweep: ``u = n / (A v)`` (``length = n``, the row length) or ``v = m / (A^T u)`` (``length =
+    m``) from the completed weighted line sums; a zero line gets a zero scale."""
+    return masked_reciprocal(weighted_sums, float(length))
 
 
 def sr_sinkhorn_scales(items: list, iterations: int) -> None:
@@ -34,18 +41,18 @@ def sr_sinkhorn_scales(items: list, iterations: int) -> None:
             rnd.add_axis(it.layout, it.work["r"], 0)
         rnd.run()
         for it in items:
-            it.work["u"] = masked_reciprocal(it.work["r"], float(it.layout.shape[1]))
+            it.work["u"] = sinkhorn_scale(it.work["r"], it.layout.shape[1])
             it.work["c"] = col_sums(it.layout, it.work["A"], it.work["u"])
             rnd.add_axis(it.layout, it.work["c"], 1)
         rnd.run()
         for it in items:
-            it.work["v"] = masked_reciprocal(it.work["c"], float(it.layout.shape[0]))
+            it.work["v"] = sinkhorn_scale(it.work["c"], it.layout.shape[0])
 
 
 class SinkGD(ShardedOptimizer):
     """SinkGD optimizer. Matrix groups use ``treatment="sinkgd"`` with keys ``lr`` (global lr, 0.02),
     ``lr_scale`` (alpha, 0.05: peak matrix lr 1e-3), ``iterations`` (L = 5), ``weight_decay`` (0).
-    Embedding, LM head and vectors use AdamW at the global lr, as in the paper (card section 7 item 5).
+    Embedding, LM head and vectors use AdamW at the global lr, as in the paper (docs/algorithms/sinkgd.md).
     """
 
     matrix_treatments = ("sinkgd",)

@@ -1,10 +1,10 @@
 """SWAN as a multi-normalized gradient: row normalization, then whitening (arXiv:2502.06742 section 3.4,
-specs/sinkgd.md section 1.4 and section 7 item 4).
+docs/algorithms/swan.md).
 
-For m <= n (else on the transpose, so lines are columns and k = m)::
+For m <= n, with k = n (else on the transpose: the lines are columns and k = m)::
 
-    repeat L:  X = sqrt(k) X / rownorm(X)          (optionally centered first: GradNorm's standardization)
-               X = sqrt(k) (X X^T)^{-1/2} X         (whitening = sqrt(k) * polar factor U V^T)
+    repeat L:  X = sqrt(k) X / rownorm(X)          (optionally centered first; ``line_scale``)
+               X = sqrt(k) (X X^T)^{-1/2} X         (whitening = sqrt(k) * polar factor U V^T; ``whiten``)
     W = W - lr * lr_scale * X
 
 Sharded: the line norms are partial sums completed by one bucketed all-reduce; whitening needs only the
@@ -24,7 +24,17 @@ from ..sharding.linalg import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 
-__all__ = ["SWAN"]
+__all__ = ["SWAN", "line_scale", "whiten"]
+
+
+def line_scale(norm2: torch.Tensor, k: int) -> torch.Tensor:
+    """``sqrt(k) / |line|`` per line from the completed squared line norms (0 for a zero line)."""
+    return masked_rsqrt(norm2, math.sqrt(k))
+
+
+def whiten(a_rows: torch.Tensor, root: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of ``sqrt(k) A (A^T A)^{-1/2}`` given ``root = (A^T A)^{-1/2}`` of the whole ``A``."""
+    return (a_rows @ root) * math.sqrt(k)
 
 
 def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int) -> None:
@@ -80,7 +90,7 @@ class SWAN(ShardedOptimizer):
                 rnd.add_axis(it.layout, it.work["norm2"], it.work["axis"])
             rnd.run()
             for it in items:
-                inv = masked_rsqrt(it.work["norm2"], math.sqrt(it.work["k"]))
+                inv = line_scale(it.work["norm2"], it.work["k"])
                 scale_into(it.layout, it.work["x"], it.work["x"], inv if it.work["axis"] == 0 else None,
                            inv if it.work["axis"] == 1 else None)
             self._whiten(items, group)
@@ -108,7 +118,7 @@ class SWAN(ShardedOptimizer):
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in active})
         roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]), grams)
-        out = {i: (blocks[i] @ roots[i]) * math.sqrt(max(items[i].layout.shape)) for i in active}
+        out = {i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in active}
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece
         ops.account()

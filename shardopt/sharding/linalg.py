@@ -84,7 +84,7 @@ def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: 
                       eps: float = 1e-12) -> torch.Tensor:
     """``(A^T A)^{-1/2}`` from the Gram matrix alone, so that ``A @ result`` whitens ``A`` (its polar factor).
 
-    ``newton_schulz``: the coupled iteration of specs/racs_alice.md section 7 (B.8), ``Y0 = S/|S|_F, Z0 = I``,
+    ``newton_schulz``: the coupled iteration of docs/algorithms/swan.md, ``Y0 = S/|S|_F, Z0 = I``,
     ``T = (3I - Z Y)/2, Y <- Y T, Z <- T Z``, in fp32; unlike Muon's quintic it converges (singular values of
     the result -> 1). ``svd``: exact, a float64 eigendecomposition with a pseudo-inverse cutoff (the polar
     factor ``U V^T``; zero singular directions map to zero). Only a ``k x k`` matrix is needed, so sharded
@@ -107,7 +107,7 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
 
     ``eigh`` (default, exact): float64 eigendecomposition of the symmetrized matrix, eigenvalues clamped at 0;
     with ``eps == 0`` a pseudo-inverse root that ignores eigenvalues below ``k * 1.2e-7 * lambda_max``
-    (specs/asgo.md section 6 item 1). ``newton_schulz``: the coupled iteration of specs/asgo.md 1.6
+    (docs/algorithms/asgo.md). ``newton_schulz``: the coupled iteration of docs/algorithms/asgo.md
     (``Y0 = A/s, Z0 = I``, ``T = (3I - ZY)/2``), in fp32, for comparison with the paper's damping study.
 
     The iteration converges, or with few ``ns_steps`` stops short in the smallest eigendirections (a damped
