@@ -118,6 +118,7 @@ def attach_zero(opt: Any, shapes: dict[str, tuple[int, ...]], world: int, stage:
 
     group = dist.group.WORLD
     local = 0
+    attached = []
     for g, pg in enumerate(_groups(opt)):
         names = list(opt.group_param_names[g])
         if not names:
@@ -132,11 +133,10 @@ def attach_zero(opt: Any, shapes: dict[str, tuple[int, ...]], world: int, stage:
                 sub = [names[i] for i in idx]
                 frags, length = zero3_fragments(sub, [shapes[n] for n in sub], world, 0, group)
                 flats.append((torch.empty(length, device="meta"), frags))
-        for flat, frags in flats:
-            flat._shardopt_flat = True  # type: ignore[attr-defined]
-            opt.attach_fragments(flat, frags)
-            local += flat.numel()
+        attached.extend(flats)
+        local += sum(flat.numel() for flat, _ in flats)
         pg["params"] = [f for f, _ in flats] if stage == "zero1/2" else []  # ZeRO-3 empties them between steps
+    opt.use_layouts(flat=attached)
     return torch.full((world,), 2 * local, dtype=torch.int64)
 
 

@@ -56,13 +56,42 @@ def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], n
     return list(parts.values())
 
 
+def _given_names(group: dict, tensors: list[torch.Tensor], pair_names: list[str] | None) -> list[str] | None:
+    """torch's names of a group's tensors: from ``(name, tensor)`` pairs, else from its ``param_names``.
+
+    A whole-parameter sharder (ZeroRedundancyOptimizer, fairscale OSS) hands each rank a copy of every group
+    with only the parameters that rank owns; ``shardopt.param_groups`` makes those one-parameter groups, so a
+    copy's ``param_names`` either match or the copy is empty (its names become ``[]``, keeping torch's rule
+    that all groups are with or without names). Names that match no longer are dropped."""
+    if pair_names is not None:
+        return pair_names
+    given = group.get("param_names")
+    if given is None:
+        return None
+    if len(given) == len(tensors):
+        return list(given)
+    if not tensors:
+        group["param_names"] = []
+        return None
+    group.pop("param_names")
+    return None
+
+
+def _legacy_names(group: dict, tensors: list[torch.Tensor]) -> list[str] | None:
+    """``create_optimizer``'s own ``names`` key (shardopt's, not torch's), removed from the group; None when
+    absent or when a wrapper re-split the group so they no longer match."""
+    legacy = group.pop("names", None)
+    return legacy if legacy is not None and len(legacy) == len(tensors) else None
+
+
 def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptions, who: str,
                            start: int = 0, stacklevel: int = 2) -> tuple[list[dict], dict[int, str]]:
     """Param groups with a ``treatment`` each, and a name for every tensor (keyed by ``id``).
 
-    Names, first found wins: the user's (``named_parameters()`` pairs, a group's ``param_names``, or the
-    ``names`` that ``create_optimizer`` passes), the one routing attached to the tensor, else its position in
-    the input (``param_<start + i>``), so seeded draws and checkpoints never depend on memory addresses.
+    Names, first found wins: the user's (``named_parameters()`` pairs, a group's ``param_names``: torch's
+    channels, ``_given_names``), the ``names`` that ``create_optimizer`` passes (``_legacy_names``), else the
+    tensor's position in the input (``param_<start + i>``), so seeded draws and checkpoints never depend on
+    memory addresses.
     ``role_options(role)`` gives the group options for a role (with ``treatment``).
     """
     groups = _as_groups(params)
@@ -70,11 +99,7 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
     for g in groups:
         tensors, names = named_or_unnamed(g["params"] if not isinstance(g["params"], torch.Tensor)
                                           else [g["params"]])
-        if names is None and g.get("param_names") is not None:
-            if len(g["param_names"]) == len(tensors):
-                names = list(g["param_names"])
-            else:  # a wrapper that re-split groups (ZeroRedundancyOptimizer) copied names that no longer match
-                g.pop("param_names")
+        names = _given_names(g, tensors, names)
         per_group.append((tensors, names))
     named_all = [(n, t) for tensors, names in per_group if names for n, t in zip(names, tensors)]
     roles_by_name = roles_from_names(named_all) if named_all else {}
@@ -83,15 +108,13 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
     ids: dict[int, str] = {}
     position = start
     for g, (tensors, names) in zip(groups, per_group):
-        legacy = g.pop("names", None)  # create_optimizer's names: shardopt's own, not torch's param_names
-        if legacy is not None and len(legacy) != len(tensors):
-            legacy = None  # a wrapper re-split the group (ZeroRedundancyOptimizer): routing's tensor attribute
+        legacy = _legacy_names(g, tensors)
         g["params"] = tensors
         if names is not None:
             g["param_names"] = names
         for i, t in enumerate(tensors):
             given = names[i] if names else (legacy[i] if legacy else None)
-            ids.setdefault(id(t), given or getattr(t, "_shardopt_name", None) or f"param_{position}")
+            ids.setdefault(id(t), given or f"param_{position}")
             position += 1
         if "treatment" in g or not tensors:
             out.append(g if "treatment" in g else {**role_options("vector"), **g})
