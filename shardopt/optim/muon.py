@@ -4,7 +4,7 @@ Same update as ``torch.optim.Muon``: ``B = lerp(B, G, 1 - mu)``, Nesterov ``U = 
 ``O = NS5(U)``, ``W = W (1 - lr wd) - lr_adj O`` with ``lr_adj = lr sqrt(max(1, m/n))`` ("original") or
 ``0.2 lr sqrt(max(m, n))`` ("match_rms_adamw"). On sharded parameters the momentum is element-wise local
 and Newton-Schulz runs on ``MatrixOps`` like every whole-matrix optimizer (``matrix_ops.strategy``): under
-``gather`` (Muon's default, the anchors' owner compute) an owner rank per matrix orthogonalizes it whole; under
+``gather`` (Muon's default) an owner rank per matrix, balanced by the cost model, orthogonalizes it whole; under
 ``distributed`` the rows of the tall orientation stay spread and each of the ``ns_steps`` iterations all-reduces
 only the small ``k x k`` Gram matrix (one collective per step for all matrices of a bucket); ``auto`` picks per
 matrix by the cost model. ``ns_dtype="bfloat16"`` reproduces torch's bf16 iteration; the default fp32 keeps
@@ -37,7 +37,8 @@ def adjusted_lr(lr: float, rule: str | None, shape: tuple[int, int]) -> float:
 
 class Muon(ShardedOptimizer):
     """Muon for 2-D matrices (``treatment="muon"``; keys ``lr``, ``momentum``, ``nesterov``, ``weight_decay``,
-    ``ns_steps``, ``eps``, ``adjust_lr_fn``, ``ns_dtype``); other params use AdamW (``adam_lr``, default lr)."""
+    ``ns_steps``, ``eps``, ``adjust_lr_fn``, ``ns_dtype``); other params use AdamW (``adam_lr``, default lr).
+    ``matrix_ops={"strategy": "gather" | "distributed" | "auto"}`` picks how Newton-Schulz meets sharding."""
 
     matrix_treatments = ("muon",)
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
