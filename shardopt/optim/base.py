@@ -180,8 +180,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_hyperparameters(defaults, f"{type(self).__name__} defaults")
         check_hyperparameters({**adam, "lr": adam_lr}, f"{type(self).__name__} AdamW defaults (adam_*)")
         # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
-        # the tensor, else the one routing attached to it (survives wrappers that re-split param groups,
-        # like ZeroRedundancyOptimizer), else the tensor's position
+        # the tensor (torch's pairs or param_names, create_optimizer's names), else the tensor's position
+        # (groups.tensor_names; wrappers that re-split param groups keep names with shardopt.param_groups)
         groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=3)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
