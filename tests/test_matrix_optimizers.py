@@ -219,7 +219,7 @@ def test_zero_gradients_give_no_nan(name: str) -> None:
 def test_polar_factor_gram_path_matches_the_svd(shape: tuple[int, ...], kind: str) -> None:
     """The float64 Gram-eigh route (cutoffs >= GRAM_RTOL) gives the SVD's U V^T to float32 rounding and drops
     the same directions (rank-deficient; singular values spread over 5.5 decades across the 1e-4 cutoff; zero)."""
-    from shardopt.sharding.linalg import GRAM_RTOL, polar_factor
+    from shardopt.sharding.matfun import GRAM_RTOL, polar_factor
 
     g = torch.Generator().manual_seed(7)
     *batch, m, n = shape
@@ -249,7 +249,7 @@ def test_polar_factor_gram_path_matches_the_svd(shape: tuple[int, ...], kind: st
 def test_products_for_transposed_blocks_keep_the_storage_orientation() -> None:
     """Blocks of G^T are views; products and column sums of squares computed for them come out stored like G
     (so mapping back to G's flat layout is a view) and equal the plain results."""
-    from shardopt.sharding.linalg import mm_like, stored_transposed
+    from shardopt.sharding.orientation import mm_like, stored_transposed
     from shardopt.sharding.primitives import col_sumsq
 
     g = torch.randn(300, 40)

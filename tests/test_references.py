@@ -14,7 +14,7 @@ import shardopt
 from shardopt.optim.alice import Alice, Alice0
 from shardopt.optim.asgo import ASGO, DASGO
 from shardopt.optim.sumo import SUMO
-from shardopt.sharding.linalg import seeded_permutation
+from shardopt.sharding.draws import seeded_permutation
 from references import alice_step, asgo_step, dasgo_step, sumo_step, swan_direction
 
 

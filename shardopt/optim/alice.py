@@ -31,7 +31,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.linalg import mm_like, seeded_permutation
+from ..sharding.draws import seeded_permutation
+from ..sharding.orientation import mm_like
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.primitives import col_sumsq
 from ..sharding.subspace import orthonormal, range_basis

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt
-from ..sharding.linalg import by_shape, inverse_root
+from ..sharding.matfun import by_shape, inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 
@@ -79,7 +79,7 @@ class _MomentumMixin:
 class ASGO(_MomentumMixin, ShardedOptimizer):
     """ASGO (``treatment="asgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.95), ``eps`` (1e-6, inside the
     root), ``refresh_interval`` tau (1), ``side`` ("auto" | "left" | "right"), ``root`` ("eigh" |
-    "newton_schulz": the eigh root wherever the fp32 iteration is unstable, see ``linalg.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
+    "newton_schulz": the eigh root wherever the fp32 iteration is unstable, see ``matfun.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
     released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (M, m x n, like the
     parameter), ``V`` (EMA Gram) and ``P`` (its inverse root), k x k (docs/algorithms/asgo.md)."""
 

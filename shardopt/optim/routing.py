@@ -175,7 +175,7 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
     if names is not None:
         named = list(zip(names, tensors))
         return named, roles_from_names(named), "torch"
-    named = [(getattr(t, "_shardopt_name", None) or f"param_{i}", t) for i, t in enumerate(tensors)]
+    named = [(f"param_{i}", t) for i, t in enumerate(tensors)]
     if len({t.dim() == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
         warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer
     return named, {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}, "position"
@@ -227,8 +227,6 @@ def route(
         group["names"].append(name)
         if source == "torch":
             group.setdefault("param_names", []).append(name)
-        if source != "position":
-            p._shardopt_name = name  # the optimizer finds its name even if a wrapper drops "names"
     unused = [p for p in overrides if p not in used]
     if unused:
         raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")

@@ -21,7 +21,8 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.linalg import by_shape, mm_like, polar_factor
+from ..sharding.matfun import by_shape, polar_factor
+from ..sharding.orientation import mm_like
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis
 from .base import ShardedOptimizer

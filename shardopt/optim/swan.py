@@ -20,7 +20,7 @@ from typing import Any, Iterable
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
-from ..sharding.linalg import by_shape, gram_inverse_sqrt
+from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 

@@ -112,26 +112,27 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
     wrapper = engine.optimizer
     if wrapper is opt:
         return  # stage 0 without a wrapper: real parameters, whole matrices
+    flat: list[tuple[torch.Tensor, list[Fragment]]] = []
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
-        for g, flat in enumerate(wrapper.single_partition_of_fp32_groups):
+        for g, partition in enumerate(wrapper.single_partition_of_fp32_groups):
             pg = wrapper.real_dp_process_group[g]
             world = dist.get_world_size(group=pg)
             frags = _flat_layouts(
                 wrapper.round_robin_bit16_groups[g], wrapper.round_robin_bit16_offsets[g],
                 wrapper.bit16_groups_flat[g].numel() // world, dist.get_rank(group=pg), world, pg, names,
                 lambda p: tuple(p.shape))
-            _attach(opt, flat, frags)
+            flat.append((partition, frags))
     elif isinstance(wrapper, BF16_Optimizer):
-        for g, flat in enumerate(wrapper.fp32_groups_flat_partition):
+        for g, partition in enumerate(wrapper.fp32_groups_flat_partition):
             pg = wrapper.real_dp_process_group[g]
             world = dist.get_world_size(group=pg)
             order = wrapper.bf16_groups[g]
             offsets = [sum(p.numel() for p in order[:i]) for i in range(len(order))]
             frags = _flat_layouts(order, offsets, wrapper.bf16_groups_flat[g].numel() // world,
                                   dist.get_rank(group=pg), world, pg, names, lambda p: tuple(p.shape))
-            _attach(opt, flat, frags)
+            flat.append((partition, frags))
     elif isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
-        for sg, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
+        for sg, partition in enumerate(wrapper.fp32_partitioned_groups_flat):
             pg = wrapper.sub_group_process_groups[sg] if hasattr(wrapper, "sub_group_process_groups") \
                 else wrapper.dp_process_group
             world = dist.get_world_size(group=pg)
@@ -139,16 +140,12 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             params = wrapper.fp16_groups[sg]
             frags, _ = zero3_fragments([names[id(p)] for p in params], [tuple(p.ds_shape) for p in params], world,
                                        rank, pg, partition_numels=[p.partition_numel() for p in params])
-            _attach(opt, flat, frags)
+            flat.append((partition, frags))
     else:
         raise NotImplementedError(
             f"DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, which shardopt cannot map to "
             "matrices; use zero_optimization.stage 1, 2 or 3 (or stage 0 with fp32)")
-
-
-def _attach(opt: ShardedOptimizer, flat: torch.Tensor, frags: list[Fragment]) -> None:
-    flat._shardopt_flat = True  # type: ignore[attr-defined]
-    opt.attach_fragments(flat, frags)
+    opt.use_layouts(flat=flat)
 
 
 def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], **kwargs: Any):
