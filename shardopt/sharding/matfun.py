@@ -67,7 +67,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENT
 
 def coupled_inverse_sqrt(a: torch.Tensor, steps: int, floor: float) -> torch.Tensor:
     """``a^{-1/2}`` of symmetric PSD fp32 matrices (batched) by the coupled Newton-Schulz iteration
-    (specs/racs_alice.md section 7 (B.8), specs/asgo.md 1.6): ``Y0 = a/s, Z0 = I``, ``T = (3I - Z Y)/2``,
+    (docs/algorithms/alice.md, docs/algorithms/asgo.md): ``Y0 = a/s, Z0 = I``, ``T = (3I - Z Y)/2``,
     ``Y <- Y T``, ``Z <- T Z``, result ``Z / sqrt(s)`` with ``s = max(|a|_F, floor)``. It converges to the
     inverse root, or with few steps stops short in the smallest eigendirections (a damped root)."""
     s = torch.linalg.matrix_norm(a).clamp(min=floor)[..., None, None]
