@@ -34,7 +34,7 @@ def whole_param_sharder(opt_name: str, kind: str) -> dict:
     cfg = validate_hyperparameters(opt_name, {k: v for k, v in kw.items() if k != "routing"})
     groups = [{k: v for k, v in g.items() if k != "names"} for g in
               build_param_groups(model, opt_name, cfg, kw.get("routing"))]
-    cls = REGISTRY[opt_name][0]
+    cls = REGISTRY[opt_name]
     if kind == "zero_redundancy":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **optimizer_kwargs(cfg))

@@ -26,6 +26,7 @@ from ..sharding.plan import check_same_plan
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
 from .adamw import adamw_step
+from .config import OptimizerConfig
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
 
@@ -165,6 +166,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
     role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
                                    "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+    #: the hyperparameter model (defaults, ranges, docs, roles); each algorithm module defines its own
+    Config: type[OptimizerConfig] = OptimizerConfig
+
+    @classmethod
+    def from_config(cls, params: Iterable[Any], config: OptimizerConfig) -> "ShardedOptimizer":
+        """The optimizer for an already validated ``config`` (``create_optimizer``, the DeepSpeed section, the
+        trainer): what the constructor builds from its keyword arguments, without validating twice."""
+        if not isinstance(config, cls.Config):
+            raise TypeError(f"{cls.__name__} takes a {cls.Config.__name__}, got {type(config).__name__}")
+        self = cls.__new__(cls)
+        self._init_from_config(params, config)
+        return self
+
+    def _init_from_config(self, params: Iterable[Any], config: OptimizerConfig) -> None:
+        """Every subclass constructor ends here: it only turns its keyword arguments into ``config``."""
+        #: the validated hyperparameters this optimizer was built from
+        self.config = config
+        self.role_table = config.roles()
+        ShardedOptimizer.__init__(self, params, config.group_defaults(), **config.engine_options())
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None,
                  on_nonfinite: str = "skip", debug_plan: bool | None = None, matrix_ops: dict | None = None,
@@ -176,7 +196,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
         # the tensor, else the one routing attached to it (survives wrappers that re-split param groups,
         # like ZeroRedundancyOptimizer), else the tensor's position
-        groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=3)
+        groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=4)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
         for g in groups:
