@@ -60,7 +60,6 @@ class AliceConfig(WholeMatrixConfig):
     seed: int = pydantic.Field(0, description="seed of the range finder's draws")
     oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")
     power_iters: int = pydantic.Field(2, ge=0, le=20, description="randomized range finder power iterations")
-    weight_decay: float = pydantic.Field(0.0, ge=0)
     tracking: bool = pydantic.Field(True, description="keep the tracking state (False: Alice-0)")
 
     @pydantic.field_validator("betas")

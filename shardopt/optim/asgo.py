@@ -60,7 +60,6 @@ class ASGOConfig(WholeMatrixConfig):
     statistic: Literal["gradient", "momentum"] = pydantic.Field(
         "gradient", description="V from the gradient (Alg. 2) or the momentum (the Muon-equivalent eq. 4)")
     update_rms: float | None = pydantic.Field(None, gt=0, description="graft the update to this RMS (code: 0.2)")
-    weight_decay: float = pydantic.Field(0.0, ge=0)
 
     @pydantic.model_validator(mode="before")
     @classmethod
@@ -91,7 +90,6 @@ class DASGOConfig(OptimizerConfig):
     lr: float = pydantic.Field(0.01, ge=0)
     betas: tuple[float, float] = pydantic.Field((0.9, 0.99), description="momentum and column-energy EMA betas")
     eps: float = pydantic.Field(1e-6, gt=0)
-    weight_decay: float = pydantic.Field(0.0, ge=0)
 
     @pydantic.field_validator("betas")
     @classmethod

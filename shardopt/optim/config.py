@@ -89,6 +89,7 @@ class OptimizerConfig(_Strict):
     #: constructor keyword -> field, where the constructor keeps torch's name for another meaning
     constructor_names: ClassVar[dict[str, str]] = {}
 
+    weight_decay: float = pydantic.Field(0.0, ge=0, description="decoupled weight decay of the matrix rule")
     adam_lr: float | None = pydantic.Field(None, ge=0, description="AdamW lr for vectors (None: lr)")
     adam_betas: tuple[float, float] = pydantic.Field((0.9, 0.999), description="AdamW betas for vectors")
     adam_eps: float = pydantic.Field(1e-8, ge=0, description="AdamW eps for vectors")
@@ -144,8 +145,9 @@ class OptimizerConfig(_Strict):
     # ------------------------------------------------------------------ what the optimizer reads
     def group_defaults(self) -> dict[str, Any]:
         """torch's ``defaults``: the matrix rule's hyperparameters (every field but the common ones)."""
-        skip = set(_COMMON) | {"matrix_ops"} | set(self.config_only)
-        return {k: getattr(self, k) for k in type(self).model_fields if k not in skip}
+        skip = set(_COMMON) | {"matrix_ops", "weight_decay"} | set(self.config_only)
+        own = {k: getattr(self, k) for k in type(self).model_fields if k not in skip}
+        return {**own, "weight_decay": self.weight_decay}
 
     def roles(self) -> dict[str, dict]:
         """Group options by parameter role (``shardopt.optim.routing``); the default: hidden matrices get the

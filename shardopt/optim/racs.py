@@ -36,7 +36,6 @@ class RACSConfig(OptimizerConfig):
     alpha: float = pydantic.Field(0.05, ge=0, description="step scale")
     gamma: float = pydantic.Field(1.01, ge=1, description="norm-growth limiter")
     iterations: int = pydantic.Field(5, ge=1, description="fixed-point steps for the scales")
-    weight_decay: float = pydantic.Field(0.0, ge=0)
 
 
 _D = RACSConfig.defaults()

@@ -51,7 +51,7 @@ def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], wher
     try:
         return schema.model_validate(dict(hyperparameters))
     except pydantic.ValidationError as err:
-        valid = ", ".join(schema.model_fields)
+        valid = ", ".join(sorted(schema.model_fields, key=lambda k: k in OptimizerConfig.model_fields))
         raise ConfigError(f"{format_errors(err, where)} [optimizer {schema.treatment!r} accepts: {valid}]") from None
 
 

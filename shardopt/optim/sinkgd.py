@@ -52,7 +52,6 @@ class SinkGDConfig(OptimizerConfig):
     lr: float = pydantic.Field(0.02, ge=0, description="global lr (AdamW's too unless adam_lr)")
     lr_scale: float = pydantic.Field(0.05, ge=0, description="alpha: the matrix lr is lr * lr_scale")
     iterations: int = pydantic.Field(5, ge=1, description="L: SR-Sinkhorn sweeps")
-    weight_decay: float = pydantic.Field(0.0, ge=0)
 
 
 _D = SinkGDConfig.defaults()

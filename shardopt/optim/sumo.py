@@ -63,7 +63,6 @@ class SUMOConfig(WholeMatrixConfig):
     oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")
     power_iters: int = pydantic.Field(2, ge=0, le=20, description="randomized range finder power iterations")
     seed: int = pydantic.Field(0, description="seed of the range finder's draws")
-    weight_decay: float = pydantic.Field(0.0, ge=0)
 
 
 _D = SUMOConfig.defaults()

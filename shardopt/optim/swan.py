@@ -48,7 +48,6 @@ class SWANConfig(WholeMatrixConfig):
     center: bool = pydantic.Field(False, description="subtract the row means first")
     whitening: Literal["newton_schulz", "svd"] = "newton_schulz"
     ns_steps: int = pydantic.Field(12, ge=1, lt=100, description="coupled Newton-Schulz steps (converges)")
-    weight_decay: float = pydantic.Field(0.0, ge=0)
 
 
 _D = SWANConfig.defaults()
