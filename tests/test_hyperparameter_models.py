@@ -95,12 +95,13 @@ def test_scale_momentum_one_model_two_entry_points():
         return {opt.param_names[id(p)]: g["momentum"] for g in opt.param_groups if g["treatment"] == "scale"
                 for p in g["params"]}
 
-    roles = {"embed.weight": 0.0, "proj.weight": 0.0, "head.weight": 0.9}
     by_name = momenta(shardopt.create_optimizer(Tiny(), "scale"))
-    assert {k: by_name[k] for k in roles if k in by_name} == {k: v for k, v in roles.items() if k in by_name}
+    assert by_name == {"embed.weight": 0.0, "proj.weight": 0.0, "lm_head.weight": 0.9}
     assert momenta(shardopt.SCALE(Tiny().named_parameters())) == by_name
     assert momenta(shardopt.create_optimizer(Tiny(), "scale", momentum=0.5)) == \
         {k: (0.5 if v == 0.9 else v) for k, v in by_name.items()}
+    named = momenta(shardopt.SCALE(Tiny().named_parameters(), momentum=0.5))  # as before: the group default
+    assert named == {k: (v if v == 0.9 else 0.5) for k, v in by_name.items()}
     lin = nn.Linear(4, 3)
     assert momenta(shardopt.SCALE(lin.parameters())) == {"param_0": 0.0}
     assert momenta(shardopt.SCALE(lin.parameters(), momentum=0.9)) == {"param_0": 0.9}

@@ -32,7 +32,8 @@ class SCALEConfig(OptimizerConfig):
 
     ``momentum`` is the LM head's beta (the paper's placement; JSON and ``create_optimizer``). The constructor
     keeps torch's meaning for its ``momentum`` keyword, the beta of every ``scale`` group that sets none
-    (hidden matrices; every matrix of an unnamed list): the field ``matrix_momentum``, 0 by default.
+    (hidden matrices; every matrix of an unnamed list): the field ``matrix_momentum``, 0 by default, which the
+    constructor also gives the embedding unless ``embedding_momentum`` is passed.
     """
 
     treatment = "scale"
@@ -83,6 +84,7 @@ class SCALE(ShardedOptimizer):
     def __init__(self, params: Iterable[Any], lr: float = _D.lr, momentum: float = _D.matrix_momentum,
                  norm_dim: int = _D.norm_dim, eps: float = _D.eps, norm: str = _D.norm,
                  weight_decay: float = _D.weight_decay, **options: Unpack[CommonOptions]):
+        options.setdefault("embedding_momentum", momentum)  # torch's sense: the embedding sets no beta of its own
         self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
             lr=lr, momentum=momentum, norm_dim=norm_dim, eps=eps, norm=norm, weight_decay=weight_decay), options))
 
