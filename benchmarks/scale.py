@@ -97,7 +97,7 @@ def fsdp2_model(size: str, world: int) -> torch.nn.Module:
 def whole_matrix(name: str) -> bool:
     from shardopt.optim.registry import OPTIMIZERS
 
-    return bool(OPTIMIZERS[name][0].whole_matrix_work)
+    return bool(OPTIMIZERS[name].whole_matrix_work)
 
 
 def _groups(opt: Any) -> list[dict]:

@@ -15,7 +15,7 @@ from shardopt.optim.registry import OPTIMIZERS
 
 
 def test_every_optimizer_class_is_public() -> None:
-    classes = {entry[0] for entry in OPTIMIZERS.values()}
+    classes = set(OPTIMIZERS.values())
     assert len(classes) == 10
     for cls in classes:
         assert getattr(shardopt, cls.__name__) is cls
@@ -55,7 +55,7 @@ def test_param_groups_keep_names_and_rules_through_a_sharder_split(name: str) ->
             for n in [reference.param_names[id(p)]]}
     assert {g["param_names"][0]: g["treatment"] for g in groups} == want
     owned = {id(p) for i, (_, p) in enumerate(model.named_parameters()) if i % 2}
-    cls = OPTIMIZERS[name][0]
+    cls = OPTIMIZERS[name]
     inner = cls(_split_like_a_sharder(groups, lambda p: id(p) in owned))
     named = dict(model.named_parameters())
     for g in inner.param_groups:

@@ -31,7 +31,7 @@ def whole_param_sharder(opt_name: str, kind: str) -> dict:
     model = make_model()
     ddp = DDP(model)
     groups = shardopt.param_groups(model, opt_name, **OPTIMIZERS[opt_name])
-    cls = REGISTRY[opt_name][0]
+    cls = REGISTRY[opt_name]
     if kind == "zero_redundancy":
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls)

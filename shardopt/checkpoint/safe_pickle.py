@@ -128,7 +128,7 @@ def _old_state_key_names() -> dict[str, list[str]]:
     from ..optim.registry import OPTIMIZERS
 
     olds: dict[str, list[str]] = {}
-    for cls, *_ in OPTIMIZERS.values():
+    for cls in OPTIMIZERS.values():
         for old, new in getattr(cls, "state_key_renames", {}).items():
             if old not in olds.setdefault(new, []):
                 olds[new].append(old)

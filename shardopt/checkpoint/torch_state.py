@@ -20,10 +20,10 @@ def optimizer_class(groups: list[dict]) -> type | None:
     if not any("treatment" in g for g in groups):
         return None
     for g in groups:
-        for cls, _, _ in OPTIMIZERS.values():
+        for cls in OPTIMIZERS.values():
             if g.get("treatment") in cls.matrix_treatments:
                 return cls
-    return OPTIMIZERS["scale"][0]  # only AdamW groups: every class stores them the same way
+    return OPTIMIZERS["scale"]  # only AdamW groups: every class stores them the same way
 
 
 def counters(step: Any, scheduler: Any) -> dict[str, Any]:

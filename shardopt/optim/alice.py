@@ -27,8 +27,9 @@ every world size draws the same.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Unpack
 
+import pydantic
 import torch
 
 from ..sharding.draws import seeded_permutation
@@ -37,11 +38,13 @@ from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.primitives import col_sumsq
 from ..sharding.subspace import orthonormal, range_basis
 from .base import ShardedOptimizer
+from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .racs import norm_growth_eta
 from .sumo import effective_rank
 
 __all__ = ["Alice", "Alice0", "subspace_sketch", "ritz_vectors", "switched_basis", "reproject_tracking",
-           "residual_energy", "update_moments", "compensation_scale", "low_rank_step"]
+           "residual_energy", "update_moments", "compensation_scale", "low_rank_step", "AliceConfig",
+           "Alice0Config"]
 
 
 def subspace_sketch(a_rows: torch.Tensor, at_u: torch.Tensor, u_rows: torch.Tensor, U: torch.Tensor,
@@ -119,6 +122,60 @@ def low_rank_step(a_rows: torch.Tensor, u_rows: torch.Tensor, sigma: torch.Tenso
     return mm_like(a_rows, u_rows, low).addcmul_(a_rows, col)
 
 
+class AliceConfig(WholeMatrixConfig):
+    """docs/algorithms/alice.md, the paper's Tables 7-11 (60M-350M): lr 0.02, alpha 0.3, alpha_c 0.4, betas (0.9, 0.9, 0.999),
+    K 200, r 128, l 40, gamma 1.01. The main results train the LM head with the low-rank rule too."""
+
+    treatment = "alice"
+
+    lr: float = pydantic.Field(0.02, ge=0)
+    alpha: float = pydantic.Field(0.3, ge=0, description="scale of the low-rank update")
+    alpha_c: float = pydantic.Field(0.4, ge=0, description="scale of the compensation outside the subspace")
+    betas: tuple[float, float, float] = pydantic.Field(
+        (0.9, 0.9, 0.999), description="b1 momentum, b2 second moment, b3 tracking (0 when tracking is off)")
+    rank: int = pydantic.Field(128, ge=1, description="r: subspace rank (clamped to min(m, n) with a warning)")
+    leading: int = pydantic.Field(40, ge=0, validate_default=True,  # checked against rank when defaulted too
+                                  description="l <= r: leading directions kept at a switch")
+    refresh_interval: int = pydantic.Field(200, ge=1, description="K: steps between subspace switches")
+    gamma: float = pydantic.Field(1.01, ge=1, description="norm-growth limiter")
+    eps: float = pydantic.Field(1e-8, ge=0)
+    reproject: bool = pydantic.Field(True, description="rotate the tracking state into the new basis at a switch")
+    seed: int = pydantic.Field(0, description="seed of the range finder's draws")
+    oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")
+    power_iters: int = pydantic.Field(2, ge=0, le=20, description="randomized range finder power iterations")
+    tracking: bool = pydantic.Field(True, description="keep the tracking state (False: Alice-0)")
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float, float]) -> tuple[float, float, float]:
+        return check_betas("betas", v)
+
+    @pydantic.field_validator("leading")
+    @classmethod
+    def _leading_within_rank(cls, v: int, info: pydantic.ValidationInfo) -> int:
+        if "rank" in info.data and v > info.data["rank"]:
+            raise ValueError(f"{v} must be <= rank = {info.data['rank']}")
+        return v
+
+    def group_defaults(self) -> dict[str, Any]:
+        b1, b2, b3 = self.betas
+        return {**super().group_defaults(), "betas": (b1, b2, b3 if self.tracking else 0.0)}
+
+    def roles(self) -> dict[str, dict]:
+        return {**super().roles(), "lm_head": {"treatment": self.treatment}}
+
+
+class Alice0Config(AliceConfig):
+    """Alice-0: Alice without the tracking state (b3 = 0), the paper's choice when memory matters."""
+
+    treatment = "alice0"
+
+    tracking: bool = pydantic.Field(False, description="keep the tracking state (True: Alice)")
+
+
+_D = AliceConfig.defaults()
+
+
 class Alice(ShardedOptimizer):
     """Alice (``treatment="alice"``). Keys: ``lr`` (0.02), ``alpha`` (0.3), ``alpha_c`` (0.4), ``betas``
     (b1 0.9, b2 0.9, b3 0.999), ``rank`` (128), ``leading`` l (40), ``refresh_interval`` K (200), ``gamma``
@@ -126,36 +183,24 @@ class Alice(ShardedOptimizer):
     ``Q_tilde``, ``M``, ``V``, ``p``, ``phi``, ``switches`` (docs/algorithms/alice.md). ``Alice0`` is the same
     with ``tracking=False`` (b3 = 0, no ``Q_tilde`` state)."""
 
+    Config = AliceConfig
     matrix_treatments = ("alice",)
-    tracking_default = True
-    #: named parameters route as create_optimizer: the LM head is trained with the low-rank method too
-    role_table = {**ShardedOptimizer.role_table, "lm_head": {}}
     state_kinds = {**ShardedOptimizer.state_kinds, "U": "matrix", "Q_tilde": "matrix", "M": "matrix",
                    "V": "matrix", "p": "matrix", "phi": "matrix", "switches": "matrix"}
     state_key_renames = {"basis": "U", "tracking": "Q_tilde", "exp_avg_low": "M", "exp_avg_sq_low": "V",
                          "col_energy": "p"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.02, alpha: float = 0.3, alpha_c: float = 0.4,
-                 betas: tuple[float, float, float] = (0.9, 0.9, 0.999), rank: int = 128, leading: int = 40,
-                 refresh_interval: int = 200, gamma: float = 1.01, eps: float = 1e-8, reproject: bool = True,
-                 seed: int = 0, oversample: int = 10, power_iters: int = 2, weight_decay: float = 0.0,
-                 tracking: bool | None = None, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        if int(rank) < 1 or not 0 <= int(leading) <= int(rank):
-            raise ValueError(f"need rank >= 1 and 0 <= leading <= rank, got rank={rank}, leading={leading}")
-        if int(refresh_interval) < 1:
-            raise ValueError(f"refresh_interval must be >= 1, got {refresh_interval}")
-        tracking = self.tracking_default if tracking is None else tracking
-        b1, b2, b3 = betas
-        defaults = dict(lr=lr, alpha=alpha, alpha_c=alpha_c, betas=(b1, b2, b3 if tracking else 0.0),
-                        rank=int(rank), leading=int(leading), refresh_interval=int(refresh_interval), gamma=gamma,
-                        eps=eps, reproject=reproject, seed=int(seed), oversample=int(oversample),
-                        power_iters=int(power_iters), weight_decay=weight_decay, tracking=tracking)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, alpha: float = _D.alpha, alpha_c: float = _D.alpha_c,
+                 betas: tuple[float, float, float] = _D.betas, rank: int = _D.rank, leading: int = _D.leading,
+                 refresh_interval: int = _D.refresh_interval, gamma: float = _D.gamma, eps: float = _D.eps,
+                 reproject: bool = _D.reproject, seed: int = _D.seed, oversample: int = _D.oversample,
+                 power_iters: int = _D.power_iters, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        """``tracking`` (an option; default: the class's, Alice True, Alice0 False) keeps the tracking state."""
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, alpha=alpha, alpha_c=alpha_c, betas=betas, rank=rank, leading=leading,
+            refresh_interval=refresh_interval, gamma=gamma, eps=eps, reproject=reproject, seed=seed,
+            oversample=oversample, power_iters=power_iters, weight_decay=weight_decay), options))
 
     whole_matrix_work = True
 
@@ -270,8 +315,8 @@ class Alice0(Alice):
     """Alice-0 (``treatment="alice0"``): Alice without the tracking state (b3 = 0), the paper's choice when
     memory matters."""
 
+    Config = Alice0Config
     matrix_treatments = ("alice0",)
-    tracking_default = False
 
     def _step_alice0(self, group: dict) -> None:
         self._step_alice(group)

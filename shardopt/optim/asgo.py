@@ -19,16 +19,88 @@ the split columns' partial sums cross the network (the core primitives), no whol
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt
 from ..sharding.matfun import by_shape, inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
+from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
 
-__all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms"]
+__all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
+
+
+ASGO_PRESETS: dict[str, dict[str, Any]] = {
+    # docs/algorithms/asgo.md: the paper's GPT-2 run: direct SVD/eigh, eps = 0 (pseudo-inverse), tau = 1
+    "paper_gpt2": dict(lr=0.1, betas=(0.9, 0.95), eps=0.0, refresh_interval=1, root="eigh"),
+    # the authors' released code: beta2 0.8, wd 0.1, coupled Newton-Schulz root, RMS-0.2 graft, tau = 1
+    "released_code": dict(lr=0.01, betas=(0.9, 0.8), eps=1e-10, refresh_interval=1, root="newton_schulz",
+                          ns_steps=10, update_rms=0.2, weight_decay=0.1),
+}
+
+
+class ASGOConfig(WholeMatrixConfig):
+    """docs/algorithms/asgo.md (Alg. 2): betas (0.9, 0.95) and eps 1e-6 (Table 4), tau 1, eigh root, smaller side.
+    Embeddings, LM head and vectors on AdamW, as the released code."""
+
+    treatment = "asgo"
+    config_only = ("preset",)
+
+    preset: Literal["paper_gpt2", "released_code"] | None = pydantic.Field(
+        None, description="defaults of the paper's GPT-2 run or of the released code; explicit keys win")
+    lr: float = pydantic.Field(0.01, ge=0)
+    betas: tuple[float, float] = pydantic.Field((0.9, 0.95), description="momentum and statistic EMA betas")
+    eps: float = pydantic.Field(1e-6, ge=0, description="damping inside the root: (V + eps I)^-1/2")
+    refresh_interval: int = pydantic.Field(1, ge=1, description="tau: steps between root recomputations")
+    side: Literal["auto", "left", "right"] = pydantic.Field(
+        "auto", description="the preconditioned side (auto: the smaller dimension; ties precondition the inputs)")
+    root: Literal["eigh", "newton_schulz"] = "eigh"
+    ns_steps: int = pydantic.Field(50, ge=1, le=200, description="coupled Newton-Schulz steps of the root")
+    statistic: Literal["gradient", "momentum"] = pydantic.Field(
+        "gradient", description="V from the gradient (Alg. 2) or the momentum (the Muon-equivalent eq. 4)")
+    update_rms: float | None = pydantic.Field(None, gt=0, description="graft the update to this RMS (code: 0.2)")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in ASGO_PRESETS:
+            data = {**ASGO_PRESETS[data["preset"]], **data}
+        return data
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        return check_betas("betas", v)
+
+    @pydantic.field_validator("refresh_interval")
+    @classmethod
+    def _pseudo_inverse_fresh(cls, v: int, info: pydantic.ValidationInfo) -> int:
+        if info.data.get("eps") == 0 and v > 1:
+            raise ValueError("eps = 0 needs refresh_interval = 1 (a stale pseudo-inverse root amplifies new "
+                             "directions outside its range; docs/algorithms/asgo.md); set eps > 0")
+        return v
+
+
+class DASGOConfig(OptimizerConfig):
+    """docs/algorithms/asgo.md (DASGO, Alg. 3): Table 4's betas (0.9, 0.99), eps 1e-6."""
+
+    treatment = "dasgo"
+
+    lr: float = pydantic.Field(0.01, ge=0)
+    betas: tuple[float, float] = pydantic.Field((0.9, 0.99), description="momentum and column-energy EMA betas")
+    eps: float = pydantic.Field(1e-6, gt=0)
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        return check_betas("betas", v)
+
+
+_D = ASGOConfig.defaults()
+_DD = DASGOConfig.defaults()
 
 
 def asgo_left(shape: tuple[int, int], side: str) -> bool:
@@ -83,29 +155,19 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
     released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (M, m x n, like the
     parameter), ``V`` (EMA Gram) and ``P`` (its inverse root), k x k (docs/algorithms/asgo.md)."""
 
+    Config = ASGOConfig
     matrix_treatments = ("asgo",)
     state_kinds = {**ShardedOptimizer.state_kinds, "V": "matrix", "P": "matrix"}
     state_key_renames = {"precond_stat": "V", "precond": "P"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-6, refresh_interval: int = 1, side: str = "auto", root: str = "eigh",
-                 ns_steps: int = 50, statistic: str = "gradient", update_rms: float | None = None,
-                 weight_decay: float = 0.0, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        if eps == 0 and refresh_interval > 1:
-            raise ValueError("eps = 0 with refresh_interval > 1 amplifies directions outside the stale "
-                             "preconditioner's range (docs/algorithms/asgo.md); use eps > 0 or tau = 1")
-        if statistic not in ("gradient", "momentum"):
-            raise ValueError(f"statistic must be 'gradient' or 'momentum', got {statistic!r}")
-        asgo_left((1, 1), side)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, refresh_interval=int(refresh_interval), side=side,
-                        root=root, ns_steps=int(ns_steps), statistic=statistic, update_rms=update_rms,
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, betas: tuple[float, float] = _D.betas,
+                 eps: float = _D.eps, refresh_interval: int = _D.refresh_interval, side: str = _D.side,
+                 root: str = _D.root, ns_steps: int = _D.ns_steps, statistic: str = _D.statistic,
+                 update_rms: float | None = _D.update_rms, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, betas=betas, eps=eps, refresh_interval=refresh_interval, side=side, root=root, ns_steps=ns_steps,
+            statistic=statistic, update_rms=update_rms, weight_decay=weight_decay), options))
 
     whole_matrix_work = True
 
@@ -166,19 +228,15 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
     """DASGO (``treatment="dasgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.99), ``eps`` (1e-6), ``weight_decay``
     (0). State per matrix: ``exp_avg`` (M, m x n) and ``v`` (EMA column energy, n)."""
 
+    Config = DASGOConfig
     matrix_treatments = ("dasgo",)
     state_kinds = {**ShardedOptimizer.state_kinds, "v": "cols"}
     state_key_renames = {"col_stat": "v"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.99),
-                 eps: float = 1e-6, weight_decay: float = 0.0, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _DD.lr, betas: tuple[float, float] = _DD.betas,
+                 eps: float = _DD.eps, weight_decay: float = _DD.weight_decay, **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), options))
 
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return shape[1] if group.get("treatment", "adamw") != "adamw" else 0

@@ -31,6 +31,8 @@ from ..sharding.plan import check_same_plan
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
 from .adamw import adamw_step
+from .checks import check_hyperparameters
+from .config import OptimizerConfig
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
 
@@ -98,30 +100,6 @@ class MatrixItem:
                 wb.add_(xb, alpha=-lr)
 
 
-def check_lr(lr: Any, where: str = "lr") -> None:
-    """torch's rule for a tensor learning rate: one element (it is read as a number at each step)."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"Tensor lr must be 1-element ({where} has shape {tuple(lr.shape)})")
-
-
-def check_hyperparameters(options: dict, where: str) -> None:
-    """torch's checks of the hyperparameters every group may hold (``lr``, ``weight_decay``, ``eps``,
-    ``betas``, ``momentum``), as ``ValueError``s that say which value and where."""
-    lr = options.get("lr")
-    check_lr(lr, f"{where} lr")
-    if lr is not None and not lr >= 0:
-        raise ValueError(f"Invalid learning rate: {float(lr)} ({where}; must be >= 0)")
-    for key in ("weight_decay", "eps"):
-        if options.get(key) is not None and not options[key] >= 0:
-            raise ValueError(f"Invalid {key} value: {options[key]} ({where}; must be >= 0)")
-    for i, beta in enumerate(options.get("betas") or ()):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {beta} ({where}; must be in [0, 1))")
-    momentum = options.get("momentum")
-    if momentum is not None and not 0.0 <= momentum < 1.0:
-        raise ValueError(f"Invalid momentum value: {momentum} ({where}; must be in [0, 1))")
-
-
 def _float_lr(group: dict) -> dict:
     """The group as the rules see it: a tensor ``lr`` read as a float (torch's tensor-lr convention)."""
     lr = group.get("lr")
@@ -174,6 +152,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
     role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
                                    "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+    #: the hyperparameter model (defaults, ranges, docs, roles); each algorithm module defines its own
+    Config: type[OptimizerConfig] = OptimizerConfig
+
+    @classmethod
+    def from_config(cls, params: Iterable[Any], config: OptimizerConfig) -> "ShardedOptimizer":
+        """The optimizer for an already validated ``config`` (``create_optimizer``, the DeepSpeed section, the
+        trainer): what the constructor builds from its keyword arguments, without validating twice."""
+        if not isinstance(config, cls.Config):
+            raise TypeError(f"{cls.__name__} takes a {cls.Config.__name__}, got {type(config).__name__}")
+        self = cls.__new__(cls)
+        self._init_from_config(params, config)
+        return self
+
+    def _init_from_config(self, params: Iterable[Any], config: OptimizerConfig) -> None:
+        """Every subclass constructor ends here: it only turns its keyword arguments into ``config``."""
+        #: the validated hyperparameters this optimizer was built from
+        self.config = config
+        self.role_table = config.roles()
+        ShardedOptimizer.__init__(self, params, config.group_defaults(), **config.engine_options())
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None,
                  on_nonfinite: str = "skip", debug_plan: bool | None = None, matrix_ops: dict | None = None,
@@ -185,7 +182,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
         # the tensor (torch's pairs or param_names, create_optimizer's names), else the tensor's position
         # (groups.tensor_names; wrappers that re-split param groups keep names with shardopt.param_groups)
-        groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=3)
+        groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=4)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
         for g in groups:

@@ -13,15 +13,17 @@ sharded runs equal to the single-process run to fp32 rounding.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
 from ..sharding.matfun import MUON_COEFFICIENTS, newton_schulz, newton_schulz_iteration
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from .base import MatrixItem, ShardedOptimizer, check_lr
+from .base import MatrixItem, ShardedOptimizer
+from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
-__all__ = ["Muon", "adjusted_lr"]
+__all__ = ["Muon", "MuonConfig", "adjusted_lr"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -35,30 +37,44 @@ def adjusted_lr(lr: float, rule: str | None, shape: tuple[int, int]) -> float:
     raise ValueError(f"adjust_lr_fn must be 'original' or 'match_rms_adamw', got {rule!r}")
 
 
+class MuonConfig(WholeMatrixConfig):
+    """torch.optim.Muon's defaults: lr 1e-3, momentum 0.95 (Nesterov), wd 0.1, 5 quintic NS steps. Whole
+    matrices are gathered to an owner by default (``matrix_ops.strategy = "gather"``), as Muon always did."""
+
+    treatment = "muon"
+
+    lr: float = pydantic.Field(1e-3, ge=0)
+    momentum: float = pydantic.Field(0.95, ge=0, lt=1)
+    nesterov: bool = True
+    weight_decay: float = pydantic.Field(0.1, ge=0)
+    ns_steps: int = pydantic.Field(5, ge=1, lt=100, description="quintic Newton-Schulz steps")
+    eps: float = pydantic.Field(1e-7, gt=0)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = pydantic.Field(
+        None, description="torch.optim.Muon's lr adjustment by shape (None: 'original')")
+    ns_dtype: Literal["float32", "bfloat16", "float64"] = pydantic.Field(
+        "float32", description="float32: exact across sharding; bfloat16: bitwise torch.optim.Muon")
+    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=lambda: MatrixOpsConfig(strategy="gather"))
+
+
+_D = MuonConfig.defaults()
+
+
 class Muon(ShardedOptimizer):
     """Muon for 2-D matrices (``treatment="muon"``; keys ``lr``, ``momentum``, ``nesterov``, ``weight_decay``,
     ``ns_steps``, ``eps``, ``adjust_lr_fn``, ``ns_dtype``); other params use AdamW (``adam_lr``, default lr).
     ``matrix_ops={"strategy": "gather" | "distributed" | "auto"}`` picks how Newton-Schulz meets sharding."""
 
+    Config = MuonConfig
     matrix_treatments = ("muon",)
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.1, ns_steps: int = 5, eps: float = 1e-7, adjust_lr_fn: str | None = None,
-                 ns_dtype: str = "float32", adam_lr: float | None = None, adam_betas: tuple[float, float] = (0.9, 0.999),
-                 adam_eps: float = 1e-8, adam_weight_decay: float = 0.0, on_nonfinite: str = "skip",
-                 debug_plan: bool | None = None, matrix_ops: dict | None = None):
-        check_lr(lr)
-        adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # an unknown rule is an error now, not at the first step
-        if lr < 0 or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"need lr >= 0 and momentum in [0, 1), got lr={lr}, momentum={momentum}")
-        if ns_dtype not in _DTYPES:
-            raise ValueError(f"ns_dtype must be one of {sorted(_DTYPES)}, got {ns_dtype!r}")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-                        eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops={"strategy": "gather", **(matrix_ops or {})})
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, momentum: float = _D.momentum,
+                 nesterov: bool = _D.nesterov, weight_decay: float = _D.weight_decay, ns_steps: int = _D.ns_steps,
+                 eps: float = _D.eps, adjust_lr_fn: str | None = _D.adjust_lr_fn, ns_dtype: str = _D.ns_dtype,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps, eps=eps,
+            adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype), options))
 
     def elementwise_state_copies(self, group: dict) -> int:
         return 2 if group.get("treatment", "adamw") == "adamw" else 1

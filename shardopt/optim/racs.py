@@ -18,14 +18,16 @@ axis is split too, the owner-counted squared norm of the previous vector; the li
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, axis_sum, col_sums, local_sum, masked_reciprocal, masked_rsqrt, row_sums, scale_into
-from .base import ShardedOptimizer, check_lr
+from .base import ShardedOptimizer
+from .config import CommonOptions, OptimizerConfig
 
-__all__ = ["RACS", "rescale", "ema_scales", "inverse_sqrt_scales", "norm_growth_eta"]
+__all__ = ["RACS", "rescale", "ema_scales", "inverse_sqrt_scales", "norm_growth_eta", "RACSConfig"]
 
 
 def rescale(weighted_sum: torch.Tensor, norm2: torch.Tensor) -> torch.Tensor:
@@ -53,6 +55,21 @@ def norm_growth_eta(norm: torch.Tensor, phi: torch.Tensor, gamma: float) -> torc
     return torch.where(phi > 0, gamma / torch.clamp(ratio, min=gamma), torch.ones_like(phi))
 
 
+class RACSConfig(OptimizerConfig):
+    """docs/algorithms/racs.md: lambda 0.02, beta 0.9, alpha 0.05, gamma 1.01, 5 fixed-point steps."""
+
+    treatment = "racs"
+
+    lr: float = pydantic.Field(0.02, ge=0, description="lambda (AdamW's lr too unless adam_lr)")
+    beta: float = pydantic.Field(0.9, ge=0, lt=1, description="EMA beta of the row and column scales")
+    alpha: float = pydantic.Field(0.05, ge=0, description="step scale")
+    gamma: float = pydantic.Field(1.01, ge=1, description="norm-growth limiter")
+    iterations: int = pydantic.Field(5, ge=1, description="fixed-point steps for the scales")
+
+
+_D = RACSConfig.defaults()
+
+
 class RACS(ShardedOptimizer):
     """RACS optimizer. Matrix groups use ``treatment="racs"`` with keys ``lr`` (lambda, 0.02), ``beta`` (0.9),
     ``alpha`` (0.05), ``gamma`` (norm-growth limiter, 1.01), ``iterations`` (5), ``weight_decay`` (0).
@@ -60,39 +77,16 @@ class RACS(ShardedOptimizer):
     AdamW at the group's base lr unless ``adam_lr`` is given (docs/algorithms/racs.md).
     """
 
+    Config = RACSConfig
     matrix_treatments = ("racs",)
     state_kinds = {**ShardedOptimizer.state_kinds, "q": "rows", "s": "cols", "phi": "scalar", "step": "tensor"}
     state_key_renames = {"row_scale": "q", "col_scale": "s"}
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 0.02,
-        beta: float = 0.9,
-        alpha: float = 0.05,
-        gamma: float = 1.01,
-        iterations: int = 5,
-        weight_decay: float = 0.0,
-        adam_lr: float | None = None,
-        adam_betas: tuple[float, float] = (0.9, 0.999),
-        adam_eps: float = 1e-8,
-        adam_weight_decay: float = 0.0,
-        on_nonfinite: str = "skip",
-        debug_plan: bool | None = None,
-    ):
-        check_lr(lr)
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta}")
-        if gamma < 1.0:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
-        if int(iterations) < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
-        defaults = dict(lr=lr, beta=beta, alpha=alpha, gamma=gamma, iterations=int(iterations),
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, beta: float = _D.beta, alpha: float = _D.alpha,
+                 gamma: float = _D.gamma, iterations: int = _D.iterations, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, beta=beta, alpha=alpha, gamma=gamma, iterations=iterations, weight_decay=weight_decay), options))
 
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return shape[0] + shape[1] + 1 if group.get("treatment", "adamw") != "adamw" else 0

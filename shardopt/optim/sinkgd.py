@@ -13,14 +13,16 @@ rounds (``L`` collectives per step for all matrices together), ZeRO flat slices 
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_reciprocal, row_sums, scale_into
-from .base import ShardedOptimizer, check_lr
+from .base import ShardedOptimizer
+from .config import CommonOptions, OptimizerConfig
 
-__all__ = ["SinkGD", "sr_sinkhorn_scales", "sinkhorn_scale"]
+__all__ = ["SinkGD", "sr_sinkhorn_scales", "sinkhorn_scale", "SinkGDConfig"]
 
 
 def sinkhorn_scale(weighted_sums: torch.Tensor, length: int) -> torch.Tensor:
@@ -49,36 +51,33 @@ def sr_sinkhorn_scales(items: list, iterations: int) -> None:
             it.work["v"] = sinkhorn_scale(it.work["c"], it.layout.shape[0])
 
 
+class SinkGDConfig(OptimizerConfig):
+    """docs/algorithms/sinkgd.md: global lr 0.02, matrix lr scale 0.05, L = 5; AdamW at the global lr."""
+
+    treatment = "sinkgd"
+
+    lr: float = pydantic.Field(0.02, ge=0, description="global lr (AdamW's too unless adam_lr)")
+    lr_scale: float = pydantic.Field(0.05, ge=0, description="alpha: the matrix lr is lr * lr_scale")
+    iterations: int = pydantic.Field(5, ge=1, description="L: SR-Sinkhorn sweeps")
+
+
+_D = SinkGDConfig.defaults()
+
+
 class SinkGD(ShardedOptimizer):
     """SinkGD optimizer. Matrix groups use ``treatment="sinkgd"`` with keys ``lr`` (global lr, 0.02),
     ``lr_scale`` (alpha, 0.05: peak matrix lr 1e-3), ``iterations`` (L = 5), ``weight_decay`` (0).
     Embedding, LM head and vectors use AdamW at the global lr, as in the paper (docs/algorithms/sinkgd.md).
     """
 
+    Config = SinkGDConfig
     matrix_treatments = ("sinkgd",)
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 0.02,
-        lr_scale: float = 0.05,
-        iterations: int = 5,
-        weight_decay: float = 0.0,
-        adam_lr: float | None = None,
-        adam_betas: tuple[float, float] = (0.9, 0.999),
-        adam_eps: float = 1e-8,
-        adam_weight_decay: float = 0.0,
-        on_nonfinite: str = "skip",
-        debug_plan: bool | None = None,
-    ):
-        check_lr(lr)
-        if lr < 0 or lr_scale < 0:
-            raise ValueError(f"lr and lr_scale must be >= 0, got lr={lr}, lr_scale={lr_scale}")
-        if int(iterations) < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
-        defaults = dict(lr=lr, lr_scale=lr_scale, iterations=int(iterations), weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, lr_scale: float = _D.lr_scale,
+                 iterations: int = _D.iterations, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, lr_scale=lr_scale, iterations=iterations, weight_decay=weight_decay), options))
 
     def _step_sinkgd(self, group: dict) -> None:
         items = self._matrix_items(group)

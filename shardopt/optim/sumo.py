@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
 from ..sharding.matfun import by_shape, polar_factor
@@ -26,10 +27,11 @@ from ..sharding.orientation import mm_like
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis
 from .base import ShardedOptimizer
+from .config import CommonOptions, WholeMatrixConfig
 
-__all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth"]
+__all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth", "SUMOConfig"]
 
-_SCALES = ("none", "sqrt_max", "moonlight", "muon")
+StepScale = Literal["none", "sqrt_max", "moonlight", "muon"]
 
 
 def step_scale(rule: str, shape: tuple[int, int]) -> float:
@@ -62,6 +64,27 @@ def effective_rank(rank: int, shape: tuple[int, int], name: str, who: str) -> in
     return r
 
 
+class SUMOConfig(WholeMatrixConfig):
+    """docs/algorithms/sumo.md defaults: GaLore's C4 recipe (lr 0.01, alpha 0.25, K 200), mu 0.9, gamma 1.1."""
+
+    treatment = "sumo"
+
+    lr: float = pydantic.Field(0.01, ge=0)
+    rank: int = pydantic.Field(128, ge=1, description="r: subspace rank (clamped to min(m, n) with a warning)")
+    alpha: float = pydantic.Field(0.25, ge=0, description="scale of the orthogonalized subspace update")
+    momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="mu: momentum in the subspace")
+    refresh_interval: int = pydantic.Field(200, ge=1, description="K: steps between subspace refreshes")
+    gamma: float | None = pydantic.Field(1.1, ge=1, description="norm-growth limiter; null disables it")
+    step_scale: StepScale = pydantic.Field("sqrt_max", description="c(m, n), docs/algorithms/sumo.md")
+    side: Literal["auto", "left", "right"] = pydantic.Field("auto", description="auto: left if m >= n")
+    oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")
+    power_iters: int = pydantic.Field(2, ge=0, le=20, description="randomized range finder power iterations")
+    seed: int = pydantic.Field(0, description="seed of the range finder's draws")
+
+
+_D = SUMOConfig.defaults()
+
+
 class SUMO(ShardedOptimizer):
     """SUMO (``treatment="sumo"``). Keys: ``lr`` (0.01), ``rank`` (128), ``alpha`` (0.25), ``momentum`` (0.9),
     ``refresh_interval`` K (200), ``gamma`` (limiter 1.1; None = off), ``step_scale`` ("sqrt_max"), ``side``
@@ -69,30 +92,21 @@ class SUMO(ShardedOptimizer):
     ``weight_decay`` (0). State per matrix: ``Q`` (basis), ``M`` (moment), ``prev_onorm`` (``|O_prev|``),
     ``refreshes`` (docs/algorithms/sumo.md)."""
 
+    Config = SUMOConfig
     matrix_treatments = ("sumo",)
     state_kinds = {**ShardedOptimizer.state_kinds, "Q": "matrix", "M": "matrix", "prev_onorm": "matrix",
                    "refreshes": "matrix"}
     state_key_renames = {"basis": "Q", "moment": "M"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.01, rank: int = 128, alpha: float = 0.25,
-                 momentum: float = 0.9, refresh_interval: int = 200, gamma: float | None = 1.1,
-                 step_scale: str = "sqrt_max", side: str = "auto", oversample: int = 10, power_iters: int = 2,
-                 seed: int = 0, weight_decay: float = 0.0, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        if step_scale not in _SCALES:
-            raise ValueError(f"step_scale must be one of {_SCALES}, got {step_scale!r}")
-        if side not in ("auto", "left", "right"):
-            raise ValueError(f"side must be 'auto', 'left' or 'right', got {side!r}")
-        if int(rank) < 1 or int(refresh_interval) < 1:
-            raise ValueError(f"rank and refresh_interval must be >= 1, got {rank}, {refresh_interval}")
-        defaults = dict(lr=lr, rank=int(rank), alpha=alpha, momentum=momentum, refresh_interval=int(refresh_interval),
-                        gamma=gamma, step_scale=step_scale, side=side, oversample=int(oversample),
-                        power_iters=int(power_iters), seed=int(seed), weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, rank: int = _D.rank, alpha: float = _D.alpha,
+                 momentum: float = _D.momentum, refresh_interval: int = _D.refresh_interval,
+                 gamma: float | None = _D.gamma, step_scale: str = _D.step_scale, side: str = _D.side,
+                 oversample: int = _D.oversample, power_iters: int = _D.power_iters, seed: int = _D.seed,
+                 weight_decay: float = _D.weight_decay, **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, rank=rank, alpha=alpha, momentum=momentum, refresh_interval=refresh_interval, gamma=gamma,
+            step_scale=step_scale, side=side, oversample=oversample, power_iters=power_iters, seed=seed,
+            weight_decay=weight_decay), options))
 
     whole_matrix_work = True
 

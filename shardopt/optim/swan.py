@@ -15,16 +15,18 @@ exact float64 eigendecomposition (``whitening="svd"``).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
 from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
+from .config import CommonOptions, WholeMatrixConfig
 
-__all__ = ["SWAN", "line_scale", "whiten"]
+__all__ = ["SWAN", "line_scale", "whiten", "SWANConfig"]
 
 
 def line_scale(norm2: torch.Tensor, k: int) -> torch.Tensor:
@@ -45,27 +47,36 @@ def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int
             view.sub_(means[None, b.col: b.col + b.width])
 
 
+class SWANConfig(WholeMatrixConfig):
+    """docs/algorithms/swan.md: SWAN-dagger lr 0.02 x 0.05, one normalize+whiten sweep, no centering."""
+
+    treatment = "swan"
+
+    lr: float = pydantic.Field(0.02, ge=0, description="global lr (AdamW's too unless adam_lr)")
+    lr_scale: float = pydantic.Field(0.05, ge=0, description="the matrix lr is lr * lr_scale")
+    iterations: int = pydantic.Field(1, ge=1, description="normalize + whiten sweeps")
+    center: bool = pydantic.Field(False, description="subtract the row means first")
+    whitening: Literal["newton_schulz", "svd"] = "newton_schulz"
+    ns_steps: int = pydantic.Field(12, ge=1, lt=100, description="coupled Newton-Schulz steps (converges)")
+
+
+_D = SWANConfig.defaults()
+
+
 class SWAN(ShardedOptimizer):
     """SWAN (``treatment="swan"``; keys ``lr`` 0.02, ``lr_scale`` 0.05, ``iterations`` 1, ``center`` False,
     ``whitening`` "newton_schulz" | "svd", ``ns_steps`` 12, ``weight_decay`` 0); others use AdamW at ``lr``."""
 
+    Config = SWANConfig
     matrix_treatments = ("swan",)
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.02, lr_scale: float = 0.05, iterations: int = 1,
-                 center: bool = False, whitening: str = "newton_schulz", ns_steps: int = 12,
-                 weight_decay: float = 0.0, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        if whitening not in ("newton_schulz", "svd"):
-            raise ValueError(f"whitening must be 'newton_schulz' or 'svd', got {whitening!r}")
-        if int(iterations) < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
-        defaults = dict(lr=lr, lr_scale=lr_scale, iterations=int(iterations), center=center, whitening=whitening,
-                        ns_steps=ns_steps, weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, lr_scale: float = _D.lr_scale,
+                 iterations: int = _D.iterations, center: bool = _D.center, whitening: str = _D.whitening,
+                 ns_steps: int = _D.ns_steps, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, lr_scale=lr_scale, iterations=iterations, center=center, whitening=whitening,
+            ns_steps=ns_steps, weight_decay=weight_decay), options))
 
     def _step_swan(self, group: dict) -> None:
         items = self._matrix_items(group)

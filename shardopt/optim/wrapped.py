@@ -29,7 +29,7 @@ def param_groups(model: nn.Module | Iterable[Any], name: str, routing: Mapping[s
     Optimizer-wide options (``on_nonfinite``, ``debug_plan``) go to the sharder as keyword arguments, which it
     passes on to the inner optimizer."""
     cfg = validate_hyperparameters(name, hyperparameters, where="param_groups")
-    cls = OPTIMIZERS[name.lower()][0]
+    cls = OPTIMIZERS[name.lower()]
     resolved = cls(build_param_groups(model, name, cfg, routing), **optimizer_kwargs(cfg))
     out = []
     for group in resolved.param_groups:
