@@ -128,7 +128,13 @@ class SWAN(ShardedOptimizer):
         blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in active})
-        roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]), grams)
+        # Centered lines of a square matrix sum to zero, so its Gram is singular by construction and the coupled
+        # iteration would amplify the null direction by 1.5 per step (to inf/NaN): those take the exact
+        # pseudo-inverse root, which maps it to zero. Decided by shape, the same on every rank.
+        exact = {i for i in grams if group["center"] and len(set(items[i].layout.shape)) == 1}
+        roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]),
+                         {i: g for i, g in grams.items() if i not in exact})
+        roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact}))
         out = {i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in active}
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece
