@@ -25,6 +25,7 @@ from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.plan import check_same_plan
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
+from ..plugin.wrapped import check_stepped_tensors
 from .adamw import adamw_step
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
@@ -530,6 +531,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        check_stepped_tensors(self)  # a wrapper's flat partitions: map them (DeepSpeed) or raise, never guess
         params = [p for g in self.param_groups for p in g["params"]]
         with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:

@@ -223,6 +223,7 @@ def _alice_roles(treatment: str) -> Callable[[Any], dict[str, dict]]:
     """Alice's main results train the LM head with the low-rank method; embeddings and vectors use Adam."""
     def table(cfg: Any) -> dict[str, dict]:
         return {"matrix": {"treatment": treatment}, "lm_head": {"treatment": treatment},
+                "matrix_transposed": {"treatment": treatment},  # symmetric under transposition (tested)
                 "embedding": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
 
     return table
@@ -231,20 +232,30 @@ def _alice_roles(treatment: str) -> Callable[[Any], dict[str, dict]]:
 def _scale_roles(cfg: SCALEConfig) -> dict[str, dict]:
     return {
         "matrix": {"treatment": "scale", "norm_dim": 1, "momentum": 0.0},
+        # stored in x out (GPT-2's Conv1D): per output unit is per column of the stored weight
+        "matrix_transposed": {"treatment": "scale", "norm_dim": 0, "momentum": 0.0},
         "embedding": {"treatment": "scale", "norm_dim": 0, "momentum": cfg.embedding_momentum},
         "lm_head": {"treatment": "scale", "norm_dim": 1, "momentum": cfg.momentum},
         "vector": {"treatment": "adamw"},
     }
 
 
+#: matrix rules whose update of W^T is the transpose of their update of W (they orient by shape), so a weight
+#: stored in x out needs nothing special (tests/test_hf_roles.py checks it); the others refuse such weights
+TRANSPOSE_SYMMETRIC = ("asgo", "sumo", "swan", "alice", "alice0")
+
+
 def _matrix_only_roles(treatment: str) -> Callable[[Any], dict[str, dict]]:
     def table(cfg: Any) -> dict[str, dict]:
-        return {
+        out = {
             "matrix": {"treatment": treatment},
             "embedding": {"treatment": "adamw"},
             "lm_head": {"treatment": "adamw"},
             "vector": {"treatment": "adamw"},
         }
+        if treatment in TRANSPOSE_SYMMETRIC:
+            out["matrix_transposed"] = {"treatment": treatment}
+        return out
 
     return table
 

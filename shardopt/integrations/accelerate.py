@@ -1,0 +1,91 @@
+"""``accelerate``: one call, ``shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...)``.
+
+It is ``accelerator.prepare`` followed by what shardopt needs from the objects accelerate built:
+
+* DeepSpeed plugin: the engine's ZeRO partitions are mapped to matrices (as ``shardopt.deepspeed.initialize``
+  does) and ``engine.save_checkpoint`` / ``load_checkpoint`` (which ``accelerator.save_state`` / ``load_state``
+  call) also write / read shardopt's logical state, so a run resumes at another world size or ZeRO stage.
+* FSDP2: accelerate swaps the optimizer's parameters for the sharded DTensors; shardopt's parameter names
+  (roles, seeded draws, checkpoints) move to the new tensors, position by position.
+
+A plain ``accelerator.prepare`` with DeepSpeed also works: the first step finds the engine on the call stack and
+maps it (``shardopt.plugin.wrapped``); calling this function does it before any checkpoint is loaded.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+
+
+from ..optim.base import ShardedOptimizer
+from ..plugin.wrapped import map_deepspeed
+
+__all__ = ["prepare", "after_prepare", "patch_prepare"]
+
+
+def _shardopt_optimizer(obj: Any) -> ShardedOptimizer | None:
+    """The shardopt optimizer inside accelerate's / DeepSpeed's wrappers, if any."""
+    for _ in range(4):
+        if isinstance(obj, ShardedOptimizer):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+    return None
+
+
+def rekey_names(opt: ShardedOptimizer) -> None:
+    """After a wrapper replaced the tensors in ``opt.param_groups`` in place (accelerate's FSDP2
+    ``fsdp2_switch_optimizer_parameters``), give each new tensor the name of the one it replaced."""
+    changed = False
+    for group, names in zip(opt._groups(), opt.group_param_names):
+        if len(group["params"]) != len(names):
+            continue
+        for p, name in zip(group["params"], names):
+            if opt.param_names.get(id(p)) != name:
+                opt.param_names[id(p)] = name
+                p._shardopt_name = name
+                changed = True
+    if changed:
+        opt._fragments.clear()
+        opt._forget_plans()
+
+
+def after_prepare(accelerator: Any, objects: Any) -> None:
+    """Map what ``accelerator.prepare`` built around a shardopt optimizer (see the module docstring)."""
+    objects = objects if isinstance(objects, (tuple, list)) else (objects,)
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = getattr(wrapped, "engine", None)
+    if engine is not None:
+        opt = _shardopt_optimizer(getattr(engine, "optimizer", None))
+        if opt is not None and not getattr(engine, "_shardopt_hooks", False):
+            map_deepspeed(opt, engine.optimizer, engine)
+        return
+    for obj in objects:
+        opt = _shardopt_optimizer(obj)
+        if opt is not None:
+            rekey_names(opt)
+
+
+def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
+    """``accelerator.prepare(*args, **kwargs)``, then shardopt's mapping of the engine or the DTensors; returns
+    what ``accelerator.prepare`` returns."""
+    result = accelerator.prepare(*args, **kwargs)
+    after_prepare(accelerator, result)
+    return result
+
+
+def patch_prepare(accelerator: Any) -> None:
+    """Make this accelerator's own ``prepare`` do ``after_prepare`` (what ``transformers.enable`` uses, since
+    ``Trainer`` calls ``accelerator.prepare`` itself)."""
+    if getattr(accelerator, "_shardopt_prepare", False):
+        return
+    original = accelerator.prepare
+
+    def prepare_and_map(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        after_prepare(accelerator, result)
+        return result
+
+    accelerator.prepare = prepare_and_map
+    accelerator._shardopt_prepare = True
+
+

@@ -1,0 +1,197 @@
+"""Worker for tests_dist/test_hf_integration.py: a tiny Hugging Face LLaMA trained by ``transformers.Trainer``
+(DeepSpeed ZeRO-2/3 or FSDP2) or ``accelerate`` (DeepSpeed ZeRO-2) with a shardopt optimizer; rank 0 writes
+every parameter (whole, fp32) to ``--out``. ``--reference`` instead runs the single-process loop on the same
+global batches (one process, ``shardopt.create_optimizer``), which the sharded runs are compared with.
+
+The data are fixed token ids read in order (``train_sampling_strategy="sequential"``), so a world-size-2 step
+with per-device batch B sees the same 2B sequences as a world-size-1 step with batch 2B.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import warnings
+
+import torch
+import torch.distributed as dist
+
+warnings.filterwarnings("ignore")
+SEQ, VOCAB, SAMPLES = 8, 64, 64
+HP = {"scale": {"lr": 1e-2, "adam_lr": 1e-2}, "racs": {"lr": 1e-2}, "sumo": {"lr": 1e-2, "rank": 4, "refresh_interval": 2},
+      "alice": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2}}
+
+
+def tiny_model(kind: str = "llama") -> torch.nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0)
+        return GPT2LMHeadModel(cfg)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
+                      num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def samples() -> list[dict]:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
+    return [{"input_ids": x, "labels": x.clone()} for x in ids]
+
+
+def ds_config(stage: int, optimizer: str) -> dict:
+    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {"stage": stage, "overlap_comm": False},
+            "shardopt": {"optimizer": optimizer, "params": HP[optimizer]}}
+
+
+def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter whole on every rank (ZeRO-3 gathered, FSDP2 DTensors assembled)."""
+    out = {}
+    for name, p in model.named_parameters():
+        if hasattr(p, "ds_id"):
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters([p]):
+                out[name] = p.detach().float().clone()
+        elif hasattr(p, "full_tensor"):
+            out[name] = p.full_tensor().detach().float().clone()
+        else:
+            out[name] = p.detach().float().clone()
+    return {k.removeprefix("_orig_mod."): v for k, v in out.items()}
+
+
+def fsdp_on_cpu() -> None:
+    """accelerate enables FSDP only for accelerator devices (``AcceleratorState`` keeps ``MULTI_CPU`` on CPU):
+    give a CPU Accelerator built with an FSDP plugin what it would have on GPUs (distributed type FSDP and the
+    plugin), so the Trainer's own FSDP2 path (``fully_shard`` on a gloo mesh, DCP checkpoints) runs here."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    if getattr(Accelerator, "_wt_fsdp_cpu", False):
+        return
+    init = Accelerator.__init__
+
+    def patched(self, *a, **kw):
+        init(self, *a, **kw)
+        plugin = kw.get("fsdp_plugin")
+        if plugin is not None and self.state.distributed_type == DistributedType.MULTI_CPU:
+            self.state.distributed_type = DistributedType.FSDP
+            self.state.fsdp_plugin = plugin
+
+    Accelerator.__init__ = patched
+    Accelerator._wt_fsdp_cpu = True
+
+
+def reference(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    import shardopt
+
+    model = tiny_model(args.model)
+    opt = shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
+    data = samples()
+    batch = args.batch * 2
+    for step in range(args.steps):
+        chunk = data[step * batch:(step + 1) * batch]
+        ids = torch.stack([c["input_ids"] for c in chunk])
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return full_params(model)
+
+
+def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    from transformers import Trainer, TrainingArguments
+
+    import shardopt.integrations.transformers as hf
+
+    extra: dict = {}
+    if args.engine.startswith("zero"):
+        extra["deepspeed"] = ds_config(int(args.engine[-1]), args.optimizer)
+    elif args.engine == "fsdp2":
+        extra.update(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+        fsdp_on_cpu()
+    targs = TrainingArguments(
+        output_dir=args.dir, per_device_train_batch_size=args.batch, max_steps=args.steps, report_to="none",
+        max_grad_norm=0.0, train_sampling_strategy="sequential", lr_scheduler_type=args.schedule,
+        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, logging_steps=1000,
+        dataloader_drop_last=True, seed=0, disable_tqdm=True, use_cpu=True, **extra)
+    trainer = Trainer(model=tiny_model(args.model), args=targs, train_dataset=samples())
+    if args.engine.startswith("zero"):
+        hf.enable(trainer)  # optimizer and hyperparameters from the config's "shardopt" section
+    else:
+        hf.enable(trainer, args.optimizer, **HP[args.optimizer])
+    if os.environ.get("WT17_DEBUG"):
+        print("fsdp", trainer.is_fsdp_enabled, trainer.accelerator.distributed_type)
+    trainer.train(resume_from_checkpoint=args.resume)
+    return full_params(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model)
+
+
+def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+
+    import shardopt
+    import shardopt.integrations.accelerate as acc
+
+    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+           "zero_optimization": {"stage": int(args.engine[-1]), "overlap_comm": False}}
+    accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    model = tiny_model(args.model)
+    opt = shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
+    if args.auto:  # a plain accelerator.prepare: the first step maps the engine itself
+        model, opt = accelerator.prepare(model, opt)
+    else:
+        model, opt = acc.prepare(accelerator, model, opt)
+    data, rank = samples(), dist.get_rank()
+    start = 0
+    if args.resume:
+        accelerator.load_state(args.resume)
+        start = int(open(os.path.join(args.resume, "step")).read())
+    for step in range(start, args.steps):
+        lo = (2 * step + rank) * args.batch
+        ids = torch.stack([c["input_ids"] for c in data[lo:lo + args.batch]])
+        loss = model(input_ids=ids, labels=ids).loss
+        accelerator.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        if args.save_steps and step + 1 == args.save_steps:
+            path = os.path.join(args.dir, "state")
+            accelerator.save_state(path)
+            if rank == 0:
+                open(os.path.join(path, "step"), "w").write(str(step + 1))
+    return full_params(model.module)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--api", choices=("trainer", "accelerate", "reference"), default="trainer")
+    ap.add_argument("--engine", default="zero2")
+    ap.add_argument("--optimizer", default="scale")
+    ap.add_argument("--model", default="llama")
+    ap.add_argument("--steps", type=int, default=1)
+    ap.add_argument("--batch", type=int, default=2, help="per-device batch at world size 2")
+    ap.add_argument("--save-steps", type=int, default=0)
+    ap.add_argument("--resume", default=None)
+    ap.add_argument("--schedule", default="linear")
+    ap.add_argument("--auto", action="store_true")
+    ap.add_argument("--dir", default="/tmp/wt17_hf")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if args.api == "reference":
+        torch.save(reference(args), args.out)
+        return
+    if args.api == "trainer":
+        params = trainer_run(args)
+    else:
+        params = accelerate_run(args)
+    if dist.get_rank() == 0:
+        torch.save(params, args.out)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
