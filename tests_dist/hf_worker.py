@@ -22,6 +22,20 @@ HP = {"scale": {"lr": 1e-2, "adam_lr": 1e-2}, "racs": {"lr": 1e-2}, "sumo": {"lr
       "alice": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2}}
 
 
+META: dict = {}
+
+
+def describe_engine(wrapped: torch.nn.Module, opt: object) -> dict:
+    """What actually ran: the engine, its ZeRO stage, the optimizer DeepSpeed steps and how its tensors map."""
+    from shardopt.integrations.accelerate import _shardopt_optimizer
+
+    inner = _shardopt_optimizer(opt) or _shardopt_optimizer(getattr(wrapped, "optimizer", None))
+    stage = wrapped.zero_optimization_stage() if hasattr(wrapped, "zero_optimization_stage") else None
+    dtensors = sum(1 for p in wrapped.parameters() if hasattr(p, "placements"))
+    return {"engine": type(wrapped).__name__, "zero_stage": stage, "optimizer": type(inner).__name__,
+            "flat_tensors_mapped": len(inner._attached) if inner is not None else 0, "dtensor_params": dtensors}
+
+
 def tiny_model(kind: str = "llama") -> torch.nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
@@ -126,6 +140,7 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     if os.environ.get("WT17_DEBUG"):
         print("fsdp", trainer.is_fsdp_enabled, trainer.accelerator.distributed_type)
     trainer.train(resume_from_checkpoint=args.resume)
+    META.update(describe_engine(trainer.model_wrapped, trainer.optimizer))
     return full_params(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model)
 
 
@@ -138,7 +153,7 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": int(args.engine[-1]), "overlap_comm": False}}
-    accelerator = Accelerator(cpu=True, deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
     model = tiny_model(args.model)
     opt = shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
     if args.auto:  # a plain accelerator.prepare: the first step maps the engine itself
@@ -162,7 +177,19 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             accelerator.save_state(path)
             if rank == 0:
                 open(os.path.join(path, "step"), "w").write(str(step + 1))
+    META.update(describe_engine(model, opt))
     return full_params(model.module)
+
+
+def reset_accelerate() -> None:
+    """Forget accelerate's process-wide state so the next Trainer / Accelerator in this process starts afresh."""
+    import gc
+
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=False)
+    GradientState._reset_state()
+    gc.collect()
 
 
 def main() -> None:
@@ -182,14 +209,18 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.api == "reference":
-        torch.save(reference(args), args.out)
+        torch.save({name: reference(argparse.Namespace(**{**vars(args), "optimizer": name}))
+                    for name in args.optimizer.split(",")}, args.out)
         return
-    if args.api == "trainer":
-        params = trainer_run(args)
-    else:
-        params = accelerate_run(args)
+    results = {}
+    for name in args.optimizer.split(","):
+        run = argparse.Namespace(**{**vars(args), "optimizer": name, "dir": os.path.join(args.dir, name)})
+        META.clear()
+        results[name] = trainer_run(run) if args.api == "trainer" else accelerate_run(run)
+        results[name]["__meta__"] = dict(META)
+        reset_accelerate()
     if dist.get_rank() == 0:
-        torch.save(params, args.out)
+        torch.save(results, args.out)
     dist.barrier()
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-
+import torch
 
 from ..optim.base import ShardedOptimizer
 from ..plugin.wrapped import map_deepspeed
@@ -65,9 +65,32 @@ def after_prepare(accelerator: Any, objects: Any) -> None:
             rekey_names(opt)
 
 
+def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
+    """With a DeepSpeed plugin whose config has a ``"shardopt"`` section and no optimizer among ``args``: build
+    the section's optimizer for the model and put it right after the model."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None) or {}
+    if "shardopt" not in config or any(isinstance(a, torch.optim.Optimizer) for a in args):
+        return args
+    from ..optim.registry import OPTIMIZERS, build_param_groups, optimizer_kwargs
+    from ..plugin.deepspeed_engine import parse_section
+
+    models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+    if len(models) != 1:
+        raise ValueError("shardopt.integrations.accelerate.prepare: the DeepSpeed config has a 'shardopt' section "
+                         f"and no optimizer was given, so exactly one model is needed (got {len(models)})")
+    section, hp = parse_section({k: v for k, v in config.items() if k in ("shardopt", "optimizer")})
+    model = args[models[0]]
+    cls = OPTIMIZERS[section.optimizer.lower()][0]
+    opt = cls(build_param_groups(model, section.optimizer, hp, section.routing), **optimizer_kwargs(hp))
+    return args[:models[0] + 1] + (opt,) + args[models[0] + 1:]
+
+
 def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
     """``accelerator.prepare(*args, **kwargs)``, then shardopt's mapping of the engine or the DTensors; returns
-    what ``accelerator.prepare`` returns."""
+    what ``accelerator.prepare`` returns. With a DeepSpeed config holding a ``"shardopt"`` section and no
+    optimizer in ``args``, the section's optimizer is built and returned after the model."""
+    args = _optimizer_from_section(accelerator, args)
     result = accelerator.prepare(*args, **kwargs)
     after_prepare(accelerator, result)
     return result

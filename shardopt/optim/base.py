@@ -25,10 +25,11 @@ from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.plan import check_same_plan
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
-from ..plugin.wrapped import check_stepped_tensors
+from ..plugin.wrapped import check_stepped_tensors, names_from_trainer
 from .adamw import adamw_step
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
+from .routing import TRANSPOSE_SYMMETRIC, RoutingError
 
 __all__ = ["ShardedOptimizer", "MatrixItem"]
 
@@ -177,6 +178,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
         # the tensor, else the one routing attached to it (survives wrappers that re-split param groups,
         # like ZeroRedundancyOptimizer), else the tensor's position
+        params = names_from_trainer(params, type(self).__name__)  # HF Trainer's unnamed groups: names and roles
         groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=3)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
@@ -211,6 +213,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups
     def _role_options(self, role: str) -> dict:
+        if role not in self.role_table:  # matrix_transposed (GPT-2's Conv1D, roles found from the model)
+            if role != "matrix_transposed" or self.matrix_treatments[0] not in TRANSPOSE_SYMMETRIC:
+                raise RoutingError(f"{type(self).__name__} has no rule for role {role!r} (a weight stored in x out); "
+                                   "route such weights explicitly, e.g. to 'adamw'")
+            role = "matrix"
         options = dict(self.role_table[role])
         options.setdefault("treatment", self.matrix_treatments[0])
         return options

@@ -78,6 +78,10 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
         per_group.append((tensors, names))
     named_all = [(n, t) for tensors, names in per_group if names for n, t in zip(names, tensors)]
     roles_by_name = roles_from_names(named_all) if named_all else {}
+    for n, t in named_all:  # roles found from the model's module types (HF Trainer's groups) beat the names
+        role = getattr(t, "_shardopt_module_role", None)
+        if role is not None:
+            roles_by_name[n] = role
 
     out: list[dict] = []
     ids: dict[int, str] = {}

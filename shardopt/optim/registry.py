@@ -12,7 +12,7 @@ from .asgo import ASGO, DASGO
 from .racs import RACS
 from .sumo import SUMO
 from . import routing as _routing
-from .routing import route
+from .routing import TRANSPOSE_SYMMETRIC, route
 from .muon import Muon
 from .scale import SCALE
 from .sinkgd import SinkGD
@@ -240,11 +240,6 @@ def _scale_roles(cfg: SCALEConfig) -> dict[str, dict]:
     }
 
 
-#: matrix rules whose update of W^T is the transpose of their update of W (they orient by shape), so a weight
-#: stored in x out needs nothing special (tests/test_hf_roles.py checks it); the others refuse such weights
-TRANSPOSE_SYMMETRIC = ("asgo", "sumo", "swan", "alice", "alice0")
-
-
 def _matrix_only_roles(treatment: str) -> Callable[[Any], dict[str, dict]]:
     def table(cfg: Any) -> dict[str, dict]:
         out = {
@@ -338,4 +333,9 @@ def create_optimizer(model: nn.Module | Iterable[Any], name: str, routing: Mappi
     cfg = validate_hyperparameters(name, hyperparameters, where="create_optimizer")
     groups = build_param_groups(model, name, cfg, routing)
     cls = OPTIMIZERS[name.lower()][0]
-    return cls(groups, **optimizer_kwargs(cfg))
+    opt = cls(groups, **optimizer_kwargs(cfg))
+    if isinstance(model, nn.Module):  # raise if a DeepSpeed engine later runs the model with another optimizer
+        from ..plugin.wrapped import watch_model
+
+        watch_model(model, cls.__name__)
+    return opt

@@ -32,6 +32,10 @@ class ConfigError(ValueError):
 class RoutingError(ConfigError):
     """A routing rule that cannot apply (unknown role, no match, a non-matrix sent to a matrix rule)."""
 
+#: matrix rules whose update of W^T is the transpose of their update of W (they orient by shape), so a weight
+#: stored in x out needs nothing special (tests/test_hf_roles.py checks it); the others refuse such weights
+TRANSPOSE_SYMMETRIC = ("asgo", "sumo", "swan", "alice", "alice0")
+
 ROLES = ("embedding", "lm_head", "matrix", "matrix_transposed", "vector", "adamw")
 
 

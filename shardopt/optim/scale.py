@@ -38,7 +38,8 @@ class SCALE(ShardedOptimizer):
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="outside")
     #: named parameters route as create_optimizer: the embedding normalized per column, momentum on the LM head
-    role_table = {**ShardedOptimizer.role_table, "embedding": {"norm_dim": 0}, "lm_head": {"momentum": 0.9}}
+    role_table = {**ShardedOptimizer.role_table, "embedding": {"norm_dim": 0}, "lm_head": {"momentum": 0.9},
+                  "matrix_transposed": {"norm_dim": 0}}  # stored in x out: per output unit = per stored column
 
     def __init__(
         self,

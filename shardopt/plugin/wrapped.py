@@ -122,3 +122,101 @@ def check_stepped_tensors(opt: Any) -> None:
         f"{holder} replaced the parameters and shardopt does not know which matrices this tensor holds "
         f"(stepping it would treat it as a ({p.numel()}, 1) matrix, i.e. sign-SGD). Fix: {_FIX}")
 
+
+
+# ------------------------------------------------------------------ Hugging Face Trainer's own optimizer paths
+def _trainer_model(max_frames: int = 8) -> Any:
+    """The model of a ``transformers.Trainer.create_optimizer`` that is constructing an optimizer right now
+    (``optimizer_cls_and_kwargs=(SCALE, ...)``), else None."""
+    frame = sys._getframe(2)
+    for _ in range(max_frames):
+        if frame is None:
+            return None
+        if frame.f_code.co_name == "create_optimizer" and \
+                str(frame.f_globals.get("__name__", "")).startswith("transformers."):
+            model = frame.f_locals.get("opt_model")
+            return model if isinstance(model, torch.nn.Module) else None
+        frame = frame.f_back
+    return None
+
+
+def names_from_trainer(params: Any, who: str) -> Any:
+    """Hugging Face ``Trainer.create_optimizer`` passes decay / no-decay groups of unnamed tensors, which would
+    lose shardopt's roles (embedding normalized per row, LM head without momentum, GPT-2's Conv1D on the wrong
+    axis). Called from there, name every tensor from the Trainer's model and give it its role from the model's
+    module types (``routing.param_roles``); any other call is returned unchanged."""
+    if not isinstance(params, (list, tuple)) or not params or not all(isinstance(g, dict) for g in params):
+        return params
+    model = _trainer_model()
+    if model is None:
+        return params
+    from ..optim.routing import param_roles, warn_unknown_matrices
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    tensors = [t for g in params for t in (g["params"] if isinstance(g["params"], (list, tuple)) else [g["params"]])]
+    if not all(isinstance(t, torch.Tensor) and id(t) in names for t in tensors):
+        return params  # named already, or not the model's parameters: leave torch.optim's rules to apply
+    roles = param_roles(model)
+    warn_unknown_matrices(model, {}, who)
+    out = []
+    for g in params:
+        group = dict(g)
+        group["params"] = [(names[id(t)], t) for t in group["params"]]
+        for t in group["params"]:
+            t[1]._shardopt_module_role = roles[t[0]]
+        out.append(group)
+    return out
+
+
+class _WatchEngine:
+    """Forward pre-hook of a model given to ``shardopt.create_optimizer``: on the first training forward, if a
+    DeepSpeed engine runs the model but steps no shardopt optimizer (``Trainer(optimizers=(opt, None))`` under
+    DeepSpeed: the Trainer drops the given optimizer and builds torch AdamW), raise instead of training with
+    AdamW in silence. Picklable (holds only the optimizer's class name)."""
+
+    def __init__(self, who: str):
+        self.who = who
+        self.handle: Any = None
+
+    def __getstate__(self) -> dict:
+        return {"who": self.who, "handle": None}
+
+    def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        if self.handle is not None:
+            self.handle.remove()
+        if "deepspeed" not in sys.modules:
+            return
+        from deepspeed.runtime.engine import DeepSpeedEngine
+
+        frame = sys._getframe(1)
+        for _ in range(_MAX_FRAMES):
+            if frame is None:
+                return
+            engine = frame.f_locals.get("self")
+            if isinstance(engine, DeepSpeedEngine) and engine.module is module:
+                break
+            frame = frame.f_back
+        else:
+            return
+        from ..optim.base import ShardedOptimizer
+
+        inner = engine.optimizer
+        for _ in range(4):
+            if isinstance(inner, ShardedOptimizer):
+                return
+            inner = getattr(inner, "optimizer", None)
+        client = type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__
+        raise UnmappedTensorError(
+            f"a shardopt {self.who} optimizer was built for this model, but the DeepSpeed engine running it steps "
+            f"{client}: the wrapper that set DeepSpeed up dropped the shardopt optimizer (Hugging Face Trainer "
+            "does so with Trainer(optimizers=(opt, None)) under DeepSpeed). Fix: with the Trainer call "
+            "shardopt.integrations.transformers.enable(trainer, ...) and pass no optimizer; with DeepSpeed "
+            "directly use shardopt.deepspeed.initialize(model=..., config=...)")
+
+
+def watch_model(model: torch.nn.Module, who: str) -> None:
+    """Install ``_WatchEngine`` on ``model`` (removed after its first training forward)."""
+    watch = _WatchEngine(who)
+    watch.handle = model.register_forward_pre_hook(watch)
