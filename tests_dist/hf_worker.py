@@ -132,7 +132,15 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         max_grad_norm=0.0, train_sampling_strategy="sequential", lr_scheduler_type=args.schedule,
         save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, logging_steps=1000,
         dataloader_drop_last=True, seed=0, disable_tqdm=True, use_cpu=True, **extra)
-    trainer = Trainer(model=tiny_model(args.model), args=targs, train_dataset=samples())
+    from transformers import TrainerCallback
+
+    class CountSteps(TrainerCallback):
+        """How many optimizer steps this process ran (a resumed run must run only the remaining ones)."""
+
+        def on_step_end(self, *a, **kw):
+            META["steps_run"] = META.get("steps_run", 0) + 1
+
+    trainer = Trainer(model=tiny_model(args.model), args=targs, train_dataset=samples(), callbacks=[CountSteps()])
     if args.engine.startswith("zero"):
         hf.enable(trainer)  # optimizer and hyperparameters from the config's "shardopt" section
     else:
@@ -140,7 +148,7 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     if os.environ.get("WT17_DEBUG"):
         print("fsdp", trainer.is_fsdp_enabled, trainer.accelerator.distributed_type)
     trainer.train(resume_from_checkpoint=args.resume)
-    META.update(describe_engine(trainer.model_wrapped, trainer.optimizer))
+    META.update(describe_engine(trainer.model_wrapped, trainer.optimizer), global_step=trainer.state.global_step)
     return full_params(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model)
 
 
@@ -181,6 +189,62 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     return full_params(model.module)
 
 
+def scenario(args: argparse.Namespace, name: str) -> dict[str, torch.Tensor]:
+    """The ways a user plugs shardopt into Trainer / accelerate without the integration's helpers (issue 17's
+    table); each must train exactly like the single-process run, or raise (the test checks which)."""
+    from accelerate import Accelerator
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers import Trainer, TrainingArguments
+
+    import shardopt
+
+    hp = HP["scale"]
+    ds = ds_config(2, "scale")
+    targs = dict(output_dir=os.path.join(args.dir, name), per_device_train_batch_size=args.batch, max_steps=1,
+                 report_to="none", max_grad_norm=0.0, train_sampling_strategy="sequential", save_strategy="no",
+                 use_cpu=True, dataloader_drop_last=True, seed=0, disable_tqdm=True)
+    if name == "trainer_cls_kwargs":  # optimizer_cls_and_kwargs=(SCALE, ...) under DeepSpeed
+        ds.pop("shardopt")
+        trainer = Trainer(model=tiny_model(), args=TrainingArguments(deepspeed=ds, **targs), train_dataset=samples(),
+                          optimizer_cls_and_kwargs=(shardopt.SCALE, dict(hp)))
+    elif name == "trainer_cls_kwargs_ddp":  # the same without DeepSpeed: HF's unnamed decay groups
+        trainer = Trainer(model=tiny_model(), args=TrainingArguments(**targs), train_dataset=samples(),
+                          optimizer_cls_and_kwargs=(shardopt.SCALE, dict(hp)))
+    elif name == "trainer_subclass":  # HF's documented route: override create_optimizer
+        ds.pop("shardopt")
+
+        class MyTrainer(Trainer):
+            def create_optimizer(self, model=None):
+                if self.optimizer is None:
+                    self.optimizer = shardopt.create_optimizer(self.model, "scale", **hp)
+                return self.optimizer
+
+        trainer = MyTrainer(model=tiny_model(), args=TrainingArguments(deepspeed=ds, **targs), train_dataset=samples())
+    elif name == "trainer_optimizers_arg":  # Trainer(optimizers=(opt, None)) under DeepSpeed: dropped by HF
+        ds.pop("shardopt")
+        model = tiny_model()
+        trainer = Trainer(model=model, args=TrainingArguments(deepspeed=ds, **targs), train_dataset=samples(),
+                          optimizers=(shardopt.create_optimizer(model, "scale", **hp), None))
+    elif name == "accelerate_section":  # a "shardopt" section in the DeepSpeed config given to accelerate
+        import shardopt.integrations.accelerate as acc
+
+        ds.update(train_micro_batch_size_per_gpu=args.batch, gradient_accumulation_steps=1, gradient_clipping=0.0)
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
+        model, opt = acc.prepare(accelerator, tiny_model())
+        lo = dist.get_rank() * args.batch
+        ids = torch.stack([c["input_ids"] for c in samples()[lo:lo + args.batch]])
+        accelerator.backward(model(input_ids=ids, labels=ids).loss)
+        opt.step()
+        META.update(describe_engine(model, opt))
+        return full_params(model.module)
+    else:
+        raise ValueError(name)
+    trainer.train()
+    META.update(describe_engine(trainer.model_wrapped, trainer.optimizer))
+    model = trainer.model_wrapped
+    return full_params(model.module if hasattr(model, "module") else model)
+
+
 def reset_accelerate() -> None:
     """Forget accelerate's process-wide state so the next Trainer / Accelerator in this process starts afresh."""
     import gc
@@ -194,14 +258,14 @@ def reset_accelerate() -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--api", choices=("trainer", "accelerate", "reference"), default="trainer")
+    ap.add_argument("--api", choices=("trainer", "accelerate", "reference", "scenario"), default="trainer")
     ap.add_argument("--engine", default="zero2")
-    ap.add_argument("--optimizer", default="scale")
+    ap.add_argument("--optimizer", default="scale", help="comma-separated optimizers (with --api scenario: scenarios)")
     ap.add_argument("--model", default="llama")
     ap.add_argument("--steps", type=int, default=1)
     ap.add_argument("--batch", type=int, default=2, help="per-device batch at world size 2")
     ap.add_argument("--save-steps", type=int, default=0)
-    ap.add_argument("--resume", default=None)
+    ap.add_argument("--resume", default=None, help="checkpoint to resume from; {opt} is the optimizer's name")
     ap.add_argument("--schedule", default="linear")
     ap.add_argument("--auto", action="store_true")
     ap.add_argument("--dir", default="/tmp/wt17_hf")
@@ -214,9 +278,17 @@ def main() -> None:
         return
     results = {}
     for name in args.optimizer.split(","):
-        run = argparse.Namespace(**{**vars(args), "optimizer": name, "dir": os.path.join(args.dir, name)})
+        run = argparse.Namespace(**{**vars(args), "optimizer": name, "dir": os.path.join(args.dir, name),
+                                    "resume": args.resume.format(opt=name) if args.resume else None})
         META.clear()
-        results[name] = trainer_run(run) if args.api == "trainer" else accelerate_run(run)
+        if args.api == "scenario":
+            try:
+                results[name] = scenario(run, name)
+            except Exception as err:  # noqa: BLE001 - the test checks the type and message
+                results[name] = {}
+                META["error"] = f"{type(err).__name__}: {err}"
+        else:
+            results[name] = trainer_run(run) if args.api == "trainer" else accelerate_run(run)
         results[name]["__meta__"] = dict(META)
         reset_accelerate()
     if dist.get_rank() == 0:

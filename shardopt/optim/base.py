@@ -274,6 +274,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._groups()  # the stable group list follows (see _groups)
         self._forget_plans()
 
+    def describe(self) -> str:
+        """A table of every parameter's name, shape, role and rule (``shardopt.optim.describe``); call it before
+        an engine replaces the parameters by flat partitions (or use ``describe_roles(model, ...)``)."""
+        from .describe import describe_groups
+
+        return describe_groups([{**g, "params": [p for p in g["params"] if not self.is_flat(p)]}
+                                for g in self.param_groups], self.param_names)
+
     # ------------------------------------------------------------------ layouts
     def set_layout_resolver(self, resolver: LayoutResolver | None) -> None:
         """How a plain stepped tensor maps to a matrix layout (default: DTensor placements, else whole)."""

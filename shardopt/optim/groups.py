@@ -49,6 +49,7 @@ def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], n
                                 {**options, **user, "params": [], **({"param_names": []} if named else {}),
                                  "roles": []})
         part["params"].append(p)
+        p._shardopt_role = role  # for describe()
         if named:
             part["param_names"].append(name)
         if role not in part["roles"]:

@@ -280,6 +280,7 @@ def route(
             group.setdefault("param_names", []).append(name)
         if source != "position":
             p._shardopt_name = name  # the optimizer finds its name even if a wrapper drops "names"
+        p._shardopt_role = role  # for describe(): the role that chose this parameter's rule
     unused = [p for p in overrides if p not in used]
     if unused:
         raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")
