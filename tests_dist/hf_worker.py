@@ -27,9 +27,9 @@ META: dict = {}
 
 def describe_engine(wrapped: torch.nn.Module, opt: object) -> dict:
     """What actually ran: the engine, its ZeRO stage, the optimizer DeepSpeed steps and how its tensors map."""
-    from shardopt.integrations.accelerate import _shardopt_optimizer
+    from shardopt.integrations.accelerate import unwrap_optimizer
 
-    inner = _shardopt_optimizer(opt) or _shardopt_optimizer(getattr(wrapped, "optimizer", None))
+    inner = unwrap_optimizer(opt) or unwrap_optimizer(getattr(wrapped, "optimizer", None))
     stage = wrapped.zero_optimization_stage() if hasattr(wrapped, "zero_optimization_stage") else None
     dtensors = sum(1 for p in wrapped.parameters() if hasattr(p, "placements"))
     return {"engine": type(wrapped).__name__, "zero_stage": stage, "optimizer": type(inner).__name__,

@@ -20,10 +20,10 @@ import torch
 from ..optim.base import ShardedOptimizer
 from ..plugin.wrapped import map_deepspeed
 
-__all__ = ["prepare", "after_prepare", "patch_prepare"]
+__all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names"]
 
 
-def _shardopt_optimizer(obj: Any) -> ShardedOptimizer | None:
+def unwrap_optimizer(obj: Any) -> ShardedOptimizer | None:
     """The shardopt optimizer inside accelerate's / DeepSpeed's wrappers, if any."""
     for _ in range(4):
         if isinstance(obj, ShardedOptimizer):
@@ -55,12 +55,12 @@ def after_prepare(accelerator: Any, objects: Any) -> None:
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     engine = getattr(wrapped, "engine", None)
     if engine is not None:
-        opt = _shardopt_optimizer(getattr(engine, "optimizer", None))
+        opt = unwrap_optimizer(getattr(engine, "optimizer", None))
         if opt is not None and not getattr(engine, "_shardopt_hooks", False):
             map_deepspeed(opt, engine.optimizer, engine)
         return
     for obj in objects:
-        opt = _shardopt_optimizer(obj)
+        opt = unwrap_optimizer(obj)
         if opt is not None:
             rekey_names(opt)
 

@@ -81,6 +81,11 @@ def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, 
             if key not in _AUTO:
                 raise ConfigError(f"{where}.{key} = 'auto': only {sorted(_AUTO)} can be 'auto'")
             params[key] = _AUTO[key](trainer.args)
+            if ds is not None and isinstance(ds.get("shardopt", {}).get("params"), dict) \
+                    and ds["shardopt"]["params"].get(key) == "auto":
+                # fill it in the config too, as HF does with its own "auto" values: accelerate refuses any "auto"
+                # left in the DeepSpeed config when it starts the engine
+                ds["shardopt"]["params"][key] = list(params[key]) if isinstance(params[key], tuple) else params[key]
     cfg = validate_hyperparameters(name, params, where=where)
     return name.lower(), cfg, {**section.routing, **dict(routing or {})}
 
