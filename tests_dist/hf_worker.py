@@ -125,7 +125,8 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     if args.engine.startswith("zero"):
         extra["deepspeed"] = ds_config(int(args.engine[-1]), args.optimizer)
     elif args.engine == "fsdp2":
-        extra.update(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True})
+        extra.update(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
+                                                     "state_dict_type": "SHARDED_STATE_DICT"})
         fsdp_on_cpu()
     targs = TrainingArguments(
         output_dir=args.dir, per_device_train_batch_size=args.batch, max_steps=args.steps, report_to="none",

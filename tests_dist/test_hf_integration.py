@@ -75,17 +75,19 @@ def test_one_step_matches_single_process(api: str, engine: str) -> None:
             assert meta["dtensor_params"] > 0
 
 
-def test_trainer_resume_exact_and_at_world_size_1() -> None:
-    """ZeRO-2, save at step 2, 5 steps in all: resuming at world size 2 (3 more steps) equals the uninterrupted
-    run, and so does resuming the world-size-2 checkpoint at world size 1 with the same global batch (4)."""
+@pytest.mark.parametrize("engine,resume_on", [("zero2", ((2, 2), (1, 4))), ("fsdp2", ((2, 2),))])
+def test_trainer_resume_exact(engine: str, resume_on: tuple) -> None:
+    """Save at step 2 (``save_steps``), 5 steps in all: resuming at world size 2 (3 more steps) equals the
+    uninterrupted run; under ZeRO-2 so does resuming the world-size-2 checkpoint at world size 1 with the same
+    global batch (4). FSDP2 saves through the Trainer's own DCP path (``SHARDED_STATE_DICT``)."""
     with tempfile.TemporaryDirectory(prefix="wt17_hf_resume_") as tmp:
-        common = ["--engine", "zero2", "--optimizer", "racs,sumo", "--steps", "5"]
+        common = ["--engine", engine, "--optimizer", "racs,sumo", "--steps", "5"]
         out = Path(tmp) / "whole.pt"
         proc = torchrun("hf_worker.py", 2, ["--api", "trainer", *common, "--save-steps", "2", "--dir", tmp,
                                             "--out", str(out)], timeout=420)
         assert proc.returncode == 0, proc.stderr[-4000:]
         whole = torch.load(out)
-        for nproc, batch in ((2, 2), (1, 4)):
+        for nproc, batch in resume_on:
             out = Path(tmp) / f"resumed{nproc}.pt"
             proc = torchrun("hf_worker.py", nproc, [
                 "--api", "trainer", *common, "--batch", str(batch), "--resume", f"{tmp}/{{opt}}/checkpoint-2",
@@ -95,7 +97,7 @@ def test_trainer_resume_exact_and_at_world_size_1() -> None:
             for name in ("racs", "sumo"):
                 meta = resumed[name]["__meta__"]
                 diff = max_diff(whole[name], resumed[name])
-                print(f"Trainer ZeRO-2 {name}: resumed at ws {nproc} from ws 2 step 2, after step 5: "
+                print(f"Trainer {engine} {name}: resumed at ws {nproc} from ws 2 step 2, after step 5: "
                       f"max |resumed - uninterrupted| = {diff:.3g}  {meta}")
                 assert meta["steps_run"] == 3 and meta["global_step"] == 5
                 assert diff <= TOL
