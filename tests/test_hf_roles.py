@@ -169,3 +169,53 @@ def test_trainer_cls_and_kwargs_keeps_roles(tmp_path) -> None:
     assert by_param[id(model.lm_head.weight)]["momentum"] == 0.9
     assert by_param[id(model.model.layers[0].mlp.up_proj.weight)]["treatment"] == "scale"
     assert opt.param_names[id(model.lm_head.weight)] == "lm_head.weight"
+
+
+def fake_trainer(ds_config: dict | None, **args) -> object:
+    """What ``enable`` reads from a Trainer: the DeepSpeed config accelerate holds and the TrainingArguments."""
+    from types import SimpleNamespace
+
+    targs = SimpleNamespace(learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-6,
+                            **args)
+    plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config=ds_config)) if ds_config is not None else None
+    return SimpleNamespace(is_deepspeed_enabled=ds_config is not None, args=targs, optimizer=None,
+                           accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+
+
+def test_enable_reads_the_section_and_auto_values() -> None:
+    from shardopt.integrations.transformers import resolve_settings
+
+    ds = {"zero_optimization": {"stage": 2},
+          "shardopt": {"optimizer": "scale", "params": {"lr": "auto", "adam_betas": "auto", "momentum": 0.5},
+                       "routing": {"lm_head.weight": "adamw"}}}
+    name, cfg, routing = resolve_settings(fake_trainer(ds), None, {"x*": "adamw"}, {"eps": 1e-7})
+    assert name == "scale" and cfg.lr == 3e-3 and cfg.adam_betas == (0.8, 0.9) and cfg.momentum == 0.5
+    assert cfg.eps == 1e-7 and routing == {"lm_head.weight": "adamw", "x*": "adamw"}
+    assert ds["shardopt"]["params"]["lr"] == 3e-3  # filled in place: accelerate refuses any "auto" left over
+    name, cfg, _ = resolve_settings(fake_trainer(None), "racs", None, {"lr": "auto"})  # no DeepSpeed: keywords
+    assert name == "racs" and cfg.lr == 3e-3
+
+
+@pytest.mark.parametrize("ds,optimizer,hp,match", [
+    ({"optimizer": {"type": "AdamW"}, "shardopt": {"optimizer": "scale"}}, None, {}, "both an 'optimizer' block"),
+    ({"optimizer": {"type": "AdamW"}}, "scale", {}, "has an 'optimizer' block"),
+    ({}, None, {}, "name the optimizer"),
+    ({"shardopt": {"optimizer": "scale", "params": {"momentum": "auto"}}}, None, {}, r"shardopt.params.momentum = 'auto'"),
+    ({"shardopt": {"optimizer": "scale", "params": {"lr": -1}}}, None, {}, r"shardopt.params.lr"),
+    ({"shardopt": {"optimizer": "scale", "extra": 1}}, None, {}, r"shardopt.extra"),
+    (None, "nope", {}, "unknown optimizer"),
+])
+def test_enable_config_errors_name_the_key(ds, optimizer, hp, match) -> None:
+    from shardopt.integrations.transformers import resolve_settings
+
+    with pytest.raises(shardopt.ConfigError, match=match):
+        resolve_settings(fake_trainer(ds), optimizer, None, hp)
+
+
+def test_enable_refuses_a_given_optimizer() -> None:
+    from shardopt.integrations.transformers import enable
+
+    trainer = fake_trainer(None)
+    trainer.optimizer = object()
+    with pytest.raises(shardopt.ConfigError, match=r"optimizers=\(None, None\)"):
+        enable(trainer, "scale")
