@@ -162,7 +162,14 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
 
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
            "zero_optimization": {"stage": int(args.engine[-1]), "overlap_comm": False}}
-    accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+    if args.engine == "fsdp2":
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp_on_cpu()
+        accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
+            fsdp_version=2, reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT"))
+    else:
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
     model = tiny_model(args.model)
     opt = shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
     if args.auto:  # a plain accelerator.prepare: the first step maps the engine itself
@@ -187,7 +194,7 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             if rank == 0:
                 open(os.path.join(path, "step"), "w").write(str(step + 1))
     META.update(describe_engine(model, opt))
-    return full_params(model.module)
+    return full_params(getattr(model, "module", model))
 
 
 def scenario(args: argparse.Namespace, name: str) -> dict[str, torch.Tensor]:

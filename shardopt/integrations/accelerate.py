@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from ..optim.base import ShardedOptimizer
-from ..plugin.wrapped import map_deepspeed
+from ..plugin.wrapped import map_deepspeed, rekey_names
 
 __all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names"]
 
@@ -30,23 +30,6 @@ def unwrap_optimizer(obj: Any) -> ShardedOptimizer | None:
             return obj
         obj = getattr(obj, "optimizer", None)
     return None
-
-
-def rekey_names(opt: ShardedOptimizer) -> None:
-    """After a wrapper replaced the tensors in ``opt.param_groups`` in place (accelerate's FSDP2
-    ``fsdp2_switch_optimizer_parameters``), give each new tensor the name of the one it replaced."""
-    changed = False
-    for group, names in zip(opt._groups(), opt.group_param_names):
-        if len(group["params"]) != len(names):
-            continue
-        for p, name in zip(group["params"], names):
-            if opt.param_names.get(id(p)) != name:
-                opt.param_names[id(p)] = name
-                p._shardopt_name = name
-                changed = True
-    if changed:
-        opt._fragments.clear()
-        opt._forget_plans()
 
 
 def after_prepare(accelerator: Any, objects: Any) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["UnmappedTensorError", "check_stepped_tensors", "find_deepspeed_caller", "map_deepspeed"]
+__all__ = ["UnmappedTensorError", "check_stepped_tensors", "rekey_names", "find_deepspeed_caller", "map_deepspeed"]
 
 #: how far up the stack the ZeRO wrapper and the engine are looked for (engine.step -> wrapper.step ->
 #: wrapper._optimizer_step -> our step is 3-6 frames; accelerate adds 2)
@@ -98,9 +98,30 @@ def _describe(opt: Any, p: torch.Tensor) -> str:
     return f"a {p.dim()}-D tensor of shape {tuple(p.shape)} that is none of the parameters it was built with"
 
 
+def rekey_names(opt: Any) -> None:
+    """After a wrapper replaced the tensors in ``opt.param_groups`` in place by DTensors (accelerate's FSDP2
+    ``fsdp2_switch_optimizer_parameters``), give each new tensor the name of the one it replaced (names choose
+    seeded draws and checkpoint keys, so ``param@<address>`` would make SUMO / Alice differ from one process)."""
+    changed = False
+    for group, names in zip(opt._groups(), opt.group_param_names):
+        if len(group["params"]) != len(names):
+            continue
+        for p, name in zip(group["params"], names):
+            if opt.param_names.get(id(p)) != name and hasattr(p, "placements") and not opt.is_flat(p):
+                opt.param_names[id(p)] = name
+                p._shardopt_name = name
+                changed = True
+    if changed:
+        opt._fragments.clear()
+        opt._forget_plans()
+
+
 def check_stepped_tensors(opt: Any) -> None:
     """Before a step: every tensor of a matrix group must be a real matrix or a declared flat partition; map a
-    DeepSpeed wrapper found on the call stack, else raise ``UnmappedTensorError``."""
+    DeepSpeed wrapper found on the call stack, else raise ``UnmappedTensorError``. DTensors a wrapper swapped in
+    for the parameters get the replaced parameters' names."""
+    if any(id(p) not in opt.param_names and hasattr(p, "placements") for g in opt.param_groups for p in g["params"]):
+        rekey_names(opt)
     bad = [(g, p) for g in opt.param_groups if g.get("treatment", "adamw") != "adamw"
            for p in g["params"] if _needs_mapping(opt, p)]
     if not bad:
