@@ -9,7 +9,6 @@ with per-device batch B sees the same 2B sequences as a world-size-1 step with b
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import warnings
 

@@ -9,6 +9,9 @@ its config (no downloads). Every run is compared with the single-process shardop
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,12 +36,11 @@ def run(api: str, args: list[str], nproc: int = 2) -> dict:
         with tempfile.TemporaryDirectory(prefix="wt17_hf_") as tmp:
             out = str(Path(tmp) / "out.pt")
             cmd = ["--api", api, "--out", out, "--dir", str(Path(tmp) / "run"), *args]
-            if api == "reference":
-                import subprocess
-                import sys
-
+            if api == "reference":  # one process, no launcher
+                env = {**os.environ, "OMP_NUM_THREADS": "1",
+                       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
                 proc = subprocess.run([sys.executable, str(ROOT / "tests_dist" / "hf_worker.py"), *cmd], cwd=ROOT,
-                                      capture_output=True, text=True, timeout=300)
+                                      env=env, capture_output=True, text=True, timeout=300)
             else:
                 proc = torchrun("hf_worker.py", nproc, cmd, timeout=420)
             if proc.returncode != 0:

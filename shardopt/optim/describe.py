@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
 
-import torch
 from torch import nn
 
 __all__ = ["describe_roles", "describe_groups"]
