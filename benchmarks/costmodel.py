@@ -1,4 +1,4 @@
-"""Per-matrix cost formulas from the spec cards: persistent state, compulsory memory traffic, FLOPs.
+"""Per-matrix cost formulas from docs/algorithms/: persistent state, compulsory memory traffic, FLOPs.
 
 A matrix is (m, n) = PyTorch (out, in); k = min(m, n), K = max(m, n). Counts are elements; multiply by the
 element size for bytes. The formulas are keyed by optimizer name (not param-group treatment: Alice and
@@ -60,22 +60,22 @@ def _ranked(rule: Callable[[int, int, int], float]) -> Rule:
 # Persistent optimizer state per matrix routed to the optimizer's matrix rule (elements).
 _STATE: dict[str, Rule] = {
     "adamw": lambda m, n, hp: 2 * m * n,                                   # exp_avg + exp_avg_sq
-    "scale": lambda m, n, hp: m * n if hp.get("momentum", 0) else 0,       # specs/scale.md s3: LM head only
-    "sinkgd": lambda m, n, hp: 0,                                          # specs/sinkgd.md: stateless
-    "swan": lambda m, n, hp: 0,                                            # specs/racs_alice.md s2
-    "racs": lambda m, n, hp: m + n + 1,                                    # specs/racs_alice.md s1.1: q, s, phi
+    "scale": lambda m, n, hp: m * n if hp.get("momentum", 0) else 0,       # docs/algorithms/scale.md: LM head only
+    "sinkgd": lambda m, n, hp: 0,                                          # docs/algorithms/sinkgd.md: stateless
+    "swan": lambda m, n, hp: 0,                                            # docs/algorithms/swan.md
+    "racs": lambda m, n, hp: m + n + 1,                                    # docs/algorithms/racs.md: q, s, phi
     "muon": lambda m, n, hp: m * n,                                        # momentum
-    "asgo": lambda m, n, hp: m * n + 2 * min(m, n) ** 2,                   # specs/asgo.md s2: M, V, P
-    "dasgo": lambda m, n, hp: m * n + n,                                   # specs/asgo.md s1.3: M, v (columns)
-    "sumo": _ranked(lambda m, n, r: (m + n) * r),                          # specs/sumo.md s2: Q, M
-    # specs/racs_alice.md s2 (the card's m <= n): U k x r, M and V r x K, p K, Q~ r x r, phi
+    "asgo": lambda m, n, hp: m * n + 2 * min(m, n) ** 2,                   # docs/algorithms/asgo.md: M, V, P
+    "dasgo": lambda m, n, hp: m * n + n,                                   # docs/algorithms/asgo.md: M, v (columns)
+    "sumo": _ranked(lambda m, n, r: (m + n) * r),                          # docs/algorithms/sumo.md: Q, M
+    # docs/algorithms/alice.md (rows <= cols): U k x r, M and V r x K, p K, Q~ r x r, phi
     "alice": _ranked(lambda m, n, r: min(m, n) * r + 2 * max(m, n) * r + max(m, n) + r * r + 1),
     "alice0": _ranked(lambda m, n, r: min(m, n) * r + 2 * max(m, n) * r + max(m, n) + 1),
 }
 
 
 def state_elements(name: str, m: int, n: int, hp: Mapping[str, Any]) -> float | None:
-    """Spec-card state of one m x n matrix under optimizer ``name`` (``"adamw"`` for AdamW-routed tensors)."""
+    """Documented state of one m x n matrix under optimizer ``name`` (``"adamw"`` for AdamW-routed tensors)."""
     rule = _STATE.get(name)
     return None if rule is None else rule(m, n, hp)
 
@@ -104,7 +104,7 @@ _FLOPS: dict[str, Rule] = {
     # Gram + apply (2 k^2 K each) and a coupled Newton-Schulz step of 3 k x k products (6 k^3)
     "swan": lambda m, n, hp: int(hp.get("iterations", 1)) * (
         4.0 * min(m, n) ** 2 * max(m, n) + int(hp.get("ns_steps", 12)) * 6.0 * min(m, n) ** 3),
-    # Gram and apply (2 K k^2 each), eigh ~10 k^3 every tau steps (specs/asgo.md s2)
+    # Gram and apply (2 K k^2 each), eigh ~10 k^3 every tau steps (docs/algorithms/asgo.md)
     "asgo": lambda m, n, hp: 4.0 * max(m, n) * min(m, n) ** 2 + 10.0 * min(m, n) ** 3 / _interval(hp),
     # project and back-project (2 m n r each); the refresh (QR/SVD of an m x r or m x n block) is left out
     "sumo": _ranked(lambda m, n, r: 4.0 * m * n * r),

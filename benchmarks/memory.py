@@ -1,10 +1,10 @@
-"""Optimizer memory: state bytes against AdamW and the spec cards' formulas, and peak memory of the demo job.
+"""Optimizer memory: state bytes against AdamW and the formulas of docs/algorithms/, and peak memory of the demo job.
 
     python -m benchmarks.memory               # state on 60m/130m shapes; demo job (ZeRO-2, 2 ranks) per optimizer
     python -m benchmarks.memory --quick       # tiny shapes, scale+sinkgd, 3 demo steps
 
 1. State: one step on the real module with random gradients creates every state tensor; each parameter's
-   state elements (step counters left out) are compared with the card's formula for the rule that steps it
+   state elements (step counters left out) are compared with the documented formula for the rule that steps it
    (``benchmarks.costmodel``: SCALE 0 or mn on the LM head, RACS m+n+1, AdamW 2mn for routed vectors...).
 2. Demo job: ``configs/train/demo.json`` (tiny LLaMA, DeepSpeed ZeRO-2, 2 processes) for a few steps with
    each optimizer; every rank reports its optimizer state bytes (from the state tensors it holds) and its
@@ -25,7 +25,7 @@ from .launch import finish_worker, gather, init_worker, run_workers
 from .results import fmt, markdown_table, write_results
 
 DEMO_CONFIG = "configs/train/demo.json"
-#: per-tensor scalars (a limiter norm, a previous norm, a switch counter) that the cards' formulas leave out
+#: per-tensor scalars (a limiter norm, a previous norm, a switch counter) that the documented formulas leave out
 SCALAR_SLACK = 4
 
 

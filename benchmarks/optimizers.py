@@ -54,7 +54,7 @@ def default_lr(name: str) -> tuple[float, float | None]:
     """(lr, adam_lr) defaults of a shardopt optimizer (``adam_lr`` None means "same as lr")."""
     from shardopt.optim.registry import OPTIMIZERS
 
-    fields = OPTIMIZERS[name][1].model_fields
+    fields = OPTIMIZERS[name].Config.model_fields
     adam = fields["adam_lr"].default if "adam_lr" in fields else None
     return float(fields["lr"].default), (float(adam) if adam is not None else None)
 

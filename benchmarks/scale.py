@@ -23,8 +23,8 @@ identically, so this one process knows every rank's plan.
   ``auto`` and ``distributed`` and to the optimizers without whole-matrix work; ``gather`` is reported.
   AdamW: torch AdamW's two moments over each rank's local elements in the same layout (ZeRO: the padded
   flat partition it would step).
-* Plan building: optimizer construction + layouts (ZeRO: the fragments) + ``matrix_plan`` of every group;
-  for Muon also the gather plan its ``step()`` builds every step (``run_on_owners``), reported separately.
+* Plan building: optimizer construction + layouts (ZeRO: the fragments) + ``matrix_plan`` of every group
+  (Muon's included: its Newton-Schulz runs on the cached plan like every whole-matrix optimizer).
 * Traffic per step, estimated from the plans (bytes summed over all ranks, shown per rank = sum / P):
   gather = each gathered matrix to its owner and back (2 x 4 B x the elements not already on the owner);
   realign = rows moved to fill the distributed strategy's row blocks and back (2 x 4 B x sum of
@@ -97,7 +97,7 @@ def fsdp2_model(size: str, world: int) -> torch.nn.Module:
 def whole_matrix(name: str) -> bool:
     from shardopt.optim.registry import OPTIMIZERS
 
-    return bool(OPTIMIZERS[name][0].whole_matrix_work)
+    return bool(OPTIMIZERS[name].whole_matrix_work)
 
 
 def _groups(opt: Any) -> list[dict]:
@@ -118,6 +118,7 @@ def attach_zero(opt: Any, shapes: dict[str, tuple[int, ...]], world: int, stage:
 
     group = dist.group.WORLD
     local = 0
+    attached = []
     for g, pg in enumerate(_groups(opt)):
         names = list(opt.group_param_names[g])
         if not names:
@@ -132,11 +133,10 @@ def attach_zero(opt: Any, shapes: dict[str, tuple[int, ...]], world: int, stage:
                 sub = [names[i] for i in idx]
                 frags, length = zero3_fragments(sub, [shapes[n] for n in sub], world, 0, group)
                 flats.append((torch.empty(length, device="meta"), frags))
-        for flat, frags in flats:
-            flat._shardopt_flat = True  # type: ignore[attr-defined]
-            opt.attach_fragments(flat, frags)
-            local += flat.numel()
+        attached.extend(flats)
+        local += sum(flat.numel() for flat, _ in flats)
         pg["params"] = [f for f, _ in flats] if stage == "zero1/2" else []  # ZeRO-3 empties them between steps
+    opt.use_layouts(flat=attached)
     return torch.full((world,), 2 * local, dtype=torch.int64)
 
 
@@ -237,10 +237,10 @@ def traffic_and_flops(opt: Any, world: int) -> tuple[dict[str, float], torch.Ten
 
 
 def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Tensor, kinds: dict[str, int],
-               spec_of: Any, flops_of: Any = None) -> None:
+               spec_of: Any) -> None:
     for kind, c, plan, owner in zip(ops.kinds, ops.costs, ops.plans, ops.owners):
         kinds[kind] = kinds.get(kind, 0) + 1
-        work = flops_of(plan) if flops_of is not None else (c.row_flops, c.small_flops)
+        work = (c.row_flops, c.small_flops)
         if kind == "local":
             flops += work[0] + work[1]
             continue
@@ -255,29 +255,6 @@ def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Ten
         traffic["state"] += (world - 1) * sum(math.prod(s) for s, d in spec.values() if d is not None)
         starts = torch.tensor(plan.starts, dtype=torch.float64)
         flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1) + work[1]
-
-
-def muon_step_plan(opt: Any, world: int, traffic: dict, flops: torch.Tensor, kinds: dict) -> float:
-    """Muon gathers every matrix to an owner inside ``step()`` (``run_on_owners``): build that plan as the step
-    does, time it, and add its traffic and Newton-Schulz FLOPs."""
-    from shardopt.sharding.matrix_ops import MatrixOps, OpCost
-    from shardopt.sharding.owner import newton_schulz_cost
-
-    groups = _groups(opt)
-    seconds = 0.0
-    for g, frags in opt._fragments_by_group().items():
-        steps = groups[g].get("ns_steps", 5)
-        t0 = time.perf_counter()
-        ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], [False] * len(frags), "gather",
-                        lambda shape: OpCost(newton_schulz_cost(shape, steps)))
-        seconds += time.perf_counter() - t0
-
-        def ns_flops(plan: Any) -> tuple[float, float]:
-            m, n = plan.layout.shape
-            return newton_schulz_cost((m, n), steps) - 8.0 * m * n, 0.0
-
-        _add_costs(ops, world, traffic, flops, kinds, lambda plan: {}, ns_flops)
-    return seconds
 
 
 def busiest_transient(opt: Any, world: int) -> float | None:
@@ -304,9 +281,6 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
     busiest = int(total.argmax())
     checked = check_ranks(opt, state, world, busiest, samples)
     traffic, flops, kinds = traffic_and_flops(opt, world)
-    step_plan_s = None
-    if type(opt).__name__ == "Muon":
-        step_plan_s = muon_step_plan(opt, world, traffic, flops, kinds)
     transient = busiest_transient(opt, world)
     bound = BOUND_FACTOR * single_bytes / world + BOUND_SLACK
     rec = {
@@ -318,7 +292,7 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
         "adamw_busiest_bytes": 4 * int(adamw.max()), "vs_adamw": float(total[busiest]) / (4 * int(adamw.max())),
         "bound_bytes": bound, "within_bound": int(total[busiest]) <= bound,
         "bound_applies": strategy in (None, "auto", "distributed"),
-        "plan_s": plan_s, "step_plan_s": step_plan_s, "strategies": kinds,
+        "plan_s": plan_s, "strategies": kinds,
         "traffic_bytes": {k: 4 * v for k, v in traffic.items()},
         "traffic_per_rank_bytes": 4 * sum(traffic.values()) / world,
         "traffic_vs_grad": (4 * sum(traffic.values()) / world) / (4 * n_params),
@@ -430,7 +404,7 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                          fmt(r["adamw_busiest_bytes"] / MIB, ".1f"), fmt(r["vs_adamw"], ".3f"),
                          fmt(r["single_bytes"] / r["world_size"] / MIB, ".1f"), fmt(r["bound_bytes"] / MIB, ".1f"),
                          "yes" if r["within_bound"] else ("NO" if r["bound_applies"] else "no (gather)"),
-                         fmt(r["plan_s"], ".2f") + (f" (+{r['step_plan_s']:.2f}/step)" if r["step_plan_s"] else ""),
+                         fmt(r["plan_s"], ".2f") + (f" (+{r['step_plan_s']:.2f}/step)" if r.get("step_plan_s") else ""),
                          " / ".join(fmt(t[k] / r["world_size"] / MIB, ".1f") for k in ("gather", "realign", "allreduce",
                                                                                          "state")),
                          fmt(r["traffic_vs_grad"], ".2f"), fmt(r["busiest_flops"] / 1e9, ".1f"),

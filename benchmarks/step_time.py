@@ -176,7 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--vocab", type=int, default=GALORE_VOCAB)
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    ap.add_argument("--out", default="step_time", help="result file stem under benchmarks/results/")
+    ap.add_argument("--out", default=None,
+                    help="result file stem under benchmarks/results/ (default step_time, or step_time_cuda)")
     args = parse_args(ap, argv, dict(sizes="tiny", vocab=4096, repeats=3, max_seconds=2.0, max_interval=5))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible to torch")
@@ -196,7 +197,8 @@ def main(argv: list[str] | None = None) -> None:
              "AdamW's median in this run.",
              "Refresh-based optimizers: time per step over a whole refresh interval (see 'method' in the JSON)."]
     config = {k: v for k, v in vars(args).items()} | {"roofline": roofline}
-    path = write_results(args.out, config, records, to_markdown(records, roofline), notes, device=args.device,
+    stem = args.out or ("step_time" if args.device == "cpu" else "step_time_cuda")
+    path = write_results(stem, config, records, to_markdown(records, roofline), notes, device=args.device,
                          out_dir=args.results_dir)
     print(f"wrote {path} and {path.with_suffix('.md')}")
 

@@ -14,16 +14,9 @@ import warnings
 
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from shardopt.optim.registry import build_param_groups, validate_hyperparameters, optimizer_kwargs
-from shardopt import SCALE
+import shardopt
 
 from common import finish, init_distributed, tiny_llama, token_batches
-
-
-def param_groups(model):
-    cfg = validate_hyperparameters("scale", {"lr": 1e-3})
-    groups = [{k: v for k, v in g.items() if k != "names"} for g in build_param_groups(model, "scale", cfg)]
-    return groups, cfg
 
 
 def train(model, opt, steps: int, rank: int, device, name: str) -> None:
@@ -37,9 +30,9 @@ def train(model, opt, steps: int, rank: int, device, name: str) -> None:
 
 def with_zero_redundancy(steps: int, rank: int, device) -> dict | None:
     model = tiny_llama().to(device)
-    groups, cfg = param_groups(model)
+    groups = shardopt.param_groups(model, "scale", lr=1e-3)   # one named group per parameter, every hyperparameter
     from torch.distributed.optim import ZeroRedundancyOptimizer          # torch
-    opt = ZeroRedundancyOptimizer(groups, optimizer_class=SCALE, **optimizer_kwargs(cfg))
+    opt = ZeroRedundancyOptimizer(groups, optimizer_class=shardopt.SCALE)
     train(model, opt, steps, rank, device, "ZeroRedundancyOptimizer")
     opt.consolidate_state_dict(to=0)
     return opt.state_dict() if rank == 0 else None
@@ -47,11 +40,11 @@ def with_zero_redundancy(steps: int, rank: int, device) -> dict | None:
 
 def with_oss(steps: int, rank: int, device) -> dict | None:
     model = tiny_llama().to(device)
-    groups, cfg = param_groups(model)
+    groups = shardopt.param_groups(model, "scale", lr=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fairscale 0.4.13 warns about deprecated torch APIs on import
         from fairscale.optim import OSS                                         # fairscale (extra "engines")
-    opt = OSS(groups, optim=SCALE, **optimizer_kwargs(cfg))
+    opt = OSS(groups, optim=shardopt.SCALE)
     train(model, opt, steps, rank, device, "OSS")
     opt.consolidate_state_dict(recipient_rank=0)
     return opt.state_dict() if rank == 0 else None

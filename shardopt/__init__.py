@@ -1,12 +1,29 @@
 """shardopt: memory-efficient, matrix-aware optimizers that stay exact on sharded parameters.
 
-``shardopt.create_optimizer(model, "scale" | "sinkgd" | "racs", **hyperparameters)`` for single process,
-DDP and FSDP2; ``shardopt.deepspeed.initialize(model=..., config=...)`` for DeepSpeed ZeRO 0-3.
+The optimizers (vectors, and whatever the routing says, go to AdamW inside the same object):
+
+* ``SCALE``: per-output-unit RMS normalization, EMA momentum on the LM head only (arXiv:2506.16659)
+* ``SinkGD``: SR-Sinkhorn row/column normalization (arXiv:2502.06742)
+* ``RACS``: row/column scaling from a rank-1 fit of G*G with a norm-growth limiter (arXiv:2502.07752)
+* ``SWAN``: row normalization, then whitening (arXiv:2502.06742 s3.4)
+* ``ASGO`` / ``DASGO``: one-sided Shampoo / its diagonal form (arXiv:2503.20762)
+* ``SUMO``: rank-r moment in a refreshed subspace, orthogonalized exactly (arXiv:2505.24749)
+* ``Alice`` / ``Alice0``: low-rank Adam in a tracked subspace with compensation (arXiv:2502.07752)
+* ``Muon``: momentum + Newton-Schulz, the common baseline (equals ``torch.optim.Muon``)
+
+``shardopt.create_optimizer(model, name, **hyperparameters)`` for single process, DDP and FSDP2;
+``shardopt.deepspeed.initialize(model=..., config=...)`` for DeepSpeed ZeRO 0-3;
+``shardopt.param_groups(model, name, **hyperparameters)`` for whole-parameter sharders
+(``ZeroRedundancyOptimizer(groups, optimizer_class=shardopt.SCALE)``, fairscale ``OSS``). The classes also take
+what ``torch.optim`` takes (``model.named_parameters()``, tensors, param groups).
 """
-from .optim import RACS, SCALE, SWAN, ConfigError, Muon, SinkGD, ShardedOptimizer, create_optimizer
+from .optim import (ASGO, DASGO, RACS, SCALE, SUMO, SWAN, Alice, Alice0, ConfigError, Muon, ShardedOptimizer, SinkGD,
+                    create_optimizer, param_groups)
+from .plugin import wrapped as _wrapped  # noqa: F401  registers its pre-step check, param source and model watcher
 
 __version__ = "0.1.0"
-__all__ = ["create_optimizer", "SCALE", "SinkGD", "RACS", "Muon", "SWAN", "ShardedOptimizer", "ConfigError", "__version__"]
+__all__ = ["create_optimizer", "param_groups", "SCALE", "SinkGD", "RACS", "SWAN", "ASGO", "DASGO", "SUMO", "Alice",
+           "Alice0", "Muon", "ShardedOptimizer", "ConfigError", "__version__"]
 
 
 def __getattr__(name: str):

@@ -40,7 +40,7 @@ def conv1d_weights(model: nn.Module) -> list[str]:
 
 
 def scale_reference(g: torch.Tensor, lr: float, eps: float = 1e-8) -> torch.Tensor:
-    """SCALE's matrix rule (specs/scale.md) in float64 on an out x in gradient: each output unit (row) divided
+    """SCALE's matrix rule (docs/algorithms/scale.md) in float64 on an out x in gradient: each output unit (row) divided
     by its RMS; the update is ``-lr`` times that."""
     g = g.double()
     rms = g.pow(2).mean(dim=1, keepdim=True).sqrt().clamp_min(eps)

@@ -1,9 +1,9 @@
-"""Whole-matrix optimizers against the float64 invariants of their spec cards (single process).
+"""Whole-matrix optimizers against the float64 invariants in docs/algorithms/ (single process).
 
-ASGO's first step equals its closed form through the SVD of G (specs/asgo.md 5.1), and its staleness law
+ASGO's first step equals its closed form through the SVD of G (docs/algorithms/asgo.md), and its staleness law
 (5.4); DASGO's first step (5.6); SUMO's update is a rank-r partial isometry in span(Q) and, on a rank-r
-gradient, the polar factor of G (specs/sumo.md I1, I5, I6); Alice's basis is orthonormal after every switch
-and at full rank the step reduces to its dense form, Adam in the basis (specs/racs_alice.md 8, 12).
+gradient, the polar factor of G (docs/algorithms/sumo.md); Alice's basis is orthonormal after every switch
+and at full rank the step reduces to its dense form, Adam in the basis (docs/algorithms/alice.md).
 """
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_asgo_first_step_closed_form(shape: tuple[int, int], eps: float) -> None
 
 def test_asgo_stale_root_follows_the_refresh_law() -> None:
     """Constant G, eps = 0, tau = 1: factor (1 - b1^(t+1)) / sqrt(1 - b2^(t+1)); with tau = 3 the denominator
-    stays at the last refresh (specs/asgo.md 5.4)."""
+    stays at the last refresh (docs/algorithms/asgo.md)."""
     from shardopt.optim.asgo import ASGO
 
     g = rand(5, 8, seed=2)
@@ -108,7 +108,7 @@ def test_sumo_moment_orthogonalized_to_unit_singular_values() -> None:
         sv = torch.linalg.svdvals(delta)
         assert torch.allclose(sv[:r], torch.ones(r, dtype=torch.float64), atol=1e-5), sv
         assert sv[r:].abs().max() < 1e-5
-        q = opt.state[p]["basis"].double()
+        q = opt.state[p]["Q"].double()
         assert torch.allclose(q.T @ q, torch.eye(r, dtype=torch.float64), atol=1e-5)
         assert (delta - q @ (q.T @ delta)).abs().max() < 1e-5
 
@@ -131,7 +131,7 @@ def test_alice_basis_orthonormal_after_every_switch(shape: tuple[int, int]) -> N
     opt = Alice([p], rank=3, leading=1, refresh_interval=2)
     for t in range(7):
         step_with(opt, p, rand(*shape, seed=20 + t))
-        u = opt.state[p]["basis"].double()
+        u = opt.state[p]["U"].double()
         assert torch.allclose(u.T @ u, torch.eye(3, dtype=torch.float64), atol=1e-5)
     assert int(opt.state[p]["switches"]) == 4  # steps 1, 2, 4, 6
 
@@ -149,7 +149,7 @@ def test_alice_full_rank_is_adam_in_its_basis() -> None:
     var = torch.zeros(m, n, dtype=torch.float64)
     for t, g in enumerate(grads):
         delta = step_with(opt, p, g)
-        u = opt.state[p]["basis"].double()
+        u = opt.state[p]["U"].double()
         assert torch.allclose(u.T @ u, torch.eye(m, dtype=torch.float64), atol=1e-6)
         s = u.T @ g
         mom = b1 * mom + (1 - b1) * s
@@ -160,7 +160,7 @@ def test_alice_full_rank_is_adam_in_its_basis() -> None:
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6)])
 def test_alice_compensation_matches_the_explicit_residual_form(shape: tuple[int, int]) -> None:
-    """r < rows: the step equals the card's form with R = A - U s and C = sqrt(rows - r) R / sqrt(p) formed
+    """r < rows: the step equals the documented form with R = A - U sigma and C = sqrt(rows - r) R / sqrt(p) formed
     explicitly (float64), the norm-growth limiter included, although the optimizer forms neither."""
     from shardopt.optim.alice import Alice
 
@@ -176,7 +176,7 @@ def test_alice_compensation_matches_the_explicit_residual_form(shape: tuple[int,
         g = rand(*shape, seed=50 + t) * (3.0 if t == 3 else 1.0)  # a jump that the limiter must cap
         delta = step_with(opt, p, g)
         a = g.T if transpose else g
-        u = opt.state[p]["basis"].double()
+        u = opt.state[p]["U"].double()
         s = u.T @ a
         mom, var = b1 * mom + (1 - b1) * s, b2 * var + (1 - b2) * s * s
         resid = a - u @ s
@@ -199,7 +199,7 @@ def test_alice0_has_no_tracking_state_and_same_first_step_as_alice() -> None:
     da = step_with(Alice([a], rank=3, leading=1), a, g)
     opt0 = Alice0([b], rank=3, leading=1)
     db = step_with(opt0, b, g)
-    assert "tracking" not in opt0.state[b]
+    assert "Q_tilde" not in opt0.state[b]
     assert torch.allclose(da, db, atol=1e-7)
 
 
@@ -219,7 +219,7 @@ def test_zero_gradients_give_no_nan(name: str) -> None:
 def test_polar_factor_gram_path_matches_the_svd(shape: tuple[int, ...], kind: str) -> None:
     """The float64 Gram-eigh route (cutoffs >= GRAM_RTOL) gives the SVD's U V^T to float32 rounding and drops
     the same directions (rank-deficient; singular values spread over 5.5 decades across the 1e-4 cutoff; zero)."""
-    from shardopt.sharding.linalg import GRAM_RTOL, polar_factor
+    from shardopt.sharding.matfun import GRAM_RTOL, polar_factor
 
     g = torch.Generator().manual_seed(7)
     *batch, m, n = shape
@@ -249,7 +249,7 @@ def test_polar_factor_gram_path_matches_the_svd(shape: tuple[int, ...], kind: st
 def test_products_for_transposed_blocks_keep_the_storage_orientation() -> None:
     """Blocks of G^T are views; products and column sums of squares computed for them come out stored like G
     (so mapping back to G's flat layout is a view) and equal the plain results."""
-    from shardopt.sharding.linalg import mm_like, stored_transposed
+    from shardopt.sharding.orientation import mm_like, stored_transposed
     from shardopt.sharding.primitives import col_sumsq
 
     g = torch.randn(300, 40)

@@ -317,17 +317,17 @@ def test_plans_for_7b_at_1024_ranks_build_in_seconds(layout: str) -> None:
     t0 = time.perf_counter()
     opt = shardopt.create_optimizer(model, "sumo", matrix_ops={"strategy": "auto"})
     if layout == "row_chunks":  # FSDP2 Shard(0)
-        opt.set_layout_resolver(lambda p: MatrixLayout.row_chunks(tuple(p.shape) if p.dim() == 2 else (p.numel(), 1),
-                                                                  world, 0, group))
+        opt.use_layouts(lambda p: MatrixLayout.row_chunks(tuple(p.shape) if p.dim() == 2 else (p.numel(), 1),
+                                                          world, 0, group))
     else:
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        flats = []
         for g, pg in enumerate(opt.param_groups):
             names = opt.group_param_names[g]
             frags, length = zero3_fragments(names, [shapes[n] for n in names], world, 0, group)
-            flat = torch.empty(length, device="meta")
-            flat._shardopt_flat = True
-            opt.attach_fragments(flat, frags)
+            flats.append((torch.empty(length, device="meta"), frags))
             pg["params"] = []
+        opt.use_layouts(flat=flats)
     plans = [opt.matrix_plan(g) for g in range(len(opt.param_groups))]
     seconds = time.perf_counter() - t0
     ops = next(p for p in plans if p is not None)

@@ -20,7 +20,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
-from shardopt.optim.registry import OPTIMIZERS as REGISTRY, build_param_groups, optimizer_kwargs, validate_hyperparameters  # noqa: E402
+from shardopt.optim.registry import OPTIMIZERS as REGISTRY  # noqa: E402
 from parity_worker import OPTIMIZERS, STEPS, local_batch, reference  # noqa: E402
 from toy_models import batch, loss_fn, make_model  # noqa: E402
 
@@ -30,17 +30,14 @@ def whole_param_sharder(opt_name: str, kind: str) -> dict:
 
     model = make_model()
     ddp = DDP(model)
-    kw = dict(OPTIMIZERS[opt_name])
-    cfg = validate_hyperparameters(opt_name, {k: v for k, v in kw.items() if k != "routing"})
-    groups = [{k: v for k, v in g.items() if k != "names"} for g in
-              build_param_groups(model, opt_name, cfg, kw.get("routing"))]
-    cls = REGISTRY[opt_name][0]
+    groups = shardopt.param_groups(model, opt_name, **OPTIMIZERS[opt_name])
+    cls = REGISTRY[opt_name]
     if kind == "zero_redundancy":
         from torch.distributed.optim import ZeroRedundancyOptimizer
-        opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls, **optimizer_kwargs(cfg))
+        opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls)
     else:
         from fairscale.optim import OSS
-        opt = OSS(groups, optim=cls, **optimizer_kwargs(cfg))
+        opt = OSS(groups, optim=cls)
     for s in range(STEPS):
         opt.zero_grad()
         loss_fn(ddp, local_batch(s)).backward()

@@ -79,7 +79,7 @@ def test_cli_inspect_and_missing_shard() -> None:
     root = checkpoint_root()
     ok = cli("inspect", os.path.join(root, "racs", "zero2"))
     assert ok.returncode == 0, ok.stderr
-    assert "row_scale(5,) [rows" in ok.stdout and "step [3.0]" in ok.stdout
+    assert ", q(5,) [rows" in ok.stdout and "step [3.0]" in ok.stdout
     broken = tempfile.mkdtemp()
     shutil.copytree(os.path.join(root, "scale", "fsdp2", "dcp"), os.path.join(broken, "dcp"))
     os.remove(sorted(glob.glob(os.path.join(broken, "dcp", "*.distcp")))[-1])

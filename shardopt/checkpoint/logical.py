@@ -63,8 +63,9 @@ def _dist() -> bool:
 def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag) -> dict[str, torch.Tensor]:
     """State entries of one fragment: tensor-level ones plus its per-matrix ones."""
     st = opt.state.get(p, {})
-    out = {k: v for k, v in st.items() if k != "matrices"}
-    out.update(st.get("matrices", {}).get(frag.name, {}))
+    out = opt.tensor_entries(p, st)
+    if opt.is_flat(p):
+        out.update(opt.matrix_state(p, frag, st, create=False) or {})
     return out
 
 
@@ -278,8 +279,10 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
                 raise CheckpointError(f"checkpoint has no entries for parameter {frag.name!r}; it was saved from "
                                       "another model or is incomplete")
             for k in by_name[frag.name]:
-                key = k.split(SEP)[1]
-                kind, shape = kinds.get(key), tuple(source.index[k]["shape"])
+                stored = k.split(SEP)[1]
+                # the kind is recorded under the stored key; the state takes today's name of an old key
+                key = opt.state_key_renames.get(stored, stored)
+                kind, shape = kinds.get(stored), tuple(source.index[k]["shape"])
                 if kind == "elements" and math.prod(shape) != math.prod(frag.logical_shape):
                     raise CheckpointError(f"{k}: checkpoint shape {shape} does not match the "
                                           f"parameter's {frag.logical_shape}")
@@ -309,7 +312,7 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
                 source.fill(k, _target(source, k, frag.layout, frag.logical_shape), buf)
                 frag.local(st[key]).copy_(buf)
             continue
-        target = st.setdefault("matrices", {}).setdefault(frag.name, {}) if opt.is_flat(p) else st
+        target = opt.matrix_state(p, frag, st)
         if kind == "tensor":
             st[key] = _read_whole(source, k)
             continue

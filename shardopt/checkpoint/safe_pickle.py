@@ -123,8 +123,37 @@ class _WeightsOnlyBytes:
             self.state_dict[read_item.dest_index.fqn] = obj  # type: ignore[attr-defined]
 
 
+def _old_state_key_names() -> dict[str, list[str]]:
+    """Today's optimizer state key -> the older names it had (every class's ``state_key_renames``)."""
+    from ..optim.registry import OPTIMIZERS
+
+    olds: dict[str, list[str]] = {}
+    for cls in OPTIMIZERS.values():
+        for old, new in getattr(cls, "state_key_renames", {}).items():
+            if old not in olds.setdefault(new, []):
+                olds[new].append(old)
+    return olds
+
+
 class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` (load into an existing state dict) that never unpickles code."""
+    """``DefaultLoadPlanner`` (load into an existing state dict) that never unpickles code, and reads an
+    optimizer state entry that the checkpoint holds under an older key name (``state_key_renames``: a DCP
+    checkpoint written before issue 18's renames) into today's entry."""
+
+    def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        saved = metadata.state_dict_metadata if metadata is not None else {}
+        if not self.flatten_state_dict or not saved:
+            return
+        olds = _old_state_key_names()
+        for fqn in [k for k in self.state_dict if k not in saved]:
+            head, _, key = fqn.rpartition(".")
+            for old in olds.get(key, ()):
+                if head and f"{head}.{old}" in saved:
+                    # the same tensor object, read under the saved name: it fills today's entry in place
+                    self.state_dict[f"{head}.{old}"] = self.state_dict.pop(fqn)
+                    self.mappings[f"{head}.{old}"] = self.mappings.pop(fqn)
+                    break
 
 
 class _SafeEmptyStateDictPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):

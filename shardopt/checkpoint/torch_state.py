@@ -20,10 +20,10 @@ def optimizer_class(groups: list[dict]) -> type | None:
     if not any("treatment" in g for g in groups):
         return None
     for g in groups:
-        for cls, _, _ in OPTIMIZERS.values():
+        for cls in OPTIMIZERS.values():
             if g.get("treatment") in cls.matrix_treatments:
                 return cls
-    return OPTIMIZERS["scale"][0]  # only AdamW groups: every class stores them the same way
+    return OPTIMIZERS["scale"]  # only AdamW groups: every class stores them the same way
 
 
 def counters(step: Any, scheduler: Any) -> dict[str, Any]:
@@ -42,10 +42,12 @@ def logical_from_state_dicts(model: dict[str, Any], optim: dict[str, Any], engin
     groups = optim.get("param_groups", [])
     cls = optimizer_class(groups)
     state_kinds = cls.state_kinds if cls is not None else {}
+    renames = cls.state_key_renames if cls is not None else {}
     tensors = {f"{n}{SEP}{PARAM_KEY}": t.float() for n, t in model.items() if isinstance(t, torch.Tensor)}
     kinds = {PARAM_KEY: "elements"}
     for name, entries in optim.get("state", {}).items():
         for key, value in entries.items():
+            key = renames.get(key, key)  # an old file's keys under today's names
             if isinstance(value, (torch.Tensor, int, float, bool)):
                 tensors[f"{name}{SEP}{key}"] = torch.as_tensor(value).float()
                 kinds[key] = state_kinds.get(key, "tensor")

@@ -15,12 +15,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import weakref
+
 import torch
 
 from ..optim.base import ShardedOptimizer
-from ..plugin.wrapped import map_deepspeed, rekey_names
+from ..plugin.wrapped import engine_hooked, map_deepspeed, rekey_names
 
 __all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names"]
+
+
+#: accelerators whose ``prepare`` already maps shardopt optimizers (``patch_prepare``)
+_PATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def unwrap_optimizer(obj: Any) -> ShardedOptimizer | None:
@@ -39,7 +45,7 @@ def after_prepare(accelerator: Any, objects: Any) -> None:
     engine = getattr(wrapped, "engine", None)
     if engine is not None:
         opt = unwrap_optimizer(getattr(engine, "optimizer", None))
-        if opt is not None and not getattr(engine, "_shardopt_hooks", False):
+        if opt is not None and not engine_hooked(engine):
             map_deepspeed(opt, engine.optimizer, engine)
         return
     for obj in objects:
@@ -55,7 +61,7 @@ def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
     config = getattr(getattr(plugin, "hf_ds_config", None), "config", None) or {}
     if "shardopt" not in config or any(isinstance(a, torch.optim.Optimizer) for a in args):
         return args
-    from ..optim.registry import OPTIMIZERS, build_param_groups, optimizer_kwargs
+    from ..optim.registry import build_optimizer
     from ..plugin.deepspeed_engine import parse_section
 
     models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
@@ -64,8 +70,7 @@ def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
                          f"and no optimizer was given, so exactly one model is needed (got {len(models)})")
     section, hp = parse_section({k: v for k, v in config.items() if k in ("shardopt", "optimizer")})
     model = args[models[0]]
-    cls = OPTIMIZERS[section.optimizer.lower()][0]
-    opt = cls(build_param_groups(model, section.optimizer, hp, section.routing), **optimizer_kwargs(hp))
+    opt = build_optimizer(model, hp, section.routing, section.optimizer)
     return args[:models[0] + 1] + (opt,) + args[models[0] + 1:]
 
 
@@ -82,7 +87,7 @@ def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
 def patch_prepare(accelerator: Any) -> None:
     """Make this accelerator's own ``prepare`` do ``after_prepare`` (what ``transformers.enable`` uses, since
     ``Trainer`` calls ``accelerator.prepare`` itself)."""
-    if getattr(accelerator, "_shardopt_prepare", False):
+    if accelerator in _PATCHED:
         return
     original = accelerator.prepare
 
@@ -92,6 +97,6 @@ def patch_prepare(accelerator: Any) -> None:
         return result
 
     accelerator.prepare = prepare_and_map
-    accelerator._shardopt_prepare = True
+    _PATCHED.add(accelerator)
 
 

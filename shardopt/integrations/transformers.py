@@ -24,8 +24,8 @@ from typing import Any, Mapping
 
 import pydantic
 
-from ..optim.registry import OPTIMIZERS, ConfigError, _format_errors, build_param_groups, optimizer_kwargs, \
-    validate_hyperparameters
+from ..optim.config import format_errors
+from ..optim.registry import OPTIMIZERS, ConfigError, build_optimizer, validate_hyperparameters
 from ..plugin.deepspeed_engine import ShardoptSection
 from .accelerate import patch_prepare
 
@@ -63,7 +63,7 @@ def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, 
         try:
             section = ShardoptSection.model_validate(ds["shardopt"])
         except pydantic.ValidationError as err:
-            raise ConfigError(_format_errors(err, "shardopt")) from None
+            raise ConfigError(format_errors(err, "shardopt")) from None
         where = "shardopt.params"
     elif ds is not None and "optimizer" in ds:
         raise ConfigError("the DeepSpeed config given to the Trainer has an 'optimizer' block, so DeepSpeed (not "
@@ -99,14 +99,12 @@ def enable(trainer: Any, optimizer: str | None = None, routing: Mapping[str, str
                           "shardopt.integrations.transformers.enable pass optimizers=(None, None) and let enable "
                           "build it (under DeepSpeed the Trainer would drop a given optimizer anyway)")
     name, cfg, route = resolve_settings(trainer, optimizer, routing, hyperparameters)
-    cls = OPTIMIZERS[name][0]
 
     def create_optimizer(model: Any = None) -> Any:
         """shardopt's optimizer for the Trainer's model (``Trainer.create_optimizer``'s contract: build once)."""
         if trainer.optimizer is None:
             opt_model = trainer.model if model is None else model
-            groups = build_param_groups(opt_model, name, cfg, route)
-            trainer.optimizer = cls(groups, **optimizer_kwargs(cfg))
+            trainer.optimizer = build_optimizer(opt_model, cfg, route, name)
         return trainer.optimizer
 
     trainer.create_optimizer = create_optimizer

@@ -29,7 +29,7 @@ def adamw_step(
 
     ``eps_mode="torch"``: ``p -= lr * m_hat / (sqrt(v_hat) + eps)`` as ``torch.optim.AdamW``.
     ``eps_mode="outside"``: ``p -= lr * sqrt(1-b2^k)/(1-b1^k) * m / (sqrt(v) + eps)``, the form of SCALE's
-    released code (eps added before the bias correction of ``sqrt(v)``; specs/scale.md section 2).
+    released code (eps added before the bias correction of ``sqrt(v)``; docs/algorithms/scale.md).
     """
     if not params:
         return

@@ -1,33 +1,106 @@
-"""ASGO (one-sided Shampoo) and DASGO, its diagonal form (arXiv:2503.20762 Alg. 2 and 3; specs/asgo.md).
+"""ASGO (one-sided Shampoo) and DASGO, its diagonal form (arXiv:2503.20762 Alg. 2 and 3; docs/algorithms/asgo.md).
 
-ASGO per matrix, on the side of the smaller dimension (``k = min(m, n)``; ties precondition the inputs)::
+ASGO per matrix, on the side of the smaller dimension (``k = min(m, n)``; ties precondition the inputs); the
+state keys are the symbols ``V`` and ``P`` (``M`` is ``exp_avg``, element-wise like AdamW's)::
 
     M = b1 M + (1 - b1) G                          (EMA, no bias correction)
     V = b2 V + (1 - b2) G^T G   (right, k = n)   or  G G^T (left, k = m)   (from M with statistic="momentum")
     every tau steps:  P = (V + eps I)^{-1/2}       (eigh in float64; eps = 0 is a pseudo-inverse root)
-    W = W (1 - lr wd) - lr * (M P  or  P M)        (optionally grafted to RMS ``update_rms``)
+    W = W (1 - lr wd) - lr * (M P  or  P M)        (optionally grafted to RMS ``update_rms``: ``graft_to_rms``)
 
 Written on ``MatrixOps`` with ``A = G`` (right) or ``A = G^T`` (left): the statistic is the Gram ``A^T A``, a
 sum over the rows of ``A``, so under the distributed strategy each rank adds its rows' ``k x k`` partial Gram
 and one bucketed all-reduce completes it; the root is computed identically on every rank from identical
 inputs, and the update ``M_A P`` is row-local. Under the gather strategy an owner computes all of it.
 
-DASGO: ``v = b2 v + (1 - b2) colsum(G * G)``; ``W -= lr M / sqrt(v + eps)`` per column: only the split columns'
-partial sums cross the network (the core primitives), no whole-matrix work.
+DASGO: ``v = b2 v + (1 - b2) colsum(G * G)``; ``W -= lr M / sqrt(v + eps)`` per column (state key ``v``): only
+the split columns' partial sums cross the network (the core primitives), no whole-matrix work.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt
-from ..sharding.linalg import by_shape, inverse_root
+from ..sharding.matfun import by_shape, inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
+from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
 
-__all__ = ["ASGO", "DASGO", "asgo_left"]
+__all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
+
+
+ASGO_PRESETS: dict[str, dict[str, Any]] = {
+    # docs/algorithms/asgo.md: the paper's GPT-2 run: direct SVD/eigh, eps = 0 (pseudo-inverse), tau = 1
+    "paper_gpt2": dict(lr=0.1, betas=(0.9, 0.95), eps=0.0, refresh_interval=1, root="eigh"),
+    # the authors' released code: beta2 0.8, wd 0.1, coupled Newton-Schulz root, RMS-0.2 graft, tau = 1
+    "released_code": dict(lr=0.01, betas=(0.9, 0.8), eps=1e-10, refresh_interval=1, root="newton_schulz",
+                          ns_steps=10, update_rms=0.2, weight_decay=0.1),
+}
+
+
+class ASGOConfig(WholeMatrixConfig):
+    """docs/algorithms/asgo.md (Alg. 2): betas (0.9, 0.95) and eps 1e-6 (Table 4), tau 1, eigh root, smaller side.
+    Embeddings, LM head and vectors on AdamW, as the released code."""
+
+    treatment = "asgo"
+    config_only = ("preset",)
+
+    preset: Literal["paper_gpt2", "released_code"] | None = pydantic.Field(
+        None, description="defaults of the paper's GPT-2 run or of the released code; explicit keys win")
+    lr: float = pydantic.Field(0.01, ge=0)
+    betas: tuple[float, float] = pydantic.Field((0.9, 0.95), description="momentum and statistic EMA betas")
+    eps: float = pydantic.Field(1e-6, ge=0, description="damping inside the root: (V + eps I)^-1/2")
+    refresh_interval: int = pydantic.Field(1, ge=1, description="tau: steps between root recomputations")
+    side: Literal["auto", "left", "right"] = pydantic.Field(
+        "auto", description="the preconditioned side (auto: the smaller dimension; ties precondition the inputs)")
+    root: Literal["eigh", "newton_schulz"] = "eigh"
+    ns_steps: int = pydantic.Field(50, ge=1, le=200, description="coupled Newton-Schulz steps of the root")
+    statistic: Literal["gradient", "momentum"] = pydantic.Field(
+        "gradient", description="V from the gradient (Alg. 2) or the momentum (the Muon-equivalent eq. 4)")
+    update_rms: float | None = pydantic.Field(None, gt=0, description="graft the update to this RMS (code: 0.2)")
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _apply_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in ASGO_PRESETS:
+            data = {**ASGO_PRESETS[data["preset"]], **data}
+        return data
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        return check_betas("betas", v)
+
+    @pydantic.field_validator("refresh_interval")
+    @classmethod
+    def _pseudo_inverse_fresh(cls, v: int, info: pydantic.ValidationInfo) -> int:
+        if info.data.get("eps") == 0 and v > 1:
+            raise ValueError("eps = 0 needs refresh_interval = 1 (a stale pseudo-inverse root amplifies new "
+                             "directions outside its range; docs/algorithms/asgo.md); set eps > 0")
+        return v
+
+
+class DASGOConfig(OptimizerConfig):
+    """docs/algorithms/asgo.md (DASGO, Alg. 3): Table 4's betas (0.9, 0.99), eps 1e-6."""
+
+    treatment = "dasgo"
+
+    lr: float = pydantic.Field(0.01, ge=0)
+    betas: tuple[float, float] = pydantic.Field((0.9, 0.99), description="momentum and column-energy EMA betas")
+    eps: float = pydantic.Field(1e-6, gt=0)
+
+    @pydantic.field_validator("betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        return check_betas("betas", v)
+
+
+_D = ASGOConfig.defaults()
+_DD = DASGOConfig.defaults()
 
 
 def asgo_left(shape: tuple[int, int], side: str) -> bool:
@@ -40,6 +113,13 @@ def asgo_left(shape: tuple[int, int], side: str) -> bool:
         raise ValueError(f"side must be 'auto', 'left' or 'right', got {side!r}")
     m, n = shape
     return m < n
+
+
+def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: tuple[int, int]) -> torch.Tensor:
+    """``update`` rescaled to RMS ``rms`` over the whole ``m x n`` matrix (``norm2``: its reduced squared
+    Frobenius norm; ``update`` may be a block of its rows)."""
+    m, n = shape
+    return update * (rms * math.sqrt(m * n) / norm2.sqrt().clamp(min=1e-12))
 
 
 def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
@@ -71,32 +151,23 @@ class _MomentumMixin:
 class ASGO(_MomentumMixin, ShardedOptimizer):
     """ASGO (``treatment="asgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.95), ``eps`` (1e-6, inside the
     root), ``refresh_interval`` tau (1), ``side`` ("auto" | "left" | "right"), ``root`` ("eigh" |
-    "newton_schulz": the eigh root wherever the fp32 iteration is unstable, see ``linalg.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
-    released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (m x n, like the
-    parameter), ``precond_stat`` V and ``precond`` P (k x k)."""
+    "newton_schulz": the eigh root wherever the fp32 iteration is unstable, see ``matfun.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
+    released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (M, m x n, like the
+    parameter), ``V`` (EMA Gram) and ``P`` (its inverse root), k x k (docs/algorithms/asgo.md)."""
 
+    Config = ASGOConfig
     matrix_treatments = ("asgo",)
-    state_kinds = {**ShardedOptimizer.state_kinds, "precond_stat": "matrix", "precond": "matrix"}
+    state_kinds = {**ShardedOptimizer.state_kinds, "V": "matrix", "P": "matrix"}
+    state_key_renames = {"precond_stat": "V", "precond": "P"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.95),
-                 eps: float = 1e-6, refresh_interval: int = 1, side: str = "auto", root: str = "eigh",
-                 ns_steps: int = 50, statistic: str = "gradient", update_rms: float | None = None,
-                 weight_decay: float = 0.0, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        if eps == 0 and refresh_interval > 1:
-            raise ValueError("eps = 0 with refresh_interval > 1 amplifies directions outside the stale "
-                             "preconditioner's range (specs/asgo.md section 6 item 1); use eps > 0 or tau = 1")
-        if statistic not in ("gradient", "momentum"):
-            raise ValueError(f"statistic must be 'gradient' or 'momentum', got {statistic!r}")
-        asgo_left((1, 1), side)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, refresh_interval=int(refresh_interval), side=side,
-                        root=root, ns_steps=int(ns_steps), statistic=statistic, update_rms=update_rms,
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, betas: tuple[float, float] = _D.betas,
+                 eps: float = _D.eps, refresh_interval: int = _D.refresh_interval, side: str = _D.side,
+                 root: str = _D.root, ns_steps: int = _D.ns_steps, statistic: str = _D.statistic,
+                 update_rms: float | None = _D.update_rms, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, betas=betas, eps=eps, refresh_interval=refresh_interval, side=side, root=root, ns_steps=ns_steps,
+            statistic=statistic, update_rms=update_rms, weight_decay=weight_decay), options))
 
     whole_matrix_work = True
 
@@ -108,7 +179,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]
-        return {"precond_stat": ((k, k), 1), "precond": ((k, k), 1)}
+        return {"V": ((k, k), 1), "P": ((k, k), 1)}
 
     def _step_asgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
@@ -125,30 +196,28 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         blocks = ops.to_blocks(channels)
         for it, is_left in zip(items, left):
             k = it.layout.shape[0] if is_left else it.layout.shape[1]
-            if "precond_stat" not in it.state:
-                it.state["precond_stat"] = it.grad.new_zeros(k, k)
-                it.state["precond"] = it.grad.new_zeros(k, k)
+            if "V" not in it.state:
+                it.state["V"] = it.grad.new_zeros(k, k)
+                it.state["P"] = it.grad.new_zeros(k, k)
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i][0].T @ blocks[i][0] for i in active})
         refresh = {}
         for i in active:
             it = items[i]
             if it.has_grad:
-                it.state["precond_stat"].mul_(b2).add_(grams[i], alpha=1 - b2)
+                it.state["V"].mul_(b2).add_(grams[i], alpha=1 - b2)
             if (steps[id(it.tensor)] - 1) % group["refresh_interval"] == 0:
-                refresh[i] = it.state["precond_stat"]
+                refresh[i] = it.state["V"]
         roots = by_shape(lambda v: inverse_root(v, group["eps"], group["root"], group["ns_steps"]), refresh)
         updates: dict[int, torch.Tensor] = {}
         for i in active:
             if i in roots:
-                items[i].state["precond"].copy_(roots[i])
-            updates[i] = blocks[i][-1] @ items[i].state["precond"]
+                items[i].state["P"].copy_(roots[i])
+            updates[i] = blocks[i][-1] @ items[i].state["P"]
         if group["update_rms"] is not None:
             norms = ops.allreduce({i: (updates[i] * updates[i]).sum().reshape(1) for i in active})
             for i in active:
-                m, n = items[i].layout.shape
-                target = group["update_rms"] * math.sqrt(m * n)
-                updates[i] = updates[i] * (target / norms[i].sqrt().clamp(min=1e-12))
+                updates[i] = graft_to_rms(updates[i], norms[i], group["update_rms"], items[i].layout.shape)
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
         for it, piece in zip(items, pieces):
@@ -157,20 +226,17 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
 class DASGO(_MomentumMixin, ShardedOptimizer):
     """DASGO (``treatment="dasgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.99), ``eps`` (1e-6), ``weight_decay``
-    (0). State per matrix: ``exp_avg`` (m x n) and ``col_stat`` v (n)."""
+    (0). State per matrix: ``exp_avg`` (M, m x n) and ``v`` (EMA column energy, n)."""
 
+    Config = DASGOConfig
     matrix_treatments = ("dasgo",)
-    state_kinds = {**ShardedOptimizer.state_kinds, "col_stat": "cols"}
+    state_kinds = {**ShardedOptimizer.state_kinds, "v": "cols"}
+    state_key_renames = {"col_stat": "v"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.01, betas: tuple[float, float] = (0.9, 0.99),
-                 eps: float = 1e-6, weight_decay: float = 0.0, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _DD.lr, betas: tuple[float, float] = _DD.betas,
+                 eps: float = _DD.eps, weight_decay: float = _DD.weight_decay, **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), options))
 
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return shape[1] if group.get("treatment", "adamw") != "adamw" else 0
@@ -186,9 +252,9 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
             it.work["sums"] = sums
         rnd.run()
         for it in items:
-            if "col_stat" not in it.state:
-                it.state["col_stat"] = it.grad.new_zeros(it.layout.shape[1])
-            v = it.state["col_stat"]
+            if "v" not in it.state:
+                it.state["v"] = it.grad.new_zeros(it.layout.shape[1])
+            v = it.state["v"]
             if it.has_grad:
                 v.mul_(b2).add_(it.work["sums"], alpha=1 - b2)
             it.apply_scaled(self._momentum_piece(it), group["lr"], group["weight_decay"],

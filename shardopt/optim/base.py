@@ -5,6 +5,10 @@ hyperparameters, so LR schedulers, ``state_dict`` and DeepSpeed's per-group step
 tensors in a group are whatever the engine steps: real parameters (plain or DTensor shards) or flat
 partitions that hold pieces of many matrices. ``fragments(p)`` tells an algorithm which matrices a stepped
 tensor holds and how each one is laid out across ranks; the algorithm never asks which engine it runs under.
+
+The engine boundary is ``use_layouts``: an engine adapter (``shardopt.plugin``) hands the optimizer a layout
+resolver for tensors that are one parameter each and the fragments of its flat partitions; nothing here
+imports an engine. Per-matrix state is found by fragment name through ``matrix_state`` alone.
 """
 from __future__ import annotations
 
@@ -13,10 +17,11 @@ import os
 import warnings
 from collections import defaultdict
 from itertools import chain
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 
+from ..sharding.discover import global_shape, layout_of
 from ..sharding.fragment import Fragment, local_flat
 from ..sharding.primitives import scale_into
 from ..sharding.layout import MatrixLayout
@@ -25,14 +30,17 @@ from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.plan import check_same_plan
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
-from ..plugin.wrapped import check_stepped_tensors, names_from_trainer
 from .adamw import adamw_step
+from .checks import check_hyperparameters
+from .config import OptimizerConfig
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
-from .routing import TRANSPOSE_SYMMETRIC, RoutingError
+from .hooks import apply_param_sources, run_pre_step_checks
+from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups
 
-__all__ = ["ShardedOptimizer", "MatrixItem"]
+__all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver"]
 
+#: the layout of a stepped tensor that is one parameter (default: ``sharding.discover.layout_of``)
 LayoutResolver = Callable[[torch.Tensor], MatrixLayout]
 
 
@@ -94,30 +102,6 @@ class MatrixItem:
                 wb.add_(xb, alpha=-lr)
 
 
-def check_lr(lr: Any, where: str = "lr") -> None:
-    """torch's rule for a tensor learning rate: one element (it is read as a number at each step)."""
-    if isinstance(lr, torch.Tensor) and lr.numel() != 1:
-        raise ValueError(f"Tensor lr must be 1-element ({where} has shape {tuple(lr.shape)})")
-
-
-def check_hyperparameters(options: dict, where: str) -> None:
-    """torch's checks of the hyperparameters every group may hold (``lr``, ``weight_decay``, ``eps``,
-    ``betas``, ``momentum``), as ``ValueError``s that say which value and where."""
-    lr = options.get("lr")
-    check_lr(lr, f"{where} lr")
-    if lr is not None and not lr >= 0:
-        raise ValueError(f"Invalid learning rate: {float(lr)} ({where}; must be >= 0)")
-    for key in ("weight_decay", "eps"):
-        if options.get(key) is not None and not options[key] >= 0:
-            raise ValueError(f"Invalid {key} value: {options[key]} ({where}; must be >= 0)")
-    for i, beta in enumerate(options.get("betas") or ()):
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"Invalid beta parameter at index {i}: {beta} ({where}; must be in [0, 1))")
-    momentum = options.get("momentum")
-    if momentum is not None and not 0.0 <= momentum < 1.0:
-        raise ValueError(f"Invalid momentum value: {momentum} ({where}; must be in [0, 1))")
-
-
 def _float_lr(group: dict) -> dict:
     """The group as the rules see it: a tensor ``lr`` read as a float (torch's tensor-lr convention)."""
     lr = group.get("lr")
@@ -162,11 +146,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: "matrix" a small per-matrix tensor (k x k factor, low-rank basis) with one logical value; under the
     #: gather strategy only the owner rank keeps it current and ``sync_state`` replicates it.
     state_kinds: dict[str, str] = {"exp_avg": "elements", "exp_avg_sq": "elements", "step": "tensor"}
+    #: state keys of older releases -> today's (named after the algorithm's symbols, docs/algorithms/): both
+    #: loaders, ``load_state_dict`` and ``shardopt.checkpoint``, rename them, so old checkpoints keep loading
+    state_key_renames: dict[str, str] = {}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
     role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
                                    "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+    #: the hyperparameter model (defaults, ranges, docs, roles); each algorithm module defines its own
+    Config: type[OptimizerConfig] = OptimizerConfig
+
+    @classmethod
+    def from_config(cls, params: Iterable[Any], config: OptimizerConfig) -> "ShardedOptimizer":
+        """The optimizer for an already validated ``config`` (``create_optimizer``, the DeepSpeed section, the
+        trainer): what the constructor builds from its keyword arguments, without validating twice."""
+        if not isinstance(config, cls.Config):
+            raise TypeError(f"{cls.__name__} takes a {cls.Config.__name__}, got {type(config).__name__}")
+        self = cls.__new__(cls)
+        self._init_from_config(params, config)
+        return self
+
+    def _init_from_config(self, params: Iterable[Any], config: OptimizerConfig) -> None:
+        """Every subclass constructor ends here: it only turns its keyword arguments into ``config``."""
+        #: the validated hyperparameters this optimizer was built from
+        self.config = config
+        self.role_table = config.roles()
+        ShardedOptimizer.__init__(self, params, config.group_defaults(), **config.engine_options())
 
     def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None,
                  on_nonfinite: str = "skip", debug_plan: bool | None = None, matrix_ops: dict | None = None,
@@ -176,10 +182,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_hyperparameters(defaults, f"{type(self).__name__} defaults")
         check_hyperparameters({**adam, "lr": adam_lr}, f"{type(self).__name__} AdamW defaults (adam_*)")
         # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
-        # the tensor, else the one routing attached to it (survives wrappers that re-split param groups,
-        # like ZeroRedundancyOptimizer), else the tensor's position
-        params = names_from_trainer(params, type(self).__name__)  # HF Trainer's unnamed groups: names and roles
-        groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=3)
+        # the tensor (torch's pairs or param_names, create_optimizer's names), else the tensor's position
+        # (groups.tensor_names; wrappers that re-split param groups keep names with shardopt.param_groups);
+        # registered param sources first (hooks.param_sources: the HF Trainer's unnamed groups get names and roles)
+        params = apply_param_sources(params, type(self).__name__)
+        groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=4)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
         for g in groups:
@@ -191,7 +198,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.group_param_names: list[list[str]] = [[names.get(id(p), "") for p in g["params"]] for g in groups]
         self._fragments: dict[int, list[Fragment]] = {}
         self._attached: dict[int, torch.Tensor] = {}
-        self._layout_resolver: LayoutResolver | None = None
+        self._layout_resolver: LayoutResolver = layout_of
         #: "skip" (default): a step whose gradients hold inf/NaN on any rank changes nothing, on every rank;
         #: "raise": FloatingPointError on every rank; "ignore": no check (and no collective for it).
         self.on_nonfinite = on_nonfinite
@@ -247,7 +254,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         else:
             for p in group["params"]:
-                if p.dim() != 2 and not getattr(p, "_shardopt_flat", False):
+                if p.dim() != 2 and not self.is_flat(p):
                     name = names.get(id(p), "<unnamed>")
                     raise ValueError(
                         f"parameter {name!r} of shape {tuple(p.shape)} is in a {t!r} group, but {t} needs 2-D "
@@ -277,22 +284,25 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def describe(self) -> str:
         """A table of every parameter's name, shape, role and rule (``shardopt.optim.describe``); call it before
         an engine replaces the parameters by flat partitions (or use ``describe_roles(model, ...)``)."""
-        from .describe import describe_groups
-
         return describe_groups([{**g, "params": [p for p in g["params"] if not self.is_flat(p)]}
                                 for g in self.param_groups], self.param_names)
 
-    # ------------------------------------------------------------------ layouts
-    def set_layout_resolver(self, resolver: LayoutResolver | None) -> None:
-        """How a plain stepped tensor maps to a matrix layout (default: DTensor placements, else whole)."""
-        self._layout_resolver = resolver
-        self._fragments.clear()
-        self._forget_plans()
+    # ------------------------------------------------------------------ layouts (the engine boundary)
+    def use_layouts(self, resolver: LayoutResolver | None = None,
+                    flat: Iterable[tuple[torch.Tensor, Sequence[Fragment]]] = ()) -> None:
+        """What an engine tells the optimizer about the tensors it steps, in one call that replaces any earlier:
 
-    def attach_fragments(self, tensor: torch.Tensor, fragments: list[Fragment]) -> None:
-        """Declare the matrices inside a stepped tensor (used by engines with flat partitions)."""
-        self._fragments[id(tensor)] = list(fragments)
-        self._attached[id(tensor)] = tensor
+        ``resolver`` maps a stepped tensor that is one parameter to its ``MatrixLayout`` (default
+        ``sharding.discover.layout_of``: DTensor placements, Megatron tensor-parallel attributes, else whole);
+        ``flat`` lists the engine's flat partitions (DeepSpeed ZeRO) with the matrix fragments each holds. From
+        then on those partitions are what the optimizer steps (``stepped_tensors``) and their per-matrix state
+        nests under the fragment names (``matrix_state``)."""
+        self._layout_resolver = resolver if resolver is not None else layout_of
+        self._fragments.clear()
+        self._attached.clear()
+        for tensor, fragments in flat:
+            self._fragments[id(tensor)] = list(fragments)
+            self._attached[id(tensor)] = tensor
         self._forget_plans()
 
     def _forget_plans(self) -> None:
@@ -345,6 +355,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        state_dict = self._renamed_state_keys(state_dict)
         groups = self.param_groups
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
@@ -377,6 +388,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
+    def _renamed_state_keys(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``state_dict`` with the old state keys of ``state_key_renames`` under their new names (also inside
+        the per-matrix ``"matrices"`` entries of engine flat partitions)."""
+        renames = self.state_key_renames
+        if not renames:
+            return state_dict
+
+        def rename(entries: Any) -> Any:
+            if not isinstance(entries, dict):
+                return entries
+            out = {renames.get(k, k) if isinstance(k, str) else k: v for k, v in entries.items()}
+            if isinstance(out.get("matrices"), dict):
+                out["matrices"] = {n: rename(m) for n, m in out["matrices"].items()}
+            return out
+
+        return {**state_dict, "state": {k: rename(v) for k, v in state_dict.get("state", {}).items()}}
+
     def _adopt_param_names(self) -> None:
         """Take the groups' ``param_names`` as the parameters' names (fragments are rebuilt with them)."""
         renamed = False
@@ -402,8 +430,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return [p for g in self.param_groups for p in g["params"]]
 
     def is_flat(self, p: torch.Tensor) -> bool:
-        """Whether ``p`` is an engine's flat partition holding pieces of several parameters."""
-        return id(p) in self._attached
+        """Whether ``p`` is an engine's flat partition holding pieces of several parameters (``use_layouts``)."""
+        return id(p) in self.__dict__.get("_attached", {})
 
     def state_dict(self) -> dict[str, Any]:
         """``torch.optim`` state dict whose per-row/per-column statistics are complete on every rank.
@@ -422,15 +450,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
             p = by_index.get(idx)
             if p is None:
                 continue
-            new = dict(entries)
+            new = self._copy_entries(p, entries)
             for frag in self.fragments(p):
-                target = new if not self.is_flat(p) else None
+                target = self.matrix_state(p, frag, new, create=False)
                 if target is None:
-                    mats = {k: dict(v) for k, v in new.get("matrices", {}).items()}
-                    new["matrices"] = mats
-                    target = mats.get(frag.name)
-                    if target is None:
-                        continue
+                    continue
                 for key, value in list(target.items()):
                     kind = self.state_kinds.get(key)
                     if kind == "matrix" and value.dim() and frag.layout.group is not None and _is_dtensor(p):
@@ -466,14 +490,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if p is None or not isinstance(entries, dict):
                 state[idx] = entries
                 continue
-            entries = dict(entries)
-            frags = self.fragments(p)
-            if self.is_flat(p):
-                entries["matrices"] = {n: dict(m) for n, m in (entries.get("matrices") or {}).items()}
-                targets = [(m, n) for n, m in entries["matrices"].items()]
-            else:
-                targets = [(entries, frags[0].name)]
-            for target, name in targets:
+            entries = self._copy_entries(p, entries)
+            for name, target in self.matrix_states(p, entries):
                 for key, value in list(target.items()):
                     found = self.matrix_state_share(name) if self.state_kinds.get(key) == "matrix" else None
                     if found is None or key not in found[1] or found[1][key][1] is None:
@@ -489,23 +507,48 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {**state_dict, "state": state}
 
     def fragments(self, p: torch.Tensor) -> list[Fragment]:
+        """The matrices stepped tensor ``p`` holds: the fragments an engine declared (``use_layouts``), else one
+        whole parameter laid out by the resolver."""
         frags = self._fragments.get(id(p))
         if frags is None:
-            from ..plugin.discover import global_shape, layout_of
-
-            if self._layout_resolver is None:
-                self._layout_resolver = layout_of
             name = self.param_names.get(id(p), f"param@{id(p):x}")
             frags = [Fragment(name, self._layout_resolver(p), 0, global_shape(p))]
             self._fragments[id(p)] = frags
         return frags
 
-    def matrix_state(self, p: torch.Tensor, frag: Fragment) -> dict:
-        """Per-matrix state: ``state[p]`` for a one-matrix tensor, ``state[p]['matrices'][name]`` for a flat one."""
-        st = self.state[p]
-        if len(self.fragments(p)) == 1 and frag.offset == 0 and not getattr(p, "_shardopt_flat", False):
+    # ------------------------------------------------------------------ per-matrix state
+    # The one place that knows how per-matrix state nests: a tensor that is one parameter keeps it in its own
+    # entries (``state[p]``, as torch.optim), an engine's flat partition under ``state[p]["matrices"][name]``
+    # next to its tensor-level entries (element-wise moments, ``step``). Checkpoints of either engine use this.
+    MATRICES = "matrices"
+
+    def matrix_state(self, p: torch.Tensor, frag: Fragment, entries: dict | None = None,
+                     create: bool = True) -> dict | None:
+        """Matrix ``frag``'s state inside ``entries`` (default ``self.state[p]``); None if ``create`` is false
+        and a flat partition holds none for it yet."""
+        st = self.state[p] if entries is None else entries
+        if not self.is_flat(p):
             return st
-        return st.setdefault("matrices", {}).setdefault(frag.name, {})
+        if create:
+            return st.setdefault(self.MATRICES, {}).setdefault(frag.name, {})
+        return st.get(self.MATRICES, {}).get(frag.name)
+
+    def matrix_states(self, p: torch.Tensor, entries: dict) -> list[tuple[str, dict]]:
+        """``(matrix name, its state)`` for every matrix with state in ``entries`` (``p``'s state entries)."""
+        if not self.is_flat(p):
+            return [(self.fragments(p)[0].name, entries)]
+        return list(entries.get(self.MATRICES, {}).items())
+
+    def tensor_entries(self, p: torch.Tensor, entries: dict) -> dict:
+        """``entries`` without the per-matrix ones: what belongs to the stepped tensor as a whole."""
+        return {k: v for k, v in entries.items() if not (k == self.MATRICES and self.is_flat(p))}
+
+    def _copy_entries(self, p: torch.Tensor, entries: dict) -> dict:
+        """A copy of ``p``'s state entries whose per-matrix dicts may be replaced without touching the state."""
+        new = dict(entries)
+        if self.is_flat(p):
+            new[self.MATRICES] = {n: dict(m) for n, m in (entries.get(self.MATRICES) or {}).items()}
+        return new
 
     def _matrix_items(self, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> list[MatrixItem]:
         """Every matrix of ``group`` with its fp32 local gradient (zeros when missing; all ranks list the same
@@ -546,7 +589,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        check_stepped_tensors(self)  # a wrapper's flat partitions: map them (DeepSpeed) or raise, never guess
+        run_pre_step_checks(self)  # hooks.pre_step_checks: a wrapper's flat partitions mapped (DeepSpeed) or refused
         params = [p for g in self.param_groups for p in g["params"]]
         with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:
@@ -734,9 +777,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if owner is None:
                     continue
                 rank, layout = owner
-                target = self.state.get(p, {})
-                if "matrices" in target:
-                    target = target["matrices"].get(frag.name, {})
+                target = self.matrix_state(p, frag, self.state.get(p, {}), create=False) or {}
                 for key in sorted(target):
                     if self.state_kinds.get(key) == "matrix" and target[key].dim() == 0:
                         if layout.rank != rank:

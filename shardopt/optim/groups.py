@@ -12,9 +12,9 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .routing import named_or_unnamed, roles_from_names, unnamed_roles, warn_unnamed_once
+from .routing import module_role, named_or_unnamed, record_role, roles_from_names, unnamed_roles, warn_unnamed_once
 
-__all__ = ["normalize_param_groups"]
+__all__ = ["normalize_param_groups", "tensor_names"]
 
 RoleOptions = Callable[[str], dict]
 
@@ -49,7 +49,7 @@ def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], n
                                 {**options, **user, "params": [], **({"param_names": []} if named else {}),
                                  "roles": []})
         part["params"].append(p)
-        p._shardopt_role = role  # for describe()
+        record_role(p, role)  # for describe()
         if named:
             part["param_names"].append(name)
         if role not in part["roles"]:
@@ -57,47 +57,65 @@ def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], n
     return list(parts.values())
 
 
+def tensor_names(group: dict, tensors: list[torch.Tensor], pair_names: list[str] | None,
+                 start: int) -> tuple[list[str] | None, list[str]]:
+    """Every way a name reaches the optimizer, in one place: ``(torch's names for the group or None, a name
+    for each tensor)``. First found wins: ``(name, tensor)`` pairs and a group's ``param_names`` (torch's own
+    channels, kept as ``param_names``), then the ``names`` key that ``create_optimizer`` passes (shardopt's,
+    removed from the group), else the tensor's position in the input (``param_<start + i>``), so seeded draws
+    and checkpoints never depend on memory addresses.
+
+    A whole-parameter sharder (ZeroRedundancyOptimizer, fairscale OSS) hands each rank a copy of every group
+    with only the parameters that rank owns; ``shardopt.param_groups`` makes those one-parameter groups, so a
+    copy's ``param_names`` either match or the copy is empty (its names become ``[]``, keeping torch's rule
+    that all groups are with or without names). Names that no longer match are dropped."""
+    names = pair_names
+    given = group.get("param_names")
+    if names is None and given is not None:
+        if len(given) == len(tensors):
+            names = list(given)
+        elif not tensors:
+            group["param_names"] = []
+        else:
+            group.pop("param_names")
+    legacy = group.pop("names", None)
+    if legacy is not None and len(legacy) != len(tensors):
+        legacy = None
+    chosen = names or legacy
+    return names, [chosen[i] if chosen and chosen[i] else f"param_{start + i}" for i in range(len(tensors))]
+
+
 def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptions, who: str,
                            start: int = 0, stacklevel: int = 2) -> tuple[list[dict], dict[int, str]]:
     """Param groups with a ``treatment`` each, and a name for every tensor (keyed by ``id``).
 
-    Names, first found wins: the user's (``named_parameters()`` pairs, a group's ``param_names``, or the
-    ``names`` that ``create_optimizer`` passes), the one routing attached to the tensor, else its position in
-    the input (``param_<start + i>``), so seeded draws and checkpoints never depend on memory addresses.
-    ``role_options(role)`` gives the group options for a role (with ``treatment``).
+    Names come from ``tensor_names``. ``role_options(role)`` gives the group options for a role (with
+    ``treatment``).
     """
     groups = _as_groups(params)
     per_group = []
+    position = start
     for g in groups:
-        tensors, names = named_or_unnamed(g["params"] if not isinstance(g["params"], torch.Tensor)
+        tensors, pairs = named_or_unnamed(g["params"] if not isinstance(g["params"], torch.Tensor)
                                           else [g["params"]])
-        if names is None and g.get("param_names") is not None:
-            if len(g["param_names"]) == len(tensors):
-                names = list(g["param_names"])
-            else:  # a wrapper that re-split groups (ZeroRedundancyOptimizer) copied names that no longer match
-                g.pop("param_names")
-        per_group.append((tensors, names))
-    named_all = [(n, t) for tensors, names in per_group if names for n, t in zip(names, tensors)]
+        names, each = tensor_names(g, tensors, pairs, position)
+        position += len(tensors)
+        per_group.append((tensors, names, each))
+    named_all = [(n, t) for tensors, names, _ in per_group if names for n, t in zip(names, tensors)]
     roles_by_name = roles_from_names(named_all) if named_all else {}
     for n, t in named_all:  # roles found from the model's module types (HF Trainer's groups) beat the names
-        role = getattr(t, "_shardopt_module_role", None)
+        role = module_role(t)  # routing.declare_module_roles (shardopt.plugin.wrapped.names_from_trainer)
         if role is not None:
             roles_by_name[n] = role
 
     out: list[dict] = []
     ids: dict[int, str] = {}
-    position = start
-    for g, (tensors, names) in zip(groups, per_group):
-        legacy = g.pop("names", None)  # create_optimizer's names: shardopt's own, not torch's param_names
-        if legacy is not None and len(legacy) != len(tensors):
-            legacy = None  # a wrapper re-split the group (ZeroRedundancyOptimizer): routing's tensor attribute
+    for g, (tensors, names, each) in zip(groups, per_group):
         g["params"] = tensors
         if names is not None:
             g["param_names"] = names
-        for i, t in enumerate(tensors):
-            given = names[i] if names else (legacy[i] if legacy else None)
-            ids.setdefault(id(t), given or getattr(t, "_shardopt_name", None) or f"param_{position}")
-            position += 1
+        for t, name in zip(tensors, each):
+            ids.setdefault(id(t), name)
         if "treatment" in g or not tensors:
             out.append(g if "treatment" in g else {**role_options("vector"), **g})
             continue

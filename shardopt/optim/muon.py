@@ -3,22 +3,27 @@
 Same update as ``torch.optim.Muon``: ``B = lerp(B, G, 1 - mu)``, Nesterov ``U = lerp(G, B, mu)``,
 ``O = NS5(U)``, ``W = W (1 - lr wd) - lr_adj O`` with ``lr_adj = lr sqrt(max(1, m/n))`` ("original") or
 ``0.2 lr sqrt(max(m, n))`` ("match_rms_adamw"). On sharded parameters the momentum is element-wise local
-and Newton-Schulz runs on whole matrices gathered to owner ranks (``shardopt.sharding.owner``).
-``ns_dtype="bfloat16"`` reproduces torch's bf16 iteration; the default fp32 keeps sharded runs equal to the
-single-process run to fp32 rounding.
+and Newton-Schulz runs on ``MatrixOps`` like every whole-matrix optimizer (``matrix_ops.strategy``): under
+``gather`` (Muon's default) an owner rank per matrix, balanced by the cost model, orthogonalizes it whole; under
+``distributed`` the rows of the tall orientation stay spread and each of the ``ns_steps`` iterations all-reduces
+only the small ``k x k`` Gram matrix (one collective per step for all matrices of a bucket); ``auto`` picks per
+matrix by the cost model. ``ns_dtype="bfloat16"`` reproduces torch's bf16 iteration; the default fp32 keeps
+sharded runs equal to the single-process run to fp32 rounding.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
-from ..sharding.linalg import MUON_COEFFICIENTS, newton_schulz
-from ..sharding.owner import newton_schulz_cost, run_on_owners
-from .base import ShardedOptimizer, check_lr
+from ..sharding.matfun import MUON_COEFFICIENTS, newton_schulz, newton_schulz_iteration
+from ..sharding.matrix_ops import MatrixOps, OpCost
+from .base import MatrixItem, ShardedOptimizer
+from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
-__all__ = ["Muon", "adjusted_lr"]
+__all__ = ["Muon", "MuonConfig", "adjusted_lr"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
@@ -32,28 +37,44 @@ def adjusted_lr(lr: float, rule: str | None, shape: tuple[int, int]) -> float:
     raise ValueError(f"adjust_lr_fn must be 'original' or 'match_rms_adamw', got {rule!r}")
 
 
+class MuonConfig(WholeMatrixConfig):
+    """torch.optim.Muon's defaults: lr 1e-3, momentum 0.95 (Nesterov), wd 0.1, 5 quintic NS steps. Whole
+    matrices are gathered to an owner by default (``matrix_ops.strategy = "gather"``), as Muon always did."""
+
+    treatment = "muon"
+
+    lr: float = pydantic.Field(1e-3, ge=0)
+    momentum: float = pydantic.Field(0.95, ge=0, lt=1)
+    nesterov: bool = True
+    weight_decay: float = pydantic.Field(0.1, ge=0)
+    ns_steps: int = pydantic.Field(5, ge=1, lt=100, description="quintic Newton-Schulz steps")
+    eps: float = pydantic.Field(1e-7, gt=0)
+    adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = pydantic.Field(
+        None, description="torch.optim.Muon's lr adjustment by shape (None: 'original')")
+    ns_dtype: Literal["float32", "bfloat16", "float64"] = pydantic.Field(
+        "float32", description="float32: exact across sharding; bfloat16: bitwise torch.optim.Muon")
+    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=lambda: MatrixOpsConfig(strategy="gather"))
+
+
+_D = MuonConfig.defaults()
+
+
 class Muon(ShardedOptimizer):
     """Muon for 2-D matrices (``treatment="muon"``; keys ``lr``, ``momentum``, ``nesterov``, ``weight_decay``,
-    ``ns_steps``, ``eps``, ``adjust_lr_fn``, ``ns_dtype``); other params use AdamW (``adam_lr``, default lr)."""
+    ``ns_steps``, ``eps``, ``adjust_lr_fn``, ``ns_dtype``); other params use AdamW (``adam_lr``, default lr).
+    ``matrix_ops={"strategy": "gather" | "distributed" | "auto"}`` picks how Newton-Schulz meets sharding."""
 
+    Config = MuonConfig
     matrix_treatments = ("muon",)
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
 
-    def __init__(self, params: Iterable[Any], lr: float = 1e-3, momentum: float = 0.95, nesterov: bool = True,
-                 weight_decay: float = 0.1, ns_steps: int = 5, eps: float = 1e-7, adjust_lr_fn: str | None = None,
-                 ns_dtype: str = "float32", adam_lr: float | None = None, adam_betas: tuple[float, float] = (0.9, 0.999),
-                 adam_eps: float = 1e-8, adam_weight_decay: float = 0.0, on_nonfinite: str = "skip",
-                 debug_plan: bool | None = None):
-        check_lr(lr)
-        adjusted_lr(1.0, adjust_lr_fn, (1, 1))  # an unknown rule is an error now, not at the first step
-        if lr < 0 or not 0.0 <= momentum < 1.0:
-            raise ValueError(f"need lr >= 0 and momentum in [0, 1), got lr={lr}, momentum={momentum}")
-        if ns_dtype not in _DTYPES:
-            raise ValueError(f"ns_dtype must be one of {sorted(_DTYPES)}, got {ns_dtype!r}")
-        defaults = dict(lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps,
-                        eps=eps, adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, momentum: float = _D.momentum,
+                 nesterov: bool = _D.nesterov, weight_decay: float = _D.weight_decay, ns_steps: int = _D.ns_steps,
+                 eps: float = _D.eps, adjust_lr_fn: str | None = _D.adjust_lr_fn, ns_dtype: str = _D.ns_dtype,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps, eps=eps,
+            adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype), options))
 
     def elementwise_state_copies(self, group: dict) -> int:
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
@@ -71,17 +92,66 @@ class Muon(ShardedOptimizer):
             return g.lerp(buf, mu) if group["nesterov"] else buf
 
         items = self._matrix_items(group, source)
-        dtype = _DTYPES[group["ns_dtype"]]
-        steps, eps = group["ns_steps"], group["eps"]
-
-        def orthogonalize(mats: list[torch.Tensor]) -> list[torch.Tensor]:
-            return [newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype) for x in mats]
-
-        updates = run_on_owners([it.layout for it in items], [it.frag.name for it in items],
-                                [it.grad for it in items], orthogonalize,
-                                lambda shape: newton_schulz_cost(shape, steps))
-        for it, update in zip(items, updates):
+        self._run_whole_matrix(group, items, lambda its, ops: self._orthogonalize(its, ops, group))
+        for it in items:
             lr = group["lr"]
             if it.has_grad and it.frag.numel and group["weight_decay"]:
                 it.param().mul_(1 - lr * group["weight_decay"])
-            it.apply(update, adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape))
+            it.apply(it.work["update"], adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape))
+
+    # ------------------------------------------------------------------ whole-matrix work
+    whole_matrix_work = True
+
+    def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
+        """``A`` is the tall orientation (rows = the long side), so the distributed iteration reduces only the
+        small ``k x k`` Gram. Under ``gather`` the orientation does not matter (the owner holds the whole
+        matrix): ``A = G``, which moves no transposed copy."""
+        m, n = shape
+        return self.matrix_strategy != "gather" and m < n
+
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+        """Per step ``x x^T`` and ``(b G + c G^2) x`` on ``k x l`` (``4 k^2 l``, split with the rows of ``A``),
+        ``G^2`` (``2 k^3``, repeated by every computing rank) and, distributed, a ``k x k`` all-reduce."""
+        rows, cols = a_shape
+        k, long = min(rows, cols), max(rows, cols)
+        steps = group["ns_steps"]
+        return OpCost(row_flops=steps * 4.0 * k * k * long, small_flops=steps * 2.0 * k ** 3,
+                      reduced=steps * k * k + 1)
+
+    def _orthogonalize(self, items: list[MatrixItem], ops: MatrixOps, group: dict) -> None:
+        """``it.work["update"] = NS(it.grad)`` (the grad slot holds the Nesterov momentum) for one bucket."""
+        dtype = _DTYPES[group["ns_dtype"]]
+        steps, eps = group["ns_steps"], group["eps"]
+        blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
+        active = [i for i in range(len(items)) if ops.active(i)]
+        out = {i: newton_schulz(blocks[i], steps, MUON_COEFFICIENTS, eps, dtype)
+               for i in active if ops.kinds[i] != "distributed"}
+        spread = {i: blocks[i] for i in active if ops.kinds[i] == "distributed"}
+        if spread:
+            out.update(_newton_schulz_rows(spread, ops, steps, eps, dtype))
+        for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
+            it.work["update"] = piece
+        ops.account()
+
+
+def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float,
+                        dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """Newton-Schulz on matrices whose tall orientation ``A`` is spread over ranks by rows: ``blocks[i]`` is
+    this rank's row block of ``A_i``, i.e. a column block of the wide ``A_i^T`` that the iteration runs on.
+    Every round completes all matrices' partial sums with one all-reduce per process group (in fp32, whatever
+    ``dtype``): first the Frobenius norms (sums of squares), then each step's ``k x k`` Gram matrices."""
+    runs = {i: newton_schulz_iteration(b.to(dtype).T, steps, MUON_COEFFICIENTS, eps) for i, b in blocks.items()}
+    parts = {i: next(run) for i, run in runs.items()}
+    norms = ops.allreduce({i: p.float().square().reshape(1) for i, p in parts.items()})
+    complete = {i: n.sqrt().reshape(()).to(dtype) for i, n in norms.items()}
+    out: dict[int, torch.Tensor] = {}
+    while runs:
+        parts = {}
+        for i, run in list(runs.items()):
+            try:
+                parts[i] = run.send(complete[i])
+            except StopIteration as stop:
+                out[i] = stop.value.T.float()
+                del runs[i]
+        complete = {i: g.to(dtype) for i, g in ops.allreduce({i: p.float() for i, p in parts.items()}).items()}
+    return out

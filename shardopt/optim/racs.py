@@ -1,69 +1,92 @@
-"""RACS: row and column scaled SGD (arXiv:2502.07752, Alg. 1; specs/racs_alice.md section 1.1).
+"""RACS: row and column scaled SGD (arXiv:2502.07752, Alg. 1; docs/algorithms/racs.md).
 
-Per matrix ``G`` with ``P = G * G``::
+Per matrix ``G`` (m x n) with ``P = G * G``; ``q`` (m) and ``s`` (n) are the state, ``q_hat`` and ``s_hat`` this
+step's fresh estimates::
 
-    q = 1
-    repeat 5:  s_hat = P^T q / |q|^2;   q = P s_hat / |s_hat|^2      (fresh start every step)
-    s = beta s + (1 - beta) s_hat;  q_ema = beta q_ema + (1 - beta) q     (no bias correction)
-    Gt = G / sqrt(q_ema_i s_j)                                            (zero lines -> 0, never NaN)
-    eta = 1 if phi == 0 else gamma / max(|Gt| / phi, gamma);  phi = eta |Gt|
+    q_hat = 1
+    repeat 5:  s_hat = P^T q_hat / |q_hat|^2;   q_hat = P s_hat / |s_hat|^2      (``rescale``)
+    q = beta q + (1 - beta) q_hat;   s = beta s + (1 - beta) s_hat                 (``ema_scales``)
+    Gt = G / sqrt(q_i s_j)                                        (zero lines -> 0, never NaN; ``inverse_sqrt_scales``)
+    eta = 1 if phi == 0 else gamma / max(|Gt| / phi, gamma);  phi = eta |Gt|        (``norm_growth_eta``)
     W = W - lr * eta * alpha * Gt
 
-Sharded: each half-iteration is one bucketed all-reduce of the split indices plus, where the other axis is
-not replicated, the owner-counted squared norm of the previous vector; the limiter norm is global.
+The functions named above are the math, on plain tensors: completed vectors and scalars (a vector may be a
+row of stacked vectors of several matrices). ``RACS._step_racs`` drives them: the weighted sums ``P^T q_hat``
+and ``P s_hat`` are partial sums over each rank's piece (``col_sums``/``row_sums``), and each half-iteration
+completes them for all RACS matrices with one bucketed all-reduce of the split indices, plus, where the other
+axis is split too, the owner-counted squared norm of the previous vector; the limiter norm is global.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, axis_sum, col_sums, local_sum, masked_reciprocal, masked_rsqrt, row_sums, scale_into
-from .base import ShardedOptimizer, check_lr
+from .base import ShardedOptimizer
+from .config import CommonOptions, OptimizerConfig
 
-__all__ = ["RACS"]
+__all__ = ["RACS", "rescale", "ema_scales", "inverse_sqrt_scales", "norm_growth_eta", "RACSConfig"]
+
+
+def rescale(weighted_sum: torch.Tensor, norm2: torch.Tensor) -> torch.Tensor:
+    """One half-step of the fixed point, in place: ``s_hat = (P^T q_hat) / |q_hat|^2`` (or ``q_hat = (P s_hat) /
+    |s_hat|^2``) from the completed weighted sum and squared norm; a zero norm gives zeros."""
+    weighted_sum *= masked_reciprocal(norm2)
+    return weighted_sum
+
+
+def ema_scales(q: torch.Tensor, s: torch.Tensor, q_hat: torch.Tensor, s_hat: torch.Tensor, beta: float) -> None:
+    """``q = beta q + (1 - beta) q_hat``, ``s = beta s + (1 - beta) s_hat`` in place (no bias correction)."""
+    q.mul_(beta).add_(q_hat, alpha=1 - beta)
+    s.mul_(beta).add_(s_hat, alpha=1 - beta)
+
+
+def inverse_sqrt_scales(q: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q^-1/2, s^-1/2)``, zero where the scale is zero: ``Gt = diag(q^-1/2) G diag(s^-1/2)``."""
+    return masked_rsqrt(q), masked_rsqrt(s)
+
+
+def norm_growth_eta(norm: torch.Tensor, phi: torch.Tensor, gamma: float) -> torch.Tensor:
+    """The limiter's factor ``eta = gamma / max(norm / phi, gamma)``, 1 while ``phi == 0`` (the first step);
+    the caller stores ``phi = eta norm``. Element-wise, so ``norm`` and ``phi`` may hold many matrices."""
+    ratio = norm / torch.where(phi > 0, phi, torch.ones_like(phi))
+    return torch.where(phi > 0, gamma / torch.clamp(ratio, min=gamma), torch.ones_like(phi))
+
+
+class RACSConfig(OptimizerConfig):
+    """docs/algorithms/racs.md: lambda 0.02, beta 0.9, alpha 0.05, gamma 1.01, 5 fixed-point steps."""
+
+    treatment = "racs"
+
+    lr: float = pydantic.Field(0.02, ge=0, description="lambda (AdamW's lr too unless adam_lr)")
+    beta: float = pydantic.Field(0.9, ge=0, lt=1, description="EMA beta of the row and column scales")
+    alpha: float = pydantic.Field(0.05, ge=0, description="step scale")
+    gamma: float = pydantic.Field(1.01, ge=1, description="norm-growth limiter")
+    iterations: int = pydantic.Field(5, ge=1, description="fixed-point steps for the scales")
+
+
+_D = RACSConfig.defaults()
 
 
 class RACS(ShardedOptimizer):
     """RACS optimizer. Matrix groups use ``treatment="racs"`` with keys ``lr`` (lambda, 0.02), ``beta`` (0.9),
     ``alpha`` (0.05), ``gamma`` (norm-growth limiter, 1.01), ``iterations`` (5), ``weight_decay`` (0).
-    State per matrix: ``row_scale`` (q, m), ``col_scale`` (s, n), ``phi``. Other params use AdamW at the
-    group's base lr unless ``adam_lr`` is given (card section 6 item 11).
+    State per matrix: ``q`` (row scale, m), ``s`` (column scale, n), ``phi`` (limiter norm). Other params use
+    AdamW at the group's base lr unless ``adam_lr`` is given (docs/algorithms/racs.md).
     """
 
+    Config = RACSConfig
     matrix_treatments = ("racs",)
-    state_kinds = {**ShardedOptimizer.state_kinds, "row_scale": "rows", "col_scale": "cols", "phi": "scalar",
-                   "step": "tensor"}
+    state_kinds = {**ShardedOptimizer.state_kinds, "q": "rows", "s": "cols", "phi": "scalar", "step": "tensor"}
+    state_key_renames = {"row_scale": "q", "col_scale": "s"}
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 0.02,
-        beta: float = 0.9,
-        alpha: float = 0.05,
-        gamma: float = 1.01,
-        iterations: int = 5,
-        weight_decay: float = 0.0,
-        adam_lr: float | None = None,
-        adam_betas: tuple[float, float] = (0.9, 0.999),
-        adam_eps: float = 1e-8,
-        adam_weight_decay: float = 0.0,
-        on_nonfinite: str = "skip",
-        debug_plan: bool | None = None,
-    ):
-        check_lr(lr)
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= beta < 1.0:
-            raise ValueError(f"beta must be in [0, 1), got {beta}")
-        if gamma < 1.0:
-            raise ValueError(f"gamma must be >= 1, got {gamma}")
-        if int(iterations) < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
-        defaults = dict(lr=lr, beta=beta, alpha=alpha, gamma=gamma, iterations=int(iterations),
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, beta: float = _D.beta, alpha: float = _D.alpha,
+                 gamma: float = _D.gamma, iterations: int = _D.iterations, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, beta=beta, alpha=alpha, gamma=gamma, iterations=iterations, weight_decay=weight_decay), options))
 
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return shape[0] + shape[1] + 1 if group.get("treatment", "adamw") != "adamw" else 0
@@ -74,47 +97,44 @@ class RACS(ShardedOptimizer):
         for it in items:
             m, n = it.layout.shape
             it.work["P"] = it.grad * it.grad
-            it.work["q"] = it.grad.new_ones(m)
+            it.work["q_hat"] = it.grad.new_ones(m)
             it.work["q_norm2"] = it.grad.new_tensor(float(m))
         for i in range(group["iterations"]):
-            for it in items:
-                it.work["s"] = col_sums(it.layout, it.work["P"], it.work["q"])
-                rnd.add_axis(it.layout, it.work["s"], 1)
+            for it in items:  # P^T q_hat (and |q_hat|^2 after the first round): partial, then completed
+                it.work["s_hat"] = col_sums(it.layout, it.work["P"], it.work["q_hat"])
+                rnd.add_axis(it.layout, it.work["s_hat"], 1)
                 if i > 0:
-                    it.work["q_norm2"] = axis_sum(it.layout, it.work["q"] * it.work["q"], 0, rnd)
+                    it.work["q_norm2"] = axis_sum(it.layout, it.work["q_hat"] * it.work["q_hat"], 0, rnd)
             rnd.run()
             for it in items:
-                it.work["s"] *= masked_reciprocal(it.work["q_norm2"])
-                it.work["q"] = row_sums(it.layout, it.work["P"], it.work["s"])
-                rnd.add_axis(it.layout, it.work["q"], 0)
-                it.work["s_norm2"] = axis_sum(it.layout, it.work["s"] * it.work["s"], 1, rnd)
+                rescale(it.work["s_hat"], it.work["q_norm2"])
+                it.work["q_hat"] = row_sums(it.layout, it.work["P"], it.work["s_hat"])
+                rnd.add_axis(it.layout, it.work["q_hat"], 0)
+                it.work["s_norm2"] = axis_sum(it.layout, it.work["s_hat"] * it.work["s_hat"], 1, rnd)
             rnd.run()
             for it in items:
-                it.work["q"] *= masked_reciprocal(it.work["s_norm2"])
+                rescale(it.work["q_hat"], it.work["s_norm2"])
         beta = group["beta"]
         for it in items:
             m, n = it.layout.shape
             st = it.state
-            if "row_scale" not in st:
-                st["row_scale"] = it.grad.new_zeros(m)
-                st["col_scale"] = it.grad.new_zeros(n)
+            if "q" not in st:
+                st["q"] = it.grad.new_zeros(m)
+                st["s"] = it.grad.new_zeros(n)
                 st["phi"] = it.grad.new_zeros(())
             if it.has_grad:
-                st["row_scale"].mul_(beta).add_(it.work["q"], alpha=1 - beta)
-                st["col_scale"].mul_(beta).add_(it.work["s"], alpha=1 - beta)
-            r_inv, c_inv = masked_rsqrt(st["row_scale"]), masked_rsqrt(st["col_scale"])
+                ema_scales(st["q"], st["s"], it.work["q_hat"], it.work["s_hat"], beta)
+            q_inv, s_inv = inverse_sqrt_scales(st["q"], st["s"])
             # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
-            it.work["norm2"] = local_sum(row_sums(it.layout, it.work["P"], c_inv * c_inv) * (r_inv * r_inv))
-            it.work["gt"] = scale_into(it.layout, it.work["P"], it.grad, r_inv, c_inv)
+            it.work["norm2"] = local_sum(row_sums(it.layout, it.work["P"], s_inv * s_inv) * (q_inv * q_inv))
+            it.work["Gt"] = scale_into(it.layout, it.work["P"], it.grad, q_inv, s_inv)
             rnd.add_sum(it.layout, it.work["norm2"])
         rnd.run()
         gamma = group["gamma"]
         for it in items:
             st = it.state
             norm = it.work["norm2"].sqrt()
-            phi = st["phi"]
-            ratio = norm / torch.where(phi > 0, phi, torch.ones_like(phi))
-            eta = torch.where(phi > 0, gamma / torch.clamp(ratio, min=gamma), torch.ones_like(phi))
+            eta = norm_growth_eta(norm, st["phi"], gamma)
             if it.has_grad:
                 st["phi"] = eta * norm
-            it.apply(it.work["gt"], group["lr"] * group["alpha"] * eta, group["weight_decay"])
+            it.apply(it.work["Gt"], group["lr"] * group["alpha"] * eta, group["weight_decay"])

@@ -7,7 +7,7 @@ is tied to an embedding, or the last Linear whose ``out_features`` equals an emb
 ``vector`` (everything else: norms, biases, >2-D tensors, and 2-D weights of module types routing does not know,
 which ``route`` names in a warning).
 User patterns (``fnmatch`` on the parameter name, first match wins) override the role, or force
-``"adamw"``. Each optimizer maps roles to param-group options (its ``ROLE_TABLE``).
+``"adamw"``. Each optimizer maps roles to param-group options (its config's ``roles()``).
 
 Without the model (``named_parameters()`` passed to an optimizer or to ``create_optimizer``) roles come from
 the names alone (``roles_from_names``); without names every 2-D tensor is a ``matrix`` (``unnamed_roles``).
@@ -21,8 +21,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ROLES", "param_roles", "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route", "RoutingError"]
+__all__ = ["ROLES", "param_roles", "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route",
+           "RoutingError", "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
 
 
 class ConfigError(ValueError):
@@ -37,6 +39,37 @@ class RoutingError(ConfigError):
 TRANSPOSE_SYMMETRIC = ("asgo", "sumo", "swan", "alice", "alice0")
 
 ROLES = ("embedding", "lm_head", "matrix", "matrix_transposed", "vector", "adamw")
+
+# Roles kept beside the tensors, never on them (no ``_shardopt_*`` attributes; tests/test_import_graph.py): maps
+# keyed by tensor identity that do not keep a tensor alive.
+#: the role that chose each routed tensor's rule (``route`` and ``groups.normalize_param_groups`` record it;
+#: ``describe`` reads it)
+_ROLE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: roles declared from a model's module types for tensors that reach an optimizer unnamed by the model (the
+#: Hugging Face Trainer's decay / no-decay groups); they win over roles guessed from the names
+_MODULE_ROLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def record_role(tensor: torch.Tensor, role: str) -> None:
+    """Remember the role that chose ``tensor``'s rule (what ``role_of`` returns)."""
+    _ROLE_OF[tensor] = role
+
+
+def role_of(tensor: torch.Tensor, default: str = "?") -> str:
+    """The role recorded for ``tensor`` when it was last routed, else ``default``."""
+    return _ROLE_OF.get(tensor, default)
+
+
+def declare_module_roles(roles: Iterable[tuple[torch.Tensor, str]]) -> None:
+    """Declare roles found from the model's module types (``param_roles``) for tensors that will reach an
+    optimizer by name only (``shardopt.plugin.wrapped.names_from_trainer``)."""
+    for tensor, role in roles:
+        _MODULE_ROLES[tensor] = role
+
+
+def module_role(tensor: torch.Tensor) -> str | None:
+    """The role declared for ``tensor`` by ``declare_module_roles``, if any."""
+    return _MODULE_ROLES.get(tensor)
 
 
 def _is_embedding(m: nn.Module) -> bool:
@@ -204,7 +237,7 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
     if names is not None:
         named = list(zip(names, tensors))
         return named, roles_from_names(named), "torch"
-    named = [(getattr(t, "_shardopt_name", None) or f"param_{i}", t) for i, t in enumerate(tensors)]
+    named = [(f"param_{i}", t) for i, t in enumerate(tensors)]
     if len({t.dim() == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
         warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer
     return named, {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}, "position"
@@ -278,10 +311,31 @@ def route(
         group["names"].append(name)
         if source == "torch":
             group.setdefault("param_names", []).append(name)
-        if source != "position":
-            p._shardopt_name = name  # the optimizer finds its name even if a wrapper drops "names"
-        p._shardopt_role = role  # for describe(): the role that chose this parameter's rule
+        record_role(p, role)  # for describe(): the role that chose this parameter's rule
     unused = [p for p in overrides if p not in used]
     if unused:
         raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")
     return list(groups.values())
+
+
+#: group options that tell rules apart in the table (the rest are hyperparameters shared by the group)
+_SHOWN = ("norm_dim", "momentum")
+
+
+def _rule(group: Mapping[str, Any]) -> str:
+    extra = " ".join(f"{k}={group[k]}" for k in _SHOWN if k in group and group["treatment"] != "adamw")
+    return f"{group['treatment']} {extra}".strip()
+
+
+def describe_groups(groups: Iterable[Mapping[str, Any]], names: Mapping[int, str] | None = None) -> str:
+    """The table for param groups of real parameters (as routing built them, or an optimizer's)."""
+    rows = [("parameter", "shape", "role", "rule")]
+    for g in groups:
+        for i, p in enumerate(g["params"]):
+            name = (g.get("names") or g.get("param_names") or [None] * len(g["params"]))[i] \
+                or (names or {}).get(id(p)) or "?"
+            shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+            rows.append((name, "x".join(str(s) for s in shape) or "scalar", role_of(p),
+                         _rule(g)))
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

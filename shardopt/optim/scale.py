@@ -1,4 +1,4 @@
-"""SCALE: column-normalized SGD with momentum on the LM head only (arXiv:2506.16659 v3; specs/scale.md).
+"""SCALE: column-normalized SGD with momentum on the LM head only (arXiv:2506.16659 v3; docs/algorithms/scale.md).
 
 Per matrix ``G`` (PyTorch ``(out, in)``), "column-wise" in the paper is one statistic per *output unit*,
 i.e. per row here (``norm_dim=1``: reduce over ``in``); the token embedding ``(V, d)`` reduces over the
@@ -9,20 +9,76 @@ instead of ``G``::
     s = max(sqrt(mean(X * X, norm_dim)), eps)       (RMS, as the released code; norm="l2": no mean)
     W = W * (1 - lr * wd) - lr * X / s
 
+The state key ``momentum_buffer`` holds ``M`` (torch.optim's name for it, as in SGD and Muon).
+
 Sharded: the per-row/per-column sums of squares are partial sums over local elements, completed by one
-bucketed all-reduce of the split indices only (none for FSDP2 row shards with ``norm_dim=1``).
+bucketed all-reduce of the split indices only (none for FSDP2 row shards with ``norm_dim=1``); ``inverse_rms``
+is the math on the completed sums.
 """
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, col_sums, row_sums
-from .base import ShardedOptimizer, check_lr
+from .base import ShardedOptimizer
+from .config import CommonOptions, OptimizerConfig
 
-__all__ = ["SCALE"]
+__all__ = ["SCALE", "inverse_rms", "SCALEConfig"]
+
+
+def inverse_rms(sumsq: torch.Tensor, count: int, eps: float, norm: str = "rms") -> torch.Tensor:
+    """``1 / s`` with ``s = max(sqrt(sumsq / count), eps)`` per line (``norm="l2"``: no division by the line
+    length ``count``), from each line's completed sum of squares."""
+    if norm == "rms":
+        sumsq = sumsq / count
+    return 1.0 / sumsq.sqrt().clamp_min(eps)
+
+
+class SCALEConfig(OptimizerConfig):
+    """docs/algorithms/scale.md: matrix lr 1e-3, LM-head momentum 0.9, RMS clamp 1e-8, AdamW 1e-3 for vectors.
+
+    ``momentum`` is the LM head's beta (the paper's placement; JSON and ``create_optimizer``). The constructor
+    keeps torch's meaning for its ``momentum`` keyword, the beta of every ``scale`` group that sets none
+    (hidden matrices; every matrix of an unnamed list): the field ``matrix_momentum``, 0 by default, which the
+    constructor also gives the embedding unless ``embedding_momentum`` is passed.
+    """
+
+    treatment = "scale"
+    config_only = ("momentum",)
+    constructor_names = {"momentum": "matrix_momentum"}
+
+    lr: float = pydantic.Field(1e-3, ge=0, description="matrix learning rate")
+    momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="EMA beta of the LM-head momentum")
+    matrix_momentum: float = pydantic.Field(0.0, ge=0, lt=1, description="EMA beta of the other matrices "
+                                            "(the paper: none); the constructor's momentum")
+    embedding_momentum: float = pydantic.Field(0.0, ge=0, lt=1, description="Tab. 8 'mmt-(first+last)' variant")
+    norm_dim: Literal[0, 1] = pydantic.Field(1, description="1: one statistic per row (output unit), 0: per column")
+    eps: float = pydantic.Field(1e-8, gt=0, description="clamp on the RMS")
+    norm: Literal["rms", "l2"] = "rms"
+    adam_lr: float | None = pydantic.Field(1e-3, ge=0, description="AdamW lr for vectors (the released code)")
+
+    def group_defaults(self) -> dict[str, Any]:
+        return dict(lr=self.lr, momentum=self.matrix_momentum, norm_dim=self.norm_dim, eps=self.eps,
+                    norm=self.norm, weight_decay=self.weight_decay)
+
+    def roles(self) -> dict[str, dict]:
+        """The embedding is normalized per column (over the vocabulary); momentum on the LM head only; a weight
+        stored in x out (``matrix_transposed``) per column of the stored weight, i.e. per output unit."""
+        return {
+            "matrix": {"treatment": "scale", "norm_dim": self.norm_dim, "momentum": self.matrix_momentum},
+            # stored in x out (GPT-2's Conv1D): per output unit is the other axis of the stored weight
+            "matrix_transposed": {"treatment": "scale", "norm_dim": 1 - self.norm_dim, "momentum": self.matrix_momentum},
+            "embedding": {"treatment": "scale", "norm_dim": 0, "momentum": self.embedding_momentum},
+            "lm_head": {"treatment": "scale", "norm_dim": self.norm_dim, "momentum": self.momentum},
+            "vector": {"treatment": "adamw"},
+        }
+
+
+_D = SCALEConfig.defaults()
 
 
 class SCALE(ShardedOptimizer):
@@ -30,45 +86,21 @@ class SCALE(ShardedOptimizer):
     0: per column), ``momentum`` (EMA beta; 0 = none), ``eps``, ``norm`` ("rms" | "l2"), ``weight_decay``.
     Other groups use ``treatment="adamw"`` (``adam_lr``, ``adam_betas``, ``adam_eps``, ``adam_weight_decay``).
 
-    Defaults follow the card: lr 1e-3, LM-head beta 0.9, eps 1e-8 (a clamp on the RMS), wd 0, AdamW for
+    Defaults (docs/algorithms/scale.md): lr 1e-3, LM-head beta 0.9, eps 1e-8 (a clamp on the RMS), wd 0, AdamW for
     vectors at 1e-3 with eps outside the bias correction as in the released code.
     """
 
+    Config = SCALEConfig
     matrix_treatments = ("scale",)
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="outside")
-    #: named parameters route as create_optimizer: the embedding normalized per column, momentum on the LM head
-    role_table = {**ShardedOptimizer.role_table, "embedding": {"norm_dim": 0}, "lm_head": {"momentum": 0.9},
-                  "matrix_transposed": {"norm_dim": 0}}  # stored in x out: per output unit = per stored column
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 1e-3,
-        momentum: float = 0.0,
-        norm_dim: int = 1,
-        eps: float = 1e-8,
-        norm: str = "rms",
-        weight_decay: float = 0.0,
-        adam_lr: float | None = 1e-3,
-        adam_betas: tuple[float, float] = (0.9, 0.999),
-        adam_eps: float = 1e-8,
-        adam_weight_decay: float = 0.0,
-        on_nonfinite: str = "skip",
-        debug_plan: bool | None = None,
-    ):
-        check_lr(lr)
-        if lr < 0:
-            raise ValueError(f"lr must be >= 0, got {lr}")
-        if not 0.0 <= momentum < 1.0:
-            raise ValueError(f"momentum must be in [0, 1), got {momentum}")
-        if norm not in ("rms", "l2"):
-            raise ValueError(f"norm must be 'rms' or 'l2', got {norm!r}")
-        if norm_dim not in (0, 1):
-            raise ValueError(f"norm_dim must be 0 or 1, got {norm_dim}")
-        defaults = dict(lr=lr, momentum=momentum, norm_dim=norm_dim, eps=eps, norm=norm, weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, momentum: float = _D.matrix_momentum,
+                 norm_dim: int = _D.norm_dim, eps: float = _D.eps, norm: str = _D.norm,
+                 weight_decay: float = _D.weight_decay, **options: Unpack[CommonOptions]):
+        options.setdefault("embedding_momentum", momentum)  # torch's sense: the embedding sets no beta of its own
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, momentum=momentum, norm_dim=norm_dim, eps=eps, norm=norm, weight_decay=weight_decay), options))
 
     def elementwise_state_copies(self, group: dict) -> int:
         if group.get("treatment", "adamw") == "adamw":
@@ -100,9 +132,6 @@ class SCALE(ShardedOptimizer):
         for it in items:
             m, n = it.layout.shape
             count = n if axis == 0 else m
-            stats = it.work["stats"]
-            if group["norm"] == "rms":
-                stats = stats / count
-            inv = 1.0 / stats.sqrt().clamp_min(group["eps"])
+            inv = inverse_rms(it.work["stats"], count, group["eps"], group["norm"])
             it.apply_scaled(it.grad, group["lr"], group["weight_decay"],
                             row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)

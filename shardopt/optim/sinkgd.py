@@ -1,4 +1,4 @@
-"""SinkGD: SR-Sinkhorn multi-normalized gradient descent (arXiv:2502.06742; specs/sinkgd.md).
+"""SinkGD: SR-Sinkhorn multi-normalized gradient descent (arXiv:2502.06742; docs/algorithms/sinkgd.md).
 
 Scaling-vector form of SR-Sinkhorn on ``A = G * G`` (rows first, columns last; ``L`` sweeps)::
 
@@ -6,20 +6,29 @@ Scaling-vector form of SR-Sinkhorn on ``A = G * G`` (rows first, columns last; `
     repeat L:  u = n / (A v);   v = m / (A^T u)        (zero lines get zero scales, never NaN)
     W = W * (1 - lr * scale * wd) - lr * scale * diag(sqrt(u)) G diag(sqrt(v))
 
-Every column of the update has l2 norm sqrt(m); rows approach sqrt(n). Sharded: each half-sweep is one
+Every column of the update has l2 norm sqrt(m); rows approach sqrt(n). ``sinkhorn_scale`` is the math of a
+half-sweep on the completed sums (u or v). Sharded: each half-sweep is one
 bucketed all-reduce of the split indices of ``A v`` or ``A^T u``; FSDP2 row shards need only the column
 rounds (``L`` collectives per step for all matrices together), ZeRO flat slices add tiny boundary-row rounds.
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_reciprocal, row_sums, scale_into
-from .base import ShardedOptimizer, check_lr
+from .base import ShardedOptimizer
+from .config import CommonOptions, OptimizerConfig
 
-__all__ = ["SinkGD", "sr_sinkhorn_scales"]
+__all__ = ["SinkGD", "sr_sinkhorn_scales", "sinkhorn_scale", "SinkGDConfig"]
+
+
+def sinkhorn_scale(weighted_sums: torch.Tensor, length: int) -> torch.Tensor:
+    """One half-sweep: ``u = n / (A v)`` (``length = n``, the row length) or ``v = m / (A^T u)`` (``length =
+    m``) from the completed weighted line sums; a zero line gets a zero scale."""
+    return masked_reciprocal(weighted_sums, float(length))
 
 
 def sr_sinkhorn_scales(items: list, iterations: int) -> None:
@@ -34,44 +43,41 @@ def sr_sinkhorn_scales(items: list, iterations: int) -> None:
             rnd.add_axis(it.layout, it.work["r"], 0)
         rnd.run()
         for it in items:
-            it.work["u"] = masked_reciprocal(it.work["r"], float(it.layout.shape[1]))
+            it.work["u"] = sinkhorn_scale(it.work["r"], it.layout.shape[1])
             it.work["c"] = col_sums(it.layout, it.work["A"], it.work["u"])
             rnd.add_axis(it.layout, it.work["c"], 1)
         rnd.run()
         for it in items:
-            it.work["v"] = masked_reciprocal(it.work["c"], float(it.layout.shape[0]))
+            it.work["v"] = sinkhorn_scale(it.work["c"], it.layout.shape[0])
+
+
+class SinkGDConfig(OptimizerConfig):
+    """docs/algorithms/sinkgd.md: global lr 0.02, matrix lr scale 0.05, L = 5; AdamW at the global lr."""
+
+    treatment = "sinkgd"
+
+    lr: float = pydantic.Field(0.02, ge=0, description="global lr (AdamW's too unless adam_lr)")
+    lr_scale: float = pydantic.Field(0.05, ge=0, description="alpha: the matrix lr is lr * lr_scale")
+    iterations: int = pydantic.Field(5, ge=1, description="L: SR-Sinkhorn sweeps")
+
+
+_D = SinkGDConfig.defaults()
 
 
 class SinkGD(ShardedOptimizer):
     """SinkGD optimizer. Matrix groups use ``treatment="sinkgd"`` with keys ``lr`` (global lr, 0.02),
     ``lr_scale`` (alpha, 0.05: peak matrix lr 1e-3), ``iterations`` (L = 5), ``weight_decay`` (0).
-    Embedding, LM head and vectors use AdamW at the global lr, as in the paper (card section 7 item 5).
+    Embedding, LM head and vectors use AdamW at the global lr, as in the paper (docs/algorithms/sinkgd.md).
     """
 
+    Config = SinkGDConfig
     matrix_treatments = ("sinkgd",)
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = 0.02,
-        lr_scale: float = 0.05,
-        iterations: int = 5,
-        weight_decay: float = 0.0,
-        adam_lr: float | None = None,
-        adam_betas: tuple[float, float] = (0.9, 0.999),
-        adam_eps: float = 1e-8,
-        adam_weight_decay: float = 0.0,
-        on_nonfinite: str = "skip",
-        debug_plan: bool | None = None,
-    ):
-        check_lr(lr)
-        if lr < 0 or lr_scale < 0:
-            raise ValueError(f"lr and lr_scale must be >= 0, got lr={lr}, lr_scale={lr_scale}")
-        if int(iterations) < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
-        defaults = dict(lr=lr, lr_scale=lr_scale, iterations=int(iterations), weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, lr_scale: float = _D.lr_scale,
+                 iterations: int = _D.iterations, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, lr_scale=lr_scale, iterations=iterations, weight_decay=weight_decay), options))
 
     def _step_sinkgd(self, group: dict) -> None:
         items = self._matrix_items(group)

@@ -1,10 +1,10 @@
 """SWAN as a multi-normalized gradient: row normalization, then whitening (arXiv:2502.06742 section 3.4,
-specs/sinkgd.md section 1.4 and section 7 item 4).
+docs/algorithms/swan.md).
 
-For m <= n (else on the transpose, so lines are columns and k = m)::
+For m <= n, with k = n (else on the transpose: the lines are columns and k = m)::
 
-    repeat L:  X = sqrt(k) X / rownorm(X)          (optionally centered first: GradNorm's standardization)
-               X = sqrt(k) (X X^T)^{-1/2} X         (whitening = sqrt(k) * polar factor U V^T)
+    repeat L:  X = sqrt(k) X / rownorm(X)          (optionally centered first; ``line_scale``)
+               X = sqrt(k) (X X^T)^{-1/2} X         (whitening = sqrt(k) * polar factor U V^T; ``whiten``)
     W = W - lr * lr_scale * X
 
 Sharded: the line norms are partial sums completed by one bucketed all-reduce; whitening needs only the
@@ -15,16 +15,28 @@ exact float64 eigendecomposition (``whitening="svd"``).
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Literal, Unpack
 
+import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
-from ..sharding.linalg import by_shape, gram_inverse_sqrt
+from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
+from .config import CommonOptions, WholeMatrixConfig
 
-__all__ = ["SWAN"]
+__all__ = ["SWAN", "line_scale", "whiten", "SWANConfig"]
+
+
+def line_scale(norm2: torch.Tensor, k: int) -> torch.Tensor:
+    """``sqrt(k) / |line|`` per line from the completed squared line norms (0 for a zero line)."""
+    return masked_rsqrt(norm2, math.sqrt(k))
+
+
+def whiten(a_rows: torch.Tensor, root: torch.Tensor, k: int) -> torch.Tensor:
+    """Rows of ``sqrt(k) A (A^T A)^{-1/2}`` given ``root = (A^T A)^{-1/2}`` of the whole ``A``."""
+    return (a_rows @ root) * math.sqrt(k)
 
 
 def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int) -> None:
@@ -35,27 +47,36 @@ def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int
             view.sub_(means[None, b.col: b.col + b.width])
 
 
+class SWANConfig(WholeMatrixConfig):
+    """docs/algorithms/swan.md: SWAN-dagger lr 0.02 x 0.05, one normalize+whiten sweep, no centering."""
+
+    treatment = "swan"
+
+    lr: float = pydantic.Field(0.02, ge=0, description="global lr (AdamW's too unless adam_lr)")
+    lr_scale: float = pydantic.Field(0.05, ge=0, description="the matrix lr is lr * lr_scale")
+    iterations: int = pydantic.Field(1, ge=1, description="normalize + whiten sweeps")
+    center: bool = pydantic.Field(False, description="subtract the row means first")
+    whitening: Literal["newton_schulz", "svd"] = "newton_schulz"
+    ns_steps: int = pydantic.Field(12, ge=1, lt=100, description="coupled Newton-Schulz steps (converges)")
+
+
+_D = SWANConfig.defaults()
+
+
 class SWAN(ShardedOptimizer):
     """SWAN (``treatment="swan"``; keys ``lr`` 0.02, ``lr_scale`` 0.05, ``iterations`` 1, ``center`` False,
     ``whitening`` "newton_schulz" | "svd", ``ns_steps`` 12, ``weight_decay`` 0); others use AdamW at ``lr``."""
 
+    Config = SWANConfig
     matrix_treatments = ("swan",)
 
-    def __init__(self, params: Iterable[Any], lr: float = 0.02, lr_scale: float = 0.05, iterations: int = 1,
-                 center: bool = False, whitening: str = "newton_schulz", ns_steps: int = 12,
-                 weight_decay: float = 0.0, adam_lr: float | None = None,
-                 adam_betas: tuple[float, float] = (0.9, 0.999), adam_eps: float = 1e-8,
-                 adam_weight_decay: float = 0.0, on_nonfinite: str = "skip", debug_plan: bool | None = None,
-                 matrix_ops: dict | None = None):
-        if whitening not in ("newton_schulz", "svd"):
-            raise ValueError(f"whitening must be 'newton_schulz' or 'svd', got {whitening!r}")
-        if int(iterations) < 1:
-            raise ValueError(f"iterations must be >= 1, got {iterations}")
-        defaults = dict(lr=lr, lr_scale=lr_scale, iterations=int(iterations), center=center, whitening=whitening,
-                        ns_steps=ns_steps, weight_decay=weight_decay)
-        super().__init__(params, defaults, adam_lr=adam_lr, betas=tuple(adam_betas), eps=adam_eps,
-                         weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan,
-                         matrix_ops=matrix_ops)
+    def __init__(self, params: Iterable[Any], lr: float = _D.lr, lr_scale: float = _D.lr_scale,
+                 iterations: int = _D.iterations, center: bool = _D.center, whitening: str = _D.whitening,
+                 ns_steps: int = _D.ns_steps, weight_decay: float = _D.weight_decay,
+                 **options: Unpack[CommonOptions]):
+        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
+            lr=lr, lr_scale=lr_scale, iterations=iterations, center=center, whitening=whitening,
+            ns_steps=ns_steps, weight_decay=weight_decay), options))
 
     def _step_swan(self, group: dict) -> None:
         items = self._matrix_items(group)
@@ -80,7 +101,7 @@ class SWAN(ShardedOptimizer):
                 rnd.add_axis(it.layout, it.work["norm2"], it.work["axis"])
             rnd.run()
             for it in items:
-                inv = masked_rsqrt(it.work["norm2"], math.sqrt(it.work["k"]))
+                inv = line_scale(it.work["norm2"], it.work["k"])
                 scale_into(it.layout, it.work["x"], it.work["x"], inv if it.work["axis"] == 0 else None,
                            inv if it.work["axis"] == 1 else None)
             self._whiten(items, group)
@@ -107,8 +128,14 @@ class SWAN(ShardedOptimizer):
         blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in active})
-        roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]), grams)
-        out = {i: (blocks[i] @ roots[i]) * math.sqrt(max(items[i].layout.shape)) for i in active}
+        # Centered lines of a square matrix sum to zero, so its Gram is singular by construction and the coupled
+        # iteration would amplify the null direction by 1.5 per step (to inf/NaN): those take the exact
+        # pseudo-inverse root, which maps it to zero. Decided by shape, the same on every rank.
+        exact = {i for i in grams if group["center"] and len(set(items[i].layout.shape)) == 1}
+        roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]),
+                         {i: g for i, g in grams.items() if i not in exact})
+        roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact}))
+        out = {i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in active}
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece
         ops.account()

@@ -22,22 +22,54 @@ import torch.distributed as dist
 from torch import nn
 
 from ..optim.base import ShardedOptimizer
-from ..optim.registry import (
-    OPTIMIZERS, ConfigError, _format_errors, build_param_groups, optimizer_kwargs, validate_hyperparameters,
-)
+from ..optim.config import OptimizerConfig, format_errors
+from ..optim.registry import ConfigError, build_param_groups, optimizer_class, validate_hyperparameters
 from ..sharding.fragment import Fragment
 from .zero_layouts import flat_fragments, zero3_fragments
 
-__all__ = ["initialize", "ShardoptSection", "load_config", "attach_zero_layouts"]
+__all__ = ["initialize", "ShardoptSection", "load_config", "parse_section", "parse_shardopt_section",
+           "attach_zero_layouts"]
 
 
 class ShardoptSection(pydantic.BaseModel):
-    """The ``"shardopt"`` section of a DeepSpeed JSON config."""
+    """The ``"shardopt"`` section of a DeepSpeed JSON config; ``config`` is ``params`` validated by the
+    optimizer's own model (``shardopt.optim.<algorithm>.<Name>Config``)."""
 
     model_config = pydantic.ConfigDict(extra="forbid")
     optimizer: str = pydantic.Field(description="a shardopt optimizer name (shardopt.optim.registry.OPTIMIZERS)")
     params: dict[str, Any] = pydantic.Field(default_factory=dict, description="hyperparameters of the optimizer")
     routing: dict[str, str] = pydantic.Field(default_factory=dict, description="name pattern -> role or 'adamw'")
+    _config: OptimizerConfig | None = pydantic.PrivateAttr(None)
+
+    @property
+    def config(self) -> OptimizerConfig:
+        """The validated hyperparameters (set by ``parse_shardopt_section`` or ``from_config``)."""
+        if self._config is None:
+            raise RuntimeError("ShardoptSection was not validated; use parse_shardopt_section")
+        return self._config
+
+    @classmethod
+    def from_config(cls, config: OptimizerConfig, routing: Mapping[str, str] | None = None) -> "ShardoptSection":
+        """A section for hyperparameters validated elsewhere (the trainer's ``optimizer``), so DeepSpeed's
+        ``initialize`` does not parse them again."""
+        section = cls(optimizer=type(config).treatment, params=config.model_dump(exclude_unset=True),
+                      routing=dict(routing or {}))
+        section._config = config
+        return section
+
+
+def parse_shardopt_section(raw: Any, where: str = "shardopt") -> ShardoptSection:
+    """The ``"shardopt"`` section validated once: its keys, the optimizer name and the hyperparameters (every
+    error names its key path, ``<where>.params.<key>``). A section parsed already is returned as is."""
+    if isinstance(raw, ShardoptSection) and raw._config is not None:
+        return raw
+    try:
+        section = ShardoptSection(**raw) if isinstance(raw, Mapping) else ShardoptSection.model_validate(raw)
+    except pydantic.ValidationError as err:
+        raise ConfigError(format_errors(err, where)) from None
+    section._config = validate_hyperparameters(section.optimizer, section.params, where=f"{where}.params",
+                                               name_key=f"{where}.optimizer")
+    return section
 
 
 def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]:
@@ -50,21 +82,16 @@ def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
     raise ConfigError(f"config must be a JSON file path or a dict, got {type(config).__name__}")
 
 
-def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseModel]:
-    """Pop and validate the ``"shardopt"`` section; refuse configs DeepSpeed would handle differently."""
+def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, OptimizerConfig]:
+    """Pop and validate the ``"shardopt"`` section (a ``ShardoptSection`` parsed already, as the trainer passes,
+    is not parsed again); refuse configs DeepSpeed would handle differently."""
     if "shardopt" not in cfg:
         raise ConfigError("DeepSpeed config has no 'shardopt' section; add e.g. "
                           '"shardopt": {"optimizer": "scale", "params": {"lr": 1e-3}}')
     if "optimizer" in cfg:
         raise ConfigError("DeepSpeed config has both an 'optimizer' block and a 'shardopt' section; remove the "
                           "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)")
-    raw = cfg.pop("shardopt")
-    try:
-        section = ShardoptSection(**raw) if isinstance(raw, Mapping) else ShardoptSection.model_validate(raw)
-    except pydantic.ValidationError as err:
-        raise ConfigError(_format_errors(err, "shardopt")) from None
-    hp = validate_hyperparameters(section.optimizer, section.params, where="shardopt.params",
-                                  name_key="shardopt.optimizer")
+    section = parse_shardopt_section(cfg.pop("shardopt"))
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         if key in cfg and (isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1):
             raise ConfigError(f"{key}: expected a positive integer, got {cfg[key]!r}")
@@ -82,7 +109,7 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseMo
         try:
             DeepSpeedZeroConfig(**zero)
         except pydantic.ValidationError as err:
-            raise ConfigError(_format_errors(err, "zero_optimization")) from None
+            raise ConfigError(format_errors(err, "zero_optimization")) from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"zero_optimization: {err}") from None
     for key in ("offload_optimizer", "offload_param"):
@@ -92,7 +119,7 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, pydantic.BaseMo
         if off and str(off.get("device", "none")).lower() != "none":
             raise ConfigError(f"zero_optimization.{key}.device = {off.get('device')!r}: offload is not supported "
                               "by shardopt; remove it or set device to 'none'")
-    return section, hp
+    return section, section.config
 
 
 def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition: int, rank: int, world: int,
@@ -112,26 +139,27 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
     wrapper = engine.optimizer
     if wrapper is opt:
         return  # stage 0 without a wrapper: real parameters, whole matrices
+    flat: list[tuple[torch.Tensor, list[Fragment]]] = []
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
-        for g, flat in enumerate(wrapper.single_partition_of_fp32_groups):
+        for g, partition in enumerate(wrapper.single_partition_of_fp32_groups):
             pg = wrapper.real_dp_process_group[g]
             world = dist.get_world_size(group=pg)
             frags = _flat_layouts(
                 wrapper.round_robin_bit16_groups[g], wrapper.round_robin_bit16_offsets[g],
                 wrapper.bit16_groups_flat[g].numel() // world, dist.get_rank(group=pg), world, pg, names,
                 lambda p: tuple(p.shape))
-            _attach(opt, flat, frags)
+            flat.append((partition, frags))
     elif isinstance(wrapper, BF16_Optimizer):
-        for g, flat in enumerate(wrapper.fp32_groups_flat_partition):
+        for g, partition in enumerate(wrapper.fp32_groups_flat_partition):
             pg = wrapper.real_dp_process_group[g]
             world = dist.get_world_size(group=pg)
             order = wrapper.bf16_groups[g]
             offsets = [sum(p.numel() for p in order[:i]) for i in range(len(order))]
             frags = _flat_layouts(order, offsets, wrapper.bf16_groups_flat[g].numel() // world,
                                   dist.get_rank(group=pg), world, pg, names, lambda p: tuple(p.shape))
-            _attach(opt, flat, frags)
+            flat.append((partition, frags))
     elif isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
-        for sg, flat in enumerate(wrapper.fp32_partitioned_groups_flat):
+        for sg, partition in enumerate(wrapper.fp32_partitioned_groups_flat):
             pg = wrapper.sub_group_process_groups[sg] if hasattr(wrapper, "sub_group_process_groups") \
                 else wrapper.dp_process_group
             world = dist.get_world_size(group=pg)
@@ -139,16 +167,12 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             params = wrapper.fp16_groups[sg]
             frags, _ = zero3_fragments([names[id(p)] for p in params], [tuple(p.ds_shape) for p in params], world,
                                        rank, pg, partition_numels=[p.partition_numel() for p in params])
-            _attach(opt, flat, frags)
+            flat.append((partition, frags))
     else:
         raise NotImplementedError(
             f"DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, which shardopt cannot map to "
             "matrices; use zero_optimization.stage 1, 2 or 3 (or stage 0 with fp32)")
-
-
-def _attach(opt: ShardedOptimizer, flat: torch.Tensor, frags: list[Fragment]) -> None:
-    flat._shardopt_flat = True  # type: ignore[attr-defined]
-    opt.attach_fragments(flat, frags)
+    opt.use_layouts(flat=flat)
 
 
 def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], **kwargs: Any):
@@ -165,14 +189,13 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     cfg = load_config(config)
     section, hp = parse_section(cfg)
     cfg["zero_allow_untested_optimizer"] = True
-    name = section.optimizer.lower()
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = build_param_groups(model, name, hp, section.routing)
-    cls = OPTIMIZERS[name][0]
+    groups = build_param_groups(model, section.optimizer, hp, section.routing)
+    cls = optimizer_class(section.optimizer)
     built: dict[str, ShardedOptimizer] = {}
 
     def factory(params: Any) -> ShardedOptimizer:
-        built["opt"] = cls(params, **optimizer_kwargs(hp))
+        built["opt"] = cls.from_config(params, hp)
         return built["opt"]
 
     result = deepspeed.initialize(model=model, model_parameters=groups, config=cfg, optimizer=factory, **kwargs)

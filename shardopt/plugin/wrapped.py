@@ -5,7 +5,7 @@ A shardopt optimizer handed to DeepSpeed by someone else (Hugging Face ``Trainer
 built with. Stepping such a 1-D tensor as an ``(N, 1)`` matrix runs sign-SGD and the loss still falls, so
 before every step ``check_stepped_tensors`` looks at each tensor of every matrix group:
 
-* a tensor whose matrices were declared (``attach_fragments``), or a real 2-D parameter: fine;
+* a tensor whose matrices were declared (``use_layouts(flat=...)``), or a real 2-D parameter: fine;
 * anything else (a flat partition, a ZeRO-3 parameter whose data DeepSpeed replaced): the DeepSpeed ZeRO
   wrapper that is calling us is looked up on the call stack (it calls ``self.optimizer.step()`` itself, so it
   is the caller a few frames up, and the engine above it). Found: its partitions are mapped to matrices
@@ -14,17 +14,35 @@ before every step ``check_stepped_tensors`` looks at each tensor of every matrix
 
 The decision depends only on the static structure every rank shares (same wrapper, same groups), so all ranks
 map, or all raise, at the same step, before any collective.
+
+The optimizers do not import this module (the engine boundary, ``tests/test_import_graph.py``): it registers
+``check_stepped_tensors``, ``names_from_trainer`` and ``watch_model`` in ``shardopt.optim.hooks`` when imported,
+and ``shardopt/__init__.py`` imports it, so the hooks are in place before any optimizer is built.
 """
 from __future__ import annotations
 
 import sys
 import warnings
+import weakref
 from types import SimpleNamespace
 from typing import Any
 
 import torch
 
-__all__ = ["UnmappedTensorError", "check_stepped_tensors", "rekey_names", "find_deepspeed_caller", "map_deepspeed"]
+from ..optim import hooks
+from ..optim.routing import declare_module_roles, param_roles, warn_unknown_matrices
+
+__all__ = ["UnmappedTensorError", "check_stepped_tensors", "rekey_names", "find_deepspeed_caller", "map_deepspeed",
+           "engine_hooked", "names_from_trainer", "watch_model"]
+
+#: DeepSpeed engines whose save/load_checkpoint already write/read shardopt's logical state (kept beside the
+#: engines, not as attributes on them)
+_HOOKED_ENGINES: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def engine_hooked(engine: Any) -> bool:
+    """Whether ``map_deepspeed`` already installed shardopt's checkpoint hooks on ``engine``."""
+    return engine in _HOOKED_ENGINES
 
 #: how far up the stack the ZeRO wrapper and the engine are looked for (engine.step -> wrapper.step ->
 #: wrapper._optimizer_step -> our step is 3-6 frames; accelerate adds 2)
@@ -86,9 +104,9 @@ def map_deepspeed(opt: Any, wrapper: Any, engine: Any = None) -> None:
 
     names = dict(opt.param_names)
     attach_zero_layouts(engine if engine is not None else SimpleNamespace(optimizer=wrapper), opt, names)
-    if engine is not None and not getattr(engine, "_shardopt_hooks", False):
+    if engine is not None and not engine_hooked(engine):
         install_checkpoint_hooks(engine, opt, names)
-        engine._shardopt_hooks = True
+        _HOOKED_ENGINES.add(engine)
 
 
 def _describe(opt: Any, p: torch.Tensor) -> str:
@@ -109,10 +127,9 @@ def rekey_names(opt: Any) -> None:
         for p, name in zip(group["params"], names):
             if opt.param_names.get(id(p)) != name and hasattr(p, "placements") and not opt.is_flat(p):
                 opt.param_names[id(p)] = name
-                p._shardopt_name = name
+                opt._fragments.pop(id(p), None)
                 changed = True
     if changed:
-        opt._fragments.clear()
         opt._forget_plans()
 
 
@@ -146,7 +163,7 @@ def check_stepped_tensors(opt: Any) -> None:
 
 
 # ------------------------------------------------------------------ Hugging Face Trainer's own optimizer paths
-def _trainer_model(max_frames: int = 8) -> Any:
+def _trainer_model(max_frames: int = 12) -> Any:
     """The model of a ``transformers.Trainer.create_optimizer`` that is constructing an optimizer right now
     (``optimizer_cls_and_kwargs=(SCALE, ...)``), else None."""
     frame = sys._getframe(2)
@@ -171,8 +188,6 @@ def names_from_trainer(params: Any, who: str) -> Any:
     model = _trainer_model()
     if model is None:
         return params
-    from ..optim.routing import param_roles, warn_unknown_matrices
-
     names = {id(p): n for n, p in model.named_parameters()}
     tensors = [t for g in params for t in (g["params"] if isinstance(g["params"], (list, tuple)) else [g["params"]])]
     if not all(isinstance(t, torch.Tensor) and id(t) in names for t in tensors):
@@ -183,8 +198,7 @@ def names_from_trainer(params: Any, who: str) -> Any:
     for g in params:
         group = dict(g)
         group["params"] = [(names[id(t)], t) for t in group["params"]]
-        for t in group["params"]:
-            t[1]._shardopt_module_role = roles[t[0]]
+        declare_module_roles((t, roles[n]) for n, t in group["params"])  # groups.normalize_param_groups reads them
         out.append(group)
     return out
 
@@ -241,3 +255,14 @@ def watch_model(model: torch.nn.Module, who: str) -> None:
     """Install ``_WatchEngine`` on ``model`` (removed after its first training forward)."""
     watch = _WatchEngine(who)
     watch.handle = model.register_forward_pre_hook(watch)
+
+
+def _watch_created(model: Any, opt: Any) -> None:
+    """``hooks.model_watchers`` entry: ``create_optimizer`` built ``opt`` for ``model``."""
+    if isinstance(model, torch.nn.Module):
+        watch_model(model, type(opt).__name__)
+
+
+hooks.register_pre_step_check(check_stepped_tensors)
+hooks.register_param_source(names_from_trainer)
+hooks.register_model_watcher(_watch_created)

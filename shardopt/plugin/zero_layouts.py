@@ -22,7 +22,7 @@ from typing import Any, Sequence
 
 from ..sharding.fragment import Fragment
 from ..sharding.layout import FlatPiece, MatrixLayout
-from .discover import matrix_shape
+from ..sharding.discover import matrix_shape
 
 __all__ = ["NCCL_START_ALIGNMENT_FACTOR", "SUB_GROUP_SIZE", "round_robin_order", "zero12_offsets",
            "zero12_partition_size", "flat_pieces", "flat_fragments", "zero12_fragments", "zero3_partition_numel",

@@ -1,23 +1,19 @@
-"""Gather-to-owner: whole-matrix operations (Newton-Schulz, SVD, eigh) on sharded matrices.
+"""Owner plans for the gather strategy of ``shardopt.sharding.matrix_ops``.
 
 Each sharded matrix gets an owner rank in its process group from a cost model (longest-processing-time
 first: matrices sorted by estimated cost, each given to the least-loaded rank; ties broken by name and
-rank, so every rank computes the same plan from static metadata). One ``all_to_all`` per process group
-brings every piece of every matrix to its owner, the owner runs the operation on whole matrices, and one
-more ``all_to_all`` returns each rank its piece of the results: two collectives per group per call,
-whatever the number of matrices. Matrices held whole by every rank (single process, DDP) are computed
-locally.
+rank, so every rank computes the same plan from static metadata). ``MatrixOps`` then brings every piece of
+every matrix to its owner with one ``all_to_all`` per process group and returns the results with one more.
+Matrices held whole by every rank (single process, DDP) get no owner: they are computed locally.
 """
 from __future__ import annotations
 
 import heapq
-from typing import Any, Callable, Sequence
-
-import torch
+from typing import Callable, Sequence
 
 from .layout import MatrixLayout
 
-__all__ = ["owner_plan", "run_on_owners", "CostFn", "newton_schulz_cost"]
+__all__ = ["owner_plan", "CostFn", "newton_schulz_cost"]
 
 CostFn = Callable[[tuple[int, int]], float]
 
@@ -64,28 +60,3 @@ def _sole_holder(lay: MatrixLayout) -> int | None:
     if lay.holders != 1:
         return None
     return next(r for r, p in enumerate(lay.pieces) if lay._piece_numel(p) > 0)
-
-
-def run_on_owners(
-    layouts: Sequence[MatrixLayout],
-    names: Sequence[str],
-    locals_: Sequence[torch.Tensor],
-    op: Callable[[list[torch.Tensor]], list[torch.Tensor]],
-    cost: CostFn,
-) -> list[torch.Tensor]:
-    """Apply ``op`` (a batch of whole fp32 matrices -> same-shape results) and return this rank's pieces.
-
-    ``locals_[i]`` is this rank's 1-D piece of matrix ``i`` (layout order). Every rank must call it with
-    the same matrices in the same order. The gather strategy of ``MatrixOps`` with one channel per matrix.
-    """
-    from .matrix_ops import MatrixOps, OpCost
-
-    ops = MatrixOps(layouts, names, [False] * len(layouts), "gather", lambda shape: OpCost(cost(shape)))
-    blocks = ops.to_blocks([[x] for x in locals_])
-    mine = [i for i in range(len(ops)) if ops.active(i)]
-    outs = op([blocks[i][0] for i in mine]) if mine else []
-    results: list[torch.Tensor | None] = [None] * len(ops)
-    for i, out in zip(mine, outs):
-        results[i] = out
-    ops.account()
-    return ops.from_blocks(results)

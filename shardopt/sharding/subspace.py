@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .linalg import seeded_normal
+from .draws import seeded_normal
 from .matrix_ops import MatrixOps
 
 __all__ = ["range_basis", "orthonormal"]

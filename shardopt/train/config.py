@@ -11,8 +11,8 @@ import pydantic
 
 from .model import PRESETS
 
-__all__ = ["TrainConfig", "TrainConfigError", "load_train_config", "validate_deepspeed_config", "apply_overrides",
-           "resolve_path", "REPO_ROOT"]
+__all__ = ["TrainConfig", "TrainConfigError", "load_train_config", "validate_deepspeed_config",
+           "read_deepspeed_config", "apply_overrides", "resolve_path", "REPO_ROOT"]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -88,6 +88,18 @@ class OptimizerSection(_Strict):
     name: str = pydantic.Field(description="a shardopt optimizer (shardopt.OPTIMIZERS) or adamw")
     params: dict[str, Any] = pydantic.Field(default_factory=dict)
     routing: dict[str, str] = pydantic.Field(default_factory=dict)
+    #: ``params`` validated by the optimizer's model (``load_train_config``; None for adamw)
+    _config: Any = pydantic.PrivateAttr(None)
+
+    @property
+    def config(self) -> Any:
+        """The shardopt optimizer's validated hyperparameters (``shardopt.optim.config.OptimizerConfig``)."""
+        if self._config is None:
+            from ..optim.registry import validate_hyperparameters
+
+            self._config = validate_hyperparameters(self.name, self.params, where="optimizer.params",
+                                                    name_key="optimizer.name")
+        return self._config
 
 
 class TrainSection(_Strict):
@@ -126,10 +138,21 @@ class TrainConfig(_Strict):
     eval: EvalSection = EvalSection()
     checkpoint: CheckpointSection = CheckpointSection()
     _source: str | None = pydantic.PrivateAttr(None)  # the file the config was read from
+    #: the DeepSpeed JSON as read and its "shardopt" section parsed (engine deepspeed; load_train_config)
+    _deepspeed: tuple[dict[str, Any], Any] | None = pydantic.PrivateAttr(None)
 
     @property
     def source(self) -> str | None:
         return self._source
+
+    @property
+    def deepspeed(self) -> tuple[dict[str, Any], Any]:
+        """``(json, section)``: the DeepSpeed JSON as read (``"shardopt"`` left in) and its ``"shardopt"``
+        section parsed once (``shardopt.deepspeed.ShardoptSection``, None when absent)."""
+        if self._deepspeed is None:
+            self._deepspeed = read_deepspeed_config(self.engine.deepspeed_config,
+                                                    require_shardopt=self.optimizer is None)
+        return self._deepspeed
 
     @property
     def checkpoint_dir(self) -> str:
@@ -182,9 +205,11 @@ def resolve_path(path: str, config_file: str | None = None) -> str:
     return path
 
 
-def validate_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str = "deepspeed config",
-                              require_shardopt: bool = True) -> dict[str, Any]:
-    """Load a DeepSpeed JSON and check what the trainer relies on; returns the dict (unchanged)."""
+def read_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str = "deepspeed config",
+                          require_shardopt: bool = True) -> tuple[dict[str, Any], Any]:
+    """Load a DeepSpeed JSON and check what the trainer relies on. Returns the dict as read and its
+    ``"shardopt"`` section parsed (``ShardoptSection``, None when absent and not required): the one parse on
+    the trainer's path (``shardopt.deepspeed.initialize`` takes the parsed section as is)."""
     import copy
 
     from ..plugin.deepspeed_engine import parse_section
@@ -202,12 +227,19 @@ def validate_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str 
     if "optimizer" in cfg:
         raise TrainConfigError(f"{where}: optimizer: remove the 'optimizer' block; the optimizer comes from the "
                                "'shardopt' section or the trainer config")
+    section = None
     if require_shardopt or "shardopt" in cfg:
         try:
-            parse_section(copy.deepcopy(cfg))
+            section, _ = parse_section(copy.deepcopy(cfg))
         except Exception as exc:  # ConfigError from shardopt names the key already
             raise TrainConfigError(f"{where}: {exc}") from None
-    return cfg
+    return cfg, section
+
+
+def validate_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str = "deepspeed config",
+                              require_shardopt: bool = True) -> dict[str, Any]:
+    """Load a DeepSpeed JSON and check what the trainer relies on; returns the dict (unchanged)."""
+    return read_deepspeed_config(path_or_dict, where, require_shardopt)[0]
 
 
 def load_train_config(source: str | os.PathLike | Mapping[str, Any], overrides: Sequence[str] = ()) -> TrainConfig:
@@ -250,8 +282,8 @@ def load_train_config(source: str | os.PathLike | Mapping[str, Any], overrides: 
                 raise TrainConfigError(_format(err, where, prefix="optimizer.params.")) from None
         elif name in OPTIMIZERS:
             try:
-                validate_hyperparameters(name, cfg.optimizer.params, where="optimizer.params",
-                                         name_key="optimizer.name")
+                cfg.optimizer._config = validate_hyperparameters(name, cfg.optimizer.params, where="optimizer.params",
+                                                                 name_key="optimizer.name")
             except ValueError as exc:
                 raise TrainConfigError(f"{where}: {exc}") from None
         else:
@@ -260,6 +292,6 @@ def load_train_config(source: str | os.PathLike | Mapping[str, Any], overrides: 
     if cfg.engine.name == "deepspeed":
         path = resolve_path(cfg.engine.deepspeed_config, config_file)
         cfg.engine.deepspeed_config = path
-        validate_deepspeed_config(path, where=f"{where}: engine.deepspeed_config {path}",
-                                  require_shardopt=cfg.optimizer is None)
+        cfg._deepspeed = read_deepspeed_config(path, where=f"{where}: engine.deepspeed_config {path}",
+                                               require_shardopt=cfg.optimizer is None)
     return cfg

@@ -10,6 +10,7 @@ and writes ``<run_dir>/metrics.jsonl``, ``<run_dir>/loss.png`` and ``<run_dir>/s
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import json
 import logging
@@ -23,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from .config import AdamWParams, TrainConfig, validate_deepspeed_config
+from .config import AdamWParams, TrainConfig
 from .data import PackedSequences, StepSampler, TokenData, prepare_data, validation_indices
 from .model import Llama, count_str, model_config
 
@@ -155,21 +156,19 @@ class Trainer:
         if self.cfg.optimizer is not None:
             return self.cfg.optimizer.name
         if self.engine_name == "deepspeed":
-            ds = validate_deepspeed_config(self.cfg.engine.deepspeed_config)
-            return str(ds["shardopt"]["optimizer"]).lower()
+            return self.cfg.deepspeed[1].optimizer.lower()
         return "scale"
 
     def _make_optimizer(self, model: torch.nn.Module) -> torch.optim.Optimizer:
-        import shardopt
+        from ..optim.registry import build_optimizer, validate_hyperparameters
 
         oc = self.cfg.optimizer
-        name = self.opt_name
-        params = dict(oc.params) if oc else {}
-        if name == "adamw":
-            hp = AdamWParams.model_validate(params)
+        if self.opt_name == "adamw":
+            hp = AdamWParams.model_validate(oc.params)
             return torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
                                      weight_decay=hp.weight_decay)
-        return shardopt.create_optimizer(model, name, routing=(oc.routing if oc else None) or None, **params)
+        hp = oc.config if oc else validate_hyperparameters(self.opt_name, {})
+        return build_optimizer(model, hp, (oc.routing if oc else None) or None, self.opt_name)
 
     def _autocast(self):
         if self.cfg.train.bf16 and self.engine_name in ("single", "ddp"):
@@ -207,7 +206,7 @@ class Trainer:
 
     def _deepspeed_config(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
-        ds = validate_deepspeed_config(cfg.engine.deepspeed_config, require_shardopt=cfg.optimizer is None)
+        ds, section = copy.deepcopy(cfg.deepspeed)
         for key, value in (("train_micro_batch_size_per_gpu", t.micro_batch_size),
                            ("gradient_accumulation_steps", t.grad_accum), ("gradient_clipping", t.grad_clip)):
             if key in ds and ds[key] != value:
@@ -220,9 +219,13 @@ class Trainer:
         ds.setdefault("steps_per_print", 10 ** 9)
         ds.setdefault("wall_clock_breakdown", False)
         oc = cfg.optimizer
-        if oc is not None and oc.name != "adamw":
-            ds["shardopt"] = {"optimizer": oc.name, "params": dict(oc.params), "routing": dict(oc.routing)}
-        elif oc is not None:
+        if oc is None:
+            ds["shardopt"] = section  # parsed by load_train_config; shardopt.deepspeed.initialize takes it as is
+        elif oc.name != "adamw":
+            from ..plugin.deepspeed_engine import ShardoptSection
+
+            ds["shardopt"] = ShardoptSection.from_config(oc.config, oc.routing)
+        else:
             ds.pop("shardopt", None)
             ds["zero_allow_untested_optimizer"] = True
         return ds

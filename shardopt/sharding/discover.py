@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..sharding.layout import MatrixLayout
+from .layout import MatrixLayout
 
 __all__ = ["layout_of", "matrix_shape", "global_shape"]
 

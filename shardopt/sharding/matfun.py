@@ -1,33 +1,82 @@
-"""Matrix kernels: quintic Newton-Schulz, exact polar factor, inverse roots of small Gram matrices, seeded draws."""
+"""Matrix functions: quintic Newton-Schulz (Muon), the exact polar factor, inverse square roots of small
+symmetric matrices (eigh or the coupled Newton-Schulz iteration), and a per-shape batching helper.
+
+Each iteration is written once. ``newton_schulz_iteration`` is the quintic loop as a generator that yields its
+partial sums (the Frobenius norm, then each step's Gram matrix) and takes them back completed: a whole matrix
+completes them itself (``newton_schulz``), a matrix whose columns are spread over ranks has them all-reduced
+by its driver (``shardopt.optim.muon``). ``coupled_inverse_sqrt`` is the one coupled iteration behind SWAN's
+whitening and ASGO's Newton-Schulz root.
+"""
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Generator
 
 import torch
 
-__all__ = ["newton_schulz", "polar_factor", "inverse_root", "by_shape", "gram_inverse_sqrt", "seeded_normal", "seeded_permutation", "MUON_COEFFICIENTS",
-           "stored_transposed", "mm_like"]
+__all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "complete_locally", "polar_factor",
+           "GRAM_RTOL", "by_shape", "gram_inverse_sqrt", "inverse_root", "coupled_inverse_sqrt"]
 
 #: quintic coefficients of Muon (KellerJordan/Muon; torch.optim.Muon defaults)
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+#: a generator that yields partial sums and receives them completed, returning its result
+Iteration = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFFICIENTS,
+                            eps: float = 1e-7) -> Iteration:
+    """Quintic Newton-Schulz on the wide orientation ``x`` (``k x l``, ``k <= l``), or on a block of its
+    columns when they are spread over ranks.
+
+    Yields this block's Frobenius norm and receives the whole matrix's, then for each step yields the partial
+    Gram ``x x^T`` (``k x k``, a sum over columns) and receives the complete one; everything else is
+    column-local. Returns the block of ``U V^T`` (singular values near 1) in ``x``'s dtype.
+    """
+    a, b, c = coefficients
+    norm = yield x.norm()
+    x = x / norm.clamp(min=eps)
+    for _ in range(steps):
+        gram = yield x @ x.T
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x
+
+
+def complete_locally(iteration: Iteration) -> torch.Tensor:
+    """Run an iteration whose partial sums are already complete (the whole matrix is here)."""
+    value = next(iteration)
+    while True:
+        try:
+            value = iteration.send(value)
+        except StopIteration as stop:
+            return stop.value
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximate orthogonalization ``U V^T`` of ``g`` (singular values land near 1), run in ``dtype`` on the
     wide orientation, returned in fp32. ``dtype=torch.bfloat16`` reproduces ``torch.optim.Muon``."""
-    a, b, c = coefficients
     x = g.to(dtype)
     tall = g.size(0) > g.size(1)
     if tall:
         x = x.T
-    x = x / x.norm().clamp(min=eps)
-    for _ in range(steps):
-        gram = x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    x = complete_locally(newton_schulz_iteration(x, steps, coefficients, eps))
     if tall:
         x = x.T
     return x.float()
+
+
+def coupled_inverse_sqrt(a: torch.Tensor, steps: int, floor: float) -> torch.Tensor:
+    """``a^{-1/2}`` of symmetric PSD fp32 matrices (batched) by the coupled Newton-Schulz iteration
+    (docs/algorithms/alice.md, docs/algorithms/asgo.md): ``Y0 = a/s, Z0 = I``, ``T = (3I - Z Y)/2``,
+    ``Y <- Y T``, ``Z <- T Z``, result ``Z / sqrt(s)`` with ``s = max(|a|_F, floor)``. It converges to the
+    inverse root, or with few steps stops short in the smallest eigendirections (a damped root)."""
+    s = torch.linalg.matrix_norm(a).clamp(min=floor)[..., None, None]
+    eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device)
+    y, z = a / s, eye.expand_as(a)
+    for _ in range(steps):
+        t = 0.5 * (3.0 * eye - z @ y)
+        y, z = y @ t, t @ z
+    return z / s.sqrt()
 
 
 def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
@@ -84,7 +133,7 @@ def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: 
                       eps: float = 1e-12) -> torch.Tensor:
     """``(A^T A)^{-1/2}`` from the Gram matrix alone, so that ``A @ result`` whitens ``A`` (its polar factor).
 
-    ``newton_schulz``: the coupled iteration of specs/racs_alice.md section 7 (B.8), ``Y0 = S/|S|_F, Z0 = I``,
+    ``newton_schulz``: the coupled iteration of docs/algorithms/swan.md, ``Y0 = S/|S|_F, Z0 = I``,
     ``T = (3I - Z Y)/2, Y <- Y T, Z <- T Z``, in fp32; unlike Muon's quintic it converges (singular values of
     the result -> 1). ``svd``: exact, a float64 eigendecomposition with a pseudo-inverse cutoff (the polar
     factor ``U V^T``; zero singular directions map to zero). Only a ``k x k`` matrix is needed, so sharded
@@ -92,14 +141,7 @@ def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: 
     """
     if method == "svd":
         return inverse_root(gram, 0.0)
-    a = gram.float()
-    c = torch.linalg.matrix_norm(a).clamp(min=eps)[..., None, None]
-    eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device)
-    y, z = a / c, eye.expand_as(a)
-    for _ in range(steps):
-        t = 0.5 * (3.0 * eye - z @ y)
-        y, z = y @ t, t @ z
-    return z / c.sqrt()
+    return coupled_inverse_sqrt(gram.float(), steps, eps)
 
 
 def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: int = 50) -> torch.Tensor:
@@ -107,7 +149,7 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
 
     ``eigh`` (default, exact): float64 eigendecomposition of the symmetrized matrix, eigenvalues clamped at 0;
     with ``eps == 0`` a pseudo-inverse root that ignores eigenvalues below ``k * 1.2e-7 * lambda_max``
-    (specs/asgo.md section 6 item 1). ``newton_schulz``: the coupled iteration of specs/asgo.md 1.6
+    (docs/algorithms/asgo.md). ``newton_schulz``: the coupled iteration of docs/algorithms/asgo.md
     (``Y0 = A/s, Z0 = I``, ``T = (3I - ZY)/2``), in fp32, for comparison with the paper's damping study.
 
     The iteration converges, or with few ``ns_steps`` stops short in the smallest eigendirections (a damped
@@ -121,14 +163,7 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
     k = v.shape[-1]
     a = 0.5 * (v.double() + v.double().mT) + eps * torch.eye(k, dtype=torch.float64, device=v.device)
     if method == "newton_schulz" and eps > 0:
-        a32 = a.float()
-        s = torch.linalg.matrix_norm(a32).clamp(min=1e-30)[..., None, None]
-        eye = torch.eye(k, dtype=torch.float32, device=v.device)
-        y, z = a32 / s, eye.expand_as(a32)
-        for _ in range(ns_steps):
-            t = 0.5 * (3.0 * eye - z @ y)
-            y, z = y @ t, t @ z
-        return _stable_or_eigh(z / s.sqrt(), a)
+        return _stable_or_eigh(coupled_inverse_sqrt(a.float(), ns_steps, 1e-30), a)
     if method not in ("eigh", "newton_schulz"):
         raise ValueError(f"root method must be 'eigh' or 'newton_schulz', got {method!r}")
     return _eigh_inverse_root(a, pseudo_inverse=eps == 0)
@@ -157,34 +192,3 @@ def _eigh_inverse_root(a: torch.Tensor, pseudo_inverse: bool) -> torch.Tensor:
     cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if pseudo_inverse else torch.zeros_like(lam)
     inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt(), torch.zeros_like(lam))
     return ((vec * inv.unsqueeze(-2)) @ vec.mT).float()
-
-
-def seeded_normal(shape: tuple[int, ...], seed: int, *keys: object, device: torch.device | str = "cpu") -> torch.Tensor:
-    """Standard normal draws that depend only on ``seed`` and ``keys`` (a parameter name, a refresh count):
-    the same on every rank, at every world size and on every device (drawn on the CPU, then moved)."""
-    import zlib
-
-    h = zlib.crc32(repr((seed,) + keys).encode())
-    gen = torch.Generator().manual_seed(h)
-    return torch.randn(shape, generator=gen, dtype=torch.float32).to(device)
-
-
-def seeded_permutation(n: int, seed: int, *keys: object) -> torch.Tensor:
-    """A permutation of ``range(n)`` with the same guarantees as ``seeded_normal``."""
-    import zlib
-
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((seed,) + keys).encode()))
-    return torch.randperm(n, generator=gen)
-
-
-def stored_transposed(a: torch.Tensor) -> bool:
-    """Whether ``a`` is the transposed view of a row-major matrix (a block of ``A = G^T``)."""
-    return a.dim() == 2 and not a.is_contiguous() and a.mT.is_contiguous()
-
-
-def mm_like(like: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """``x @ y`` stored in the same orientation as ``like``: for a block of ``G^T`` the product is written as
-    ``(y^T x^T)^T``, so later element-wise work with ``like`` runs on contiguous memory and the result maps
-    back to ``G``'s flat layout as a view (no transposing copy of a full-size matrix)."""
-    return (y.mT @ x.mT).mT if stored_transposed(like) else x @ y
-

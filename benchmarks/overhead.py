@@ -1,0 +1,273 @@
+"""Host overhead of one optimizer step: LLaMA structure at tiny shapes, where compute is negligible.
+
+    python -m benchmarks.overhead                    # 8 and 24 layers: single process, 2-rank FSDP2 and ZeRO-2
+    python -m benchmarks.overhead --device cuda      # single process on a GPU (launch-bound there)
+    python -m benchmarks.overhead --quick            # 2 layers, few steps, seconds
+
+At hidden size 16 a step's FLOPs and bytes are nothing, so its time is what it costs to issue the work: Python,
+the dispatcher and (on a GPU) kernel launches. That cost grows with the number of matrices unless the step is
+executed in groups, which is what torch's foreach and fused AdamW do. Each optimizer's median step time is
+reported with the number of aten ops the profiler records per step, and as a ratio to fused AdamW measured in
+the same run (on the engines: to AdamW over the same engine's shards, the engine's own step excluded).
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from typing import Any, Callable
+
+import torch
+
+from . import optimizers
+from .cli import parse_args
+from .launch import finish_worker, gather, init_worker, run_workers
+from .results import fmt, markdown_table, write_results
+from .timing import time_call
+
+#: targets from the launch-count issue: host time per step over fused AdamW's (single process)
+TARGETS = {"scale": 3.0, "dasgo": 3.0}
+DEFAULT_TARGET = 10.0
+
+
+def tiny_llama(layers: int, device: str | torch.device = "cpu", seed: int = 0) -> torch.nn.Module:
+    """LLaMA structure (7 matrices per block, embedding, LM head, norm gains) at hidden 16."""
+    from shardopt.train.model import Llama, LlamaConfig
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        return Llama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=2,
+                                 num_layers=layers, max_seq_len=16))
+
+
+def matrix_count(model: torch.nn.Module) -> int:
+    return sum(1 for p in model.parameters() if p.dim() == 2)
+
+
+def fill_grads(model: torch.nn.Module, seed: int = 0) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        g = (torch.randn(local.shape, generator=gen) * 1e-3).to(device=local.device, dtype=local.dtype)
+        p.grad = type(p).from_local(g, p.device_mesh, p.placements) if hasattr(p, "to_local") else g
+
+
+def aten_ops(fn: Callable[[], object]) -> int:
+    """aten ops the profiler records during one call (nested ones included, as the profiler lists them)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def measure(step: Callable[[], object], device: torch.device, warmup: int, repeats: int) -> dict[str, Any]:
+    """Median host time of ``step`` (device work included: it is synchronized) and aten ops per step."""
+    for _ in range(warmup):
+        time_call(step, device)
+    times = [time_call(step, device) for _ in range(repeats)]
+    return {"median_s": statistics.median(times), "times_s": times, "aten_ops": aten_ops(step)}
+
+
+def single_process(layers: int, names: list[str], device: torch.device, args: argparse.Namespace) -> list[dict]:
+    records = []
+    for name in names:
+        model = tiny_llama(layers, device)
+        fill_grads(model)
+        try:
+            opt = optimizers.build(name, model)
+        except RuntimeError as exc:  # fused AdamW missing for a device
+            records.append({"engine": "single", "layers": layers, "optimizer": name, "error": str(exc)[:80]})
+            continue
+        rec = measure(opt.step, device, args.warmup, args.repeats)
+        records.append({"engine": "single", "layers": layers, "matrices": matrix_count(model), "optimizer": name,
+                        **rec})
+        print(f"  single {layers:2d} layers {name:14s} {rec['median_s'] * 1e3:8.2f} ms {rec['aten_ops']:7d} ops",
+              flush=True)
+        del opt, model
+        gc.collect()
+    return ratios(records, "adamw_fused")
+
+
+def ratios(records: list[dict], baseline: str) -> list[dict]:
+    """Each record's time over ``baseline``'s on the same engine and depth."""
+    base = {(r["engine"], r["layers"]): r["median_s"] for r in records if r["optimizer"] == baseline and "median_s" in r}
+    for r in records:
+        ref = base.get((r["engine"], r["layers"]))
+        if "median_s" in r and ref:
+            r["vs_adamw"] = r["median_s"] / ref
+            r["baseline"] = baseline
+            r["target"] = None if r["optimizer"].startswith("adamw") else TARGETS.get(r["optimizer"], DEFAULT_TARGET)
+    return records
+
+
+# ---- the 2-rank half: one process per rank under torch.distributed.run (gloo, CPU) ----
+
+class _TimedStep:
+    """Wraps an optimizer's ``step`` so the engine calls it as usual while we time (or profile) just that call:
+    ZeRO attaches its flat gradient partitions inside its own step, so the optimizer must be reached through it."""
+
+    def __init__(self, opt: Any) -> None:
+        self.inner, self.seconds, self.ops, self.profile = opt.step, [], [], False
+        opt.step = self
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.profile:
+            box: list[Any] = []
+            self.ops.append(aten_ops(lambda: box.append(self.inner(*args, **kwargs))))
+            return box[0]
+        import time
+
+        t0 = time.perf_counter()
+        out = self.inner(*args, **kwargs)
+        self.seconds.append(time.perf_counter() - t0)
+        return out
+
+
+def _engine_step(engine: str, model: torch.nn.Module, name: str) -> tuple[Callable[[], None], _TimedStep]:
+    """(one engine step with fresh gradients, the timer around the optimizer's own step) for ``name`` on
+    ``engine``; ``adamw`` is torch's AdamW (foreach) over the same shards."""
+    import torch.distributed as dist
+
+    if engine == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        if name == "adamw":
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        else:
+            import shardopt
+
+            opt = shardopt.create_optimizer(model, name)
+        timer = _TimedStep(opt)
+
+        def fsdp_step() -> None:
+            fill_grads(model, seed=dist.get_rank())
+            opt.step()
+
+        return fsdp_step, timer
+    if engine != "zero2":
+        raise SystemExit(f"--engines: unknown engine {engine!r}; choose from fsdp2, zero2")
+    import deepspeed
+
+    import shardopt.deepspeed as sds
+
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+              "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 2}}
+    if name == "adamw":
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+        ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=inner, config=config)
+        timer = _TimedStep(ds_engine.optimizer.optimizer)
+    else:
+        ds_engine, _, _, _ = sds.initialize(model=model, config=config | {"shardopt": {"optimizer": name}})
+        timer = _TimedStep(optimizers.shardopt_of(ds_engine.optimizer))
+    tokens = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(dist.get_rank()))
+
+    def zero_step() -> None:
+        ds_engine.backward(ds_engine(tokens[:, :-1], tokens[:, 1:]))
+        ds_engine.step()
+
+    return zero_step, timer
+
+
+def worker(args: argparse.Namespace) -> None:
+    rank, world = init_worker()
+    records = []
+    for layers in args.layer_list:
+        for engine in [e for e in args.engines.split(",") if e]:
+            for name in ["adamw"] + args.names:
+                model = tiny_llama(layers)
+                engine_step, timer = _engine_step(engine, model, name)
+                for _ in range(args.warmup + args.repeats):
+                    engine_step()
+                times = timer.seconds[args.warmup:]
+                timer.profile = True
+                engine_step()
+                slowest = max(gather(statistics.median(times)))  # a step ends when its slowest rank does
+                records.append({"engine": engine, "layers": layers, "matrices": matrix_count(model),
+                                "optimizer": name, "median_s": slowest, "aten_ops": sum(timer.ops)})
+                if rank == 0:
+                    print(f"  {engine} {layers:2d} layers {name:8s} {slowest * 1e3:8.2f} ms {sum(timer.ops):7d} ops",
+                          flush=True)
+                del model, engine_step, timer
+                gc.collect()
+    finish_worker(records, args.out)
+
+
+def to_markdown(records: list[dict]) -> str:
+    out = []
+    for engine in dict.fromkeys(r["engine"] for r in records):
+        rows = []
+        layers_seen = list(dict.fromkeys(r["layers"] for r in records if r["engine"] == engine))
+        names = list(dict.fromkeys(r["optimizer"] for r in records if r["engine"] == engine))
+        for name in names:
+            row: list[Any] = [name]
+            for layers in layers_seen:
+                r = next((r for r in records if (r["engine"], r["layers"], r["optimizer"]) == (engine, layers, name)), {})
+                if "median_s" not in r:
+                    row += [r.get("error", ""), "", ""]
+                    continue
+                verdict = ""
+                if r.get("target"):
+                    verdict = f" ({'ok' if r['vs_adamw'] <= r['target'] else 'over'} <= {r['target']:g}x)"
+                row += [fmt(r["median_s"] * 1e3, ".2f"), fmt(r.get("vs_adamw"), ".1f") + verdict, str(r["aten_ops"])]
+            rows.append(row)
+        headers = ["optimizer"]
+        for layers in layers_seen:
+            m = next(r.get("matrices") for r in records if r["engine"] == engine and r["layers"] == layers)
+            headers += [f"{layers} layers ({m} matrices): ms", "/ AdamW", "aten ops"]
+        base = "fused AdamW" if engine == "single" else "AdamW (foreach) on the same shards"
+        out.append(f"\n## {engine} (ratios to {base})\n\n" + markdown_table(headers, rows))
+    return "".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", default="8,24", help="comma list of depths")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--optimizers", default=None, help="comma list of shardopt names (default: all registered)")
+    ap.add_argument("--repeats", type=int, default=15, help="timed steps (median reported)")
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--engines", default="fsdp2,zero2", help="2-rank engines ('' for none; CPU only)")
+    ap.add_argument("--out", default=None, help="result file stem (default overhead, or overhead_cuda)")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--names", default="", help=argparse.SUPPRESS)
+    args = parse_args(ap, argv, dict(layers="2", repeats=3, warmup=1))
+    args.layer_list = [int(x) for x in str(args.layers).split(",") if x]
+    names = optimizers.select(args.optimizers, optimizers.registered())
+    if args.worker:
+        args.names = [n for n in args.names.split(",") if n]
+        worker(args)
+        return
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device visible to torch")
+    torch.set_num_threads(1)
+    device = torch.device(args.device)
+    records: list[dict] = []
+    for layers in args.layer_list:
+        records += single_process(layers, list(optimizers.ADAMW_VARIANTS) + names, device, args)
+    engines = [e for e in args.engines.split(",") if e] if args.device == "cpu" else []
+    if engines:
+        dist_records = run_workers("benchmarks.overhead", 2, [
+            "--layers", str(args.layers), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+            "--engines", ",".join(engines), "--names", ",".join(names)])
+        records += ratios(dist_records, "adamw")
+    notes = ["Host time per step = wall time of optimizer.step() with the device synchronized, median of the timed "
+             "steps, at hidden 16 (compute negligible). Ratios are to fused AdamW in the same run (single process) "
+             "or to torch AdamW (foreach) stepping the same engine's shards (2 ranks, gloo, slowest rank).",
+             "aten ops: events named aten::* that torch.profiler records during one step, nested ops included.",
+             "Refresh-based optimizers (SUMO, Alice) are reported by their median step, i.e. between refreshes."]
+    path = write_results(args.out or ("overhead" if args.device == "cpu" else "overhead_cuda"),
+                         {k: v for k, v in vars(args).items() if k not in ("worker", "names")}, records,
+                         to_markdown(records), notes, device=args.device, out_dir=args.results_dir)
+    print(to_markdown(records))
+    print(f"wrote {path} and {path.with_suffix('.md')}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,131 @@
+"""The GPU path: every optimizer on CUDA against the same steps on the CPU, bf16 and zero-gradient steps on CUDA,
+and DeepSpeed fp16 with dynamic loss scaling (which the CPU accelerator refuses).
+
+Skipped without a CUDA device, so CI (CPU only) skips them; run them where a GPU is lent:
+``python -m pytest tests/test_cuda.py``.
+"""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardopt
+from shardopt.optim.registry import OPTIMIZERS
+from shardopt.train.model import Llama, LlamaConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+NAMES = list(OPTIMIZERS)
+#: whole-matrix factorizations (SVD, eigh, Newton-Schulz) run in LAPACK on the CPU and cuSOLVER/cuBLAS on the
+#: GPU; after three steps their results agree to this relative error (the element-wise rules to fp32 rounding)
+TOLERANCE = {"sumo": 2e-4, "alice": 2e-4, "alice0": 2e-4, "asgo": 2e-4, "dasgo": 2e-4, "muon": 2e-4, "swan": 2e-4}
+
+
+def _model(device: str, dtype: torch.dtype = torch.float32) -> Llama:
+    torch.manual_seed(0)  # built on the CPU, so both devices start from the same weights
+    model = Llama(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2,
+                              max_seq_len=16))
+    return model.to(device=device, dtype=dtype)
+
+
+def _grads(model: torch.nn.Module, step: int) -> None:
+    gen = torch.Generator().manual_seed(step)
+    for p in model.parameters():
+        p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device=p.device, dtype=p.dtype)
+
+
+@pytest.fixture(autouse=True)
+def _no_tf32():
+    """fp32 products in full fp32 on the GPU, so CPU and CUDA compute the same function."""
+    old = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_matches_cpu(name: str) -> None:
+    models = {d: _model(d) for d in ("cpu", "cuda")}
+    opts = {d: shardopt.create_optimizer(m, name) for d, m in models.items()}
+    for step in range(3):
+        for d, m in models.items():
+            _grads(m, step)
+            opts[d].step()
+    tol = TOLERANCE.get(name, 1e-5)
+    for (n, a), b in zip(models["cpu"].named_parameters(), models["cuda"].parameters()):
+        err = (b.detach().cpu().double() - a.detach().double()).norm() / a.detach().double().norm()
+        assert err <= tol, f"{name}: {n} differs between CPU and CUDA by {err:.2e} (relative) > {tol:g}"
+    for st in opts["cuda"].state.values():
+        for key, value in _tensors(st):
+            if value.dim() > 0:
+                assert value.is_cuda, f"{name}: state {key} left the GPU"
+
+
+def _tensors(state: dict, prefix: str = ""):
+    for k, v in state.items():
+        if isinstance(v, dict):
+            yield from _tensors(v, f"{prefix}{k}.")
+        elif isinstance(v, torch.Tensor):
+            yield f"{prefix}{k}", v
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_bf16_params_fp32_state(name: str) -> None:
+    model = _model("cuda", torch.bfloat16)
+    opt = shardopt.create_optimizer(model, name)
+    for step in range(2):
+        _grads(model, step)
+        opt.step()
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.bfloat16 and torch.isfinite(p.float()).all(), f"{name}: {n} not finite bf16"
+    for st in opt.state.values():
+        for key, value in _tensors(st):
+            if value.is_floating_point() and value.dim() > 0:
+                assert value.dtype == torch.float32, f"{name}: state {key} is {value.dtype}, not float32"
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_cuda_zero_gradients_stay_finite(name: str) -> None:
+    model = _model("cuda")
+    opt = shardopt.create_optimizer(model, name)
+    for _ in range(2):
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+    assert all(torch.isfinite(p).all() for p in model.parameters()), f"{name}: zero gradients produced NaN/inf"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("name", ["scale", "sumo"])
+def test_deepspeed_fp16_loss_scaling(stage: int, name: str, tmp_path: Path) -> None:
+    """A loss scale that starts too high overflows: DeepSpeed skips those steps without calling the optimizer,
+    lowers the scale, and training then proceeds with finite weights and a falling loss."""
+    pytest.importorskip("deepspeed")
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
+               WORLD_SIZE="1")
+    env.pop("DS_ACCELERATOR", None)
+    out = tmp_path / "fp16.json"
+    worker = Path(__file__).with_name("deepspeed_fp16_worker.py")
+    proc = subprocess.run([sys.executable, str(worker), name, str(stage), str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    rec = json.loads(out.read_text())
+    assert rec["skipped"] >= 1, rec
+    assert rec["stepped_when_not_skipped"], rec  # the optimizer ran exactly on the steps DeepSpeed did not skip
+    assert rec["optimizer_step_count"] == rec["steps"] - rec["skipped"], rec
+    assert rec["final_scale"] < rec["initial_scale"], rec
+    assert rec["finite"], rec
+    assert rec["last_loss"] < rec["first_loss"], rec
