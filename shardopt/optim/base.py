@@ -35,6 +35,8 @@ from .checks import check_hyperparameters
 from .config import OptimizerConfig
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
+from .hooks import apply_param_sources, run_pre_step_checks
+from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups
 
 __all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver"]
 
@@ -181,7 +183,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         check_hyperparameters({**adam, "lr": adam_lr}, f"{type(self).__name__} AdamW defaults (adam_*)")
         # names key seeded draws and checkpoints, so they must not depend on the process: a name given with
         # the tensor (torch's pairs or param_names, create_optimizer's names), else the tensor's position
-        # (groups.tensor_names; wrappers that re-split param groups keep names with shardopt.param_groups)
+        # (groups.tensor_names; wrappers that re-split param groups keep names with shardopt.param_groups);
+        # registered param sources first (hooks.param_sources: the HF Trainer's unnamed groups get names and roles)
+        params = apply_param_sources(params, type(self).__name__)
         groups, names = normalize_param_groups(params, self._role_options, type(self).__name__, stacklevel=4)
         self._adam_group_defaults = {**self.adamw_defaults, **{k: v for k, v in adam.items() if v is not None}}
         self._adam_lr = adam_lr
@@ -216,6 +220,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups
     def _role_options(self, role: str) -> dict:
+        if role not in self.role_table:  # matrix_transposed (GPT-2's Conv1D, roles found from the model)
+            if role != "matrix_transposed" or self.matrix_treatments[0] not in TRANSPOSE_SYMMETRIC:
+                raise RoutingError(f"{type(self).__name__} has no rule for role {role!r} (a weight stored in x out); "
+                                   "route such weights explicitly, e.g. to 'adamw'")
+            role = "matrix"
         options = dict(self.role_table[role])
         options.setdefault("treatment", self.matrix_treatments[0])
         return options
@@ -271,6 +280,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.group_param_names.append([self.param_names[id(p)] for p in group["params"]])
         self._groups()  # the stable group list follows (see _groups)
         self._forget_plans()
+
+    def describe(self) -> str:
+        """A table of every parameter's name, shape, role and rule (``shardopt.optim.describe``); call it before
+        an engine replaces the parameters by flat partitions (or use ``describe_roles(model, ...)``)."""
+        return describe_groups([{**g, "params": [p for p in g["params"] if not self.is_flat(p)]}
+                                for g in self.param_groups], self.param_names)
 
     # ------------------------------------------------------------------ layouts (the engine boundary)
     def use_layouts(self, resolver: LayoutResolver | None = None,
@@ -574,6 +589,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        run_pre_step_checks(self)  # hooks.pre_step_checks: a wrapper's flat partitions mapped (DeepSpeed) or refused
         params = [p for g in self.param_groups for p in g["params"]]
         with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:

@@ -16,7 +16,7 @@ import pydantic
 import torch
 
 from .checks import check_hyperparameters, check_lr
-from .routing import ConfigError
+from .routing import TRANSPOSE_SYMMETRIC, ConfigError
 
 __all__ = ["OptimizerConfig", "WholeMatrixConfig", "MatrixOpsConfig", "CommonOptions", "ConfigError",
            "format_errors", "check_betas"]
@@ -150,9 +150,14 @@ class OptimizerConfig(_Strict):
 
     def roles(self) -> dict[str, dict]:
         """Group options by parameter role (``shardopt.optim.routing``); the default: hidden matrices get the
-        matrix rule, embedding, LM head and vectors AdamW."""
-        return {"matrix": {"treatment": self.treatment}, "embedding": {"treatment": "adamw"},
-                "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+        matrix rule, embedding, LM head and vectors AdamW; ``matrix_transposed`` (stored in x out) gets the matrix
+        rule only when that rule is symmetric under transposition (``routing.TRANSPOSE_SYMMETRIC``), else it has
+        no entry and routing refuses such a weight unless it is routed explicitly."""
+        out = {"matrix": {"treatment": self.treatment}, "embedding": {"treatment": "adamw"},
+               "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+        if self.treatment in TRANSPOSE_SYMMETRIC:  # a weight stored in x out (GPT-2's Conv1D) needs nothing special
+            out["matrix_transposed"] = {"treatment": self.treatment}
+        return out
 
     def adamw_group(self) -> dict[str, Any]:
         """The hyperparameters of an AdamW group, all explicit (wrappers that fill missing keys from their own

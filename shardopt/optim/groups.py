@@ -12,7 +12,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .routing import named_or_unnamed, roles_from_names, unnamed_roles, warn_unnamed_once
+from .routing import module_role, named_or_unnamed, record_role, roles_from_names, unnamed_roles, warn_unnamed_once
 
 __all__ = ["normalize_param_groups", "tensor_names"]
 
@@ -49,6 +49,7 @@ def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], n
                                 {**options, **user, "params": [], **({"param_names": []} if named else {}),
                                  "roles": []})
         part["params"].append(p)
+        record_role(p, role)  # for describe()
         if named:
             part["param_names"].append(name)
         if role not in part["roles"]:
@@ -102,6 +103,10 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
         per_group.append((tensors, names, each))
     named_all = [(n, t) for tensors, names, _ in per_group if names for n, t in zip(names, tensors)]
     roles_by_name = roles_from_names(named_all) if named_all else {}
+    for n, t in named_all:  # roles found from the model's module types (HF Trainer's groups) beat the names
+        role = module_role(t)  # routing.declare_module_roles (shardopt.plugin.wrapped.names_from_trainer)
+        if role is not None:
+            roles_by_name[n] = role
 
     out: list[dict] = []
     ids: dict[int, str] = {}

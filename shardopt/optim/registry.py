@@ -18,6 +18,7 @@ from .alice import Alice, Alice0
 from .asgo import ASGO, DASGO
 from .base import ShardedOptimizer
 from .config import ConfigError, OptimizerConfig, format_errors
+from .hooks import watch_model
 from .muon import Muon
 from .racs import RACS
 from .routing import route
@@ -90,4 +91,7 @@ def create_optimizer(model: nn.Module | Iterable[Any], name: str, routing: Mappi
     flat list of tensors (2-D tensors get the matrix rule, the rest AdamW).
     """
     cfg = validate_hyperparameters(name, hyperparameters, where="create_optimizer")
-    return build_optimizer(model, cfg, routing, name)
+    opt = build_optimizer(model, cfg, routing, name)
+    if isinstance(model, nn.Module):  # hooks.model_watchers: raise if a DeepSpeed engine later runs the model
+        watch_model(model, opt)       # with another optimizer (shardopt.plugin.wrapped.watch_model)
+    return opt

@@ -2,9 +2,12 @@
 
 Roles: ``embedding`` (``nn.Embedding`` weights), ``lm_head`` (the output projection: a Linear whose weight
 is tied to an embedding, or the last Linear whose ``out_features`` equals an embedding's vocabulary size),
-``matrix`` (every other 2-D Linear weight), ``vector`` (everything else: norms, biases, >2-D tensors).
+``matrix`` (every other 2-D Linear weight), ``matrix_transposed`` (a 2-D weight stored ``in x out``, as
+``transformers.pytorch_utils.Conv1D`` in GPT-2: each rule either knows that orientation or refuses it),
+``vector`` (everything else: norms, biases, >2-D tensors, and 2-D weights of module types routing does not know,
+which ``route`` names in a warning).
 User patterns (``fnmatch`` on the parameter name, first match wins) override the role, or force
-``"adamw"``. Each optimizer maps roles to param-group options (its ``ROLE_TABLE``).
+``"adamw"``. Each optimizer maps roles to param-group options (its config's ``roles()``).
 
 Without the model (``named_parameters()`` passed to an optimizer or to ``create_optimizer``) roles come from
 the names alone (``roles_from_names``); without names every 2-D tensor is a ``matrix`` (``unnamed_roles``).
@@ -18,8 +21,10 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ROLES", "param_roles", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route", "RoutingError"]
+__all__ = ["ROLES", "param_roles", "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route",
+           "RoutingError", "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
 
 
 class ConfigError(ValueError):
@@ -29,7 +34,42 @@ class ConfigError(ValueError):
 class RoutingError(ConfigError):
     """A routing rule that cannot apply (unknown role, no match, a non-matrix sent to a matrix rule)."""
 
-ROLES = ("embedding", "lm_head", "matrix", "vector", "adamw")
+#: matrix rules whose update of W^T is the transpose of their update of W (they orient by shape), so a weight
+#: stored in x out needs nothing special (tests/test_hf_roles.py checks it); the others refuse such weights
+TRANSPOSE_SYMMETRIC = ("asgo", "sumo", "swan", "alice", "alice0")
+
+ROLES = ("embedding", "lm_head", "matrix", "matrix_transposed", "vector", "adamw")
+
+# Roles kept beside the tensors, never on them (no ``_shardopt_*`` attributes; tests/test_import_graph.py): maps
+# keyed by tensor identity that do not keep a tensor alive.
+#: the role that chose each routed tensor's rule (``route`` and ``groups.normalize_param_groups`` record it;
+#: ``describe`` reads it)
+_ROLE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: roles declared from a model's module types for tensors that reach an optimizer unnamed by the model (the
+#: Hugging Face Trainer's decay / no-decay groups); they win over roles guessed from the names
+_MODULE_ROLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def record_role(tensor: torch.Tensor, role: str) -> None:
+    """Remember the role that chose ``tensor``'s rule (what ``role_of`` returns)."""
+    _ROLE_OF[tensor] = role
+
+
+def role_of(tensor: torch.Tensor, default: str = "?") -> str:
+    """The role recorded for ``tensor`` when it was last routed, else ``default``."""
+    return _ROLE_OF.get(tensor, default)
+
+
+def declare_module_roles(roles: Iterable[tuple[torch.Tensor, str]]) -> None:
+    """Declare roles found from the model's module types (``param_roles``) for tensors that will reach an
+    optimizer by name only (``shardopt.plugin.wrapped.names_from_trainer``)."""
+    for tensor, role in roles:
+        _MODULE_ROLES[tensor] = role
+
+
+def module_role(tensor: torch.Tensor) -> str | None:
+    """The role declared for ``tensor`` by ``declare_module_roles``, if any."""
+    return _MODULE_ROLES.get(tensor)
 
 
 def _is_embedding(m: nn.Module) -> bool:
@@ -44,6 +84,25 @@ def _is_linear(m: nn.Module) -> bool:
         return True
     w = getattr(m, "weight", None)
     return "Linear" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def _is_conv1d(m: nn.Module) -> bool:
+    """``transformers.pytorch_utils.Conv1D`` (GPT-2's projections): a Linear whose weight is stored ``in x out``
+    (``nf`` output features), so its matrix view is the transpose of a Linear's."""
+    w = getattr(m, "weight", None)
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(w, torch.Tensor) and w.dim() == 2
+
+
+def unknown_matrices(model: nn.Module) -> dict[str, str]:
+    """2-D parameters that get the ``vector`` role (AdamW) only because routing does not know their module type:
+    ``{name: module type}`` (a module's own 2-D parameters, not those of a known Embedding/Linear/Conv1D)."""
+    known = {id(m.weight) for m in model.modules() if _is_embedding(m) or _is_linear(m) or _is_conv1d(m)}
+    out: dict[str, str] = {}
+    for mod_name, m in model.named_modules():
+        for p_name, p in m.named_parameters(recurse=False):
+            if p.dim() == 2 and id(p) not in known and p.requires_grad:
+                out[f"{mod_name}.{p_name}" if mod_name else p_name] = type(m).__name__
+    return out
 
 
 def _out_features(m: nn.Module) -> int | None:
@@ -70,6 +129,9 @@ def param_roles(model: nn.Module) -> dict[str, str]:
     for m in linears:
         if id(m.weight) in names and names[id(m.weight)] not in roles:
             roles[names[id(m.weight)]] = "matrix"
+    for m in model.modules():
+        if _is_conv1d(m) and id(m.weight) in names and names[id(m.weight)] not in roles:
+            roles[names[id(m.weight)]] = "matrix_transposed"
     if head is not None:
         roles[names[id(head.weight)]] = "lm_head"  # a tied weight's single name becomes the head
     for n, p in model.named_parameters():
@@ -181,6 +243,19 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
     return named, {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}, "position"
 
 
+def warn_unknown_matrices(model: nn.Module, overrides: Mapping[str, str], optimizer_name: str) -> None:
+    """Warn, naming each, about 2-D parameters sent to AdamW only because their module type is unknown (a
+    routing pattern that matches one is a declaration, so it is not named)."""
+    unknown = {n: t for n, t in unknown_matrices(model).items()
+               if not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
+    if unknown:
+        listed = ", ".join(f"{n} ({t})" for n, t in unknown.items())
+        warnings.warn(f"{optimizer_name}: these 2-D parameters go to AdamW only because their module type is unknown "
+                      f"to shardopt's routing: {listed}; declare each with routing={{pattern: 'matrix' | "
+                      "'matrix_transposed' | 'adamw'}} ('matrix' for out x in storage, 'matrix_transposed' for "
+                      "in x out)", UserWarning, stacklevel=4)
+
+
 def route(
     model: nn.Module | Iterable[Any],
     role_table: Mapping[str, dict],
@@ -199,6 +274,8 @@ def route(
     for pattern, role in overrides.items():
         if role not in ROLES:
             raise RoutingError(f"routing[{pattern!r}] = {role!r}: unknown role; use one of {list(ROLES)}")
+    if isinstance(model, nn.Module):
+        warn_unknown_matrices(model, overrides, optimizer_name)
     used = set()
     groups: dict[tuple, dict] = {}
     for name, p in named:
@@ -210,9 +287,16 @@ def route(
                 role, why = target, f"routing pattern {pattern!r}"
                 used.add(pattern)
                 break
-        options = dict(role_table["vector" if role == "adamw" else role])
         if role == "adamw":
             options = {"treatment": "adamw"}
+        elif role not in role_table:  # matrix_transposed under a rule that depends on the orientation
+            raise RoutingError(
+                f"parameter {name!r} of shape {tuple(p.shape)} is stored in x out (role {role!r}, by {why}), and "
+                f"{optimizer_name}'s matrix rule is not symmetric under transposition, so applying it to the stored "
+                f"layout would normalize the wrong axis; route it explicitly: routing={{'{name}': 'adamw'}}, or "
+                f"'matrix' to apply the rule to the stored (in x out) layout on purpose")
+        else:
+            options = dict(role_table[role])
         if options["treatment"] != "adamw" and p.dim() != 2:
             raise RoutingError(
                 f"parameter {name!r} of shape {tuple(p.shape)} is routed to {optimizer_name}'s "
@@ -227,7 +311,31 @@ def route(
         group["names"].append(name)
         if source == "torch":
             group.setdefault("param_names", []).append(name)
+        record_role(p, role)  # for describe(): the role that chose this parameter's rule
     unused = [p for p in overrides if p not in used]
     if unused:
         raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")
     return list(groups.values())
+
+
+#: group options that tell rules apart in the table (the rest are hyperparameters shared by the group)
+_SHOWN = ("norm_dim", "momentum")
+
+
+def _rule(group: Mapping[str, Any]) -> str:
+    extra = " ".join(f"{k}={group[k]}" for k in _SHOWN if k in group and group["treatment"] != "adamw")
+    return f"{group['treatment']} {extra}".strip()
+
+
+def describe_groups(groups: Iterable[Mapping[str, Any]], names: Mapping[int, str] | None = None) -> str:
+    """The table for param groups of real parameters (as routing built them, or an optimizer's)."""
+    rows = [("parameter", "shape", "role", "rule")]
+    for g in groups:
+        for i, p in enumerate(g["params"]):
+            name = (g.get("names") or g.get("param_names") or [None] * len(g["params"]))[i] \
+                or (names or {}).get(id(p)) or "?"
+            shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+            rows.append((name, "x".join(str(s) for s in shape) or "scalar", role_of(p),
+                         _rule(g)))
+    widths = [max(len(r[c]) for r in rows) for c in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)

@@ -66,9 +66,12 @@ class SCALEConfig(OptimizerConfig):
                     norm=self.norm, weight_decay=self.weight_decay)
 
     def roles(self) -> dict[str, dict]:
-        """The embedding is normalized per column (over the vocabulary); momentum on the LM head only."""
+        """The embedding is normalized per column (over the vocabulary); momentum on the LM head only; a weight
+        stored in x out (``matrix_transposed``) per column of the stored weight, i.e. per output unit."""
         return {
             "matrix": {"treatment": "scale", "norm_dim": self.norm_dim, "momentum": self.matrix_momentum},
+            # stored in x out (GPT-2's Conv1D): per output unit is the other axis of the stored weight
+            "matrix_transposed": {"treatment": "scale", "norm_dim": 1 - self.norm_dim, "momentum": self.matrix_momentum},
             "embedding": {"treatment": "scale", "norm_dim": 0, "momentum": self.embedding_momentum},
             "lm_head": {"treatment": "scale", "norm_dim": self.norm_dim, "momentum": self.momentum},
             "vector": {"treatment": "adamw"},

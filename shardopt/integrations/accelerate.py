@@ -1,0 +1,102 @@
+"""``accelerate``: one call, ``shardopt.integrations.accelerate.prepare(accelerator, model, optimizer, ...)``.
+
+It is ``accelerator.prepare`` followed by what shardopt needs from the objects accelerate built:
+
+* DeepSpeed plugin: the engine's ZeRO partitions are mapped to matrices (as ``shardopt.deepspeed.initialize``
+  does) and ``engine.save_checkpoint`` / ``load_checkpoint`` (which ``accelerator.save_state`` / ``load_state``
+  call) also write / read shardopt's logical state, so a run resumes at another world size or ZeRO stage.
+* FSDP2: accelerate swaps the optimizer's parameters for the sharded DTensors; shardopt's parameter names
+  (roles, seeded draws, checkpoints) move to the new tensors, position by position.
+
+A plain ``accelerator.prepare`` with DeepSpeed also works: the first step finds the engine on the call stack and
+maps it (``shardopt.plugin.wrapped``); calling this function does it before any checkpoint is loaded.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import weakref
+
+import torch
+
+from ..optim.base import ShardedOptimizer
+from ..plugin.wrapped import engine_hooked, map_deepspeed, rekey_names
+
+__all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names"]
+
+
+#: accelerators whose ``prepare`` already maps shardopt optimizers (``patch_prepare``)
+_PATCHED: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def unwrap_optimizer(obj: Any) -> ShardedOptimizer | None:
+    """The shardopt optimizer inside accelerate's / DeepSpeed's wrappers, if any."""
+    for _ in range(4):
+        if isinstance(obj, ShardedOptimizer):
+            return obj
+        obj = getattr(obj, "optimizer", None)
+    return None
+
+
+def after_prepare(accelerator: Any, objects: Any) -> None:
+    """Map what ``accelerator.prepare`` built around a shardopt optimizer (see the module docstring)."""
+    objects = objects if isinstance(objects, (tuple, list)) else (objects,)
+    wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
+    engine = getattr(wrapped, "engine", None)
+    if engine is not None:
+        opt = unwrap_optimizer(getattr(engine, "optimizer", None))
+        if opt is not None and not engine_hooked(engine):
+            map_deepspeed(opt, engine.optimizer, engine)
+        return
+    for obj in objects:
+        opt = unwrap_optimizer(obj)
+        if opt is not None:
+            rekey_names(opt)
+
+
+def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
+    """With a DeepSpeed plugin whose config has a ``"shardopt"`` section and no optimizer among ``args``: build
+    the section's optimizer for the model and put it right after the model."""
+    plugin = getattr(accelerator.state, "deepspeed_plugin", None)
+    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None) or {}
+    if "shardopt" not in config or any(isinstance(a, torch.optim.Optimizer) for a in args):
+        return args
+    from ..optim.registry import build_optimizer
+    from ..plugin.deepspeed_engine import parse_section
+
+    models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
+    if len(models) != 1:
+        raise ValueError("shardopt.integrations.accelerate.prepare: the DeepSpeed config has a 'shardopt' section "
+                         f"and no optimizer was given, so exactly one model is needed (got {len(models)})")
+    section, hp = parse_section({k: v for k, v in config.items() if k in ("shardopt", "optimizer")})
+    model = args[models[0]]
+    opt = build_optimizer(model, hp, section.routing, section.optimizer)
+    return args[:models[0] + 1] + (opt,) + args[models[0] + 1:]
+
+
+def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
+    """``accelerator.prepare(*args, **kwargs)``, then shardopt's mapping of the engine or the DTensors; returns
+    what ``accelerator.prepare`` returns. With a DeepSpeed config holding a ``"shardopt"`` section and no
+    optimizer in ``args``, the section's optimizer is built and returned after the model."""
+    args = _optimizer_from_section(accelerator, args)
+    result = accelerator.prepare(*args, **kwargs)
+    after_prepare(accelerator, result)
+    return result
+
+
+def patch_prepare(accelerator: Any) -> None:
+    """Make this accelerator's own ``prepare`` do ``after_prepare`` (what ``transformers.enable`` uses, since
+    ``Trainer`` calls ``accelerator.prepare`` itself)."""
+    if accelerator in _PATCHED:
+        return
+    original = accelerator.prepare
+
+    def prepare_and_map(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        after_prepare(accelerator, result)
+        return result
+
+    accelerator.prepare = prepare_and_map
+    _PATCHED.add(accelerator)
+
+

@@ -1,0 +1,113 @@
+"""Hugging Face ``Trainer``: one line, ``shardopt.integrations.transformers.enable(trainer, "scale", lr=1e-3)``.
+
+Call it after building the ``Trainer`` and before ``trainer.train()``. It replaces the Trainer's optimizer
+factory (``create_optimizer``) by shardopt's, routed by shardopt's roles on the Trainer's model (embedding, LM
+head, hidden matrices, GPT-2's ``Conv1D`` stored in x out, vectors to AdamW), and makes the Trainer's
+``accelerator.prepare`` map the result (``shardopt.integrations.accelerate``):
+
+* DeepSpeed ZeRO 1-3 (``args.deepspeed``: a dict or a JSON path, HF's ``"auto"`` values welcome): the
+  optimizer and its hyperparameters can come from a ``"shardopt"`` section of that config (then ``enable(trainer)``
+  needs no arguments; keyword arguments override the section); ZeRO's flat partitions are mapped to matrices and
+  ``save_steps`` / ``resume_from_checkpoint`` save and restore shardopt's state through DeepSpeed's checkpoint
+  directory, resumable at another world size or ZeRO stage.
+* FSDP2 (``fsdp_config={"fsdp_version": 2}``): DTensor shards, checkpoints through the Trainer's own DCP path.
+* DDP / one process: the plain optimizer.
+
+The Trainer's LR scheduler scales every group's own learning rate (matrix ``lr`` and ``adam_lr``).
+Hyperparameters set to ``"auto"`` take the ``TrainingArguments`` value (``lr``/``adam_lr``: ``learning_rate``,
+``weight_decay``/``adam_weight_decay``: ``weight_decay``, ``adam_betas``: ``(adam_beta1, adam_beta2)``,
+``adam_eps``: ``adam_epsilon``); keys not given keep shardopt's defaults for the optimizer.
+"""
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+import pydantic
+
+from ..optim.config import format_errors
+from ..optim.registry import OPTIMIZERS, ConfigError, build_optimizer, validate_hyperparameters
+from ..plugin.deepspeed_engine import ShardoptSection
+from .accelerate import patch_prepare
+
+__all__ = ["enable", "resolve_settings"]
+
+#: "auto" hyperparameters and the TrainingArguments they come from
+_AUTO = {
+    "lr": lambda a: a.learning_rate,
+    "adam_lr": lambda a: a.learning_rate,
+    "weight_decay": lambda a: a.weight_decay,
+    "adam_weight_decay": lambda a: a.weight_decay,
+    "adam_betas": lambda a: (a.adam_beta1, a.adam_beta2),
+    "adam_eps": lambda a: a.adam_epsilon,
+}
+
+
+def _deepspeed_config(trainer: Any) -> dict[str, Any] | None:
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    plugin = trainer.accelerator.state.deepspeed_plugin
+    return plugin.hf_ds_config.config
+
+
+def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, str] | None,
+                     hyperparameters: Mapping[str, Any]) -> tuple[str, pydantic.BaseModel, dict[str, str]]:
+    """The optimizer name, validated hyperparameters and routing: keyword arguments over the DeepSpeed config's
+    ``"shardopt"`` section, ``"auto"`` values from ``trainer.args``."""
+    section = ShardoptSection(optimizer=optimizer or "", params={}, routing={})
+    where = "enable(...)"
+    ds = _deepspeed_config(trainer)
+    if ds is not None and "shardopt" in ds:
+        if "optimizer" in ds:
+            raise ConfigError("DeepSpeed config has both an 'optimizer' block and a 'shardopt' section; remove the "
+                              "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)")
+        try:
+            section = ShardoptSection.model_validate(ds["shardopt"])
+        except pydantic.ValidationError as err:
+            raise ConfigError(format_errors(err, "shardopt")) from None
+        where = "shardopt.params"
+    elif ds is not None and "optimizer" in ds:
+        raise ConfigError("the DeepSpeed config given to the Trainer has an 'optimizer' block, so DeepSpeed (not "
+                          "shardopt) would build the optimizer; remove it (shardopt.integrations.transformers.enable "
+                          "supplies the optimizer)")
+    name = optimizer or section.optimizer
+    if not name:
+        raise ConfigError("shardopt.integrations.transformers.enable: name the optimizer, e.g. "
+                          "enable(trainer, 'scale', lr=1e-3), or add a 'shardopt' section to the DeepSpeed config")
+    if name.lower() not in OPTIMIZERS:
+        raise ConfigError(f"enable(trainer, {name!r}): unknown optimizer; choose one of {sorted(OPTIMIZERS)}")
+    params = {**section.params, **hyperparameters}
+    for key, value in list(params.items()):
+        if isinstance(value, str) and value == "auto":
+            if key not in _AUTO:
+                raise ConfigError(f"{where}.{key} = 'auto': only {sorted(_AUTO)} can be 'auto'")
+            params[key] = _AUTO[key](trainer.args)
+            if ds is not None and isinstance(ds.get("shardopt", {}).get("params"), dict) \
+                    and ds["shardopt"]["params"].get(key) == "auto":
+                # fill it in the config too, as HF does with its own "auto" values: accelerate refuses any "auto"
+                # left in the DeepSpeed config when it starts the engine
+                ds["shardopt"]["params"][key] = list(params[key]) if isinstance(params[key], tuple) else params[key]
+    cfg = validate_hyperparameters(name, params, where=where)
+    return name.lower(), cfg, {**section.routing, **dict(routing or {})}
+
+
+def enable(trainer: Any, optimizer: str | None = None, routing: Mapping[str, str] | None = None,
+           **hyperparameters: Any) -> Any:
+    """Make ``trainer`` train with shardopt optimizer ``optimizer`` (default: the DeepSpeed config's
+    ``"shardopt"`` section); returns the trainer. See the module docstring."""
+    if getattr(trainer, "optimizer", None) is not None:
+        raise ConfigError("the Trainer already has an optimizer (Trainer(optimizers=(opt, ...))); with "
+                          "shardopt.integrations.transformers.enable pass optimizers=(None, None) and let enable "
+                          "build it (under DeepSpeed the Trainer would drop a given optimizer anyway)")
+    name, cfg, route = resolve_settings(trainer, optimizer, routing, hyperparameters)
+
+    def create_optimizer(model: Any = None) -> Any:
+        """shardopt's optimizer for the Trainer's model (``Trainer.create_optimizer``'s contract: build once)."""
+        if trainer.optimizer is None:
+            opt_model = trainer.model if model is None else model
+            trainer.optimizer = build_optimizer(opt_model, cfg, route, name)
+        return trainer.optimizer
+
+    trainer.create_optimizer = create_optimizer
+    trainer._shardopt = (name, cfg, route)
+    patch_prepare(trainer.accelerator)
+    return trainer
