@@ -137,6 +137,12 @@ def _state_for_param(value: Any, device: torch.device, key: Any = None) -> Any:
     return value
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself (any strides)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def _is_dtensor(p: torch.Tensor) -> bool:
     """FSDP2 / DTensor parameters: their optimizer state goes to DCP, which needs sharded entries described."""
     return hasattr(p, "device_mesh") and hasattr(p, "placements")
@@ -752,15 +758,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Whether any rank has a non-finite gradient in this step (one 1-element all-reduce when distributed).
 
         A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
-        over all gradients; on CPUs (where that kernel is slow) fp32 sums, which are non-finite whenever an
-        element is, and are confirmed element-wise only then (a finite overflow of the sum is not a skip)."""
-        named = [(p, local_flat(p.grad)) for g in self.param_groups for p in g["params"]
-                 if p.grad is not None and local_flat(p.grad).numel()]
+        over all gradients; on CPUs (where that kernel is slow) l2 norms (one foreach call), which are non-finite
+        whenever an element is, and are confirmed element-wise only then (a finite overflow is not a skip)."""
+        named = [(p, _local(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        named = [(p, g) for p, g in named if g.numel()]
         if named:
             grads = [g for _, g in named]
             if grads[0].device.type == "cpu":
-                sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
-                bad = not bool(torch.isfinite(sums).all()) and not all(bool(torch.isfinite(g).all()) for g in grads)
+                # one foreach kernel: an l2 norm is non-finite whenever an element is; confirmed element-wise
+                # only then (a finite overflow of the norm is not a skip)
+                norms = torch._foreach_norm(grads, 2.0)
+                bad = not bool(torch.isfinite(torch.stack([n.float() for n in norms]) if len({n.dtype for n in norms}) > 1
+                                              else torch.stack(norms)).all()) \
+                    and not all(bool(torch.isfinite(g).all()) for g in grads)
                 flag = torch.tensor([float(bad)])
             else:
                 norms = torch._foreach_norm(grads, float("inf"))

@@ -17,8 +17,9 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding import Round, col_sums, masked_reciprocal, row_sums, scale_into
+from ..sharding import Round, col_sums, masked_reciprocal, row_sums
 from .base import ShardedOptimizer, check_lr
+from .grouped import grouped_step
 
 __all__ = ["SinkGD", "sr_sinkhorn_scales", "sinkhorn_scale"]
 
@@ -81,9 +82,20 @@ class SinkGD(ShardedOptimizer):
                          weight_decay=adam_weight_decay, on_nonfinite=on_nonfinite, debug_plan=debug_plan)
 
     def _step_sinkgd(self, group: dict) -> None:
-        items = self._matrix_items(group)
-        sr_sinkhorn_scales(items, group["iterations"])
+        step = grouped_step(self, group)
+        blocks = step.blocks
+        grads = step.grads
+        a = torch._foreach_mul(grads, grads)  # A = G * G, per block shape
+        rnd = Round()
+        v = None
+        for _ in range(group["iterations"]):  # the half-sweeps of sr_sinkhorn_scales, for all matrices at once
+            r = blocks.row_sums(a, v)
+            blocks.add_axis(rnd, r, 0)
+            rnd.run()
+            u = masked_reciprocal(r, blocks.row_length)  # sinkhorn_scale with each row's length n
+            c = blocks.col_sums(a, u)
+            blocks.add_axis(rnd, c, 1)
+            rnd.run()
+            v = masked_reciprocal(c, blocks.col_length)
         lr = group["lr"] * group["lr_scale"]
-        for it in items:
-            update = scale_into(it.layout, it.work["A"], it.grad, it.work["u"].sqrt(), it.work["v"].sqrt())
-            it.apply(update, lr, group["weight_decay"])
+        step.apply(blocks.scale(grads, u.sqrt(), v.sqrt()), lr, group["weight_decay"])
