@@ -298,7 +298,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
     _BY_TENSOR_ID = ("param_names", "_fragments", "_attached")
     #: caches keyed by object identity, rebuilt on the next step
-    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner")
+    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans")
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an

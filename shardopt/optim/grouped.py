@@ -44,6 +44,7 @@ class _Plan:
                 whole.append(single)
         self.pairs = pairs
         self.owners = owners
+        self.layouts = [f.layout for _, f in pairs]
         self.blocks = BlockGroups([f.layout for _, f in pairs], device, owners=owners, offsets=offsets, whole=whole)
 
 
@@ -79,11 +80,28 @@ class GroupedStep:
             grads = [None if g is None else source(p, g) for p, g in zip(params, grads)]
         self.locals = [_local(p) for p in params]
         self.grads = self.blocks.stack([None if g is None else _local(g) for g in grads])
-        self.has_grad = [self.tensor_has_grad[t] for t in plan.owners]
         self.all_have_grad = all(self.tensor_has_grad)
-        self.states = [opt.matrix_state(p, f) for p, f in plan.pairs]
-        self.layouts = [f.layout for _, f in plan.pairs]
-        self.frags = [f for _, f in plan.pairs]
+        self._opt = opt
+
+    @property
+    def has_grad(self) -> list[bool]:
+        """Per matrix: whether its stepped tensor has a gradient."""
+        return [self.tensor_has_grad[t] for t in self.plan.owners]
+
+    @property
+    def states(self) -> list[dict]:
+        """Per matrix: its state dict (``ShardedOptimizer.matrix_state``)."""
+        if "_states" not in self.__dict__:
+            self.__dict__["_states"] = [self._opt.matrix_state(p, f) for p, f in self.plan.pairs]
+        return self.__dict__["_states"]
+
+    @property
+    def layouts(self) -> list:
+        return self.plan.layouts
+
+    @property
+    def frags(self) -> list[Fragment]:
+        return [f for _, f in self.plan.pairs]
 
     def _targets(self, g, update: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
         """The parameter views of group ``g``'s blocks that get an update (matrices with a gradient), and

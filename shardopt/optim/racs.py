@@ -101,12 +101,14 @@ class RACS(ShardedOptimizer):
     def _step_racs(self, group: dict) -> None:
         step = grouped_step(self, group)
         blocks = step.blocks
+        if not blocks.n_items:
+            return
         grads = step.grads
-        p2 = torch._foreach_mul(grads, grads)  # P = G * G, per block shape
+        p2 = torch._foreach_mul(grads, grads) if grads else []  # P = G * G, per block shape
         rnd = Round()
         # every matrix's q_hat and s_hat concatenated (blocks.n_rows, blocks.n_cols); norms one per matrix
-        q_hat = grads[0].new_ones(blocks.n_rows) if grads else torch.ones(blocks.n_rows)
-        q_norm2 = torch.tensor([float(m) for m in blocks.ms], device=q_hat.device)
+        q_hat = torch.ones(blocks.n_rows, device=blocks.device)
+        q_norm2 = blocks.item_rows  # |1|^2 = m
         for i in range(group["iterations"]):
             s_hat = blocks.col_sums(p2, q_hat)  # P^T q_hat (and |q_hat|^2 after the first round): partial, completed
             blocks.add_axis(rnd, s_hat, 1)
@@ -145,6 +147,5 @@ class RACS(ShardedOptimizer):
         eta = norm_growth_eta(norm, phi, group["gamma"])
         if with_grad:
             new_phi = (eta * norm).unbind(0)
-            for k in with_grad:
-                states[k]["phi"] = new_phi[k].clone()
+            torch._foreach_copy_([states[k]["phi"] for k in with_grad], [new_phi[k] for k in with_grad])
         step.apply(gt, group["lr"] * group["alpha"] * eta, group["weight_decay"])

@@ -84,8 +84,10 @@ class SinkGD(ShardedOptimizer):
     def _step_sinkgd(self, group: dict) -> None:
         step = grouped_step(self, group)
         blocks = step.blocks
+        if not blocks.n_items:
+            return
         grads = step.grads
-        a = torch._foreach_mul(grads, grads)  # A = G * G, per block shape
+        a = torch._foreach_mul(grads, grads) if grads else []  # A = G * G, per block shape
         rnd = Round()
         v = None
         for _ in range(group["iterations"]):  # the half-sweeps of sr_sinkhorn_scales, for all matrices at once

@@ -41,7 +41,7 @@ class Group:
     """The blocks of one ``(height, width)`` shape: which matrix, where in its local piece, which lines."""
 
     __slots__ = ("h", "w", "items", "starts", "whole", "row_index", "col_index", "row_flat", "col_flat", "big",
-                 "item_tensor", "owners")
+                 "item_tensor", "owners", "all_whole")
 
     def __init__(self, h: int, w: int):
         self.h, self.w = h, w
@@ -103,12 +103,15 @@ class BlockGroups:
             g.col_index = (torch.tensor(cols, dtype=torch.int64)[:, None] + torch.arange(w)).to(dev)
             g.row_flat = g.row_index.reshape(-1)
             g.item_tensor = torch.tensor(g.items, dtype=torch.int64).to(dev)
+            g.all_whole = all(g.whole)
             g.col_flat = g.col_index.reshape(-1)
         self.groups = list(groups.values())
         idx = torch.arange(self.n_items)
         self.item_of_row = torch.repeat_interleave(idx, torch.tensor(ms, dtype=torch.int64)).to(dev)
         self.item_of_col = torch.repeat_interleave(idx, torch.tensor(ns, dtype=torch.int64)).to(dev)
         #: length of each row (n of its matrix) and of each column (m), as fp32 line vectors
+        #: m of each matrix, fp32
+        self.item_rows = torch.tensor(ms, dtype=torch.float32).to(dev)
         self.row_length = torch.tensor(ns, dtype=torch.float32).to(dev)[self.item_of_row]
         self.col_length = torch.tensor(ms, dtype=torch.float32).to(dev)[self.item_of_col]
         self._reduction_plan()
@@ -196,8 +199,12 @@ class BlockGroups:
     def block_views(self, tensors: Sequence[torch.Tensor | None], g: Group, fill: bool = False) -> list[torch.Tensor]:
         """The 2-D views of group ``g``'s blocks in ``tensors`` (the sources' local elements); blocks of a
         ``None`` source are zeros with ``fill``, else left out."""
-        out = []
         h, w = g.h, g.w
+        if g.all_whole:  # whole sources of this shape (single process, FSDP2 row shards): the tensors themselves
+            picked = [tensors[o] for o in g.owners]
+            if all(t is not None and t.shape == (h, w) for t in picked):
+                return picked
+        out = []
         for t, start, whole in zip(map(tensors.__getitem__, g.owners), g.starts, g.whole):
             if t is None:
                 if not fill:
