@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from ..sharding.fragment import Fragment, local_flat
-from ..sharding.grouped import BlockGroups
+from ..sharding.grouped import BlockGroups, blocks_of
 
 __all__ = ["GroupedStep", "grouped_step"]
 
@@ -103,90 +103,78 @@ class GroupedStep:
     def frags(self) -> list[Fragment]:
         return [f for _, f in self.plan.pairs]
 
-    def _targets(self, g, update: torch.Tensor) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """The parameter views of group ``g``'s blocks that get an update (matrices with a gradient), and
-        the matching rows of ``update``."""
-        views = self.blocks.block_views(self.locals, g)
+    def _keep(self, g) -> list[int] | None:
+        """Positions of group ``g``'s blocks whose matrices get an update (None: all of them)."""
         if self.all_have_grad:
-            return views, update
-        keep = [self.tensor_has_grad[self.blocks.owners[i]] for i in g.items]
-        idx = [k for k, ok in enumerate(keep) if ok]
-        if len(idx) == len(keep):
-            return views, update
-        if not idx:
-            return [], update[:0]
-        return [views[k] for k in idx], update[torch.tensor(idx, dtype=torch.int64, device=update.device)]
+            return None
+        keep = [k for k, i in enumerate(g.items) if self.tensor_has_grad[self.blocks.owners[i]]]
+        return None if len(keep) == len(g.items) else keep
 
-    def apply(self, updates: list[torch.Tensor], lr: float | torch.Tensor, weight_decay: float = 0.0) -> None:
+    @staticmethod
+    def _pick(x, keep: list[int] | None, device: torch.device):
+        """Rows ``keep`` of a stack (or entries of a block list, or of a per-block vector)."""
+        if keep is None:
+            return x
+        if isinstance(x, list):
+            return [x[k] for k in keep]
+        return x[torch.tensor(keep, dtype=torch.int64, device=device)]
+
+    def apply(self, updates: list, lr: float | torch.Tensor, weight_decay: float = 0.0) -> None:
         """``W <- W (1 - lr wd) - lr U`` on every block (``MatrixItem.apply``); ``lr`` a float or one value per
         matrix (a vector over the matrices)."""
+        dev = self.blocks.device
         for g, u in zip(self.blocks.groups, updates):
-            if not g.items:
+            keep = self._keep(g)
+            if keep is not None and not keep:
                 continue
-            lr_b = lr[g.item_tensor] if isinstance(lr, torch.Tensor) else None
-            views, u = self._targets(g, u)
-            if not views:
-                continue
-            if lr_b is not None and u.shape[0] != lr_b.shape[0]:
-                keep = [k for k, i in enumerate(g.items) if self.tensor_has_grad[self.blocks.owners[i]]]
-                lr_b = lr_b[torch.tensor(keep, dtype=torch.int64, device=lr_b.device)]
+            views = self._pick(self.blocks.block_views(self.locals, g), keep, dev)
+            u = self._pick(u, keep, dev)
             if isinstance(lr, torch.Tensor):
+                lr_b = self._pick(lr[g.item_tensor], keep, dev)
                 if weight_decay:
                     torch._foreach_mul_(views, list((1 - lr_b * weight_decay).unbind(0)))
-                u = u * lr_b[:, None, None]
-                torch._foreach_sub_(views, self._cast(u, views))
+                if isinstance(u, list):
+                    scaled = [ub * lb for ub, lb in zip(u, lr_b.unbind(0))]
+                else:
+                    scaled = list((u * lr_b[:, None, None]).unbind(0))
+                torch._foreach_sub_(views, self._cast(scaled, views))
             else:
                 if weight_decay:
                     torch._foreach_mul_(views, 1 - lr * weight_decay)
-                torch._foreach_add_(views, self._cast(u, views), alpha=-lr)
+                torch._foreach_add_(views, self._cast(blocks_of(u), views), alpha=-lr)
 
-    def apply_scaled(self, xs: list[torch.Tensor], lr: float, weight_decay: float = 0.0,
+    def apply_scaled(self, xs: list, lr: float, weight_decay: float = 0.0,
                      row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None) -> None:
         """``W <- W (1 - lr wd) - lr diag(row_scale) X diag(col_scale)`` (``MatrixItem.apply_scaled``): one fused
         multiply-add per block for fp32 parameters, without materializing the update."""
-        blocks = self.blocks
-        for g, x in zip(blocks.groups, xs):
-            if not g.items:
+        dev = self.blocks.device
+        for g, x in zip(self.blocks.groups, xs):
+            keep = self._keep(g)
+            if keep is not None and not keep:
                 continue
-            views, x = self._targets(g, x)
-            if not views:
-                continue
-            fp32 = all(v.dtype == torch.float32 for v in views)
-            if not fp32 or (row_scale is not None and col_scale is not None):
-                u = x
-                if row_scale is not None:
-                    u = u * self._lines(g, row_scale, 0, x.shape[0])
-                if col_scale is not None:
-                    u = u * self._lines(g, col_scale, 1, x.shape[0])
-                if weight_decay:
-                    torch._foreach_mul_(views, 1 - lr * weight_decay)
-                torch._foreach_add_(views, self._cast(u, views), alpha=-lr)
-                continue
+            views = self._pick(self.blocks.block_views(self.locals, g), keep, dev)
+            x = blocks_of(self._pick(x, keep, dev))
+            r = None if row_scale is None else blocks_of(self._pick(row_scale[g.row_index].unsqueeze(2), keep, dev))
+            c = None if col_scale is None else blocks_of(self._pick(col_scale[g.col_index].unsqueeze(1), keep, dev))
             if weight_decay:
                 torch._foreach_mul_(views, 1 - lr * weight_decay)
-            if row_scale is not None:
-                torch._foreach_addcmul_(views, list(x.unbind(0)), list(self._lines(g, row_scale, 0, x.shape[0]).unbind(0)),
-                                        value=-lr)
-            elif col_scale is not None:
-                torch._foreach_addcmul_(views, list(x.unbind(0)), list(self._lines(g, col_scale, 1, x.shape[0]).unbind(0)),
-                                        value=-lr)
+            if any(v.dtype != torch.float32 for v in views) or (r is not None and c is not None):
+                u = x
+                if r is not None:
+                    u = torch._foreach_mul(u, r)
+                if c is not None:
+                    u = torch._foreach_mul(u, c)
+                torch._foreach_add_(views, self._cast(u, views), alpha=-lr)
+            elif r is not None or c is not None:
+                torch._foreach_addcmul_(views, x, r if r is not None else c, value=-lr)
             else:
-                torch._foreach_add_(views, list(x.unbind(0)), alpha=-lr)
-
-    def _lines(self, g, vector: torch.Tensor, axis: int, count: int) -> torch.Tensor:
-        """``vector``'s values on group ``g``'s blocks, broadcastable against a ``(B, h, w)`` stack."""
-        index = g.row_index if axis == 0 else g.col_index
-        if count != index.shape[0]:  # blocks without a gradient were left out
-            keep = [k for k, i in enumerate(g.items) if self.tensor_has_grad[self.blocks.owners[i]]]
-            index = index[torch.tensor(keep, dtype=torch.int64, device=index.device)]
-        v = vector[index]
-        return v.unsqueeze(2) if axis == 0 else v.unsqueeze(1)
+                torch._foreach_add_(views, x, alpha=-lr)
 
     @staticmethod
-    def _cast(u: torch.Tensor, views: list[torch.Tensor]) -> list[torch.Tensor]:
-        if all(v.dtype == u.dtype for v in views):
-            return list(u.unbind(0))
-        return [ub.to(v.dtype) for ub, v in zip(u.unbind(0), views)]
+    def _cast(u: list[torch.Tensor], views: list[torch.Tensor]) -> list[torch.Tensor]:
+        if all(v.dtype == ub.dtype for v, ub in zip(views, u)):
+            return u
+        return [ub.to(v.dtype) for ub, v in zip(u, views)]
 
 
 def grouped_step(opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> GroupedStep:

@@ -104,7 +104,7 @@ class RACS(ShardedOptimizer):
         if not blocks.n_items:
             return
         grads = step.grads
-        p2 = torch._foreach_mul(grads, grads) if grads else []  # P = G * G, per block shape
+        p2 = blocks.square(grads)  # P = G * G, per block shape
         rnd = Round()
         # every matrix's q_hat and s_hat concatenated (blocks.n_rows, blocks.n_cols); norms one per matrix
         q_hat = torch.ones(blocks.n_rows, device=blocks.device)
@@ -139,7 +139,7 @@ class RACS(ShardedOptimizer):
         q_inv, s_inv = inverse_sqrt_scales(torch.cat([st["q"] for st in states]), torch.cat([st["s"] for st in states]))
         # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
         norm2 = blocks.item_sums(blocks.row_sums(p2, s_inv * s_inv) * (q_inv * q_inv), 0)
-        gt = blocks.scale(grads, q_inv, s_inv)
+        gt = blocks.scale(grads, q_inv, s_inv, out=p2)  # into P's memory, as scale_into did
         blocks.add_sums(rnd, norm2)
         rnd.run()
         phi = torch.stack([st["phi"] for st in states])

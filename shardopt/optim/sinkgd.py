@@ -87,7 +87,7 @@ class SinkGD(ShardedOptimizer):
         if not blocks.n_items:
             return
         grads = step.grads
-        a = torch._foreach_mul(grads, grads) if grads else []  # A = G * G, per block shape
+        a = blocks.square(grads)  # A = G * G, per block shape
         rnd = Round()
         v = None
         for _ in range(group["iterations"]):  # the half-sweeps of sr_sinkhorn_scales, for all matrices at once
@@ -100,4 +100,4 @@ class SinkGD(ShardedOptimizer):
             rnd.run()
             v = masked_reciprocal(c, blocks.col_length)
         lr = group["lr"] * group["lr_scale"]
-        step.apply(blocks.scale(grads, u.sqrt(), v.sqrt()), lr, group["weight_decay"])
+        step.apply(blocks.scale(grads, u.sqrt(), v.sqrt(), out=a), lr, group["weight_decay"])  # A no longer needed

@@ -31,7 +31,7 @@ from .comm import Round
 from .layout import MatrixLayout
 from .primitives import col_sumsq
 
-__all__ = ["BlockGroups", "Group"]
+__all__ = ["BlockGroups", "Group", "blocks_of"]
 
 #: blocks with at least this many elements use the per-block kernels on a CPU
 CPU_BLOCK_LIMIT = 1 << 16
@@ -183,18 +183,25 @@ class BlockGroups:
         return values.new_zeros(self.n_items).index_add_(0, where, values)
 
     # ------------------------------------------------------------------ data
-    def stack(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype | None = torch.float32) -> list[torch.Tensor]:
-        """One ``(B, h, w)`` tensor per group from the sources' local elements (``tensors[t]``: source ``t``,
-        contiguous, any shape; ``None``: zeros). A group of one block is a view."""
+    # A group's data is a ``(B, h, w)`` stack, or, for blocks of ``CPU_BLOCK_LIMIT`` elements or more on a CPU,
+    # the list of the blocks' 2-D views (no copy of the gradients: at such sizes a kernel per block costs
+    # nothing next to its data, and a stack would add a pass over them).
+    def stack(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype | None = torch.float32) -> list:
+        """Per group: a ``(B, h, w)`` tensor (or, for large CPU blocks, a list of 2-D views) from the sources'
+        local elements (``tensors[t]``: source ``t``, contiguous, any shape; ``None``: zeros)."""
         out = []
         for g in self.groups:
             blocks = self.block_views(tensors, g, fill=True)
-            if len(blocks) == 1:
-                x = blocks[0].unsqueeze(0)
-            else:
-                x = torch.stack(blocks)
+            if self.listed(g):
+                out.append([b if dtype is None or b.dtype == dtype else b.to(dtype) for b in blocks])
+                continue
+            x = blocks[0].unsqueeze(0) if len(blocks) == 1 else torch.stack(blocks)
             out.append(x if dtype is None or x.dtype == dtype else x.to(dtype))
         return out
+
+    def listed(self, g: Group) -> bool:
+        """Whether group ``g``'s data is a list of blocks (large blocks on a CPU) rather than a stack."""
+        return g.big and self.device.type == "cpu"
 
     def block_views(self, tensors: Sequence[torch.Tensor | None], g: Group, fill: bool = False) -> list[torch.Tensor]:
         """The 2-D views of group ``g``'s blocks in ``tensors`` (the sources' local elements); blocks of a
@@ -216,56 +223,84 @@ class BlockGroups:
                 out.append(t.reshape(-1)[start: start + h * w].view(h, w))
         return out
 
-    def _per_block(self, g: Group, x: torch.Tensor) -> bool:
-        return g.big and x.device.type == "cpu"
+    @staticmethod
+    def square(stacks: Sequence) -> list:
+        """``X * X`` of every group (a new tensor or list)."""
+        return [[b * b for b in x] if isinstance(x, list) else x * x for x in stacks]
 
-    def row_sums(self, stacks: Sequence[torch.Tensor], col_weight: torch.Tensor | None = None,
-                 square: bool = False) -> torch.Tensor:
+    def row_sums(self, stacks: Sequence, col_weight: torch.Tensor | None = None, square: bool = False) -> torch.Tensor:
         """Partial row sums of all matrices, concatenated (``primitives.row_sums`` for every matrix)."""
-        out = stacks[0].new_zeros(self.n_rows) if stacks else torch.zeros(self.n_rows, device=self.device)
+        out = torch.zeros(self.n_rows, device=self.device)
         for g, x in zip(self.groups, stacks):
-            if square:
+            if isinstance(x, list):
+                if square:
+                    part = torch.stack([torch.linalg.vector_norm(b, dim=1).square() for b in x])
+                elif col_weight is None:
+                    part = torch.stack([b.sum(1) for b in x])
+                else:
+                    part = torch.stack([b @ wb for b, wb in zip(x, col_weight[g.col_index])])
+            elif square:
                 part = torch.linalg.vector_norm(x, dim=2).square()
             elif col_weight is None:
                 part = x.sum(2)
-            elif self._per_block(g, x):
-                wts = col_weight[g.col_index]
-                part = torch.stack([xb @ wb for xb, wb in zip(x, wts)])
             else:
                 part = torch.bmm(x, col_weight[g.col_index].unsqueeze(2)).squeeze(2)
             out.index_add_(0, g.row_flat, part.reshape(-1))
         return out
 
-    def col_sums(self, stacks: Sequence[torch.Tensor], row_weight: torch.Tensor | None = None,
-                 square: bool = False) -> torch.Tensor:
+    def col_sums(self, stacks: Sequence, row_weight: torch.Tensor | None = None, square: bool = False) -> torch.Tensor:
         """Partial column sums of all matrices, concatenated (``primitives.col_sums`` for every matrix)."""
-        out = stacks[0].new_zeros(self.n_cols) if stacks else torch.zeros(self.n_cols, device=self.device)
+        out = torch.zeros(self.n_cols, device=self.device)
         for g, x in zip(self.groups, stacks):
-            if square:
-                part = torch.stack([col_sumsq(xb) for xb in x]) if self._per_block(g, x) else x.square().sum(1)
+            if isinstance(x, list):
+                if square:
+                    part = torch.stack([col_sumsq(b) for b in x])
+                elif row_weight is None:
+                    part = torch.stack([b.sum(0) for b in x])
+                else:
+                    part = torch.stack([wb @ b for b, wb in zip(x, row_weight[g.row_index])])
+            elif square:
+                part = x.square().sum(1)
             elif row_weight is None:
                 part = x.sum(1)
-            elif self._per_block(g, x):
-                wts = row_weight[g.row_index]
-                part = torch.stack([wb @ xb for xb, wb in zip(x, wts)])
             else:
                 part = torch.bmm(row_weight[g.row_index].unsqueeze(1), x).squeeze(1)
             out.index_add_(0, g.col_flat, part.reshape(-1))
         return out
 
-    def scale(self, stacks: Sequence[torch.Tensor], row_scale: torch.Tensor | None = None,
-              col_scale: torch.Tensor | None = None) -> list[torch.Tensor]:
-        """``diag(row_scale) X diag(col_scale)`` of every block (``primitives.scale_into``), new tensors."""
-        out = []
-        for g, x in zip(self.groups, stacks):
-            y = x
-            if row_scale is not None:
-                y = y * row_scale[g.row_index].unsqueeze(2)
-            if col_scale is not None:
-                y = y.mul_(col_scale[g.col_index].unsqueeze(1)) if y is not x else y * col_scale[g.col_index].unsqueeze(1)
-            out.append(y if y is not x else x.clone())
-        return out
+    def scale(self, stacks: Sequence, row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None,
+              out: Sequence | None = None) -> list:
+        """``diag(row_scale) X diag(col_scale)`` of every block (``primitives.scale_into``): into ``out`` (data
+        shaped like ``stacks``, e.g. a temporary that is no longer needed), else new tensors."""
+        result = []
+        for k, (g, x) in enumerate(zip(self.groups, stacks)):
+            r = None if row_scale is None else row_scale[g.row_index]
+            c = None if col_scale is None else col_scale[g.col_index]
+            if isinstance(x, list):
+                dst = out[k] if out is not None else [torch.empty_like(b) for b in x]
+                for j, (b, d) in enumerate(zip(x, dst)):
+                    _scale_block(b, d, None if r is None else r[j][:, None], None if c is None else c[j][None, :])
+                result.append(dst)
+            else:
+                dst = out[k] if out is not None else torch.empty_like(x)
+                _scale_block(x, dst, None if r is None else r.unsqueeze(2), None if c is None else c.unsqueeze(1))
+                result.append(dst)
+        return result
 
-    def block_items(self) -> list[int]:
-        """Matrix index of every block, groups in order (the order of ``unbind`` over the stacks)."""
-        return [i for g in self.groups for i in g.items]
+
+def _scale_block(x: torch.Tensor, out: torch.Tensor, r: torch.Tensor | None, c: torch.Tensor | None) -> None:
+    """``out = (x * r) * c`` with broadcast line scales (either may be None), as ``primitives.scale_into``."""
+    if r is not None and c is not None:
+        torch.mul(x, r, out=out)
+        out.mul_(c)
+    elif r is not None:
+        torch.mul(x, r, out=out)
+    elif c is not None:
+        torch.mul(x, c, out=out)
+    elif out.data_ptr() != x.data_ptr():
+        out.copy_(x)
+
+
+def blocks_of(x) -> list[torch.Tensor]:
+    """A group's data as a list of 2-D blocks (views)."""
+    return x if isinstance(x, list) else list(x.unbind(0))
