@@ -795,14 +795,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """AdamW on every tensor of the group that has a gradient (others get no state and keep their step
         count, as in ``torch.optim.AdamW``); one fused call per distinct step count."""
         by_step: dict[int, tuple[list, list, list, list]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            st = self.state[p]
+        stepped = [p for p in group["params"] if p.grad is not None]
+        states = [self.state[p] for p in stepped]
+        for p, st in zip(stepped, states):
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            params, grads, ms, vs = by_step.setdefault(self._step_count(p, only_with_grad=True), ([], [], [], []))
+            if not isinstance(st.get("step"), torch.Tensor):  # new, or a number from an older state dict
+                st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+        counts = [st["step"] for st in states]
+        if counts:  # _step_count(p, only_with_grad=True) of every tensor with a gradient: one kernel, one read
+            torch._foreach_add_(counts, 1.0)
+            counts = [int(c) for c in torch.stack(counts).tolist()]
+        for p, st, count in zip(stepped, states, counts):
+            params, grads, ms, vs = by_step.setdefault(count, ([], [], [], []))
             params.append(local_flat(p))
             grads.append(local_flat(p.grad))
             ms.append(local_flat(st["exp_avg"]))
