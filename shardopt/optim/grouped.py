@@ -57,6 +57,8 @@ def _plan(opt, group: dict) -> _Plan:
     if plan is None or any(a is not b for a, b in zip(plan.params, params)) or \
             any(a is not b for a, b in zip(plan.frags, frags)):
         device = local_flat(params[0]).device if params else torch.device("cpu")
+        if len(cache) >= 64:  # engines that hand new tensors each step must not grow it without bound
+            cache.clear()
         plan = cache[key] = _Plan(opt, params, frags, device)
     return plan
 
