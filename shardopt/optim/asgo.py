@@ -205,15 +205,22 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         sums = blocks.col_sums(step.grads, square=True)
         blocks.add_axis(rnd, sums, 1)
         rnd.run()
-        for st, lay in zip(step.states, step.layouts):
+        mstates = step.states
+        for st, lay in zip(mstates, step.layouts):
             if "v" not in st:
                 st["v"] = sums.new_zeros(lay.shape[1])
-        with_grad_items = [k for k, ok in enumerate(step.has_grad) if ok]
-        if with_grad_items:
-            parts = sums.split(blocks.ns)
-            vs = [step.states[k]["v"] for k in with_grad_items]
-            torch._foreach_mul_(vs, b2)
-            torch._foreach_add_(vs, [parts[k] for k in with_grad_items], alpha=1 - b2)
-        v = torch.cat([st["v"] for st in step.states]) if step.states else sums
+        vs = [st["v"] for st in mstates]
+        v = torch.cat(vs) if vs else sums
+        if step.all_have_grad:  # the EMA on the concatenation, written back with one foreach copy
+            if vs:
+                v.mul_(b2).add_(sums, alpha=1 - b2)
+                torch._foreach_copy_(vs, list(v.split(blocks.ns)))
+        else:
+            with_grad_items = [k for k, ok in enumerate(step.has_grad) if ok]
+            if with_grad_items:
+                parts = sums.split(blocks.ns)
+                torch._foreach_mul_([vs[k] for k in with_grad_items], b2)
+                torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
+                v = torch.cat(vs)
         momentum = blocks.stack([_local(self.state[p]["exp_avg"]) for p in params])
         step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=masked_rsqrt(v + group["eps"]))

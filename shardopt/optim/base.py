@@ -809,10 +809,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
             counts = [int(c) for c in torch.stack(counts).tolist()]
         for p, st, count in zip(stepped, states, counts):
             params, grads, ms, vs = by_step.setdefault(count, ([], [], [], []))
-            params.append(local_flat(p))
-            grads.append(local_flat(p.grad))
-            ms.append(local_flat(st["exp_avg"]))
-            vs.append(local_flat(st["exp_avg_sq"]))
+            if hasattr(p, "to_local"):
+                params.append(local_flat(p))
+                grads.append(local_flat(p.grad))
+                ms.append(local_flat(st["exp_avg"]))
+                vs.append(local_flat(st["exp_avg_sq"]))
+            else:  # plain tensors, contiguous for the step (contiguous_steps; state is created contiguous)
+                params.append(p.view(-1))
+                grads.append(p.grad.view(-1))
+                ms.append(st["exp_avg"].view(-1))
+                vs.append(st["exp_avg_sq"].view(-1))
         for step, (params, grads, ms, vs) in by_step.items():
             adamw_step(
                 params, grads, ms, vs, step,
