@@ -83,19 +83,14 @@ class GroupedStep:
         self.locals = [_local(p) for p in params]
         self.grads = self.blocks.stack([None if g is None else _local(g) for g in grads])
         self.all_have_grad = all(self.tensor_has_grad)
-        self._opt = opt
+        # every matrix's state dict exists after a step, also where its rule keeps nothing (as _matrix_items
+        # made them): state_dict() and engines' consolidation list every stepped tensor
+        self.states = [opt.matrix_state(p, f) for p, f in plan.pairs]
 
     @property
     def has_grad(self) -> list[bool]:
         """Per matrix: whether its stepped tensor has a gradient."""
         return [self.tensor_has_grad[t] for t in self.plan.owners]
-
-    @property
-    def states(self) -> list[dict]:
-        """Per matrix: its state dict (``ShardedOptimizer.matrix_state``)."""
-        if "_states" not in self.__dict__:
-            self.__dict__["_states"] = [self._opt.matrix_state(p, f) for p, f in self.plan.pairs]
-        return self.__dict__["_states"]
 
     @property
     def layouts(self) -> list:
