@@ -3,7 +3,8 @@
 The fixtures (``tests/fixtures/old_checkpoints/``, written by its ``generate.py`` with the code of commit
 e5cf985) hold, per optimizer whose keys were renamed, the state after 3 steps of a tiny model in both forms
 (a shardopt checkpoint and ``opt.state_dict()``) and the parameters of the uninterrupted run 1 and 2 steps
-later. Loading either form must rename the old keys (``state_key_renames``) and give those parameters. RACS's
+later. Loading either form must rename the old keys (``state_key_renames``) and give those parameters (to fp32
+rounding, 1e-6 relative: issue 19's grouped steps sum in another order than the code that wrote them). RACS's
 state is also there as an FSDP2 trainer's DCP checkpoint, which the trainer's ``SafeLoadPlanner`` reads into
 today's keys.
 """
@@ -39,7 +40,7 @@ def _continue_and_compare(model, opt, continued):
         loss.backward()
         opt.step()
         for k, p in model.named_parameters():
-            torch.testing.assert_close(p.detach(), continued[f"{s}/{k}"], rtol=0, atol=0,
+            torch.testing.assert_close(p.detach(), continued[f"{s}/{k}"], rtol=1e-6, atol=1e-9,
                                        msg=lambda m: f"step {s + 1} after the load, {k}: {m}")
 
 

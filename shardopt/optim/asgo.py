@@ -29,6 +29,7 @@ from ..sharding.matfun import by_shape, inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
+from .grouped import _local, grouped_step
 
 __all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
 
@@ -243,19 +244,41 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
 
     def _step_dasgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
-        self._update_momentum(group, b1)
-        items = self._matrix_items(group)
+        params = group["params"]
+        states = [self.state[p] for p in params]
+        for p, st in zip(params, states):  # _update_momentum with foreach kernels
+            if "exp_avg" not in st:
+                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            if not isinstance(st.get("step"), torch.Tensor):
+                st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+        if states:
+            torch._foreach_add_([st["step"] for st in states], 1.0)
+        with_grad = [(_local(st["exp_avg"]), _local(p.grad)) for p, st in zip(params, states) if p.grad is not None]
+        if with_grad:
+            torch._foreach_lerp_([m for m, _ in with_grad], [g if g.dtype == torch.float32 else g.float()
+                                                              for _, g in with_grad], 1 - b1)
+        step = grouped_step(self, group)
+        blocks = step.blocks
         rnd = Round()
-        for it in items:
-            sums = col_sums(it.layout, it.grad, square=True)
-            rnd.add_axis(it.layout, sums, 1)
-            it.work["sums"] = sums
+        sums = blocks.col_sums(step.grads, square=True)
+        blocks.add_axis(rnd, sums, 1)
         rnd.run()
-        for it in items:
-            if "v" not in it.state:
-                it.state["v"] = it.grad.new_zeros(it.layout.shape[1])
-            v = it.state["v"]
-            if it.has_grad:
-                v.mul_(b2).add_(it.work["sums"], alpha=1 - b2)
-            it.apply_scaled(self._momentum_piece(it), group["lr"], group["weight_decay"],
-                            col_scale=masked_rsqrt(v + group["eps"]))
+        mstates = step.states
+        for st, lay in zip(mstates, step.layouts):
+            if "v" not in st:
+                st["v"] = sums.new_zeros(lay.shape[1])
+        vs = [st["v"] for st in mstates]
+        v = torch.cat(vs) if vs else sums
+        if step.all_have_grad:  # the EMA on the concatenation, written back with one foreach copy
+            if vs:
+                v.mul_(b2).add_(sums, alpha=1 - b2)
+                torch._foreach_copy_(vs, list(v.split(blocks.ns)))
+        else:
+            with_grad_items = [k for k, ok in enumerate(step.has_grad) if ok]
+            if with_grad_items:
+                parts = sums.split(blocks.ns)
+                torch._foreach_mul_([vs[k] for k in with_grad_items], b2)
+                torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
+                v = torch.cat(vs)
+        momentum = blocks.stack([_local(self.state[p]["exp_avg"]) for p in params])
+        step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=masked_rsqrt(v + group["eps"]))

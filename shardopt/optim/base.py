@@ -123,6 +123,12 @@ def _state_for_param(value: Any, device: torch.device, key: Any = None) -> Any:
     return value
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself (any strides)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
 def _is_dtensor(p: torch.Tensor) -> bool:
     """FSDP2 / DTensor parameters: their optimizer state goes to DCP, which needs sharded entries described."""
     return hasattr(p, "device_mesh") and hasattr(p, "placements")
@@ -315,7 +321,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
     _BY_TENSOR_ID = ("param_names", "_fragments", "_attached")
     #: caches keyed by object identity, rebuilt on the next step
-    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner")
+    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans")
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an
@@ -789,15 +795,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Whether any rank has a non-finite gradient in this step (one 1-element all-reduce when distributed).
 
         A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
-        over all gradients; on CPUs (where that kernel is slow) fp32 sums, which are non-finite whenever an
-        element is, and are confirmed element-wise only then (a finite overflow of the sum is not a skip)."""
-        named = [(p, local_flat(p.grad)) for g in self.param_groups for p in g["params"]
-                 if p.grad is not None and local_flat(p.grad).numel()]
+        over all gradients; on CPUs (where that kernel is slow) l2 norms (one foreach call), which are non-finite
+        whenever an element is, and are confirmed element-wise only then (a finite overflow is not a skip)."""
+        named = [(p, _local(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        named = [(p, g) for p, g in named if g.numel()]
         if named:
             grads = [g for _, g in named]
             if grads[0].device.type == "cpu":
-                sums = torch.stack([g.sum(dtype=torch.float32) for g in grads])
-                bad = not bool(torch.isfinite(sums).all()) and not all(bool(torch.isfinite(g).all()) for g in grads)
+                # one foreach kernel: an l2 norm is non-finite whenever an element is; confirmed element-wise
+                # only then (a finite overflow of the norm is not a skip)
+                norms = torch._foreach_norm(grads, 2.0)
+                bad = not bool(torch.isfinite(torch.stack([n.float() for n in norms]) if len({n.dtype for n in norms}) > 1
+                                              else torch.stack(norms)).all()) \
+                    and not all(bool(torch.isfinite(g).all()) for g in grads)
                 flag = torch.tensor([float(bad)])
             else:
                 norms = torch._foreach_norm(grads, float("inf"))
@@ -822,18 +832,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """AdamW on every tensor of the group that has a gradient (others get no state and keep their step
         count, as in ``torch.optim.AdamW``); one fused call per distinct step count."""
         by_step: dict[int, tuple[list, list, list, list]] = {}
-        for p in group["params"]:
-            if p.grad is None:
-                continue
-            st = self.state[p]
+        stepped = [p for p in group["params"] if p.grad is not None]
+        states = [self.state[p] for p in stepped]
+        for p, st in zip(stepped, states):
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
                 st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            params, grads, ms, vs = by_step.setdefault(self._step_count(p, only_with_grad=True), ([], [], [], []))
-            params.append(local_flat(p))
-            grads.append(local_flat(p.grad))
-            ms.append(local_flat(st["exp_avg"]))
-            vs.append(local_flat(st["exp_avg_sq"]))
+            if not isinstance(st.get("step"), torch.Tensor):  # new, or a number from an older state dict
+                st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+        counts = [st["step"] for st in states]
+        if counts:  # _step_count(p, only_with_grad=True) of every tensor with a gradient: one kernel, one read
+            torch._foreach_add_(counts, 1.0)
+            counts = [int(c) for c in torch.stack(counts).tolist()]
+        for p, st, count in zip(stepped, states, counts):
+            params, grads, ms, vs = by_step.setdefault(count, ([], [], [], []))
+            if hasattr(p, "to_local"):
+                params.append(local_flat(p))
+                grads.append(local_flat(p.grad))
+                ms.append(local_flat(st["exp_avg"]))
+                vs.append(local_flat(st["exp_avg_sq"]))
+            else:  # plain tensors, contiguous for the step (contiguous_steps; state is created contiguous)
+                params.append(p.view(-1))
+                grads.append(p.grad.view(-1))
+                ms.append(st["exp_avg"].view(-1))
+                vs.append(st["exp_avg_sq"].view(-1))
         for step, (params, grads, ms, vs) in by_step.items():
             adamw_step(
                 params, grads, ms, vs, step,

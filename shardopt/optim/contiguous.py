@@ -26,6 +26,9 @@ def contiguous_steps(params: Iterable[torch.Tensor]) -> Iterator[None]:
     """Make every plain parameter and gradient in ``params`` contiguous for the duration of the block."""
     swapped: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
     seen: set[int] = set()
+    # the common case, every tensor contiguous, in one pass without per-tensor calls into this module
+    params = [p for p in params if not hasattr(p, "to_local") and (
+        not p.is_contiguous() or (p.grad is not None and not p.grad.is_contiguous()))]
     for p in params:
         if id(p) in seen or not _plain(p):
             continue

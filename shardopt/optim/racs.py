@@ -23,9 +23,10 @@ from typing import Any, Iterable, Unpack
 import pydantic
 import torch
 
-from ..sharding import Round, axis_sum, col_sums, local_sum, masked_reciprocal, masked_rsqrt, row_sums, scale_into
+from ..sharding import Round, masked_reciprocal, masked_rsqrt
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
+from .grouped import grouped_step
 
 __all__ = ["RACS", "rescale", "ema_scales", "inverse_sqrt_scales", "norm_growth_eta", "RACSConfig"]
 
@@ -92,49 +93,53 @@ class RACS(ShardedOptimizer):
         return shape[0] + shape[1] + 1 if group.get("treatment", "adamw") != "adamw" else 0
 
     def _step_racs(self, group: dict) -> None:
-        items = self._matrix_items(group)
+        step = grouped_step(self, group)
+        blocks = step.blocks
+        if not blocks.n_items:
+            return
+        grads = step.grads
+        p2 = blocks.square(grads)  # P = G * G, per block shape
         rnd = Round()
-        for it in items:
-            m, n = it.layout.shape
-            it.work["P"] = it.grad * it.grad
-            it.work["q_hat"] = it.grad.new_ones(m)
-            it.work["q_norm2"] = it.grad.new_tensor(float(m))
+        # every matrix's q_hat and s_hat concatenated (blocks.n_rows, blocks.n_cols); norms one per matrix
+        q_hat = torch.ones(blocks.n_rows, device=blocks.device)
+        q_norm2 = blocks.item_rows  # |1|^2 = m
         for i in range(group["iterations"]):
-            for it in items:  # P^T q_hat (and |q_hat|^2 after the first round): partial, then completed
-                it.work["s_hat"] = col_sums(it.layout, it.work["P"], it.work["q_hat"])
-                rnd.add_axis(it.layout, it.work["s_hat"], 1)
-                if i > 0:
-                    it.work["q_norm2"] = axis_sum(it.layout, it.work["q_hat"] * it.work["q_hat"], 0, rnd)
+            s_hat = blocks.col_sums(p2, q_hat)  # P^T q_hat (and |q_hat|^2 after the first round): partial, completed
+            blocks.add_axis(rnd, s_hat, 1)
+            if i > 0:
+                q_norm2 = blocks.axis_sums(q_hat * q_hat, 0, rnd)
             rnd.run()
-            for it in items:
-                rescale(it.work["s_hat"], it.work["q_norm2"])
-                it.work["q_hat"] = row_sums(it.layout, it.work["P"], it.work["s_hat"])
-                rnd.add_axis(it.layout, it.work["q_hat"], 0)
-                it.work["s_norm2"] = axis_sum(it.layout, it.work["s_hat"] * it.work["s_hat"], 1, rnd)
+            rescale(s_hat, q_norm2[blocks.item_of_col])
+            q_hat = blocks.row_sums(p2, s_hat)
+            blocks.add_axis(rnd, q_hat, 0)
+            s_norm2 = blocks.axis_sums(s_hat * s_hat, 1, rnd)
             rnd.run()
-            for it in items:
-                rescale(it.work["q_hat"], it.work["s_norm2"])
+            rescale(q_hat, s_norm2[blocks.item_of_row])
         beta = group["beta"]
-        for it in items:
-            m, n = it.layout.shape
-            st = it.state
+        states = step.states
+        for st, (m, n) in zip(states, (lay.shape for lay in step.layouts)):
             if "q" not in st:
-                st["q"] = it.grad.new_zeros(m)
-                st["s"] = it.grad.new_zeros(n)
-                st["phi"] = it.grad.new_zeros(())
-            if it.has_grad:
-                ema_scales(st["q"], st["s"], it.work["q_hat"], it.work["s_hat"], beta)
-            q_inv, s_inv = inverse_sqrt_scales(st["q"], st["s"])
-            # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
-            it.work["norm2"] = local_sum(row_sums(it.layout, it.work["P"], s_inv * s_inv) * (q_inv * q_inv))
-            it.work["Gt"] = scale_into(it.layout, it.work["P"], it.grad, q_inv, s_inv)
-            rnd.add_sum(it.layout, it.work["norm2"])
+                st["q"] = q_hat.new_zeros(m)
+                st["s"] = q_hat.new_zeros(n)
+                st["phi"] = q_hat.new_zeros(())
+        with_grad = [k for k, ok in enumerate(step.has_grad) if ok]
+        if with_grad:
+            q_parts, s_parts = q_hat.split(blocks.ms), s_hat.split(blocks.ns)
+            qs, ss = [states[k]["q"] for k in with_grad], [states[k]["s"] for k in with_grad]
+            torch._foreach_mul_(qs, beta)  # ema_scales for every matrix with a gradient
+            torch._foreach_add_(qs, [q_parts[k] for k in with_grad], alpha=1 - beta)
+            torch._foreach_mul_(ss, beta)
+            torch._foreach_add_(ss, [s_parts[k] for k in with_grad], alpha=1 - beta)
+        q_inv, s_inv = inverse_sqrt_scales(torch.cat([st["q"] for st in states]), torch.cat([st["s"] for st in states]))
+        # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
+        norm2 = blocks.item_sums(blocks.row_sums(p2, s_inv * s_inv) * (q_inv * q_inv), 0)
+        gt = blocks.scale(grads, q_inv, s_inv, out=p2)  # into P's memory, as scale_into did
+        blocks.add_sums(rnd, norm2)
         rnd.run()
-        gamma = group["gamma"]
-        for it in items:
-            st = it.state
-            norm = it.work["norm2"].sqrt()
-            eta = norm_growth_eta(norm, st["phi"], gamma)
-            if it.has_grad:
-                st["phi"] = eta * norm
-            it.apply(it.work["Gt"], group["lr"] * group["alpha"] * eta, group["weight_decay"])
+        phi = torch.stack([st["phi"] for st in states])
+        norm = norm2.sqrt()
+        eta = norm_growth_eta(norm, phi, group["gamma"])
+        if with_grad:
+            new_phi = (eta * norm).unbind(0)
+            torch._foreach_copy_([states[k]["phi"] for k in with_grad], [new_phi[k] for k in with_grad])
+        step.apply(gt, group["lr"] * group["alpha"] * eta, group["weight_decay"])

@@ -23,16 +23,17 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
-from ..sharding import Round, col_sums, row_sums
+from ..sharding import Round
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
+from .grouped import grouped_step
 
 __all__ = ["SCALE", "inverse_rms", "SCALEConfig"]
 
 
-def inverse_rms(sumsq: torch.Tensor, count: int, eps: float, norm: str = "rms") -> torch.Tensor:
+def inverse_rms(sumsq: torch.Tensor, count: int | torch.Tensor, eps: float, norm: str = "rms") -> torch.Tensor:
     """``1 / s`` with ``s = max(sqrt(sumsq / count), eps)`` per line (``norm="l2"``: no division by the line
-    length ``count``), from each line's completed sum of squares."""
+    length ``count``, a number or one per line), from each line's completed sum of squares."""
     if norm == "rms":
         sumsq = sumsq / count
     return 1.0 / sumsq.sqrt().clamp_min(eps)
@@ -121,17 +122,14 @@ class SCALE(ShardedOptimizer):
             buf.lerp_(grad.to(buf.dtype), 1 - beta)
             return buf
 
-        items = self._matrix_items(group, source)
+        step = grouped_step(self, group, source)
+        blocks = step.blocks
         axis = 0 if group["norm_dim"] == 1 else 1  # stats per row when reducing over dim 1
         rnd = Round()
-        for it in items:
-            stats = (row_sums if axis == 0 else col_sums)(it.layout, it.grad, square=True)
-            rnd.add_axis(it.layout, stats, axis)
-            it.work["stats"] = stats
+        stats = blocks.row_sums(step.grads, square=True) if axis == 0 else blocks.col_sums(step.grads, square=True)
+        blocks.add_axis(rnd, stats, axis)
         rnd.run()
-        for it in items:
-            m, n = it.layout.shape
-            count = n if axis == 0 else m
-            inv = inverse_rms(it.work["stats"], count, group["eps"], group["norm"])
-            it.apply_scaled(it.grad, group["lr"], group["weight_decay"],
-                            row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)
+        # each row's count is its matrix's n (per-row stats), each column's its m
+        inv = inverse_rms(stats, blocks.row_length if axis == 0 else blocks.col_length, group["eps"], group["norm"])
+        step.apply_scaled(step.grads, group["lr"], group["weight_decay"],
+                          row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)

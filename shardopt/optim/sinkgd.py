@@ -18,9 +18,10 @@ from typing import Any, Iterable, Unpack
 import pydantic
 import torch
 
-from ..sharding import Round, col_sums, masked_reciprocal, row_sums, scale_into
+from ..sharding import Round, col_sums, masked_reciprocal, row_sums
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
+from .grouped import grouped_step
 
 __all__ = ["SinkGD", "sr_sinkhorn_scales", "sinkhorn_scale", "SinkGDConfig"]
 
@@ -80,9 +81,22 @@ class SinkGD(ShardedOptimizer):
             lr=lr, lr_scale=lr_scale, iterations=iterations, weight_decay=weight_decay), options))
 
     def _step_sinkgd(self, group: dict) -> None:
-        items = self._matrix_items(group)
-        sr_sinkhorn_scales(items, group["iterations"])
+        step = grouped_step(self, group)
+        blocks = step.blocks
+        if not blocks.n_items:
+            return
+        grads = step.grads
+        a = blocks.square(grads)  # A = G * G, per block shape
+        rnd = Round()
+        v = None
+        for _ in range(group["iterations"]):  # the half-sweeps of sr_sinkhorn_scales, for all matrices at once
+            r = blocks.row_sums(a, v)
+            blocks.add_axis(rnd, r, 0)
+            rnd.run()
+            u = masked_reciprocal(r, blocks.row_length)  # sinkhorn_scale with each row's length n
+            c = blocks.col_sums(a, u)
+            blocks.add_axis(rnd, c, 1)
+            rnd.run()
+            v = masked_reciprocal(c, blocks.col_length)
         lr = group["lr"] * group["lr_scale"]
-        for it in items:
-            update = scale_into(it.layout, it.work["A"], it.grad, it.work["u"].sqrt(), it.work["v"].sqrt())
-            it.apply(update, lr, group["weight_decay"])
+        step.apply(blocks.scale(grads, u.sqrt(), v.sqrt(), out=a), lr, group["weight_decay"])  # A no longer needed

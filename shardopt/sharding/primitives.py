@@ -111,8 +111,9 @@ def scale_into(
     return out
 
 
-def masked_reciprocal(x: torch.Tensor, numerator: float = 1.0) -> torch.Tensor:
-    """``numerator / x`` where ``x > 0``, else 0: zero statistics give zero updates, never NaN or inf."""
+def masked_reciprocal(x: torch.Tensor, numerator: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """``numerator / x`` where ``x > 0``, else 0: zero statistics give zero updates, never NaN or inf
+    (``numerator`` a number or a tensor shaped like ``x``)."""
     pos = x > 0
     return torch.where(pos, numerator / torch.where(pos, x, torch.ones_like(x)), torch.zeros_like(x))
 

@@ -1,0 +1,179 @@
+"""A param group's matrices as one grouped step (``shardopt.sharding.grouped``), for the step drivers.
+
+``grouped_step(opt, group)`` lists the same matrices as ``ShardedOptimizer._matrix_items``, in the same order,
+but hands a driver their gradients as ``(B, h, w)`` stacks per block shape, their state dicts, and an
+``apply`` that updates every block of the group with ``torch._foreach_*`` kernels, so a step issues a number of
+ops that depends on the number of block shapes, not of matrices. The static part (fragments, block groups,
+index tensors, split indices) is built once per param group and layout and cached on the optimizer.
+
+What takes which path: every engine's pieces are blocks (whole matrices, FSDP2 row or column shards, ZeRO
+flat pieces with partial head and tail rows), and every block is grouped by its shape; there is no
+per-matrix remainder path. Only CPU blocks of at least ``CPU_BLOCK_LIMIT`` elements loop over the blocks of
+their group for weighted sums (the per-block kernel is faster there and the loop's overhead negligible).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from ..sharding.fragment import Fragment, local_flat
+from ..sharding.grouped import BlockGroups, blocks_of
+
+__all__ = ["GroupedStep", "grouped_step"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
+
+
+class _Plan:
+    """The static part: stepped tensors, their fragments, and the block groups of those fragments."""
+
+    def __init__(self, opt, params: list[torch.Tensor], frags: list[list[Fragment]], device: torch.device):
+        self.params = params
+        self.frags = frags
+        pairs, owners, offsets, whole = [], [], [], []
+        for t, (p, fs) in enumerate(zip(params, frags)):
+            single = len(fs) == 1 and fs[0].offset == 0 and fs[0].numel == local_flat(p).numel()
+            for f in fs:
+                pairs.append((p, f))
+                owners.append(t)
+                offsets.append(f.offset)
+                whole.append(single)
+        self.pairs = pairs
+        self.owners = owners
+        self.layouts = [f.layout for _, f in pairs]
+        self.blocks = BlockGroups([f.layout for _, f in pairs], device, owners=owners, offsets=offsets, whole=whole)
+
+
+def _plan(opt, group: dict) -> _Plan:
+    cache = opt.__dict__.setdefault("_grouped_plans", {})
+    params = list(group["params"])
+    key = tuple(map(id, params))
+    frags = [opt.fragments(p) for p in params]
+    plan = cache.get(key)
+    if plan is None or any(a is not b for a, b in zip(plan.params, params)) or \
+            any(a is not b for a, b in zip(plan.frags, frags)):
+        device = local_flat(params[0]).device if params else torch.device("cpu")
+        if len(cache) >= 64:  # engines that hand new tensors each step must not grow it without bound
+            cache.clear()
+        plan = cache[key] = _Plan(opt, params, frags, device)
+    return plan
+
+
+class GroupedStep:
+    """One step of a param group's matrices, grouped by block shape.
+
+    ``blocks``: the ``BlockGroups``; ``grads``: per group a ``(B, h, w)`` fp32 stack of the local gradients (or of
+    ``source(p, grad)``; zeros for a tensor without a gradient); ``states``: per matrix its state dict;
+    ``has_grad``: per matrix; ``layouts``: per matrix.
+    """
+
+    def __init__(self, opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        plan = _plan(opt, group)
+        self.plan = plan
+        self.blocks = plan.blocks
+        params = plan.params
+        grads = [p.grad for p in params]
+        self.tensor_has_grad = [g is not None for g in grads]
+        if source is not None:
+            grads = [None if g is None else source(p, g) for p, g in zip(params, grads)]
+        self.locals = [_local(p) for p in params]
+        self.grads = self.blocks.stack([None if g is None else _local(g) for g in grads])
+        self.all_have_grad = all(self.tensor_has_grad)
+        # every matrix's state dict exists after a step, also where its rule keeps nothing (as _matrix_items
+        # made them): state_dict() and engines' consolidation list every stepped tensor
+        self.states = [opt.matrix_state(p, f) for p, f in plan.pairs]
+
+    @property
+    def has_grad(self) -> list[bool]:
+        """Per matrix: whether its stepped tensor has a gradient."""
+        return [self.tensor_has_grad[t] for t in self.plan.owners]
+
+    @property
+    def layouts(self) -> list:
+        return self.plan.layouts
+
+    @property
+    def frags(self) -> list[Fragment]:
+        return [f for _, f in self.plan.pairs]
+
+    def _keep(self, g) -> list[int] | None:
+        """Positions of group ``g``'s blocks whose matrices get an update (None: all of them)."""
+        if self.all_have_grad:
+            return None
+        keep = [k for k, i in enumerate(g.items) if self.tensor_has_grad[self.blocks.owners[i]]]
+        return None if len(keep) == len(g.items) else keep
+
+    @staticmethod
+    def _pick(x, keep: list[int] | None, device: torch.device):
+        """Rows ``keep`` of a stack (or entries of a block list, or of a per-block vector)."""
+        if keep is None:
+            return x
+        if isinstance(x, list):
+            return [x[k] for k in keep]
+        return x[torch.tensor(keep, dtype=torch.int64, device=device)]
+
+    def apply(self, updates: list, lr: float | torch.Tensor, weight_decay: float = 0.0) -> None:
+        """``W <- W (1 - lr wd) - lr U`` on every block (``MatrixItem.apply``); ``lr`` a float or one value per
+        matrix (a vector over the matrices)."""
+        dev = self.blocks.device
+        for g, u in zip(self.blocks.groups, updates):
+            keep = self._keep(g)
+            if keep is not None and not keep:
+                continue
+            views = self._pick(self.blocks.block_views(self.locals, g), keep, dev)
+            u = self._pick(u, keep, dev)
+            if isinstance(lr, torch.Tensor):
+                lr_b = self._pick(lr[g.item_tensor], keep, dev)
+                if weight_decay:
+                    torch._foreach_mul_(views, list((1 - lr_b * weight_decay).unbind(0)))
+                if isinstance(u, list):
+                    scaled = [ub * lb for ub, lb in zip(u, lr_b.unbind(0))]
+                else:
+                    scaled = list((u * lr_b[:, None, None]).unbind(0))
+                torch._foreach_sub_(views, self._cast(scaled, views))
+            else:
+                if weight_decay:
+                    torch._foreach_mul_(views, 1 - lr * weight_decay)
+                torch._foreach_add_(views, self._cast(blocks_of(u), views), alpha=-lr)
+
+    def apply_scaled(self, xs: list, lr: float, weight_decay: float = 0.0,
+                     row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None) -> None:
+        """``W <- W (1 - lr wd) - lr diag(row_scale) X diag(col_scale)`` (``MatrixItem.apply_scaled``): one fused
+        multiply-add per block for fp32 parameters, without materializing the update."""
+        dev = self.blocks.device
+        for g, x in zip(self.blocks.groups, xs):
+            keep = self._keep(g)
+            if keep is not None and not keep:
+                continue
+            views = self._pick(self.blocks.block_views(self.locals, g), keep, dev)
+            x = blocks_of(self._pick(x, keep, dev))
+            r = None if row_scale is None else blocks_of(self._pick(row_scale[g.row_index].unsqueeze(2), keep, dev))
+            c = None if col_scale is None else blocks_of(self._pick(col_scale[g.col_index].unsqueeze(1), keep, dev))
+            if weight_decay:
+                torch._foreach_mul_(views, 1 - lr * weight_decay)
+            if any(v.dtype != torch.float32 for v in views) or (r is not None and c is not None):
+                u = x
+                if r is not None:
+                    u = torch._foreach_mul(u, r)
+                if c is not None:
+                    u = torch._foreach_mul(u, c)
+                torch._foreach_add_(views, self._cast(u, views), alpha=-lr)
+            elif r is not None or c is not None:
+                torch._foreach_addcmul_(views, x, r if r is not None else c, value=-lr)
+            else:
+                torch._foreach_add_(views, x, alpha=-lr)
+
+    @staticmethod
+    def _cast(u: list[torch.Tensor], views: list[torch.Tensor]) -> list[torch.Tensor]:
+        if all(v.dtype == ub.dtype for v, ub in zip(views, u)):
+            return u
+        return [ub.to(v.dtype) for ub, v in zip(u, views)]
+
+
+def grouped_step(opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> GroupedStep:
+    """The matrices of ``group`` for one step, grouped (see the module docstring)."""
+    return GroupedStep(opt, group, source)
