@@ -29,7 +29,7 @@ import torch
 
 from .comm import Round
 from .layout import MatrixLayout
-from .primitives import col_sumsq
+from .primitives import col_sumsq, scale_block
 
 __all__ = ["BlockGroups", "Group", "blocks_of"]
 
@@ -279,26 +279,13 @@ class BlockGroups:
             if isinstance(x, list):
                 dst = out[k] if out is not None else [torch.empty_like(b) for b in x]
                 for j, (b, d) in enumerate(zip(x, dst)):
-                    _scale_block(b, d, None if r is None else r[j][:, None], None if c is None else c[j][None, :])
+                    scale_block(b, d, None if r is None else r[j][:, None], None if c is None else c[j][None, :])
                 result.append(dst)
             else:
                 dst = out[k] if out is not None else torch.empty_like(x)
-                _scale_block(x, dst, None if r is None else r.unsqueeze(2), None if c is None else c.unsqueeze(1))
+                scale_block(x, dst, None if r is None else r.unsqueeze(2), None if c is None else c.unsqueeze(1))
                 result.append(dst)
         return result
-
-
-def _scale_block(x: torch.Tensor, out: torch.Tensor, r: torch.Tensor | None, c: torch.Tensor | None) -> None:
-    """``out = (x * r) * c`` with broadcast line scales (either may be None), as ``primitives.scale_into``."""
-    if r is not None and c is not None:
-        torch.mul(x, r, out=out)
-        out.mul_(c)
-    elif r is not None:
-        torch.mul(x, r, out=out)
-    elif c is not None:
-        torch.mul(x, c, out=out)
-    elif out.data_ptr() != x.data_ptr():
-        out.copy_(x)
 
 
 def blocks_of(x) -> list[torch.Tensor]:

@@ -13,6 +13,7 @@ from .comm import Round, on_device
 from .layout import MatrixLayout
 
 __all__ = [
+    "scale_block",
     "row_sums",
     "col_sums",
     "col_sumsq",
@@ -88,6 +89,21 @@ def axis_sum(layout: MatrixLayout, values: torch.Tensor, axis: int, rnd: Round) 
     return total
 
 
+def scale_block(x: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor | None,
+                col_scale: torch.Tensor | None) -> None:
+    """``out = (x * row_scale) * col_scale`` with broadcastable line scales (either may be None; ``out`` may
+    alias ``x``): the one kernel sequence behind ``scale_into`` and the grouped steps, so both round alike."""
+    if row_scale is not None and col_scale is not None:
+        torch.mul(x, row_scale, out=out)
+        out.mul_(col_scale)
+    elif row_scale is not None:
+        torch.mul(x, row_scale, out=out)
+    elif col_scale is not None:
+        torch.mul(x, col_scale, out=out)
+    elif out.data_ptr() != x.data_ptr():
+        out.copy_(x)
+
+
 def scale_into(
     layout: MatrixLayout,
     out: torch.Tensor,
@@ -97,17 +113,8 @@ def scale_into(
 ) -> torch.Tensor:
     """``out = diag(row_scale) @ x @ diag(col_scale)`` on the local piece (``out`` may alias ``x``)."""
     for (b, xb), (_, ob) in zip(layout.views(x), layout.views(out)):
-        r = None if row_scale is None else row_scale[b.row: b.row + b.height, None]
-        c = None if col_scale is None else col_scale[None, b.col: b.col + b.width]
-        if r is not None and c is not None:
-            torch.mul(xb, r, out=ob)
-            ob.mul_(c)
-        elif r is not None:
-            torch.mul(xb, r, out=ob)
-        elif c is not None:
-            torch.mul(xb, c, out=ob)
-        elif ob.data_ptr() != xb.data_ptr():
-            ob.copy_(xb)
+        scale_block(xb, ob, None if row_scale is None else row_scale[b.row: b.row + b.height, None],
+                    None if col_scale is None else col_scale[None, b.col: b.col + b.width])
     return out
 
 
