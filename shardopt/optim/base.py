@@ -38,7 +38,7 @@ from .groups import normalize_param_groups
 from .hooks import apply_param_sources, run_pre_step_checks
 from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups
 
-__all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver"]
+__all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver", "apply_items"]
 
 #: the layout of a stepped tensor that is one parameter (default: ``sharding.discover.layout_of``)
 LayoutResolver = Callable[[torch.Tensor], MatrixLayout]
@@ -100,6 +100,25 @@ class MatrixItem:
                 wb.addcmul_(xb, col_scale[None, b.col: b.col + b.width], value=-lr)
             else:
                 wb.add_(xb, alpha=-lr)
+
+
+def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr: float | Sequence[float],
+                weight_decay: float = 0.0) -> None:
+    """``MatrixItem.apply`` for many matrices at once: ``W <- W (1 - lr wd) - lr U`` with ``torch._foreach_*``
+    kernels, one call per distinct ``lr`` (a float, or one per item: e.g. a shape-dependent lr) instead of one
+    per matrix. Items without a gradient or without local elements are skipped, as ``apply`` does."""
+    lrs = [lr] * len(items) if isinstance(lr, (int, float)) else list(lr)
+    by_lr: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for it, u, r in zip(items, updates, lrs):
+        if it.has_grad and it.frag.numel:
+            views, ups = by_lr.setdefault(float(r), ([], []))
+            w = it.param()
+            views.append(w)
+            ups.append(u if u.dtype == w.dtype else u.to(w.dtype))
+    for r, (views, ups) in by_lr.items():
+        if weight_decay:
+            torch._foreach_mul_(views, 1 - r * weight_decay)
+        torch._foreach_add_(views, ups, alpha=-r)
 
 
 def _float_lr(group: dict) -> dict:
