@@ -70,8 +70,8 @@ def _fused_applies(*tensor_lists: list[torch.Tensor]) -> bool:
     device = tensor_lists[0][0].device
     if device.type not in ("cpu", "cuda"):
         return False
-    return all(t.dtype == torch.float32 and t.device == device and not t.is_sparse
-               for tensors in tensor_lists for t in tensors)
+    kinds = {(t.dtype, t.device, t.layout) for tensors in tensor_lists for t in tensors}
+    return kinds == {(torch.float32, device, torch.strided)}
 
 
 def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step: int, *, lr: float,

@@ -121,6 +121,21 @@ def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr
         torch._foreach_add_(views, ups, alpha=-r)
 
 
+#: below this many gradient elements a step is launch-bound and the non-finite check takes the fused AMP kernel;
+#: above it, l2 norms (read-only: about 20% less time per element on a CPU)
+FUSED_CHECK_ELEMENTS = 1 << 22
+
+
+def _fused_check_applies(grads: list[torch.Tensor]) -> bool:
+    """Whether the fused AMP check kernel takes ``grads``: small in total, one device, float dtypes it supports."""
+    if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
+        return False
+    device = grads[0].device
+    kinds = {(g.dtype, g.device) for g in grads}
+    return (sum(g.numel() for g in grads) < FUSED_CHECK_ELEMENTS and device.type in ("cpu", "cuda")
+            and all(d == device and dt in (torch.float32, torch.bfloat16, torch.float16) for dt, d in kinds))
+
+
 def _float_lr(group: dict) -> dict:
     """The group as the rules see it: a tensor ``lr`` read as a float (torch's tensor-lr convention)."""
     lr = group.get("lr")
@@ -335,6 +350,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._ops_cache.clear()
         self._matrix_plans.clear()
         self._matrix_owner.clear()
+        self.__dict__.get("_grouped_plans", {}).clear()
 
     # ------------------------------------------------------------------ copy / pickle
     #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
@@ -820,7 +836,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         named = [(p, g) for p, g in named if g.numel()]
         if named:
             grads = [g for _, g in named]
-            if grads[0].device.type == "cpu":
+            if _fused_check_applies(grads):
+                # one kernel for every gradient where the step is launch-bound: torch's AMP check, which also
+                # multiplies by its scale (1.0 here: every element is left as it was)
+                flag = torch.zeros(1, device=grads[0].device)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1, device=grads[0].device))
+            elif grads[0].device.type == "cpu":
                 # one foreach kernel: an l2 norm is non-finite whenever an element is; confirmed element-wise
                 # only then (a finite overflow of the norm is not a skip)
                 norms = torch._foreach_norm(grads, 2.0)
@@ -870,11 +891,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 grads.append(local_flat(p.grad))
                 ms.append(local_flat(st["exp_avg"]))
                 vs.append(local_flat(st["exp_avg_sq"]))
-            else:  # plain tensors, contiguous for the step (contiguous_steps; state is created contiguous)
-                params.append(p.view(-1))
-                grads.append(p.grad.view(-1))
-                ms.append(st["exp_avg"].view(-1))
-                vs.append(st["exp_avg_sq"].view(-1))
+            else:  # plain tensors, contiguous for the step (contiguous_steps; state is created contiguous):
+                # element-wise kernels take them as they are; a view only where a loaded state is shaped otherwise
+                m, v = st["exp_avg"], st["exp_avg_sq"]
+                params.append(p)
+                grads.append(p.grad)
+                ms.append(m if m.shape == p.shape else m.view(p.shape))
+                vs.append(v if v.shape == p.shape else v.view(p.shape))
         for step, (params, grads, ms, vs) in by_step.items():
             adamw_step(
                 params, grads, ms, vs, step,

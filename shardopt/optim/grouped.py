@@ -46,16 +46,18 @@ class _Plan:
         self.owners = owners
         self.layouts = [f.layout for _, f in pairs]
         self.blocks = BlockGroups([f.layout for _, f in pairs], device, owners=owners, offsets=offsets, whole=whole)
+        self.state_made_for: object = None  # the optimizer state object whose matrix entries were last made
 
 
 def _plan(opt, group: dict) -> _Plan:
+    """The cached static part for ``group``'s tensors. ``use_layouts`` (an engine attaching other fragments)
+    drops the cache (``ShardedOptimizer._forget_plans``), so a hit needs only the same tensors."""
     cache = opt.__dict__.setdefault("_grouped_plans", {})
     params = list(group["params"])
     key = tuple(map(id, params))
-    frags = [opt.fragments(p) for p in params]
     plan = cache.get(key)
-    if plan is None or any(a is not b for a, b in zip(plan.params, params)) or \
-            any(a is not b for a, b in zip(plan.frags, frags)):
+    if plan is None or any(a is not b for a, b in zip(plan.params, params)):
+        frags = [opt.fragments(p) for p in params]
         device = local_flat(params[0]).device if params else torch.device("cpu")
         if len(cache) >= 64:  # engines that hand new tensors each step must not grow it without bound
             cache.clear()
@@ -71,6 +73,8 @@ class GroupedStep:
     ``has_grad``: per matrix; ``layouts``: per matrix.
     """
 
+    _states: list[dict] | None = None
+
     def __init__(self, opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         plan = _plan(opt, group)
         self.plan = plan
@@ -83,9 +87,20 @@ class GroupedStep:
         self.locals = [_local(p) for p in params]
         self.grads = self.blocks.stack([None if g is None else _local(g) for g in grads])
         self.all_have_grad = all(self.tensor_has_grad)
+        self._opt = opt
         # every matrix's state dict exists after a step, also where its rule keeps nothing (as _matrix_items
-        # made them): state_dict() and engines' consolidation list every stepped tensor
-        self.states = [opt.matrix_state(p, f) for p, f in plan.pairs]
+        # made them): state_dict() and engines' consolidation list every stepped tensor. Made once per state
+        # object (load_state_dict replaces it); a rule that reads them asks for ``states``.
+        if plan.state_made_for is not opt.state:
+            self.states
+            plan.state_made_for = opt.state
+
+    @property
+    def states(self) -> list[dict]:
+        """Per matrix its state dict (created where missing)."""
+        if self._states is None:
+            self._states = [self._opt.matrix_state(p, f) for p, f in self.plan.pairs]
+        return self._states
 
     @property
     def has_grad(self) -> list[bool]:
