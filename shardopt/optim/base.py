@@ -351,12 +351,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._matrix_plans.clear()
         self._matrix_owner.clear()
         self.__dict__.get("_grouped_plans", {}).clear()
+        self.__dict__.pop("_verified_tensors", None)  # plugin.wrapped's pre-step check runs again
 
     # ------------------------------------------------------------------ copy / pickle
     #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
     _BY_TENSOR_ID = ("param_names", "_fragments", "_attached")
     #: caches keyed by object identity, rebuilt on the next step
-    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans")
+    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans", "_verified_tensors")
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an

@@ -137,11 +137,16 @@ def check_stepped_tensors(opt: Any) -> None:
     """Before a step: every tensor of a matrix group must be a real matrix or a declared flat partition; map a
     DeepSpeed wrapper found on the call stack, else raise ``UnmappedTensorError``. DTensors a wrapper swapped in
     for the parameters get the replaced parameters' names."""
-    if any(id(p) not in opt.param_names and hasattr(p, "placements") for g in opt.param_groups for p in g["params"]):
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    verified = opt.__dict__.get("_verified_tensors")
+    if verified is not None and len(verified) == len(stepped) and all(a is b for a, b in zip(verified, stepped)):
+        return  # the same tensors as at the last check, which passed (use_layouts drops this)
+    if any(id(p) not in opt.param_names and hasattr(p, "placements") for p in stepped):
         rekey_names(opt)
     bad = [(g, p) for g in opt.param_groups if g.get("treatment", "adamw") != "adamw"
            for p in g["params"] if _needs_mapping(opt, p)]
     if not bad:
+        opt._verified_tensors = stepped
         return
     wrapper, engine = find_deepspeed_caller(opt)
     if wrapper is not None:
