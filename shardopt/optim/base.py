@@ -116,8 +116,9 @@ def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr
             views.append(w)
             ups.append(u if u.dtype == w.dtype else u.to(w.dtype))
     for r, (views, ups) in by_lr.items():
-        if weight_decay:
-            torch._foreach_mul_(views, 1 - r * weight_decay)
+        if weight_decay:  # on a CPU a 0-d fp32 factor: as w.mul_(float) also for bf16 weights, and faster there
+            factor = 1 - r * weight_decay
+            torch._foreach_mul_(views, torch.tensor(factor) if views[0].device.type == "cpu" else factor)
         torch._foreach_add_(views, ups, alpha=-r)
 
 

@@ -47,4 +47,7 @@ class Fragment:
 
     def local(self, t: torch.Tensor) -> torch.Tensor:
         """This fragment's elements of ``t`` (a tensor shaped like the stepped tensor) as a 1-D view."""
-        return local_flat(t)[self.offset: self.offset + self.numel]
+        flat = local_flat(t)
+        if self.offset == 0 and self.numel == flat.numel():
+            return flat  # the whole tensor: no second view (a step asks for every matrix's piece)
+        return flat[self.offset: self.offset + self.numel]
