@@ -18,9 +18,9 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
-from ..sharding.matfun import MUON_COEFFICIENTS, newton_schulz, newton_schulz_iteration
+from ..sharding.matfun import MUON_COEFFICIENTS, by_shape, newton_schulz, newton_schulz_iteration
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from .base import MatrixItem, ShardedOptimizer
+from .base import MatrixItem, ShardedOptimizer, _local
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
 __all__ = ["Muon", "MuonConfig", "adjusted_lr"]
@@ -80,24 +80,52 @@ class Muon(ShardedOptimizer):
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
 
     def _step_muon(self, group: dict) -> None:
-        mu = group["momentum"]
+        updates = self._momentum(group)
+        items = self._matrix_items(group, lambda p, grad: updates[id(p)])
+        self._run_whole_matrix(group, items, lambda its, ops: self._orthogonalize(its, ops, group))
+        self._apply(items, group)
 
-        def source(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _apply(items: list[MatrixItem], group: dict) -> None:
+        """``W <- W (1 - lr wd) - lr_adj O`` (decay at the unadjusted lr, as torch.optim.Muon) with foreach
+        kernels: one decay for all matrices, one update per distinct adjusted lr (``base.apply_items``, whose
+        decay would use the adjusted lr). Matrices without a gradient or local elements are skipped."""
+        lr, wd = group["lr"], group["weight_decay"]
+        views, by_lr = [], {}
+        for it in items:
+            if it.has_grad and it.frag.numel:
+                w = it.param()
+                u = it.work["update"]
+                views.append(w)
+                ws, us = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape), ([], []))
+                ws.append(w)
+                us.append(u if u.dtype == w.dtype else u.to(w.dtype))
+        if wd and views:
+            torch._foreach_mul_(views, 1 - lr * wd)
+        for r, (ws, us) in by_lr.items():
+            torch._foreach_add_(ws, us, alpha=-r)
+
+    def _momentum(self, group: dict) -> dict[int, torch.Tensor]:
+        """``B = lerp(B, G, 1 - mu)`` and the update ``lerp(G, B, mu)`` (Nesterov) or ``B`` for every parameter
+        with a gradient, as two foreach kernels on the local elements; keyed by ``id(p)``."""
+        mu = group["momentum"]
+        params, bufs, grads = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
             st = self.state[p]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            buf = st["momentum_buffer"]
-            g = grad.to(buf.dtype)
-            buf.lerp_(g, 1 - mu)
-            return g.lerp(buf, mu) if group["nesterov"] else buf
-
-        items = self._matrix_items(group, source)
-        self._run_whole_matrix(group, items, lambda its, ops: self._orthogonalize(its, ops, group))
-        for it in items:
-            lr = group["lr"]
-            if it.has_grad and it.frag.numel and group["weight_decay"]:
-                it.param().mul_(1 - lr * group["weight_decay"])
-            it.apply(it.work["update"], adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape))
+            buf = _local(st["momentum_buffer"])
+            g = _local(p.grad)
+            params.append(p)
+            bufs.append(buf)
+            grads.append(g if g.dtype == buf.dtype else g.to(buf.dtype))
+        if not params:
+            return {}
+        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        out = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        return {id(p): u for p, u in zip(params, out)}
 
     # ------------------------------------------------------------------ whole-matrix work
     whole_matrix_work = True
@@ -124,8 +152,12 @@ class Muon(ShardedOptimizer):
         steps, eps = group["ns_steps"], group["eps"]
         blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
-        out = {i: newton_schulz(blocks[i], steps, MUON_COEFFICIENTS, eps, dtype)
-               for i in active if ops.kinds[i] != "distributed"}
+        # whole matrices (single process, or this rank owns them): one batched iteration per wide shape (a
+        # tall matrix runs on its transpose, as newton_schulz does, so it shares the batch of its wide twin)
+        tall = {i for i in active if blocks[i].size(0) > blocks[i].size(1)}
+        out = by_shape(lambda x: newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype),
+                       {i: blocks[i].T if i in tall else blocks[i] for i in active if ops.kinds[i] != "distributed"})
+        out = {i: o.T if i in tall else o for i, o in out.items()}
         spread = {i: blocks[i] for i in active if ops.kinds[i] == "distributed"}
         if spread:
             out.update(_newton_schulz_rows(spread, ops, steps, eps, dtype))
