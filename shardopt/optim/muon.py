@@ -18,7 +18,7 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
-from ..sharding.matfun import MUON_COEFFICIENTS, by_shape, newton_schulz, newton_schulz_iteration
+from ..sharding.matfun import MUON_COEFFICIENTS, newton_schulz, newton_schulz_iteration
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from .base import MatrixItem, ShardedOptimizer, _local
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
@@ -155,15 +155,30 @@ class Muon(ShardedOptimizer):
         # whole matrices (single process, or this rank owns them): one batched iteration per wide shape (a
         # tall matrix runs on its transpose, as newton_schulz does, so it shares the batch of its wide twin)
         tall = {i for i in active if blocks[i].size(0) > blocks[i].size(1)}
-        out = by_shape(lambda x: newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype),
-                       {i: blocks[i].T if i in tall else blocks[i] for i in active if ops.kinds[i] != "distributed"})
-        out = {i: o.T if i in tall else o for i, o in out.items()}
+        wide = {i: blocks[i].T if i in tall else blocks[i] for i in active if ops.kinds[i] != "distributed"}
+        out = {}
+        for idx in _same_shape(wide):
+            y = newton_schulz(torch.stack([wide[i] for i in idx]), steps, MUON_COEFFICIENTS, eps, dtype)
+            # each piece returns in its parameter's orientation: transposed once per stack where needed, so
+            # that from_blocks takes views instead of copying every matrix
+            flip = [(i in tall) != ops.plans[i].transpose for i in idx]
+            yt = y.mT.contiguous() if any(flip) else y
+            for j, i in enumerate(idx):
+                piece = yt[j] if flip[j] else y[j]
+                out[i] = piece.T if ops.plans[i].transpose else piece
         spread = {i: blocks[i] for i in active if ops.kinds[i] == "distributed"}
         if spread:
             out.update(_newton_schulz_rows(spread, ops, steps, eps, dtype))
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["update"] = piece
         ops.account()
+
+
+def _same_shape(mats: dict[int, torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, m in mats.items():
+        groups.setdefault((tuple(m.shape), m.dtype, m.device), []).append(i)
+    return list(groups.values())
 
 
 def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float,

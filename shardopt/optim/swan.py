@@ -160,7 +160,14 @@ class SWAN(ShardedOptimizer):
                 xs[j] = a * line_scale((a * a).sum(-2, keepdim=True), k)
             xs = _whiten_stacks(xs, group)
             ops.account()
-        out = _unstack(stacks, xs)
+        out = {}
+        for (idx, _), y in zip(stacks, xs):
+            flip = [ops.plans[i].transpose for i in idx]
+            if any(flip):  # stored transposed once per stack, so those pieces come back as views, not copies
+                yt = y.mT.contiguous().mT
+                out.update((i, yt[j] if f else y[j]) for j, (i, f) in enumerate(zip(idx, flip)))
+            else:
+                out.update((i, y[j]) for j, i in enumerate(idx))
         for it, piece in zip(items, ops.from_blocks([out[i] for i in range(len(items))])):
             it.work["x"] = piece
 
