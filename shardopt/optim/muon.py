@@ -150,6 +150,10 @@ class Muon(ShardedOptimizer):
         """``it.work["update"] = NS(it.grad)`` (the grad slot holds the Nesterov momentum) for one bucket."""
         dtype = _DTYPES[group["ns_dtype"]]
         steps, eps = group["ns_steps"], group["eps"]
+        if all(kind == "local" for kind in ops.kinds):
+            _orthogonalize_local(items, steps, eps, dtype)
+            ops.account()
+            return
         blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
         # whole matrices (single process, or this rank owns them): one batched iteration per wide shape (a
@@ -172,6 +176,29 @@ class Muon(ShardedOptimizer):
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["update"] = piece
         ops.account()
+
+
+def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype: torch.dtype) -> None:
+    """``_orthogonalize`` for matrices held whole (``local``: each local gradient is the row-major matrix):
+    the gradients stacked by shape, tall stacks transposed and joined to the wide stack of the same shape, one
+    batched iteration per wide shape, results back as flat row-major pieces (no per-matrix copies)."""
+    by: dict[tuple[int, int], list[int]] = {}
+    for i, it in enumerate(items):
+        by.setdefault(tuple(it.layout.shape), []).append(i)
+    wide: dict[tuple[int, int], list[tuple[list[int], bool, torch.Tensor]]] = {}
+    for (m, n), idx in by.items():
+        g = torch.stack([items[i].grad for i in idx]).view(len(idx), m, n)
+        wide.setdefault((min(m, n), max(m, n)), []).append((idx, m > n, g.mT if m > n else g))
+    for parts in wide.values():
+        x = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2].contiguous()
+        y = newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype)
+        pos = 0
+        for idx, tall, _ in parts:
+            block = y[pos: pos + len(idx)]
+            pos += len(idx)
+            flat = (block.mT.contiguous() if tall else block).reshape(len(idx), -1)
+            for i, piece in zip(idx, flat.unbind(0)):
+                items[i].work["update"] = piece
 
 
 def _same_shape(mats: dict[int, torch.Tensor]) -> list[list[int]]:

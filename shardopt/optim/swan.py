@@ -82,7 +82,8 @@ class SWAN(ShardedOptimizer):
         items = self._matrix_items(group)
         lr = group["lr"] * group["lr_scale"]
         if all(it.layout.group is None for it in items):
-            # single process / replicas: every matrix is whole here, so all sweeps run on same-shape stacks
+            # single process / replicas (MatrixOps' "local"): every matrix is whole here, so all sweeps run on
+            # same-shape stacks
             self._run_whole_matrix(group, items, lambda its, ops: self._local_bucket(its, ops, group))
             apply_items(items, [it.work["x"] for it in items], lr, group["weight_decay"])
             return
@@ -146,12 +147,14 @@ class SWAN(ShardedOptimizer):
         ops.account()
 
     def _local_bucket(self, items: list, ops, group: dict) -> None:
-        """Every sweep of matrices held whole (``local``), on ``A`` (rows = the long side ``k``, so the lines
-        are its columns) stacked by shape: normalize the lines, then whiten (the roots of all Grams of one
-        size in one batch), ``iterations`` times."""
-        blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
-        stacks = _stacks(dict(enumerate(blocks)))
-        xs = [a for _, a in stacks]
+        """Every sweep of matrices held whole (``local``: each local gradient is the row-major matrix), stacked
+        by shape as ``A`` (rows = the long side ``k``, so the lines are its columns): normalize the lines,
+        then whiten (the roots of all Grams of one size in one batch), ``iterations`` times."""
+        stacks = []
+        for (m, n), idx in _by_shape(items).items():
+            g = torch.stack([items[i].grad for i in idx]).view(len(idx), m, n)
+            stacks.append((idx, m <= n, g.mT if m <= n else g))  # A = G^T where whole_matrix_transpose
+        xs = [a for _, _, a in stacks]
         for _ in range(group["iterations"]):
             for j, a in enumerate(xs):
                 k = a.size(-2)
@@ -160,16 +163,17 @@ class SWAN(ShardedOptimizer):
                 xs[j] = a * line_scale((a * a).sum(-2, keepdim=True), k)
             xs = _whiten_stacks(xs, group)
             ops.account()
-        out = {}
-        for (idx, _), y in zip(stacks, xs):
-            flip = [ops.plans[i].transpose for i in idx]
-            if any(flip):  # stored transposed once per stack, so those pieces come back as views, not copies
-                yt = y.mT.contiguous().mT
-                out.update((i, yt[j] if f else y[j]) for j, (i, f) in enumerate(zip(idx, flip)))
-            else:
-                out.update((i, y[j]) for j, i in enumerate(idx))
-        for it, piece in zip(items, ops.from_blocks([out[i] for i in range(len(items))])):
-            it.work["x"] = piece
+        for (idx, transposed, _), a in zip(stacks, xs):
+            g = a.mT if transposed else a
+            for i, piece in zip(idx, g.reshape(len(idx), -1).unbind(0)):
+                items[i].work["x"] = piece
+
+
+def _by_shape(items: list) -> dict[tuple[int, int], list[int]]:
+    by: dict[tuple[int, int], list[int]] = {}
+    for i, it in enumerate(items):
+        by.setdefault(tuple(it.layout.shape), []).append(i)
+    return by
 
 
 def _exact_root(group: dict, rows: int, cols: int) -> bool:
