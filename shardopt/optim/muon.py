@@ -100,8 +100,8 @@ class Muon(ShardedOptimizer):
                 ws, us = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape), ([], []))
                 ws.append(w)
                 us.append(u if u.dtype == w.dtype else u.to(w.dtype))
-        if wd and views:
-            torch._foreach_mul_(views, 1 - lr * wd)
+        if wd and views:  # a 0-d fp32 factor rounds as p.mul_(float) does, also for bf16 parameters
+            torch._foreach_mul_(views, torch.full((), 1 - lr * wd, device=views[0].device))
         for r, (ws, us) in by_lr.items():
             torch._foreach_add_(ws, us, alpha=-r)
 
