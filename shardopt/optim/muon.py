@@ -213,19 +213,25 @@ def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: 
     """Newton-Schulz on matrices whose tall orientation ``A`` is spread over ranks by rows: ``blocks[i]`` is
     this rank's row block of ``A_i``, i.e. a column block of the wide ``A_i^T`` that the iteration runs on.
     Every round completes all matrices' partial sums with one all-reduce per process group (in fp32, whatever
-    ``dtype``): first the Frobenius norms (sums of squares), then each step's ``k x k`` Gram matrices."""
-    runs = {i: newton_schulz_iteration(b.to(dtype).T, steps, MUON_COEFFICIENTS, eps) for i, b in blocks.items()}
-    parts = {i: next(run) for i, run in runs.items()}
-    norms = ops.allreduce({i: p.float().square().reshape(1) for i, p in parts.items()})
-    complete = {i: n.sqrt().reshape(()).to(dtype) for i, n in norms.items()}
+    ``dtype``): first the Frobenius norms (sums of squares), then each step's ``k x k`` Gram matrices. Blocks of
+    one shape on this rank run as one batched iteration; the reductions stay one entry per matrix, so every
+    rank reduces the same entries in the same order however its blocks group."""
+    runs = {}
+    for idx in _same_shape(blocks):
+        x = torch.stack([blocks[i] for i in idx]).to(dtype).mT
+        runs[tuple(idx)] = newton_schulz_iteration(x, steps, MUON_COEFFICIENTS, eps)
+    parts = {idx: next(run) for idx, run in runs.items()}
+    norms = ops.allreduce({i: p[j].float().square().reshape(1) for idx, p in parts.items() for j, i in enumerate(idx)})
+    complete = {idx: torch.stack([norms[i] for i in idx]).sqrt().reshape(-1, 1, 1).to(dtype) for idx in runs}
     out: dict[int, torch.Tensor] = {}
     while runs:
         parts = {}
-        for i, run in list(runs.items()):
+        for idx, run in list(runs.items()):
             try:
-                parts[i] = run.send(complete[i])
+                parts[idx] = run.send(complete[idx])
             except StopIteration as stop:
-                out[i] = stop.value.T.float()
-                del runs[i]
-        complete = {i: g.to(dtype) for i, g in ops.allreduce({i: p.float() for i, p in parts.items()}).items()}
+                out.update((i, stop.value[j].T.float()) for j, i in enumerate(idx))
+                del runs[idx]
+        grams = ops.allreduce({i: p[j].float() for idx, p in parts.items() for j, i in enumerate(idx)})
+        complete = {idx: torch.stack([grams[i] for i in idx]).to(dtype) for idx in parts}
     return out
