@@ -9,6 +9,11 @@ and Newton-Schulz runs on ``MatrixOps`` like every whole-matrix optimizer (``mat
 only the small ``k x k`` Gram matrix (one collective per step for all matrices of a bucket); ``auto`` picks per
 matrix by the cost model. ``ns_dtype="bfloat16"`` reproduces torch's bf16 iteration; the default fp32 keeps
 sharded runs equal to the single-process run to fp32 rounding.
+
+A step costs a number of kernels that depends on the number of matrix shapes, not of matrices: the momentum is
+two foreach lerps, same-shape matrices (a tall one transposed, joining its wide twin) run one batched
+iteration, row blocks of one shape under ``distributed`` too, and the update is one foreach decay plus one
+foreach add per adjusted lr.
 """
 from __future__ import annotations
 

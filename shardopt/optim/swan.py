@@ -11,6 +11,9 @@ Sharded: the line norms are partial sums completed by one bucketed all-reduce; w
 small Gram matrix of each matrix (``MatrixOps``: reduced from row blocks, or computed by an owner rank), then
 the coupled Newton-Schulz iteration on it (converges to the polar factor; 12 steps by default, fp32), or an
 exact float64 eigendecomposition (``whitening="svd"``).
+
+Whole matrices (single process, or an owner's) are stacked by shape: line norms, Grams and products run
+batched, and the roots of all Grams of one size as one batch. Single process, every sweep runs on the stacks.
 """
 from __future__ import annotations
 
