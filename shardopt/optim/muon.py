@@ -105,8 +105,12 @@ class Muon(ShardedOptimizer):
                 ws, us = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape), ([], []))
                 ws.append(w)
                 us.append(u if u.dtype == w.dtype else u.to(w.dtype))
-        if wd and views:  # a 0-d fp32 factor rounds as p.mul_(float) does, also for bf16 parameters
-            torch._foreach_mul_(views, torch.full((), 1 - lr * wd, device=views[0].device))
+        if wd:  # a 0-d fp32 factor (one per device) rounds as p.mul_(float) does, also for bf16 parameters
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for w in views:
+                by_device.setdefault(w.device, []).append(w)
+            for device, ws in by_device.items():
+                torch._foreach_mul_(ws, torch.full((), 1 - lr * wd, device=device))
         for r, (ws, us) in by_lr.items():
             torch._foreach_add_(ws, us, alpha=-r)
 
