@@ -9,6 +9,11 @@ and Newton-Schulz runs on ``MatrixOps`` like every whole-matrix optimizer (``mat
 only the small ``k x k`` Gram matrix (one collective per step for all matrices of a bucket); ``auto`` picks per
 matrix by the cost model. ``ns_dtype="bfloat16"`` reproduces torch's bf16 iteration; the default fp32 keeps
 sharded runs equal to the single-process run to fp32 rounding.
+
+A step costs a number of kernels that depends on the number of matrix shapes, not of matrices: the momentum is
+two foreach lerps, same-shape matrices (a tall one transposed, joining its wide twin) run one batched
+iteration, row blocks of one shape under ``distributed`` too, and the update is one foreach decay plus one
+foreach add per adjusted lr.
 """
 from __future__ import annotations
 
@@ -20,7 +25,7 @@ import torch
 
 from ..sharding.matfun import MUON_COEFFICIENTS, newton_schulz, newton_schulz_iteration
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from .base import MatrixItem, ShardedOptimizer
+from .base import MatrixItem, ShardedOptimizer, _local
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
 __all__ = ["Muon", "MuonConfig", "adjusted_lr"]
@@ -80,24 +85,56 @@ class Muon(ShardedOptimizer):
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
 
     def _step_muon(self, group: dict) -> None:
-        mu = group["momentum"]
+        updates = self._momentum(group)
+        items = self._matrix_items(group, lambda p, grad: updates[id(p)])
+        self._run_whole_matrix(group, items, lambda its, ops: self._orthogonalize(its, ops, group))
+        self._apply(items, group)
 
-        def source(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _apply(items: list[MatrixItem], group: dict) -> None:
+        """``W <- W (1 - lr wd) - lr_adj O`` (decay at the unadjusted lr, as torch.optim.Muon) with foreach
+        kernels: one decay for all matrices, one update per distinct adjusted lr (``base.apply_items``, whose
+        decay would use the adjusted lr). Matrices without a gradient or local elements are skipped."""
+        lr, wd = group["lr"], group["weight_decay"]
+        views, by_lr = [], {}
+        for it in items:
+            if it.has_grad and it.frag.numel:
+                w = it.param()
+                u = it.work["update"]
+                views.append(w)
+                ws, us = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape), ([], []))
+                ws.append(w)
+                us.append(u if u.dtype == w.dtype else u.to(w.dtype))
+        if wd:  # a 0-d fp32 factor (one per device) rounds as p.mul_(float) does, also for bf16 parameters
+            by_device: dict[torch.device, list[torch.Tensor]] = {}
+            for w in views:
+                by_device.setdefault(w.device, []).append(w)
+            for device, ws in by_device.items():
+                torch._foreach_mul_(ws, torch.full((), 1 - lr * wd, device=device))
+        for r, (ws, us) in by_lr.items():
+            torch._foreach_add_(ws, us, alpha=-r)
+
+    def _momentum(self, group: dict) -> dict[int, torch.Tensor]:
+        """``B = lerp(B, G, 1 - mu)`` and the update ``lerp(G, B, mu)`` (Nesterov) or ``B`` for every parameter
+        with a gradient, as two foreach kernels on the local elements; keyed by ``id(p)``."""
+        mu = group["momentum"]
+        params, bufs, grads = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
             st = self.state[p]
             if "momentum_buffer" not in st:
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            buf = st["momentum_buffer"]
-            g = grad.to(buf.dtype)
-            buf.lerp_(g, 1 - mu)
-            return g.lerp(buf, mu) if group["nesterov"] else buf
-
-        items = self._matrix_items(group, source)
-        self._run_whole_matrix(group, items, lambda its, ops: self._orthogonalize(its, ops, group))
-        for it in items:
-            lr = group["lr"]
-            if it.has_grad and it.frag.numel and group["weight_decay"]:
-                it.param().mul_(1 - lr * group["weight_decay"])
-            it.apply(it.work["update"], adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape))
+            buf = _local(st["momentum_buffer"])
+            g = _local(p.grad)
+            params.append(p)
+            bufs.append(buf)
+            grads.append(g if g.dtype == buf.dtype else g.to(buf.dtype))
+        if not params:
+            return {}
+        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        out = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
+        return {id(p): u for p, u in zip(params, out)}
 
     # ------------------------------------------------------------------ whole-matrix work
     whole_matrix_work = True
@@ -122,10 +159,26 @@ class Muon(ShardedOptimizer):
         """``it.work["update"] = NS(it.grad)`` (the grad slot holds the Nesterov momentum) for one bucket."""
         dtype = _DTYPES[group["ns_dtype"]]
         steps, eps = group["ns_steps"], group["eps"]
+        if all(kind == "local" for kind in ops.kinds):
+            _orthogonalize_local(items, steps, eps, dtype)
+            ops.account()
+            return
         blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
-        out = {i: newton_schulz(blocks[i], steps, MUON_COEFFICIENTS, eps, dtype)
-               for i in active if ops.kinds[i] != "distributed"}
+        # whole matrices (single process, or this rank owns them): one batched iteration per wide shape (a
+        # tall matrix runs on its transpose, as newton_schulz does, so it shares the batch of its wide twin)
+        tall = {i for i in active if blocks[i].size(0) > blocks[i].size(1)}
+        wide = {i: blocks[i].T if i in tall else blocks[i] for i in active if ops.kinds[i] != "distributed"}
+        out = {}
+        for idx in _same_shape(wide):
+            y = newton_schulz(torch.stack([wide[i] for i in idx]), steps, MUON_COEFFICIENTS, eps, dtype)
+            # each piece returns in its parameter's orientation: transposed once per stack where needed, so
+            # that from_blocks takes views instead of copying every matrix
+            flip = [(i in tall) != ops.plans[i].transpose for i in idx]
+            yt = y.mT.contiguous() if any(flip) else y
+            for j, i in enumerate(idx):
+                piece = yt[j] if flip[j] else y[j]
+                out[i] = piece.T if ops.plans[i].transpose else piece
         spread = {i: blocks[i] for i in active if ops.kinds[i] == "distributed"}
         if spread:
             out.update(_newton_schulz_rows(spread, ops, steps, eps, dtype))
@@ -134,24 +187,60 @@ class Muon(ShardedOptimizer):
         ops.account()
 
 
+def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype: torch.dtype) -> None:
+    """``_orthogonalize`` for matrices held whole (``local``: each local gradient is the row-major matrix):
+    the gradients stacked by shape, tall stacks transposed and joined to the wide stack of the same shape, one
+    batched iteration per wide shape, results back as flat row-major pieces (no per-matrix copies)."""
+    by: dict[tuple[int, int], list[int]] = {}
+    for i, it in enumerate(items):
+        by.setdefault(tuple(it.layout.shape), []).append(i)
+    wide: dict[tuple[int, int], list[tuple[list[int], bool, torch.Tensor]]] = {}
+    for (m, n), idx in by.items():
+        g = torch.stack([items[i].grad for i in idx]).view(len(idx), m, n)
+        wide.setdefault((min(m, n), max(m, n)), []).append((idx, m > n, g.mT if m > n else g))
+    for parts in wide.values():
+        x = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2].contiguous()
+        y = newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype)
+        pos = 0
+        for idx, tall, _ in parts:
+            block = y[pos: pos + len(idx)]
+            pos += len(idx)
+            flat = (block.mT.contiguous() if tall else block).reshape(len(idx), -1)
+            for i, piece in zip(idx, flat.unbind(0)):
+                items[i].work["update"] = piece
+
+
+def _same_shape(mats: dict[int, torch.Tensor]) -> list[list[int]]:
+    groups: dict[tuple, list[int]] = {}
+    for i, m in mats.items():
+        groups.setdefault((tuple(m.shape), m.dtype, m.device), []).append(i)
+    return list(groups.values())
+
+
 def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float,
                         dtype: torch.dtype) -> dict[int, torch.Tensor]:
     """Newton-Schulz on matrices whose tall orientation ``A`` is spread over ranks by rows: ``blocks[i]`` is
     this rank's row block of ``A_i``, i.e. a column block of the wide ``A_i^T`` that the iteration runs on.
     Every round completes all matrices' partial sums with one all-reduce per process group (in fp32, whatever
-    ``dtype``): first the Frobenius norms (sums of squares), then each step's ``k x k`` Gram matrices."""
-    runs = {i: newton_schulz_iteration(b.to(dtype).T, steps, MUON_COEFFICIENTS, eps) for i, b in blocks.items()}
-    parts = {i: next(run) for i, run in runs.items()}
-    norms = ops.allreduce({i: p.float().square().reshape(1) for i, p in parts.items()})
-    complete = {i: n.sqrt().reshape(()).to(dtype) for i, n in norms.items()}
+    ``dtype``): first the Frobenius norms (sums of squares), then each step's ``k x k`` Gram matrices. Blocks of
+    one shape on this rank run as one batched iteration; the reductions stay one entry per matrix, so every
+    rank reduces the same entries in the same order however its blocks group."""
+    runs = {}
+    for idx in _same_shape(blocks):
+        x = torch.stack([blocks[i] for i in idx]).to(dtype).mT
+        runs[tuple(idx)] = newton_schulz_iteration(x, steps, MUON_COEFFICIENTS, eps)
+    parts = {idx: next(run) for idx, run in runs.items()}
+    norms = ops.allreduce({i: p[j].float().square().reshape(1) for idx, p in parts.items() for j, i in enumerate(idx)})
+    complete = {idx: torch.stack([norms[i] for i in idx]).sqrt().reshape(-1, 1, 1).to(dtype) for idx in runs}
     out: dict[int, torch.Tensor] = {}
     while runs:
         parts = {}
-        for i, run in list(runs.items()):
+        for idx, run in list(runs.items()):
             try:
-                parts[i] = run.send(complete[i])
+                parts[idx] = run.send(complete[idx])
             except StopIteration as stop:
-                out[i] = stop.value.T.float()
-                del runs[i]
-        complete = {i: g.to(dtype) for i, g in ops.allreduce({i: p.float() for i, p in parts.items()}).items()}
+                out.update((i, stop.value[j].T.float()) for j, i in enumerate(idx))
+                del runs[idx]
+        grams = ops.allreduce({i: p[j].float() for idx, p in parts.items() for j, i in enumerate(idx)})
+        complete = {idx: torch.stack([grams[i] for i in idx]).to(dtype) for idx in parts}
     return out

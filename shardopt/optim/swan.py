@@ -11,6 +11,9 @@ Sharded: the line norms are partial sums completed by one bucketed all-reduce; w
 small Gram matrix of each matrix (``MatrixOps``: reduced from row blocks, or computed by an owner rank), then
 the coupled Newton-Schulz iteration on it (converges to the polar factor; 12 steps by default, fp32), or an
 exact float64 eigendecomposition (``whitening="svd"``).
+
+Whole matrices (single process, or an owner's) are stacked by shape: line norms, Grams and products run
+batched, and the roots of all Grams of one size as one batch. Single process, every sweep runs on the stacks.
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import torch
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
 from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SWAN", "line_scale", "whiten", "SWANConfig"]
@@ -80,6 +83,13 @@ class SWAN(ShardedOptimizer):
 
     def _step_swan(self, group: dict) -> None:
         items = self._matrix_items(group)
+        lr = group["lr"] * group["lr_scale"]
+        if all(it.layout.group is None for it in items):
+            # single process / replicas (MatrixOps' "local"): every matrix is whole here, so all sweeps run on
+            # same-shape stacks
+            self._run_whole_matrix(group, items, lambda its, ops: self._local_bucket(its, ops, group))
+            apply_items(items, [it.work["x"] for it in items], lr, group["weight_decay"])
+            return
         rnd = Round()
         for it in items:
             m, n = it.layout.shape
@@ -105,9 +115,7 @@ class SWAN(ShardedOptimizer):
                 scale_into(it.layout, it.work["x"], it.work["x"], inv if it.work["axis"] == 0 else None,
                            inv if it.work["axis"] == 1 else None)
             self._whiten(items, group)
-        lr = group["lr"] * group["lr_scale"]
-        for it in items:
-            it.apply(it.work["x"], lr, group["weight_decay"])
+        apply_items(items, [it.work["x"] for it in items], lr, group["weight_decay"])
 
     whole_matrix_work = True
 
@@ -127,15 +135,81 @@ class SWAN(ShardedOptimizer):
     def _whiten_bucket(self, items: list, ops, group: dict) -> None:
         blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
-        grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in active})
-        # Centered lines of a square matrix sum to zero, so its Gram is singular by construction and the coupled
-        # iteration would amplify the null direction by 1.5 per step (to inf/NaN): those take the exact
-        # pseudo-inverse root, which maps it to zero. Decided by shape, the same on every rank.
-        exact = {i for i in grams if group["center"] and len(set(items[i].layout.shape)) == 1}
+        spread = [i for i in active if ops.kinds[i] == "distributed"]
+        # whole matrices (an owner's, or not sharded): stacked by shape, one batched Gram, root and product
+        stacks = _stacks({i: blocks[i] for i in active if ops.kinds[i] != "distributed"})
+        out = _unstack(stacks, _whiten_stacks([a for _, a in stacks], group))
+        grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in spread})
+        exact = {i for i in grams if _exact_root(group, *items[i].layout.shape)}
         roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]),
                          {i: g for i, g in grams.items() if i not in exact})
         roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact}))
-        out = {i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in active}
+        out.update({i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in spread})
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece
         ops.account()
+
+    def _local_bucket(self, items: list, ops, group: dict) -> None:
+        """Every sweep of matrices held whole (``local``: each local gradient is the row-major matrix), stacked
+        by shape as ``A`` (rows = the long side ``k``, so the lines are its columns): normalize the lines,
+        then whiten (the roots of all Grams of one size in one batch), ``iterations`` times."""
+        stacks = []
+        for (m, n), idx in _by_shape(items).items():
+            g = torch.stack([items[i].grad for i in idx]).view(len(idx), m, n)
+            stacks.append((idx, m <= n, g.mT if m <= n else g))  # A = G^T where whole_matrix_transpose
+        xs = [a for _, _, a in stacks]
+        for _ in range(group["iterations"]):
+            for j, a in enumerate(xs):
+                k = a.size(-2)
+                if group["center"]:
+                    a = a - a.sum(-2, keepdim=True) / k
+                xs[j] = a * line_scale((a * a).sum(-2, keepdim=True), k)
+            xs = _whiten_stacks(xs, group)
+            ops.account()
+        for (idx, transposed, _), a in zip(stacks, xs):
+            g = a.mT if transposed else a
+            for i, piece in zip(idx, g.reshape(len(idx), -1).unbind(0)):
+                items[i].work["x"] = piece
+
+
+def _by_shape(items: list) -> dict[tuple[int, int], list[int]]:
+    by: dict[tuple[int, int], list[int]] = {}
+    for i, it in enumerate(items):
+        by.setdefault(tuple(it.layout.shape), []).append(i)
+    return by
+
+
+def _exact_root(group: dict, rows: int, cols: int) -> bool:
+    """Centered lines of a square matrix sum to zero, so its Gram is singular by construction and the coupled
+    iteration would amplify the null direction by 1.5 per step (to inf/NaN): those take the exact
+    pseudo-inverse root, which maps it to zero. Decided by shape, the same on every rank."""
+    return group["center"] and rows == cols
+
+
+def _stacks(blocks: dict[int, torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
+    """Same-shape blocks stacked: ``(indices, (B, rows, cols) stack)`` per shape, in first-seen order."""
+    by: dict[tuple, list[int]] = {}
+    for i, b in blocks.items():
+        by.setdefault((tuple(b.shape), b.dtype, b.device), []).append(i)
+    return [(idx, torch.stack([blocks[i] for i in idx])) for idx in by.values()]
+
+
+def _unstack(stacks: list[tuple[list[int], torch.Tensor]], results: list[torch.Tensor]) -> dict[int, torch.Tensor]:
+    return {i: r[j] for (idx, _), r in zip(stacks, results) for j, i in enumerate(idx)}
+
+
+def _whiten_stacks(stacks: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+    """``sqrt(k) A (A^T A)^{-1/2}`` for ``(B, k, s)`` stacks of whole matrices ``A`` (``k >= s``): the inverse
+    roots of all ``s x s`` Grams taken by one method run as one batch, whatever ``k``."""
+    grams = [a.mT @ a for a in stacks]
+    by: dict[tuple, list[int]] = {}
+    for j, (a, g) in enumerate(zip(stacks, grams)):
+        method = "svd" if _exact_root(group, *a.shape[-2:]) else group["whitening"]
+        by.setdefault((g.shape[-1], g.dtype, g.device, method), []).append(j)
+    roots: list = [None] * len(stacks)
+    for (_, _, _, method), idx in by.items():
+        cat = grams[idx[0]] if len(idx) == 1 else torch.cat([grams[j] for j in idx])
+        r = gram_inverse_sqrt(cat, method, group["ns_steps"])
+        for j, piece in zip(idx, r.split([grams[j].size(0) for j in idx])):
+            roots[j] = piece
+    return [whiten(a, r, a.size(-2)) for a, r in zip(stacks, roots)]

@@ -26,18 +26,27 @@ Iteration = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFFICIENTS,
                             eps: float = 1e-7) -> Iteration:
     """Quintic Newton-Schulz on the wide orientation ``x`` (``k x l``, ``k <= l``), or on a block of its
-    columns when they are spread over ranks.
+    columns when they are spread over ranks; batched over leading dimensions (``(..., k, l)``: one kernel per
+    product for many same-shape matrices).
 
-    Yields this block's Frobenius norm and receives the whole matrix's, then for each step yields the partial
-    Gram ``x x^T`` (``k x k``, a sum over columns) and receives the complete one; everything else is
-    column-local. Returns the block of ``U V^T`` (singular values near 1) in ``x``'s dtype.
+    Yields this block's Frobenius norm (per matrix: shape ``(..., 1, 1)`` when batched) and receives the whole
+    matrix's, then for each step yields the partial Gram ``x x^T`` (``k x k``, a sum over columns) and
+    receives the complete one; everything else is column-local. Returns the block of ``U V^T`` (singular
+    values near 1) in ``x``'s dtype.
     """
     a, b, c = coefficients
-    norm = yield x.norm()
+    if x.dim() == 2:
+        norm = yield x.norm()
+        addmm = torch.addmm
+    else:
+        norm = yield torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
+        addmm = torch.baddbmm
+        if x.dim() > 3:
+            raise ValueError(f"newton_schulz_iteration takes one batch dimension, got shape {tuple(x.shape)}")
     x = x / norm.clamp(min=eps)
     for _ in range(steps):
-        gram = yield x @ x.T
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        gram = yield x @ x.mT
+        x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x
 
 
@@ -54,14 +63,15 @@ def complete_locally(iteration: Iteration) -> torch.Tensor:
 def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7,
                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Approximate orthogonalization ``U V^T`` of ``g`` (singular values land near 1), run in ``dtype`` on the
-    wide orientation, returned in fp32. ``dtype=torch.bfloat16`` reproduces ``torch.optim.Muon``."""
+    wide orientation, returned in fp32; ``g`` may be a ``(B, m, n)`` stack of same-shape matrices (one batched
+    iteration for all). ``dtype=torch.bfloat16`` reproduces ``torch.optim.Muon``."""
     x = g.to(dtype)
-    tall = g.size(0) > g.size(1)
+    tall = g.size(-2) > g.size(-1)
     if tall:
-        x = x.T
+        x = x.mT
     x = complete_locally(newton_schulz_iteration(x, steps, coefficients, eps))
     if tall:
-        x = x.T
+        x = x.mT
     return x.float()
 
 
@@ -69,14 +79,26 @@ def coupled_inverse_sqrt(a: torch.Tensor, steps: int, floor: float) -> torch.Ten
     """``a^{-1/2}`` of symmetric PSD fp32 matrices (batched) by the coupled Newton-Schulz iteration
     (docs/algorithms/alice.md, docs/algorithms/asgo.md): ``Y0 = a/s, Z0 = I``, ``T = (3I - Z Y)/2``,
     ``Y <- Y T``, ``Z <- T Z``, result ``Z / sqrt(s)`` with ``s = max(|a|_F, floor)``. It converges to the
-    inverse root, or with few steps stops short in the smallest eigendirections (a damped root)."""
+    inverse root, or with few steps stops short in the smallest eigendirections (a damped root).
+
+    ``T`` is one fused product ``1.5 I - 0.5 Z Y`` (the same numbers: the halving is exact), and the first
+    step, where ``Z = I``, skips its products with the identity."""
     s = torch.linalg.matrix_norm(a).clamp(min=floor)[..., None, None]
     eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device)
-    y, z = a / s, eye.expand_as(a)
-    for _ in range(steps):
-        t = 0.5 * (3.0 * eye - z @ y)
+    y = a / s
+    if steps < 1:
+        return eye.expand_as(a) / s.sqrt()
+    lead = a.shape[:-2]
+    if len(lead) > 1:  # one batch dimension for baddbmm
+        y = y.reshape(-1, *a.shape[-2:])
+    addmm = torch.addmm if y.dim() == 2 else torch.baddbmm
+    half3 = (1.5 * eye).expand_as(y)
+    t = half3 - 0.5 * y  # Z0 = I: Z Y = Y, T Z = T
+    y, z = y @ t, t
+    for _ in range(steps - 1):
+        t = addmm(half3, z, y, alpha=-0.5)
         y, z = y @ t, t @ z
-    return z / s.sqrt()
+    return z.reshape(a.shape) / s.sqrt()
 
 
 def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
