@@ -35,9 +35,8 @@ import torch
 from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from ..sharding.primitives import col_sumsq
 from ..sharding.subspace import orthonormal, range_basis
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .racs import norm_growth_eta
 from .sumo import effective_rank
@@ -88,19 +87,25 @@ def reproject_tracking(Q_tilde: torch.Tensor, U_new: torch.Tensor, U: torch.Tens
 def residual_energy(a_energy: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
     """``colsum(R * R)`` of ``R = A - U sigma`` from ``colsum(A * A)`` and ``sigma = U^T A``: with orthonormal
     ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2`` (clamped at 0 against rounding)."""
-    return (a_energy - col_sumsq(sigma)).clamp_(min=0)
+    return (a_energy - sigma.square().sum(-2)).clamp_(min=0)
 
 
-def update_moments(M: torch.Tensor, V: torch.Tensor, p: torch.Tensor, Q_tilde: torch.Tensor | None,
-                   sigma: torch.Tensor, energy: torch.Tensor, betas: tuple[float, float, float]) -> None:
+def update_moments(M, V, p, Q_tilde, sigma, energy, betas: tuple[float, float, float]) -> None:
     """In place: ``Q_tilde = b3 Q_tilde + (1 - b3) sigma sigma^T`` (when tracked), ``M = b1 M + (1 - b1) sigma``,
-    ``V = b2 V + (1 - b2) sigma * sigma``, ``p = b1 p + (1 - b1) energy`` (the paper decays p with b1)."""
+    ``V = b2 V + (1 - b2) sigma * sigma``, ``p = b1 p + (1 - b1) energy`` (the paper decays p with b1). Each
+    argument is a tensor (one matrix, or a stack of matrices of one shape) or a list of such tensors: one
+    foreach kernel per statistic then updates all of them."""
     b1, b2, b3 = betas
+    if isinstance(M, torch.Tensor):
+        M, V, p, sigma, energy = [M], [V], [p], [sigma], [energy]
+        Q_tilde = None if Q_tilde is None else [Q_tilde]
     if Q_tilde is not None:
-        Q_tilde.addmm_(sigma, sigma.T, beta=b3, alpha=1 - b3)
-    M.lerp_(sigma, 1 - b1)
-    V.mul_(b2).addcmul_(sigma, sigma, value=1 - b2)
-    p.lerp_(energy, 1 - b1)
+        for q, s in zip(Q_tilde, sigma):
+            (q.addmm_ if q.dim() == 2 else q.baddbmm_)(s, s.mT, beta=b3, alpha=1 - b3)
+    torch._foreach_lerp_(M, sigma, 1 - b1)
+    torch._foreach_mul_(V, b2)
+    torch._foreach_addcmul_(V, sigma, sigma, value=1 - b2)
+    torch._foreach_lerp_(p, energy, 1 - b1)
 
 
 def compensation_scale(p: torch.Tensor, energy: torch.Tensor, rows: int, r: int,
@@ -111,15 +116,26 @@ def compensation_scale(p: torch.Tensor, energy: torch.Tensor, rows: int, r: int,
         c = torch.where(p > 0, (p + eps).rsqrt(), torch.zeros_like(p)) * math.sqrt(rows - r)
     else:
         c = torch.zeros_like(p)
-    return c, (c * c * energy).sum().sqrt()
+    return c, (c * c * energy).sum(-1).sqrt()
 
 
 def low_rank_step(a_rows: torch.Tensor, u_rows: torch.Tensor, sigma: torch.Tensor, M: torch.Tensor,
-                  V: torch.Tensor, col: torch.Tensor, alpha: float, eps: float) -> torch.Tensor:
+                  V: torch.Tensor, col: torch.Tensor | None, alpha: float, eps: float) -> torch.Tensor:
     """Rows of ``alpha U w + A diag(col) - U (sigma diag(col))`` with ``w = M / (sqrt(V) + eps)``: with
-    ``col = alpha alpha_c eta c`` this is ``alpha (U w + alpha_c eta C)``, one product with ``A``."""
+    ``col = alpha alpha_c eta c`` this is ``alpha (U w + alpha_c eta C)``, one product with ``A``; ``col=None``
+    is ``col = 0`` (no compensation: ``r = rows``). Also for stacks of matrices of one shape."""
+    if col is None:
+        return _mm_like(a_rows, u_rows, torch.addcdiv(torch.zeros_like(M), M, V.sqrt().add_(eps), value=alpha))
+    col = col.unsqueeze(-2)
     low = torch.addcdiv(sigma * col.neg(), M, V.sqrt().add_(eps), value=alpha)
-    return mm_like(a_rows, u_rows, low).addcmul_(a_rows, col)
+    return _mm_like(a_rows, u_rows, low).addcmul_(a_rows, col)
+
+
+def _mm_like(like: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``orientation.mm_like`` also for stacks of blocks: ``x @ y`` stored in ``like``'s orientation."""
+    if like.dim() == 2:
+        return mm_like(like, x, y)
+    return (y.mT @ x.mT).mT if not like.is_contiguous() and like.mT.is_contiguous() else x @ y
 
 
 class AliceConfig(WholeMatrixConfig):
@@ -225,60 +241,136 @@ class Alice(ShardedOptimizer):
         return spec
 
     def _step_alice(self, group: dict) -> None:
-        steps = {id(p): self._step_count(p) for p in group["params"]}
+        steps = self._step_counts(group["params"])
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))
 
-    def _alice_bucket(self, group: dict, items: list, ops: MatrixOps, steps: dict) -> None:
-        rank = group["rank"]
-        blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
-        ranks, lead = {}, {}
-        for i, it in enumerate(items):
-            rows, cols = ops.plans[i].a_shape
-            r = ranks[i] = effective_rank(rank, (rows, cols), it.frag.name, "Alice")
-            # the complement must hold the r - l sampled columns; at r = rows there is none (C = 0)
-            lead[i] = r if r == rows else max(min(group["leading"], r), 2 * r - rows)
-            st = it.state
-            if "U" not in st:
-                st["U"] = it.grad.new_zeros(rows, r)
-                if group["tracking"]:
-                    st["Q_tilde"] = it.grad.new_zeros(r, r)
-                st["M"] = it.grad.new_zeros(r, cols)
-                st["V"] = it.grad.new_zeros(r, cols)
-                st["p"] = it.grad.new_zeros(cols)
-                st["phi"] = it.grad.new_zeros(())
-                st["switches"] = it.grad.new_zeros(())
-        active = [i for i in range(len(items)) if ops.active(i)]
-        t_of = {i: steps[id(items[i].tensor)] for i in active}
-        switch = [i for i in active if t_of[i] == 1 or t_of[i] % group["refresh_interval"] == 0]
-        self._switch(ops, items, blocks, switch, ranks, lead, group)
+    def _step_counts(self, params: list) -> dict[int, int]:
+        """``_step_count(p)`` (every step counts) of every tensor of a group: one foreach kernel and one read."""
+        counts = []
+        for p in params:
+            st = self.state[p]
+            step = st.get("step", 0)
+            if not isinstance(step, torch.Tensor):  # a new parameter, or a number from an older state dict
+                step = st["step"] = torch.tensor(float(step), dtype=torch.float32)
+            counts.append(step)
+        if not counts:
+            return {}
+        torch._foreach_add_(counts, 1.0)
+        return {id(p): int(c) for p, c in zip(params, torch.stack(counts).tolist())}
 
-        # sigma = U^T A and colsum(A * A) in one reduction; R = A - U sigma is never formed (residual_energy)
-        sigma, energy = {}, {}
-        parts = ops.allreduce({i: torch.cat([(ops.my_rows(i, items[i].state["U"]).T @ blocks[i]).reshape(-1),
-                                             col_sumsq(blocks[i])]) for i in active})
-        for i in active:
-            r, cols = ranks[i], blocks[i].shape[1]
-            sigma[i] = parts[i][: r * cols].view(r, cols)
-            energy[i] = residual_energy(parts[i][r * cols:], sigma[i])
-        updates = {}
-        for i in active:
-            it, st = items[i], items[i].state
-            rows = ops.plans[i].a_shape[0]
-            if it.has_grad:
-                update_moments(st["M"], st["V"], st["p"], st.get("Q_tilde") if group["tracking"] else None,
-                               sigma[i], energy[i], group["betas"])
-            c, norm = compensation_scale(st["p"], energy[i], rows, ranks[i], group["eps"])
-            eta = norm_growth_eta(norm, st["phi"], group["gamma"])
-            if it.has_grad:
-                st["phi"].copy_(eta * norm)
-            col = c * (group["alpha"] * group["alpha_c"] * eta)
-            updates[i] = low_rank_step(blocks[i], ops.my_rows(i, st["U"]), sigma[i], st["M"], st["V"], col,
-                                       group["alpha"], group["eps"])
-        pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
+    def _bucket_plan(self, group: dict, items: list, ops: MatrixOps) -> "_BucketPlan":
+        """The static part of a bucket's step (cached: it depends on the row plans, strategies, which matrices
+        have a gradient and the rank only)."""
+        cache = self.__dict__.setdefault("_alice_plans", {})
+        key = (tuple(ops.plans), tuple(ops.kinds), tuple([it.has_grad for it in items]), group["rank"])
+        plan = cache.get(key)
+        if plan is None:
+            if len(cache) >= 64:  # engines that hand new layouts must not grow it without bound
+                cache.clear()
+            plan = cache[key] = _BucketPlan(group["rank"], items, ops)
+        return plan
+
+    def _alice_bucket(self, group: dict, items: list, ops: MatrixOps, steps: dict) -> None:
+        """One step of a bucket. Matrices whose blocks share a shape (and orientation, rank, strategy, gradient
+        presence) run as ``(B, rows, cols)`` stacks: one batched product per stack, the statistics of all stacks
+        updated by foreach kernels, their per-matrix state read as stacks and written back by one foreach copy."""
+        plan = self._bucket_plan(group, items, ops)
+        tracking = group["tracking"]
+        blocks: dict[int, torch.Tensor] = {}
+        if plan.remote:  # sharded matrices: their rows of A move to the ranks that compute them
+            sub = ops.subset(plan.remote)
+            blocks.update(zip(plan.remote, (b[0] for b in sub.to_blocks([[items[i].grad] for i in plan.remote]))))
+        interval = group["refresh_interval"]
+        switch = [i for i in plan.active if steps[id(items[i].tensor)] == 1
+                  or steps[id(items[i].tensor)] % interval == 0]
+        if switch:
+            for i in switch:
+                if i not in blocks:
+                    blocks[i] = plan.local_block(i, items[i].grad)
+            lead = {}
+            for i in switch:
+                r, rows = plan.ranks[i], ops.plans[i].a_shape[0]
+                # the complement must hold the r - l sampled columns; at r = rows there is none (C = 0)
+                lead[i] = r if r == rows else max(min(group["leading"], r), 2 * r - rows)
+            self._switch(ops, items, blocks, switch, dict(enumerate(plan.ranks)), lead, group)
+
+        # sigma = U^T A and colsum(A * A), summed over the ranks of distributed matrices in one reduction;
+        # R = A - U sigma is never formed (residual_energy)
+        a_stacks, u_stacks, sigmas, a_energy, parts = [], [], [], [], {}
+        for s in plan.stacks:
+            if s.local:  # the gradients themselves, viewed as G (or G^T)
+                g = torch.stack([items[i].grad for i in s.idx]).view(len(s.idx), *s.g_shape)
+                a = g.mT if s.transposed else g
+            else:
+                a = torch.stack([blocks[i] for i in s.idx])
+            u = torch.stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
+                            else [items[i].state["U"] for i in s.idx])
+            sigma, energy = u.mT @ a, a.square().sum(-2)
+            if s.distributed:
+                part = torch.cat([sigma.flatten(1), energy], 1)
+                parts.update(zip(s.idx, part.unbind(0)))
+            a_stacks.append(a)
+            u_stacks.append(u)
+            sigmas.append(sigma)
+            a_energy.append(energy)
+        if parts:
+            parts = ops.allreduce(parts)
+            for k, s in enumerate(plan.stacks):
+                if s.distributed:
+                    part = torch.stack([parts[i] for i in s.idx])
+                    sigmas[k] = part[:, : s.r * s.cols].view(-1, s.r, s.cols)
+                    a_energy[k] = part[:, s.r * s.cols:]
+
+        b1, b2, b3 = group["betas"]
+        alpha, eps = group["alpha"], group["eps"]
+        keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
+        states = [[items[i].state for i in s.idx] for s in plan.stacks]
+        cur = [{key: torch.stack([st[key] for st in sts]) for key in keys} for sts in states]
+        energies = [residual_energy(e, sigma) for e, sigma in zip(a_energy, sigmas)]
+        moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
+        if moved:
+            update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
+                           [cur[k]["Q_tilde"] for k in moved] if tracking else None,
+                           [sigmas[k] for k in moved], [energies[k] for k in moved], (b1, b2, b3))
+        # compensation where r < rows (at r = rows, C = 0: |C| = 0, eta = 1, phi = 0); one limiter for all
+        scales, norms = {}, []
+        for k, s in enumerate(plan.stacks):
+            if s.r < s.rows:
+                scales[k], norm = compensation_scale(cur[k]["p"], energies[k], s.rows, s.r, eps)
+            else:
+                norm = energies[k].new_zeros(len(s.idx))
+            norms.append(norm)
+        norm = torch.cat(norms)
+        eta = norm_growth_eta(norm, torch.stack([st["phi"] for sts in states for st in sts]), group["gamma"])
+        etas = eta.split([len(s.idx) for s in plan.stacks])
+        if moved:  # the new statistics back into each matrix's state
+            new_phi = (eta * norm).split([len(s.idx) for s in plan.stacks])
+            dst, src = [], []
+            for k in moved:
+                for key in keys:
+                    dst.extend(st[key] for st in states[k])
+                    src.extend(cur[k][key].unbind(0))
+                dst.extend(st["phi"] for st in states[k])
+                src.extend(new_phi[k].unbind(0))
+            torch._foreach_copy_(dst, src)
+
+        pieces: list[torch.Tensor | None] = [None] * len(items)
+        remote_updates: dict[int, torch.Tensor] = {}
+        for k, s in enumerate(plan.stacks):
+            col = scales[k] * (etas[k] * (alpha * group["alpha_c"])).unsqueeze(-1) if k in scales else None
+            upd = low_rank_step(a_stacks[k], u_stacks[k], sigmas[k], cur[k]["M"], cur[k]["V"], col, alpha, eps)
+            if s.local:  # G's flat elements: A = G^T blocks were computed in G's storage order (_mm_like)
+                g = upd.mT if s.transposed else upd
+                for i, piece in zip(s.idx, g.reshape(len(s.idx), -1).unbind(0)):
+                    pieces[i] = piece
+            else:
+                remote_updates.update(zip(s.idx, upd.unbind(0)))
+        if plan.remote:
+            for i, piece in zip(plan.remote, sub.from_blocks([remote_updates.get(i) for i in plan.remote])):
+                pieces[i] = piece
         ops.account()
-        for it, piece in zip(items, pieces):
-            it.apply(piece, group["lr"], group["weight_decay"])
+        apply_items(items, pieces, group["lr"], group["weight_decay"])
 
     def _switch(self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict,
                 group: dict) -> None:
@@ -309,6 +401,46 @@ class Alice(ShardedOptimizer):
                 reproject_tracking(st["Q_tilde"], new, st["U"])
             st["U"].copy_(new)
             st["switches"] += 1
+
+
+class _Stack:
+    """Matrices of a bucket computed together as one ``(B, rows, cols)`` stack: same oriented shape, block
+    shape, rank, strategy and gradient presence (``local``: unsharded, the block is the gradient viewed as
+    ``G`` or ``G^T``; else blocks come from ``MatrixOps.to_blocks``)."""
+
+    __slots__ = ("idx", "local", "transposed", "g_shape", "rows", "cols", "r", "has_grad", "distributed")
+
+    def __init__(self, idx: list[int], local: bool, transposed: bool, g_shape: tuple[int, int], rows: int,
+                 cols: int, r: int, has_grad: bool, distributed: bool):
+        self.idx, self.local, self.transposed, self.g_shape = idx, local, transposed, g_shape
+        self.rows, self.cols, self.r, self.has_grad, self.distributed = rows, cols, r, has_grad, distributed
+
+
+class _BucketPlan:
+    """Static facts of one bucket's step: every matrix's rank, which ones this rank computes, which ones
+    need ``to_blocks`` (sharded), and the stacks of active matrices."""
+
+    def __init__(self, rank: int, items: list, ops: MatrixOps):
+        self.ranks = [effective_rank(rank, plan.a_shape, it.frag.name, "Alice") for it, plan in zip(items, ops.plans)]
+        self.active = [i for i in range(len(items)) if ops.active(i)]
+        self.remote = [i for i in range(len(items)) if ops.kinds[i] != "local"]
+        self._plans = ops.plans
+        groups: dict[tuple, list[int]] = {}
+        for i in self.active:
+            plan, kind = ops.plans[i], ops.kinds[i]
+            a0, a1 = plan.rows()
+            groups.setdefault((plan.a_shape, a1 - a0, kind == "local" and plan.transpose, self.ranks[i],
+                               items[i].has_grad, kind), []).append(i)
+        self.stacks = []
+        for ((rows, cols), _, transposed, r, has_grad, kind), idx in groups.items():
+            self.stacks.append(_Stack(idx, kind == "local", transposed, tuple(ops.plans[idx[0]].layout.shape),
+                                      rows, cols, r, has_grad, kind == "distributed"))
+
+    def local_block(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """``MatrixOps.to_blocks`` of an unsharded matrix: its gradient viewed as ``A``."""
+        plan = self._plans[i]
+        g = grad.view(plan.layout.shape)
+        return g.T if plan.transpose else g
 
 
 class Alice0(Alice):
