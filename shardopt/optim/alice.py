@@ -84,10 +84,15 @@ def reproject_tracking(Q_tilde: torch.Tensor, U_new: torch.Tensor, U: torch.Tens
     Q_tilde.copy_(c @ Q_tilde @ c.mT)
 
 
-def residual_energy(a_energy: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+def residual_energy(a_energy, sigma):
     """``colsum(R * R)`` of ``R = A - U sigma`` from ``colsum(A * A)`` and ``sigma = U^T A``: with orthonormal
-    ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2`` (clamped at 0 against rounding)."""
-    return (a_energy - sigma.square().sum(-2)).clamp_(min=0)
+    ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2`` (clamped at 0 against rounding). Tensors (one matrix or a
+    stack) or lists of them (foreach kernels for all)."""
+    if isinstance(sigma, torch.Tensor):
+        return (a_energy - sigma.square().sum(-2)).clamp_(min=0)
+    out = torch._foreach_sub(a_energy, [s.sum(-2) for s in torch._foreach_mul(sigma, sigma)])
+    torch._foreach_clamp_min_(out, 0.0)
+    return out
 
 
 def update_moments(M, V, p, Q_tilde, sigma, energy, betas: tuple[float, float, float]) -> None:
@@ -119,23 +124,32 @@ def compensation_scale(p: torch.Tensor, energy: torch.Tensor, rows: int, r: int,
     return c, (c * c * energy).sum(-1).sqrt()
 
 
-def low_rank_step(a_rows: torch.Tensor, u_rows: torch.Tensor, sigma: torch.Tensor, M: torch.Tensor,
-                  V: torch.Tensor, col: torch.Tensor | None, alpha: float, eps: float) -> torch.Tensor:
+def low_rank_step(a_rows, u_rows, sigma, M, V, col, alpha: float, eps: float):
     """Rows of ``alpha U w + A diag(col) - U (sigma diag(col))`` with ``w = M / (sqrt(V) + eps)``: with
     ``col = alpha alpha_c eta c`` this is ``alpha (U w + alpha_c eta C)``, one product with ``A``; ``col=None``
-    is ``col = 0`` (no compensation: ``r = rows``). Also for stacks of matrices of one shape."""
-    if col is None:
-        return _mm_like(a_rows, u_rows, torch.addcdiv(torch.zeros_like(M), M, V.sqrt().add_(eps), value=alpha))
-    col = col.unsqueeze(-2)
-    low = torch.addcdiv(sigma * col.neg(), M, V.sqrt().add_(eps), value=alpha)
-    return _mm_like(a_rows, u_rows, low).addcmul_(a_rows, col)
+    is ``col = 0`` (no compensation: ``r = rows``). Tensors (one matrix or a stack of one shape) or lists of
+    them: then the element-wise work is one foreach kernel for all, and the result a list."""
+    single = isinstance(M, torch.Tensor)
+    if single:
+        a_rows, u_rows, sigma, M, V, col = [a_rows], [u_rows], [sigma], [M], [V], [col]
+    d = torch._foreach_sqrt(V)
+    torch._foreach_add_(d, eps)
+    low = torch._foreach_div(torch._foreach_mul(M, alpha), d)  # alpha w
+    out = []
+    for a, u, s, w, c in zip(a_rows, u_rows, sigma, low, col):
+        if c is None:
+            out.append(_mm_like(a, u, w))
+            continue
+        c = c.unsqueeze(-2)
+        out.append(_mm_like(a, u, w.addcmul_(s, c, value=-1)).addcmul_(a, c))
+    return out[0] if single else out
 
 
 def _mm_like(like: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """``orientation.mm_like`` also for stacks of blocks: ``x @ y`` stored in ``like``'s orientation."""
     if like.dim() == 2:
         return mm_like(like, x, y)
-    return (y.mT @ x.mT).mT if not like.is_contiguous() and like.mT.is_contiguous() else x @ y
+    return torch.bmm(y.mT, x.mT).mT if not like.is_contiguous() and like.mT.is_contiguous() else torch.bmm(x, y)
 
 
 class AliceConfig(WholeMatrixConfig):
@@ -306,7 +320,7 @@ class Alice(ShardedOptimizer):
                 a = torch.stack([blocks[i] for i in s.idx])
             u = torch.stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
                             else [items[i].state["U"] for i in s.idx])
-            sigma, energy = u.mT @ a, a.square().sum(-2)
+            sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
             if s.distributed:
                 part = torch.cat([sigma.flatten(1), energy], 1)
                 parts.update(zip(s.idx, part.unbind(0)))
@@ -327,39 +341,44 @@ class Alice(ShardedOptimizer):
         keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
         states = [[items[i].state for i in s.idx] for s in plan.stacks]
         cur = [{key: torch.stack([st[key] for st in sts]) for key in keys} for sts in states]
-        energies = [residual_energy(e, sigma) for e, sigma in zip(a_energy, sigmas)]
+        energies = residual_energy(a_energy, sigmas)
         moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
         if moved:
             update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
                            [cur[k]["Q_tilde"] for k in moved] if tracking else None,
                            [sigmas[k] for k in moved], [energies[k] for k in moved], (b1, b2, b3))
-        # compensation where r < rows (at r = rows, C = 0: |C| = 0, eta = 1, phi = 0); one limiter for all
-        scales, norms = {}, []
-        for k, s in enumerate(plan.stacks):
-            if s.r < s.rows:
-                scales[k], norm = compensation_scale(cur[k]["p"], energies[k], s.rows, s.r, eps)
-            else:
-                norm = energies[k].new_zeros(len(s.idx))
-            norms.append(norm)
-        norm = torch.cat(norms)
-        eta = norm_growth_eta(norm, torch.stack([st["phi"] for sts in states for st in sts]), group["gamma"])
-        etas = eta.split([len(s.idx) for s in plan.stacks])
+        # the compensation where r < rows, with one limiter for all of them; at r = rows C = 0, so |C| = 0,
+        # eta = 1 and phi <- 0
+        comp = [k for k, s in enumerate(plan.stacks) if s.r < s.rows]
+        cols: list[torch.Tensor | None] = [None] * len(plan.stacks)
+        dst, src = [], []
+        if comp:
+            scale, norm = zip(*(compensation_scale(cur[k]["p"], energies[k], plan.stacks[k].rows, plan.stacks[k].r,
+                                                   eps) for k in comp))
+            norm = torch.cat(norm)
+            eta = norm_growth_eta(norm, torch.stack([st["phi"] for k in comp for st in states[k]]), group["gamma"])
+            sizes = [len(plan.stacks[k].idx) for k in comp]
+            for k, c, e in zip(comp, scale, eta.split(sizes)):
+                cols[k] = c * (e * (alpha * group["alpha_c"])).unsqueeze(-1)
+            for k, phi in zip(comp, (eta * norm).split(sizes)):
+                if plan.stacks[k].has_grad:
+                    dst += [st["phi"] for st in states[k]]
+                    src += phi.unbind(0)
         if moved:  # the new statistics back into each matrix's state
-            new_phi = (eta * norm).split([len(s.idx) for s in plan.stacks])
-            dst, src = [], []
             for k in moved:
                 for key in keys:
-                    dst.extend(st[key] for st in states[k])
-                    src.extend(cur[k][key].unbind(0))
-                dst.extend(st["phi"] for st in states[k])
-                src.extend(new_phi[k].unbind(0))
+                    dst += [st[key] for st in states[k]]
+                    src += cur[k][key].unbind(0)
             torch._foreach_copy_(dst, src)
+            full = [st["phi"] for k in moved if k not in comp for st in states[k]]
+            if full:
+                torch._foreach_zero_(full)
 
+        updates = low_rank_step(a_stacks, u_stacks, sigmas, [c["M"] for c in cur], [c["V"] for c in cur], cols,
+                                alpha, eps)
         pieces: list[torch.Tensor | None] = [None] * len(items)
         remote_updates: dict[int, torch.Tensor] = {}
-        for k, s in enumerate(plan.stacks):
-            col = scales[k] * (etas[k] * (alpha * group["alpha_c"])).unsqueeze(-1) if k in scales else None
-            upd = low_rank_step(a_stacks[k], u_stacks[k], sigmas[k], cur[k]["M"], cur[k]["V"], col, alpha, eps)
+        for s, upd in zip(plan.stacks, updates):
             if s.local:  # G's flat elements: A = G^T blocks were computed in G's storage order (_mm_like)
                 g = upd.mT if s.transposed else upd
                 for i, piece in zip(s.idx, g.reshape(len(s.idx), -1).unbind(0)):
