@@ -233,6 +233,11 @@ class Alice(ShardedOptimizer):
             oversample=oversample, power_iters=power_iters, weight_decay=weight_decay), options))
 
     whole_matrix_work = True
+    _IDENTITY_CACHES = ShardedOptimizer._IDENTITY_CACHES + ("_alice_plans",)
+
+    def _forget_plans(self) -> None:
+        super()._forget_plans()
+        self.__dict__.get("_alice_plans", {}).clear()
 
     def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
         m, n = shape
@@ -340,7 +345,7 @@ class Alice(ShardedOptimizer):
         alpha, eps = group["alpha"], group["eps"]
         keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
         states = [[items[i].state for i in s.idx] for s in plan.stacks]
-        cur = [{key: torch.stack([st[key] for st in sts]) for key in keys} for sts in states]
+        cur = [{key: s.gather(key, [st[key] for st in sts]) for key in keys} for s, sts in zip(plan.stacks, states)]
         energies = residual_energy(a_energy, sigmas)
         moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
         if moved:
@@ -368,7 +373,7 @@ class Alice(ShardedOptimizer):
             for k in moved:
                 for key in keys:
                     dst += [st[key] for st in states[k]]
-                    src += cur[k][key].unbind(0)
+                    src += plan.stacks[k].rows_of(key, cur[k][key])
             torch._foreach_copy_(dst, src)
             full = [st["phi"] for k in moved if k not in comp for st in states[k]]
             if full:
@@ -427,12 +432,35 @@ class _Stack:
     shape, rank, strategy and gradient presence (``local``: unsharded, the block is the gradient viewed as
     ``G`` or ``G^T``; else blocks come from ``MatrixOps.to_blocks``)."""
 
-    __slots__ = ("idx", "local", "transposed", "g_shape", "rows", "cols", "r", "has_grad", "distributed")
+    __slots__ = ("idx", "local", "transposed", "g_shape", "rows", "cols", "r", "has_grad", "distributed", "kept")
+
+    #: a stack of state with at most this many elements keeps its buffer and the views of its rows between
+    #: steps: the write-back of small matrices, where making the views costs more than copying, reuses them
+    KEEP_ELEMENTS = 1 << 16
 
     def __init__(self, idx: list[int], local: bool, transposed: bool, g_shape: tuple[int, int], rows: int,
                  cols: int, r: int, has_grad: bool, distributed: bool):
         self.idx, self.local, self.transposed, self.g_shape = idx, local, transposed, g_shape
         self.rows, self.cols, self.r, self.has_grad, self.distributed = rows, cols, r, has_grad, distributed
+        self.kept: dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def gather(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.stack(tensors)`` (into the kept buffer of ``key`` when there is one)."""
+        kept = self.kept.get(key)
+        if kept is not None:
+            buf = kept[0]
+            t = tensors[0]
+            if buf.device == t.device and buf.dtype == t.dtype and buf.shape[1:] == t.shape:
+                return torch.stack(tensors, out=buf)
+        stacked = torch.stack(tensors)
+        if stacked.numel() <= self.KEEP_ELEMENTS:
+            self.kept[key] = (stacked, stacked.unbind(0))
+        return stacked
+
+    def rows_of(self, key: str, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``stacked.unbind(0)`` (the kept views when ``stacked`` is the kept buffer of ``key``)."""
+        kept = self.kept.get(key)
+        return kept[1] if kept is not None and kept[0] is stacked else stacked.unbind(0)
 
 
 class _BucketPlan:
