@@ -295,7 +295,6 @@ class Alice(ShardedOptimizer):
         presence) run as ``(B, rows, cols)`` stacks: one batched product per stack, the statistics of all stacks
         updated by foreach kernels, their per-matrix state read as stacks and written back by one foreach copy."""
         plan = self._bucket_plan(group, items, ops)
-        tracking = group["tracking"]
         blocks: dict[int, torch.Tensor] = {}
         if plan.remote:  # sharded matrices: their rows of A move to the ranks that compute them
             sub = ops.subset(plan.remote)
@@ -341,6 +340,27 @@ class Alice(ShardedOptimizer):
                     sigmas[k] = part[:, : s.r * s.cols].view(-1, s.r, s.cols)
                     a_energy[k] = part[:, s.r * s.cols:]
 
+        updates = self._stack_updates(group, plan, items, a_stacks, u_stacks, sigmas, a_energy) if plan.stacks else []
+        pieces: list[torch.Tensor | None] = [None] * len(items)
+        remote_updates: dict[int, torch.Tensor] = {}
+        for s, upd in zip(plan.stacks, updates):
+            if s.local:  # G's flat elements: A = G^T blocks were computed in G's storage order (_mm_like)
+                g = upd.mT if s.transposed else upd
+                for i, piece in zip(s.idx, g.reshape(len(s.idx), -1).unbind(0)):
+                    pieces[i] = piece
+            else:
+                remote_updates.update(zip(s.idx, upd.unbind(0)))
+        if plan.remote:
+            for i, piece in zip(plan.remote, sub.from_blocks([remote_updates.get(i) for i in plan.remote])):
+                pieces[i] = piece
+        ops.account()
+        apply_items(items, pieces, group["lr"], group["weight_decay"])
+
+    def _stack_updates(self, group: dict, plan: "_BucketPlan", items: list, a_stacks: list, u_stacks: list,
+                       sigmas: list, a_energy: list) -> list[torch.Tensor]:
+        """Statistics, compensation, limiter and the update of every stack (``plan.stacks``, not empty), with
+        the new statistics written back into each matrix's state."""
+        tracking = group["tracking"]
         b1, b2, b3 = group["betas"]
         alpha, eps = group["alpha"], group["eps"]
         keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
@@ -379,22 +399,8 @@ class Alice(ShardedOptimizer):
             if full:
                 torch._foreach_zero_(full)
 
-        updates = low_rank_step(a_stacks, u_stacks, sigmas, [c["M"] for c in cur], [c["V"] for c in cur], cols,
+        return low_rank_step(a_stacks, u_stacks, sigmas, [c["M"] for c in cur], [c["V"] for c in cur], cols,
                                 alpha, eps)
-        pieces: list[torch.Tensor | None] = [None] * len(items)
-        remote_updates: dict[int, torch.Tensor] = {}
-        for s, upd in zip(plan.stacks, updates):
-            if s.local:  # G's flat elements: A = G^T blocks were computed in G's storage order (_mm_like)
-                g = upd.mT if s.transposed else upd
-                for i, piece in zip(s.idx, g.reshape(len(s.idx), -1).unbind(0)):
-                    pieces[i] = piece
-            else:
-                remote_updates.update(zip(s.idx, upd.unbind(0)))
-        if plan.remote:
-            for i, piece in zip(plan.remote, sub.from_blocks([remote_updates.get(i) for i in plan.remote])):
-                pieces[i] = piece
-        ops.account()
-        apply_items(items, pieces, group["lr"], group["weight_decay"])
 
     def _switch(self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict,
                 group: dict) -> None:
