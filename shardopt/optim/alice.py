@@ -34,6 +34,7 @@ import torch
 
 from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
+from ..sharding.matfun import by_shape
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.subspace import orthonormal, range_basis
 from .base import ShardedOptimizer, apply_items
@@ -416,10 +417,15 @@ class Alice(ShardedOptimizer):
         atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_old[i]) for i in later})
         h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3)
                   for i in later}
-        u_tilde = {i: orthonormal(h) for i, h in ops.assemble(h_rows).items()}
+        u_tilde = by_shape(orthonormal, ops.assemble(h_rows))  # one batched QR per shape
         atut = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_tilde[i]) for i in later})
+        by_shapes: dict[tuple, list[int]] = {}  # one batched eigh per shape
         for i in later:
-            ritz[i] = ritz_vectors(u_tilde[i], atut[i], u_old[i], qt[i], b3)
+            by_shapes.setdefault((tuple(u_tilde[i].shape), tuple(atut[i].shape)), []).append(i)
+        for idx in by_shapes.values():
+            stack = [torch.stack([x[i] for i in idx]) for x in (u_tilde, atut, u_old)]
+            q = torch.stack([qt[i] for i in idx]) if group["tracking"] else None
+            ritz.update(zip(idx, ritz_vectors(*stack, q, b3).unbind(0)))
         for i in switch:
             st = items[i].state
             r, l = ranks[i], lead[i]
