@@ -18,7 +18,9 @@ state keys are the symbols: ``U``, ``Q_tilde``, ``M``, ``V``, ``p``, ``phi``::
     W = W (1 - lr wd) - lr alpha (U w + alpha_c C),  w = M / (sqrt(V) + eps)      (``low_rank_step``)
 
 The functions named above are the math, on plain tensors (a block of rows of ``A`` and the reduced statistics;
-all of them also take stacked matrices of one shape). ``Alice._alice_bucket`` drives them on ``MatrixOps``:
+all of them also take stacked matrices of one shape, and the per-step ones lists of such stacks, whose element-wise
+work then runs as foreach kernels). ``Alice._alice_bucket`` drives them on ``MatrixOps``, matrices of one block
+shape stacked (``_BucketPlan``), so a step issues a number of torch calls that depends on the shapes, not the matrices:
 every product with ``A`` sums over its rows or is row-local, so under the distributed strategy the per-step
 traffic is the ``r x cols`` projection, a ``cols`` vector and a scalar; a switch adds ``cols x r`` reductions
 and the assembled ``rows x r`` sketch. Randomness is keyed by (seed, name, switch count), so every rank and
@@ -407,7 +409,7 @@ class Alice(ShardedOptimizer):
                 torch._foreach_zero_(full)
 
         return low_rank_step(a_stacks, u_stacks, sigmas, [c["M"] for c in cur], [c["V"] for c in cur], cols,
-                                alpha, eps)
+                             alpha, eps)
 
     def _switch(self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict,
                 group: dict) -> None:
