@@ -326,9 +326,12 @@ class Alice(ShardedOptimizer):
         # R = A - U sigma is never formed (residual_energy)
         a_stacks, u_stacks, sigmas, a_energy, parts = [], [], [], [], {}
         for s in plan.stacks:
-            if s.local:  # the gradients themselves, viewed as G (or G^T)
-                g = torch.stack([items[i].grad for i in s.idx]).view(len(s.idx), *s.g_shape)
-                a = g.mT if s.transposed else g
+            if s.local:  # the gradients themselves, viewed as A = G (the first n_plain) or A = G^T
+                n, b = s.n_plain, len(s.idx)
+                g = [torch.stack([items[i].grad for i in s.idx[:n]]).view(n, s.rows, s.cols)] if n else []
+                if n < b:
+                    g.append(torch.stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
+                a = g[0] if len(g) == 1 else torch.cat(g)
             else:
                 a = torch.stack([blocks[i] for i in s.idx])
             u = torch.stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
@@ -353,9 +356,10 @@ class Alice(ShardedOptimizer):
         pieces: list[torch.Tensor | None] = [None] * len(items)
         remote_updates: dict[int, torch.Tensor] = {}
         for s, upd in zip(plan.stacks, updates):
-            if s.local:  # G's flat elements: A = G^T blocks were computed in G's storage order (_mm_like)
-                g = upd.mT if s.transposed else upd
-                for i, piece in zip(s.idx, g.reshape(len(s.idx), -1).unbind(0)):
+            if s.local:  # G's flat elements (a stack of A = G^T alone was computed in G's order: views)
+                n, b = s.n_plain, len(s.idx)
+                flat = ([upd[:n].reshape(n, -1)] if n else []) + ([upd[n:].mT.reshape(b - n, -1)] if n < b else [])
+                for i, piece in zip(s.idx, (p for f in flat for p in f.unbind(0))):
                     pieces[i] = piece
             else:
                 remote_updates.update(zip(s.idx, upd.unbind(0)))
@@ -450,17 +454,17 @@ class Alice(ShardedOptimizer):
 class _Stack:
     """Matrices of a bucket computed together as one ``(B, rows, cols)`` stack: same oriented shape, block
     shape, rank, strategy and gradient presence (``local``: unsharded, the block is the gradient viewed as
-    ``G`` or ``G^T``; else blocks come from ``MatrixOps.to_blocks``)."""
+    ``G`` or ``G^T``, both kinds in one stack; else blocks come from ``MatrixOps.to_blocks``)."""
 
-    __slots__ = ("idx", "local", "transposed", "g_shape", "rows", "cols", "r", "has_grad", "distributed", "kept")
+    __slots__ = ("idx", "local", "n_plain", "rows", "cols", "r", "has_grad", "distributed", "kept")
 
     #: a stack of state with at most this many elements keeps its buffer and the views of its rows between
     #: steps: the write-back of small matrices, where making the views costs more than copying, reuses them
     KEEP_ELEMENTS = 1 << 16
 
-    def __init__(self, idx: list[int], local: bool, transposed: bool, g_shape: tuple[int, int], rows: int,
-                 cols: int, r: int, has_grad: bool, distributed: bool):
-        self.idx, self.local, self.transposed, self.g_shape = idx, local, transposed, g_shape
+    def __init__(self, idx: list[int], local: bool, n_plain: int, rows: int, cols: int, r: int, has_grad: bool,
+                 distributed: bool):
+        self.idx, self.local, self.n_plain = idx, local, n_plain  # local: the first n_plain have A = G, others G^T
         self.rows, self.cols, self.r, self.has_grad, self.distributed = rows, cols, r, has_grad, distributed
         self.kept: dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
 
@@ -496,12 +500,13 @@ class _BucketPlan:
         for i in self.active:
             plan, kind = ops.plans[i], ops.kinds[i]
             a0, a1 = plan.rows()
-            groups.setdefault((plan.a_shape, a1 - a0, kind == "local" and plan.transpose, self.ranks[i],
-                               items[i].has_grad, kind), []).append(i)
+            groups.setdefault((plan.a_shape, a1 - a0, self.ranks[i], items[i].has_grad, kind), []).append(i)
         self.stacks = []
-        for ((rows, cols), _, transposed, r, has_grad, kind), idx in groups.items():
-            self.stacks.append(_Stack(idx, kind == "local", transposed, tuple(ops.plans[idx[0]].layout.shape),
-                                      rows, cols, r, has_grad, kind == "distributed"))
+        for ((rows, cols), _, r, has_grad, kind), idx in groups.items():
+            local = kind == "local"
+            idx = sorted(idx, key=lambda i: local and ops.plans[i].transpose)  # A = G first, then A = G^T
+            n_plain = sum(1 for i in idx if not (local and ops.plans[i].transpose))
+            self.stacks.append(_Stack(idx, local, n_plain, rows, cols, r, has_grad, kind == "distributed"))
 
     def local_block(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """``MatrixOps.to_blocks`` of an unsharded matrix: its gradient viewed as ``A``."""
