@@ -300,9 +300,11 @@ class Alice(ShardedOptimizer):
         return plan
 
     def _alice_bucket(self, group: dict, items: list, ops: MatrixOps, steps: dict) -> None:
-        """One step of a bucket. Matrices whose blocks share a shape (and orientation, rank, strategy, gradient
-        presence) run as ``(B, rows, cols)`` stacks: one batched product per stack, the statistics of all stacks
-        updated by foreach kernels, their per-matrix state read as stacks and written back by one foreach copy."""
+        """One step of a bucket. Matrices whose blocks share a shape (and rank, strategy, gradient presence) run
+        as ``(B, rows, cols)`` stacks (``_BucketPlan``): one batched product per stack, the statistics of all
+        stacks updated by foreach kernels, their per-matrix state read as stacks and written back by one foreach
+        copy, the updates applied by ``apply_items``. Collectives are those of the per-matrix form: ``to_blocks``
+        / ``from_blocks`` of the sharded matrices in their order, one ``allreduce`` of the same partial sums."""
         plan = self._bucket_plan(group, items, ops)
         blocks: dict[int, torch.Tensor] = {}
         if plan.remote:  # sharded matrices: their rows of A move to the ranks that compute them
