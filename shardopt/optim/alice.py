@@ -18,7 +18,9 @@ state keys are the symbols: ``U``, ``Q_tilde``, ``M``, ``V``, ``p``, ``phi``::
     W = W (1 - lr wd) - lr alpha (U w + alpha_c C),  w = M / (sqrt(V) + eps)      (``low_rank_step``)
 
 The functions named above are the math, on plain tensors (a block of rows of ``A`` and the reduced statistics;
-all of them also take stacked matrices of one shape). ``Alice._alice_bucket`` drives them on ``MatrixOps``:
+all of them also take stacked matrices of one shape, and the per-step ones lists of such stacks, whose element-wise
+work then runs as foreach kernels). ``Alice._alice_bucket`` drives them on ``MatrixOps``, matrices of one block
+shape stacked (``_BucketPlan``), so a step issues a number of torch calls that depends on the shapes, not the matrices:
 every product with ``A`` sums over its rows or is row-local, so under the distributed strategy the per-step
 traffic is the ``r x cols`` projection, a ``cols`` vector and a scalar; a switch adds ``cols x r`` reductions
 and the assembled ``rows x r`` sketch. Randomness is keyed by (seed, name, switch count), so every rank and
@@ -34,10 +36,10 @@ import torch
 
 from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
+from ..sharding.matfun import by_shape
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from ..sharding.primitives import col_sumsq
 from ..sharding.subspace import orthonormal, range_basis
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .racs import norm_growth_eta
 from .sumo import effective_rank
@@ -85,22 +87,33 @@ def reproject_tracking(Q_tilde: torch.Tensor, U_new: torch.Tensor, U: torch.Tens
     Q_tilde.copy_(c @ Q_tilde @ c.mT)
 
 
-def residual_energy(a_energy: torch.Tensor, sigma: torch.Tensor) -> torch.Tensor:
+def residual_energy(a_energy, sigma):
     """``colsum(R * R)`` of ``R = A - U sigma`` from ``colsum(A * A)`` and ``sigma = U^T A``: with orthonormal
-    ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2`` (clamped at 0 against rounding)."""
-    return (a_energy - col_sumsq(sigma)).clamp_(min=0)
+    ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2`` (clamped at 0 against rounding). Tensors (one matrix or a
+    stack) or lists of them (foreach kernels for all)."""
+    if isinstance(sigma, torch.Tensor):
+        return (a_energy - sigma.square().sum(-2)).clamp_(min=0)
+    out = torch._foreach_sub(a_energy, [s.sum(-2) for s in torch._foreach_mul(sigma, sigma)])
+    torch._foreach_clamp_min_(out, 0.0)
+    return out
 
 
-def update_moments(M: torch.Tensor, V: torch.Tensor, p: torch.Tensor, Q_tilde: torch.Tensor | None,
-                   sigma: torch.Tensor, energy: torch.Tensor, betas: tuple[float, float, float]) -> None:
+def update_moments(M, V, p, Q_tilde, sigma, energy, betas: tuple[float, float, float]) -> None:
     """In place: ``Q_tilde = b3 Q_tilde + (1 - b3) sigma sigma^T`` (when tracked), ``M = b1 M + (1 - b1) sigma``,
-    ``V = b2 V + (1 - b2) sigma * sigma``, ``p = b1 p + (1 - b1) energy`` (the paper decays p with b1)."""
+    ``V = b2 V + (1 - b2) sigma * sigma``, ``p = b1 p + (1 - b1) energy`` (the paper decays p with b1). Each
+    argument is a tensor (one matrix, or a stack of matrices of one shape) or a list of such tensors: one
+    foreach kernel per statistic then updates all of them."""
     b1, b2, b3 = betas
+    if isinstance(M, torch.Tensor):
+        M, V, p, sigma, energy = [M], [V], [p], [sigma], [energy]
+        Q_tilde = None if Q_tilde is None else [Q_tilde]
     if Q_tilde is not None:
-        Q_tilde.addmm_(sigma, sigma.T, beta=b3, alpha=1 - b3)
-    M.lerp_(sigma, 1 - b1)
-    V.mul_(b2).addcmul_(sigma, sigma, value=1 - b2)
-    p.lerp_(energy, 1 - b1)
+        for q, s in zip(Q_tilde, sigma):
+            (q.addmm_ if q.dim() == 2 else q.baddbmm_)(s, s.mT, beta=b3, alpha=1 - b3)
+    torch._foreach_lerp_(M, sigma, 1 - b1)
+    torch._foreach_mul_(V, b2)
+    torch._foreach_addcmul_(V, sigma, sigma, value=1 - b2)
+    torch._foreach_lerp_(p, energy, 1 - b1)
 
 
 def compensation_scale(p: torch.Tensor, energy: torch.Tensor, rows: int, r: int,
@@ -111,15 +124,35 @@ def compensation_scale(p: torch.Tensor, energy: torch.Tensor, rows: int, r: int,
         c = torch.where(p > 0, (p + eps).rsqrt(), torch.zeros_like(p)) * math.sqrt(rows - r)
     else:
         c = torch.zeros_like(p)
-    return c, (c * c * energy).sum().sqrt()
+    return c, (c * c * energy).sum(-1).sqrt()
 
 
-def low_rank_step(a_rows: torch.Tensor, u_rows: torch.Tensor, sigma: torch.Tensor, M: torch.Tensor,
-                  V: torch.Tensor, col: torch.Tensor, alpha: float, eps: float) -> torch.Tensor:
+def low_rank_step(a_rows, u_rows, sigma, M, V, col, alpha: float, eps: float):
     """Rows of ``alpha U w + A diag(col) - U (sigma diag(col))`` with ``w = M / (sqrt(V) + eps)``: with
-    ``col = alpha alpha_c eta c`` this is ``alpha (U w + alpha_c eta C)``, one product with ``A``."""
-    low = torch.addcdiv(sigma * col.neg(), M, V.sqrt().add_(eps), value=alpha)
-    return mm_like(a_rows, u_rows, low).addcmul_(a_rows, col)
+    ``col = alpha alpha_c eta c`` this is ``alpha (U w + alpha_c eta C)``, one product with ``A``; ``col=None``
+    is ``col = 0`` (no compensation: ``r = rows``). Tensors (one matrix or a stack of one shape) or lists of
+    them: then the element-wise work is one foreach kernel for all, and the result a list."""
+    single = isinstance(M, torch.Tensor)
+    if single:
+        a_rows, u_rows, sigma, M, V, col = [a_rows], [u_rows], [sigma], [M], [V], [col]
+    d = torch._foreach_sqrt(V)
+    torch._foreach_add_(d, eps)
+    low = torch._foreach_div(torch._foreach_mul(M, alpha), d)  # alpha w
+    out = []
+    for a, u, s, w, c in zip(a_rows, u_rows, sigma, low, col):
+        if c is None:
+            out.append(_mm_like(a, u, w))
+            continue
+        c = c.unsqueeze(-2)
+        out.append(_mm_like(a, u, w.addcmul_(s, c, value=-1)).addcmul_(a, c))
+    return out[0] if single else out
+
+
+def _mm_like(like: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """``orientation.mm_like`` also for stacks of blocks: ``x @ y`` stored in ``like``'s orientation."""
+    if like.dim() == 2:
+        return mm_like(like, x, y)
+    return torch.bmm(y.mT, x.mT).mT if not like.is_contiguous() and like.mT.is_contiguous() else torch.bmm(x, y)
 
 
 class AliceConfig(WholeMatrixConfig):
@@ -203,6 +236,11 @@ class Alice(ShardedOptimizer):
             oversample=oversample, power_iters=power_iters, weight_decay=weight_decay), options))
 
     whole_matrix_work = True
+    _IDENTITY_CACHES = ShardedOptimizer._IDENTITY_CACHES + ("_alice_plans",)
+
+    def _forget_plans(self) -> None:
+        super()._forget_plans()
+        self.__dict__.get("_alice_plans", {}).clear()
 
     def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
         m, n = shape
@@ -225,60 +263,159 @@ class Alice(ShardedOptimizer):
         return spec
 
     def _step_alice(self, group: dict) -> None:
-        steps = {id(p): self._step_count(p) for p in group["params"]}
+        steps = self._step_counts(group["params"])
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))
 
-    def _alice_bucket(self, group: dict, items: list, ops: MatrixOps, steps: dict) -> None:
-        rank = group["rank"]
-        blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
-        ranks, lead = {}, {}
-        for i, it in enumerate(items):
-            rows, cols = ops.plans[i].a_shape
-            r = ranks[i] = effective_rank(rank, (rows, cols), it.frag.name, "Alice")
-            # the complement must hold the r - l sampled columns; at r = rows there is none (C = 0)
-            lead[i] = r if r == rows else max(min(group["leading"], r), 2 * r - rows)
-            st = it.state
-            if "U" not in st:
-                st["U"] = it.grad.new_zeros(rows, r)
-                if group["tracking"]:
-                    st["Q_tilde"] = it.grad.new_zeros(r, r)
-                st["M"] = it.grad.new_zeros(r, cols)
-                st["V"] = it.grad.new_zeros(r, cols)
-                st["p"] = it.grad.new_zeros(cols)
-                st["phi"] = it.grad.new_zeros(())
-                st["switches"] = it.grad.new_zeros(())
-        active = [i for i in range(len(items)) if ops.active(i)]
-        t_of = {i: steps[id(items[i].tensor)] for i in active}
-        switch = [i for i in active if t_of[i] == 1 or t_of[i] % group["refresh_interval"] == 0]
-        self._switch(ops, items, blocks, switch, ranks, lead, group)
+    def _step_counts(self, params: list) -> dict[int, int]:
+        """``_step_count(p)`` (every step counts) of every tensor of a group: the counters are advanced as one
+        stack written back into each (cheaper than a foreach add on many 0-d tensors) and read once."""
+        counts = []
+        for p in params:
+            st = self.state[p]
+            step = st.get("step", 0)
+            if not isinstance(step, torch.Tensor):  # a new parameter, or a number from an older state dict
+                step = st["step"] = torch.tensor(float(step), dtype=torch.float32)
+            counts.append(step)
+        if not counts:
+            return {}
+        if all(c.dtype == torch.float32 for c in counts):
+            advanced = torch.stack(counts).add_(1)
+            torch.unbind_copy(advanced, 0, out=counts)
+        else:  # counters of another dtype (an older state dict): each keeps its own
+            torch._foreach_add_(counts, 1)
+            advanced = torch.stack([c.double() for c in counts])
+        return {id(p): int(c) for p, c in zip(params, advanced.tolist())}
 
-        # sigma = U^T A and colsum(A * A) in one reduction; R = A - U sigma is never formed (residual_energy)
-        sigma, energy = {}, {}
-        parts = ops.allreduce({i: torch.cat([(ops.my_rows(i, items[i].state["U"]).T @ blocks[i]).reshape(-1),
-                                             col_sumsq(blocks[i])]) for i in active})
-        for i in active:
-            r, cols = ranks[i], blocks[i].shape[1]
-            sigma[i] = parts[i][: r * cols].view(r, cols)
-            energy[i] = residual_energy(parts[i][r * cols:], sigma[i])
-        updates = {}
-        for i in active:
-            it, st = items[i], items[i].state
-            rows = ops.plans[i].a_shape[0]
-            if it.has_grad:
-                update_moments(st["M"], st["V"], st["p"], st.get("Q_tilde") if group["tracking"] else None,
-                               sigma[i], energy[i], group["betas"])
-            c, norm = compensation_scale(st["p"], energy[i], rows, ranks[i], group["eps"])
-            eta = norm_growth_eta(norm, st["phi"], group["gamma"])
-            if it.has_grad:
-                st["phi"].copy_(eta * norm)
-            col = c * (group["alpha"] * group["alpha_c"] * eta)
-            updates[i] = low_rank_step(blocks[i], ops.my_rows(i, st["U"]), sigma[i], st["M"], st["V"], col,
-                                       group["alpha"], group["eps"])
-        pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
+    def _bucket_plan(self, group: dict, items: list, ops: MatrixOps) -> "_BucketPlan":
+        """The static part of a bucket's step (cached: it depends on the row plans, strategies, which matrices
+        have a gradient and the rank only)."""
+        cache = self.__dict__.setdefault("_alice_plans", {})
+        key = (tuple(ops.plans), tuple(ops.kinds), tuple([it.has_grad for it in items]), group["rank"])
+        plan = cache.get(key)
+        if plan is None:
+            if len(cache) >= 64:  # engines that hand new layouts must not grow it without bound
+                cache.clear()
+            plan = cache[key] = _BucketPlan(group["rank"], items, ops)
+        return plan
+
+    def _alice_bucket(self, group: dict, items: list, ops: MatrixOps, steps: dict) -> None:
+        """One step of a bucket. Matrices whose blocks share a shape (and rank, strategy, gradient presence) run
+        as ``(B, rows, cols)`` stacks (``_BucketPlan``): one batched product per stack, the statistics of all
+        stacks updated by foreach kernels, their per-matrix state read as stacks and written back by one foreach
+        copy, the updates applied by ``apply_items``. Collectives are those of the per-matrix form: ``to_blocks``
+        / ``from_blocks`` of the sharded matrices in their order, one ``allreduce`` of the same partial sums."""
+        plan = self._bucket_plan(group, items, ops)
+        blocks: dict[int, torch.Tensor] = {}
+        if plan.remote:  # sharded matrices: their rows of A move to the ranks that compute them
+            sub = ops.subset(plan.remote)
+            blocks.update(zip(plan.remote, (b[0] for b in sub.to_blocks([[items[i].grad] for i in plan.remote]))))
+        interval = group["refresh_interval"]
+        switch = [i for i in plan.active if steps[id(items[i].tensor)] == 1
+                  or steps[id(items[i].tensor)] % interval == 0]
+        if switch:
+            for i in switch:
+                if i not in blocks:
+                    blocks[i] = plan.local_block(i, items[i].grad)
+            lead = {}
+            for i in switch:
+                r, rows = plan.ranks[i], ops.plans[i].a_shape[0]
+                # the complement must hold the r - l sampled columns; at r = rows there is none (C = 0)
+                lead[i] = r if r == rows else max(min(group["leading"], r), 2 * r - rows)
+            self._switch(ops, items, blocks, switch, dict(enumerate(plan.ranks)), lead, group)
+
+        # sigma = U^T A and colsum(A * A), summed over the ranks of distributed matrices in one reduction;
+        # R = A - U sigma is never formed (residual_energy)
+        a_stacks, u_stacks, sigmas, a_energy, parts = [], [], [], [], {}
+        for s in plan.stacks:
+            if s.local:  # the gradients themselves, viewed as A = G (the first n_plain) or A = G^T
+                n, b = s.n_plain, len(s.idx)
+                g = [torch.stack([items[i].grad for i in s.idx[:n]]).view(n, s.rows, s.cols)] if n else []
+                if n < b:
+                    g.append(torch.stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
+                a = g[0] if len(g) == 1 else torch.cat(g)
+            else:
+                a = torch.stack([blocks[i] for i in s.idx])
+            u = torch.stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
+                            else [items[i].state["U"] for i in s.idx])
+            sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
+            if s.distributed:
+                part = torch.cat([sigma.flatten(1), energy], 1)
+                parts.update(zip(s.idx, part.unbind(0)))
+            a_stacks.append(a)
+            u_stacks.append(u)
+            sigmas.append(sigma)
+            a_energy.append(energy)
+        if parts:
+            parts = ops.allreduce(parts)
+            for k, s in enumerate(plan.stacks):
+                if s.distributed:
+                    part = torch.stack([parts[i] for i in s.idx])
+                    sigmas[k] = part[:, : s.r * s.cols].view(-1, s.r, s.cols)
+                    a_energy[k] = part[:, s.r * s.cols:]
+
+        updates = self._stack_updates(group, plan, items, a_stacks, u_stacks, sigmas, a_energy) if plan.stacks else []
+        pieces: list[torch.Tensor | None] = [None] * len(items)
+        remote_updates: dict[int, torch.Tensor] = {}
+        for s, upd in zip(plan.stacks, updates):
+            if s.local:  # G's flat elements (a stack of A = G^T alone was computed in G's order: views)
+                n, b = s.n_plain, len(s.idx)
+                flat = ([upd[:n].reshape(n, -1)] if n else []) + ([upd[n:].mT.reshape(b - n, -1)] if n < b else [])
+                for i, piece in zip(s.idx, (p for f in flat for p in f.unbind(0))):
+                    pieces[i] = piece
+            else:
+                remote_updates.update(zip(s.idx, upd.unbind(0)))
+        if plan.remote:
+            for i, piece in zip(plan.remote, sub.from_blocks([remote_updates.get(i) for i in plan.remote])):
+                pieces[i] = piece
         ops.account()
-        for it, piece in zip(items, pieces):
-            it.apply(piece, group["lr"], group["weight_decay"])
+        apply_items(items, pieces, group["lr"], group["weight_decay"])
+
+    def _stack_updates(self, group: dict, plan: "_BucketPlan", items: list, a_stacks: list, u_stacks: list,
+                       sigmas: list, a_energy: list) -> list[torch.Tensor]:
+        """Statistics, compensation, limiter and the update of every stack (``plan.stacks``, not empty), with
+        the new statistics written back into each matrix's state."""
+        tracking = group["tracking"]
+        b1, b2, b3 = group["betas"]
+        alpha, eps = group["alpha"], group["eps"]
+        keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
+        states = [[items[i].state for i in s.idx] for s in plan.stacks]
+        cur = [{key: s.gather(key, [st[key] for st in sts]) for key in keys} for s, sts in zip(plan.stacks, states)]
+        energies = residual_energy(a_energy, sigmas)
+        moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
+        if moved:
+            update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
+                           [cur[k]["Q_tilde"] for k in moved] if tracking else None,
+                           [sigmas[k] for k in moved], [energies[k] for k in moved], (b1, b2, b3))
+        # the compensation where r < rows, with one limiter for all of them; at r = rows C = 0, so |C| = 0,
+        # eta = 1 and phi <- 0
+        comp = [k for k, s in enumerate(plan.stacks) if s.r < s.rows]
+        cols: list[torch.Tensor | None] = [None] * len(plan.stacks)
+        dst, src = [], []
+        if comp:
+            scale, norm = zip(*(compensation_scale(cur[k]["p"], energies[k], plan.stacks[k].rows, plan.stacks[k].r,
+                                                   eps) for k in comp))
+            norm = torch.cat(norm)
+            eta = norm_growth_eta(norm, torch.stack([st["phi"] for k in comp for st in states[k]]), group["gamma"])
+            sizes = [len(plan.stacks[k].idx) for k in comp]
+            for k, c, e in zip(comp, scale, eta.split(sizes)):
+                cols[k] = c * (e * (alpha * group["alpha_c"])).unsqueeze(-1)
+            for k, phi in zip(comp, (eta * norm).split(sizes)):
+                if plan.stacks[k].has_grad:
+                    dst += [st["phi"] for st in states[k]]
+                    src += phi.unbind(0)
+        if moved:  # the new statistics back into each matrix's state
+            for k in moved:
+                for key in keys:
+                    dst += [st[key] for st in states[k]]
+                    src += plan.stacks[k].rows_of(key, cur[k][key])
+            torch._foreach_copy_(dst, src)
+            full = [st["phi"] for k in moved if k not in comp for st in states[k]]
+            if full:
+                torch._foreach_zero_(full)
+
+        return low_rank_step(a_stacks, u_stacks, sigmas, [c["M"] for c in cur], [c["V"] for c in cur], cols,
+                             alpha, eps)
 
     def _switch(self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict,
                 group: dict) -> None:
@@ -294,10 +431,15 @@ class Alice(ShardedOptimizer):
         atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_old[i]) for i in later})
         h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3)
                   for i in later}
-        u_tilde = {i: orthonormal(h) for i, h in ops.assemble(h_rows).items()}
+        u_tilde = by_shape(orthonormal, ops.assemble(h_rows))  # one batched QR per shape
         atut = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_tilde[i]) for i in later})
+        by_shapes: dict[tuple, list[int]] = {}  # one batched eigh per shape
         for i in later:
-            ritz[i] = ritz_vectors(u_tilde[i], atut[i], u_old[i], qt[i], b3)
+            by_shapes.setdefault((tuple(u_tilde[i].shape), tuple(atut[i].shape)), []).append(i)
+        for idx in by_shapes.values():
+            stack = [torch.stack([x[i] for i in idx]) for x in (u_tilde, atut, u_old)]
+            q = torch.stack([qt[i] for i in idx]) if group["tracking"] else None
+            ritz.update(zip(idx, ritz_vectors(*stack, q, b3).unbind(0)))
         for i in switch:
             st = items[i].state
             r, l = ranks[i], lead[i]
@@ -309,6 +451,70 @@ class Alice(ShardedOptimizer):
                 reproject_tracking(st["Q_tilde"], new, st["U"])
             st["U"].copy_(new)
             st["switches"] += 1
+
+
+class _Stack:
+    """Matrices of a bucket computed together as one ``(B, rows, cols)`` stack: same oriented shape, block
+    shape, rank, strategy and gradient presence (``local``: unsharded, the block is the gradient viewed as
+    ``G`` or ``G^T``, both kinds in one stack; else blocks come from ``MatrixOps.to_blocks``)."""
+
+    __slots__ = ("idx", "local", "n_plain", "rows", "cols", "r", "has_grad", "distributed", "kept")
+
+    #: a stack of state with at most this many elements keeps its buffer and the views of its rows between
+    #: steps: the write-back of small matrices, where making the views costs more than copying, reuses them
+    KEEP_ELEMENTS = 1 << 16
+
+    def __init__(self, idx: list[int], local: bool, n_plain: int, rows: int, cols: int, r: int, has_grad: bool,
+                 distributed: bool):
+        self.idx, self.local, self.n_plain = idx, local, n_plain  # local: the first n_plain have A = G, others G^T
+        self.rows, self.cols, self.r, self.has_grad, self.distributed = rows, cols, r, has_grad, distributed
+        self.kept: dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}
+
+    def gather(self, key: str, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """``torch.stack(tensors)`` (into the kept buffer of ``key`` when there is one)."""
+        kept = self.kept.get(key)
+        if kept is not None:
+            buf = kept[0]
+            t = tensors[0]
+            if buf.device == t.device and buf.dtype == t.dtype and buf.shape[1:] == t.shape:
+                return torch.stack(tensors, out=buf)
+        stacked = torch.stack(tensors)
+        if stacked.numel() <= self.KEEP_ELEMENTS:
+            self.kept[key] = (stacked, stacked.unbind(0))
+        return stacked
+
+    def rows_of(self, key: str, stacked: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``stacked.unbind(0)`` (the kept views when ``stacked`` is the kept buffer of ``key``)."""
+        kept = self.kept.get(key)
+        return kept[1] if kept is not None and kept[0] is stacked else stacked.unbind(0)
+
+
+class _BucketPlan:
+    """Static facts of one bucket's step: every matrix's rank, which ones this rank computes, which ones
+    need ``to_blocks`` (sharded), and the stacks of active matrices."""
+
+    def __init__(self, rank: int, items: list, ops: MatrixOps):
+        self.ranks = [effective_rank(rank, plan.a_shape, it.frag.name, "Alice") for it, plan in zip(items, ops.plans)]
+        self.active = [i for i in range(len(items)) if ops.active(i)]
+        self.remote = [i for i in range(len(items)) if ops.kinds[i] != "local"]
+        self._plans = ops.plans
+        groups: dict[tuple, list[int]] = {}
+        for i in self.active:
+            plan, kind = ops.plans[i], ops.kinds[i]
+            a0, a1 = plan.rows()
+            groups.setdefault((plan.a_shape, a1 - a0, self.ranks[i], items[i].has_grad, kind), []).append(i)
+        self.stacks = []
+        for ((rows, cols), _, r, has_grad, kind), idx in groups.items():
+            local = kind == "local"
+            idx = sorted(idx, key=lambda i: local and ops.plans[i].transpose)  # A = G first, then A = G^T
+            n_plain = sum(1 for i in idx if not (local and ops.plans[i].transpose))
+            self.stacks.append(_Stack(idx, local, n_plain, rows, cols, r, has_grad, kind == "distributed"))
+
+    def local_block(self, i: int, grad: torch.Tensor) -> torch.Tensor:
+        """``MatrixOps.to_blocks`` of an unsharded matrix: its gradient viewed as ``A``."""
+        plan = self._plans[i]
+        g = grad.view(plan.layout.shape)
+        return g.T if plan.transpose else g
 
 
 class Alice0(Alice):
