@@ -787,7 +787,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ops = plan.subset([index[it.frag.name] for it in items])
         for idx in ops.buckets(self.matrix_bucket_elements):
             sub, its = ops.subset(idx), [items[i] for i in idx]
-            specs = [self.matrix_state_spec(group, p.a_shape) for p in sub.plans]
+            by_shape: dict[tuple[int, int], StateSpec] = {}
+            specs = [by_shape[p.a_shape] if p.a_shape in by_shape else
+                     by_shape.setdefault(p.a_shape, self.matrix_state_spec(group, p.a_shape)) for p in sub.plans]
             entries, where = [], []
             for i, (it, spec) in enumerate(zip(its, specs)):
                 for key, (shape, dim) in spec.items():  # state starts as zeros, created here from its spec
@@ -805,6 +807,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 it.state[key] = full
             body(its, sub)
             for i, (it, spec) in enumerate(zip(its, specs)):
+                if sub.kinds[i] != "distributed":
+                    continue  # the state already is this rank's share (all of it, or none)
                 for key, (shape, dim) in spec.items():
                     if dim is not None and key in it.state:
                         it.state[key] = keep_share(sub.placements[i], it.state[key], dim)

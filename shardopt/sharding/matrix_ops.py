@@ -276,13 +276,16 @@ class MatrixOps:
 
     def account(self) -> None:
         """Add this step's estimated FLOPs on this rank, by strategy, to the active counters."""
+        totals: dict[str, float] = {}
         for i, c in enumerate(self.costs):
             if not self.active(i):
                 continue
             plan = self.plans[i]
             a0, a1 = plan.rows()
             share = (a1 - a0) / max(plan.a_shape[0], 1)
-            collective_counter.add_flops(self.kinds[i], c.row_flops * share + c.small_flops)
+            totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + c.small_flops
+        for kind, flops in totals.items():
+            collective_counter.add_flops(kind, flops)
 
 
 def _by_group(layouts: Sequence[MatrixLayout]) -> dict[int, list[int]]:
