@@ -25,9 +25,9 @@ import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt
-from ..sharding.matfun import by_shape, inverse_root
+from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
-from .base import ShardedOptimizer
+from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
 from .grouped import _local, grouped_step
 
@@ -118,7 +118,8 @@ def asgo_left(shape: tuple[int, int], side: str) -> bool:
 
 def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: tuple[int, int]) -> torch.Tensor:
     """``update`` rescaled to RMS ``rms`` over the whole ``m x n`` matrix (``norm2``: its reduced squared
-    Frobenius norm; ``update`` may be a block of its rows)."""
+    Frobenius norm; ``update`` may be a block of its rows, or a ``(B, rows, k)`` stack of blocks of matrices
+    with ``m n`` elements each, ``norm2`` then ``(B, 1, 1)``)."""
     m, n = shape
     return update * (rms * math.sqrt(m * n) / norm2.sqrt().clamp(min=1e-12))
 
@@ -128,25 +129,50 @@ def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
     return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k)
 
 
+def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``(B, ...)`` stack of same-shape tensors; one tensor: a view of it (in-place ops reach it)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
+def _write_back(targets: list[torch.Tensor], stack: torch.Tensor) -> None:
+    """Copy the rows of ``stack`` into ``targets`` (nothing to do where the stack is a view of the one target)."""
+    if len(targets) == 1 and stack._base is targets[0]:
+        return
+    torch._foreach_copy_(targets, list(stack.unbind(0)))
+
+
 class _MomentumMixin:
-    def _update_momentum(self, group: dict, beta1: float) -> dict[int, int]:
-        """EMA momentum ``M = b1 M + (1 - b1) G`` on every stepped tensor (element-wise, any layout); returns
-        each tensor's step count."""
-        steps = {}
-        for p in group["params"]:
-            st = self.state[p]  # type: ignore[attr-defined]
+    def _update_momentum(self, group: dict, beta1: float, counts: bool = True) -> dict[int, int] | None:
+        """EMA momentum ``M = b1 M + (1 - b1) G`` on every stepped tensor (element-wise, any layout) and every
+        tensor's step count advanced, with one foreach kernel each; returns each tensor's step count when
+        ``counts`` (one read of all of them), else None."""
+        params = group["params"]
+        states = [self.state[p] for p in params]  # type: ignore[attr-defined]
+        for p, st in zip(params, states):
             if "exp_avg" not in st:
                 st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            steps[id(p)] = self._step_count(p)  # type: ignore[attr-defined]
-            if p.grad is not None:
-                st["exp_avg"].lerp_(p.grad.to(torch.float32), 1 - beta1)
-        return steps
+            if not isinstance(st.get("step"), torch.Tensor):  # new, or a number from an older state dict
+                st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+        if not states:
+            return {} if counts else None
+        steps = [st["step"] for st in states]
+        torch._foreach_add_(steps, 1.0)  # matrix rules count every step (ShardedOptimizer._step_count)
+        with_grad = [(_local(st["exp_avg"]), _local(p.grad)) for p, st in zip(params, states) if p.grad is not None]
+        if with_grad:
+            torch._foreach_lerp_([m for m, _ in with_grad], [g if g.dtype == torch.float32 else g.float()
+                                                              for _, g in with_grad], 1 - beta1)
+        if not counts:
+            return None
+        return {id(p): int(c) for p, c in zip(params, torch.stack(steps).tolist())}
 
     def elementwise_state_copies(self, group: dict) -> int:
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
 
     def _momentum_piece(self, it) -> torch.Tensor:
-        return it.frag.local(self.state[it.tensor]["exp_avg"])  # type: ignore[attr-defined]
+        """``it.frag.local(exp_avg)``; a fragment that is all of its tensor takes the flat view as it is."""
+        flat = _local(self.state[it.tensor]["exp_avg"]).view(-1)  # type: ignore[attr-defined]
+        frag = it.frag
+        return flat if frag.offset == 0 and frag.numel == flat.numel() else flat[frag.offset: frag.offset + frag.numel]
 
 
 class ASGO(_MomentumMixin, ShardedOptimizer):
@@ -184,45 +210,100 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
     def _step_asgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
-        steps = self._update_momentum(group, b1)
+        tau = group["refresh_interval"]
+        steps = self._update_momentum(group, b1, counts=tau > 1)  # tau = 1: every step refreshes, no read
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._asgo_bucket(group, its, ops, steps))
 
-    def _asgo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
+    def _asgo_bucket(self, group: dict, items: list, ops, steps: dict[int, int] | None) -> None:
+        """One bucket, batched: the blocks of ``A`` are grouped by shape, and each group's Grams, state EMAs and
+        updates are one kernel on a ``(B, rows, k)`` stack; the roots are one ``inverse_root`` call per ``k``
+        for all groups; parameters are updated with foreach kernels (``apply_items``). A group of one matrix
+        computes exactly what the per-matrix code did (its products on the blocks themselves)."""
         b1, b2 = group["betas"]
-        left = [self.whole_matrix_transpose(group, it.layout.shape) for it in items]
+        tau, rms = group["refresh_interval"], group["update_rms"]
         from_momentum = group["statistic"] == "momentum"
-        channels = [[self._momentum_piece(it)] if from_momentum else [it.grad, self._momentum_piece(it)]
-                    for it in items]
-        blocks = ops.to_blocks(channels)
-        for it, is_left in zip(items, left):
-            k = it.layout.shape[0] if is_left else it.layout.shape[1]
-            if "V" not in it.state:
-                it.state["V"] = it.grad.new_zeros(k, k)
-                it.state["P"] = it.grad.new_zeros(k, k)
-        active = [i for i in range(len(items)) if ops.active(i)]
-        grams = ops.allreduce({i: blocks[i][0].T @ blocks[i][0] for i in active})
-        refresh = {}
-        for i in active:
-            it = items[i]
-            if it.has_grad:
-                it.state["V"].mul_(b2).add_(grams[i], alpha=1 - b2)
-            if (steps[id(it.tensor)] - 1) % group["refresh_interval"] == 0:
-                refresh[i] = it.state["V"]
-        roots = by_shape(lambda v: inverse_root(v, group["eps"], group["root"], group["ns_steps"]), refresh)
+        moms = [self._momentum_piece(it) for it in items]
+        blocks = ops.to_blocks([[m] if from_momentum else [it.grad, m] for it, m in zip(items, moms)])
+        shapes: dict[tuple, list[int]] = {}  # a graft needs the matrices' sizes: same-size groups then
+        for i in range(len(items)):
+            if ops.active(i):
+                a = blocks[i][0]
+                key = (tuple(a.shape), a.dtype, None if rms is None else math.prod(items[i].layout.shape))
+                shapes.setdefault(key, []).append(i)
+        groups = list(shapes.values())
+        grams = []
+        for idx in groups:
+            if len(idx) == 1:
+                a = blocks[idx[0]][0]
+                grams.append((a.T @ a).unsqueeze(0))
+            else:
+                a = torch.stack([blocks[i][0] for i in idx])
+                grams.append(a.mT @ a)
+        spread = {i: g[j] for idx, g in zip(groups, grams) for j, i in enumerate(idx) if ops.kinds[i] == "distributed"}
+        if spread:  # the partial Grams of distributed matrices, completed in one all-reduce per process group
+            reduced = ops.allreduce(spread)
+            grams = [torch.stack([reduced[i] for i in idx]) if any(i in reduced for i in idx) else g
+                     for idx, g in zip(groups, grams)]
+        vstacks, refresh = [], []
+        for idx, g in zip(groups, grams):
+            vs = [items[i].state["V"] for i in idx]
+            with_grad = [j for j, i in enumerate(idx) if items[i].has_grad]
+            if len(with_grad) == len(idx):
+                v = _stacked(vs)
+                v.mul_(b2).add_(g, alpha=1 - b2)
+                _write_back(vs, v)
+            else:
+                if with_grad:
+                    torch._foreach_mul_([vs[j] for j in with_grad], b2)
+                    torch._foreach_add_([vs[j] for j in with_grad], [g[j] for j in with_grad], alpha=1 - b2)
+                v = _stacked(vs)
+            vstacks.append(v)
+            refresh.append(list(range(len(idx))) if steps is None else
+                           [j for j, i in enumerate(idx) if (steps[id(items[i].tensor)] - 1) % tau == 0])
+        roots = self._roots(group, vstacks, refresh)
         updates: dict[int, torch.Tensor] = {}
-        for i in active:
-            if i in roots:
-                items[i].state["P"].copy_(roots[i])
-            updates[i] = blocks[i][-1] @ items[i].state["P"]
-        if group["update_rms"] is not None:
-            norms = ops.allreduce({i: (updates[i] * updates[i]).sum().reshape(1) for i in active})
-            for i in active:
-                updates[i] = graft_to_rms(updates[i], norms[i], group["update_rms"], items[i].layout.shape)
+        products = []
+        for idx, root, rows in zip(groups, roots, refresh):
+            ps = [items[i].state["P"] for i in idx]
+            if len(rows) == len(idx):
+                _write_back(ps, root)
+                p = root
+            else:
+                if rows:
+                    torch._foreach_copy_([ps[j] for j in rows], list(root.unbind(0)))
+                p = _stacked(ps)
+            if len(idx) == 1:
+                products.append((blocks[idx[0]][-1] @ ps[0]).unsqueeze(0))
+            else:
+                products.append(torch.stack([blocks[i][-1] for i in idx]) @ p)
+        if rms is not None:  # graft_to_rms: the squared norms of the whole matrices, all in one all-reduce
+            norms = ops.allreduce({i: n.reshape(1) for idx, u in zip(groups, products)
+                                   for i, n in zip(idx, (u * u).sum((1, 2)).unbind(0))})
+            products = [graft_to_rms(u, torch.cat([norms[i] for i in idx])[:, None, None], rms,
+                                     items[idx[0]].layout.shape) for idx, u in zip(groups, products)]
+        for idx, u in zip(groups, products):
+            updates.update(zip(idx, u.unbind(0)))
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
-        for it, piece in zip(items, pieces):
-            it.apply(piece, group["lr"], group["weight_decay"])
+        apply_items(items, pieces, group["lr"], group["weight_decay"])
+
+    @staticmethod
+    def _roots(group: dict, vstacks: list[torch.Tensor], refresh: list[list[int]]) -> list[torch.Tensor | None]:
+        """The inverse roots of rows ``refresh[g]`` of each ``vstacks[g]``: one ``inverse_root`` call for all
+        stacks of the same ``k`` (its eigh runs per matrix, so grouping does not change a result)."""
+        by_k: dict[tuple, list[int]] = {}
+        for g, (v, rows) in enumerate(zip(vstacks, refresh)):
+            if rows:
+                by_k.setdefault((v.shape[-1], v.dtype), []).append(g)
+        out: list[torch.Tensor | None] = [None] * len(vstacks)
+        for gs in by_k.values():
+            parts = [vstacks[g] if len(refresh[g]) == len(vstacks[g]) else vstacks[g][refresh[g]] for g in gs]
+            res = inverse_root(parts[0] if len(parts) == 1 else torch.cat(parts), group["eps"], group["root"],
+                               group["ns_steps"])
+            for g, r in zip(gs, res.split([len(p) for p in parts])):
+                out[g] = r
+        return out
 
 
 class DASGO(_MomentumMixin, ShardedOptimizer):
@@ -244,19 +325,7 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
 
     def _step_dasgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
-        params = group["params"]
-        states = [self.state[p] for p in params]
-        for p, st in zip(params, states):  # _update_momentum with foreach kernels
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            if not isinstance(st.get("step"), torch.Tensor):
-                st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
-        if states:
-            torch._foreach_add_([st["step"] for st in states], 1.0)
-        with_grad = [(_local(st["exp_avg"]), _local(p.grad)) for p, st in zip(params, states) if p.grad is not None]
-        if with_grad:
-            torch._foreach_lerp_([m for m, _ in with_grad], [g if g.dtype == torch.float32 else g.float()
-                                                              for _, g in with_grad], 1 - b1)
+        self._update_momentum(group, b1, counts=False)
         step = grouped_step(self, group)
         blocks = step.blocks
         rnd = Round()
@@ -280,5 +349,6 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
                 torch._foreach_mul_([vs[k] for k in with_grad_items], b2)
                 torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
                 v = torch.cat(vs)
-        momentum = blocks.stack([_local(self.state[p]["exp_avg"]) for p in params])
+        moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
+        momentum = [blocks.block_views(moms, g) for g in blocks.groups]  # the momentum's blocks, not a copy
         step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=masked_rsqrt(v + group["eps"]))
