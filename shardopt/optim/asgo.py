@@ -134,13 +134,6 @@ def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
-def _write_back(targets: list[torch.Tensor], stack: torch.Tensor) -> None:
-    """Copy the rows of ``stack`` into ``targets`` (nothing to do where the stack is a view of the one target)."""
-    if len(targets) == 1 and stack._base is targets[0]:
-        return
-    torch._foreach_copy_(targets, list(stack.unbind(0)))
-
-
 class _MomentumMixin:
     def _update_momentum(self, group: dict, beta1: float, counts: bool = True) -> dict[int, int] | None:
         """EMA momentum ``M = b1 M + (1 - b1) G`` on every stepped tensor (element-wise, any layout) and every
@@ -156,7 +149,9 @@ class _MomentumMixin:
         if not states:
             return {} if counts else None
         steps = [st["step"] for st in states]
-        torch._foreach_add_(steps, 1.0)  # matrix rules count every step (ShardedOptimizer._step_count)
+        # matrix rules count every step (ShardedOptimizer._step_count); a list of one 0-d tensor, not the scalar
+        # overload, which costs a scalar-to-tensor conversion per tensor on a CPU
+        torch._foreach_add_(steps, [steps[0].new_ones(())] * len(steps))
         with_grad = [(_local(st["exp_avg"]), _local(p.grad)) for p, st in zip(params, states) if p.grad is not None]
         if with_grad:
             torch._foreach_lerp_([m for m, _ in with_grad], [g if g.dtype == torch.float32 else g.float()
@@ -250,9 +245,10 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             vs = [items[i].state["V"] for i in idx]
             with_grad = [j for j, i in enumerate(idx) if items[i].has_grad]
             if len(with_grad) == len(idx):
-                v = _stacked(vs)
+                v = _stacked(vs)  # one matrix: a view of its V, updated in place
                 v.mul_(b2).add_(g, alpha=1 - b2)
-                _write_back(vs, v)
+                if len(vs) > 1:
+                    torch._foreach_copy_(vs, list(v.unbind(0)))
             else:
                 if with_grad:
                     torch._foreach_mul_([vs[j] for j in with_grad], b2)
@@ -267,7 +263,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         for idx, root, rows in zip(groups, roots, refresh):
             ps = [items[i].state["P"] for i in idx]
             if len(rows) == len(idx):
-                _write_back(ps, root)
+                torch._foreach_copy_(ps, list(root.unbind(0)))
                 p = root
             else:
                 if rows:
@@ -278,8 +274,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             else:
                 products.append(torch.stack([blocks[i][-1] for i in idx]) @ p)
         if rms is not None:  # graft_to_rms: the squared norms of the whole matrices, all in one all-reduce
-            norms = ops.allreduce({i: n.reshape(1) for idx, u in zip(groups, products)
-                                   for i, n in zip(idx, (u * u).sum((1, 2)).unbind(0))})
+            norms = ops.allreduce({i: n.reshape(1) for idx, u in zip(groups, products) for i, n in zip(
+                idx, [(u[0] * u[0]).sum()] if len(idx) == 1 else (u * u).sum((1, 2)).unbind(0))})
             products = [graft_to_rms(u, torch.cat([norms[i] for i in idx])[:, None, None], rms,
                                      items[idx[0]].layout.shape) for idx, u in zip(groups, products)]
         for idx, u in zip(groups, products):
@@ -295,7 +291,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         by_k: dict[tuple, list[int]] = {}
         for g, (v, rows) in enumerate(zip(vstacks, refresh)):
             if rows:
-                by_k.setdefault((v.shape[-1], v.dtype), []).append(g)
+                by_k.setdefault((v.shape[-1], v.dtype, v.device), []).append(g)
         out: list[torch.Tensor | None] = [None] * len(vstacks)
         for gs in by_k.values():
             parts = [vstacks[g] if len(refresh[g]) == len(vstacks[g]) else vstacks[g][refresh[g]] for g in gs]
