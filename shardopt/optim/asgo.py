@@ -140,22 +140,29 @@ class _MomentumMixin:
         tensor's step count advanced, with one foreach kernel each; returns each tensor's step count when
         ``counts`` (one read of all of them), else None."""
         params = group["params"]
-        states = [self.state[p] for p in params]  # type: ignore[attr-defined]
-        for p, st in zip(params, states):
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            if not isinstance(st.get("step"), torch.Tensor):  # new, or a number from an older state dict
-                st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
-        if not states:
+        state = self.state  # type: ignore[attr-defined]
+        steps, ms, gs = [], [], []
+        for p in params:  # one pass: state created where missing, the lists of the foreach kernels
+            st = state[p]
+            m = st.get("exp_avg")
+            if m is None:
+                m = st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            step = st.get("step")
+            if not isinstance(step, torch.Tensor):  # new, or a number from an older state dict
+                step = st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+            steps.append(step)
+            g = p.grad
+            if g is not None:
+                g = _local(g)
+                ms.append(_local(m))
+                gs.append(g if g.dtype == torch.float32 else g.float())
+        if not steps:
             return {} if counts else None
-        steps = [st["step"] for st in states]
         # matrix rules count every step (ShardedOptimizer._step_count); a list of one 0-d tensor, not the scalar
         # overload, which costs a scalar-to-tensor conversion per tensor on a CPU
         torch._foreach_add_(steps, [steps[0].new_ones(())] * len(steps))
-        with_grad = [(_local(st["exp_avg"]), _local(p.grad)) for p, st in zip(params, states) if p.grad is not None]
-        if with_grad:
-            torch._foreach_lerp_([m for m, _ in with_grad], [g if g.dtype == torch.float32 else g.float()
-                                                              for _, g in with_grad], 1 - beta1)
+        if ms:
+            torch._foreach_lerp_(ms, gs, 1 - beta1)
         if not counts:
             return None
         return {id(p): int(c) for p, c in zip(params, torch.stack(steps).tolist())}

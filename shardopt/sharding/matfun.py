@@ -183,7 +183,8 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
     directions by ``1.5^ns_steps``).
     """
     k = v.shape[-1]
-    a = 0.5 * (v.double() + v.double().mT) + eps * torch.eye(k, dtype=torch.float64, device=v.device)
+    vd = v.double()
+    a = torch.add(vd, vd.mT).mul_(0.5).add_(torch.eye(k, dtype=torch.float64, device=v.device), alpha=eps)
     if method == "newton_schulz" and eps > 0:
         return _stable_or_eigh(coupled_inverse_sqrt(a.float(), ns_steps, 1e-30), a)
     if method not in ("eigh", "newton_schulz"):
