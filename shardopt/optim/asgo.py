@@ -24,12 +24,12 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
-from ..sharding import Round, col_sums, masked_rsqrt
+from ..sharding import Round, col_sums, collective_counter, masked_rsqrt
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
-from .grouped import _local, grouped_step
+from .grouped import _local, _plan, grouped_step
 
 __all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
 
@@ -214,16 +214,59 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         b1, b2 = group["betas"]
         tau = group["refresh_interval"]
         steps = self._update_momentum(group, b1, counts=tau > 1)  # tau = 1: every step refreshes, no read
+        layouts = _plan(self, group).layouts
+        if layouts and all(lay.group is None for lay in layouts):
+            self._asgo_local(group, steps)  # nothing sharded: no MatrixOps, whole-matrix stacks as they are
+            return
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._asgo_bucket(group, its, ops, steps))
 
+    def _asgo_local(self, group: dict, steps: dict[int, int] | None) -> None:
+        """The step of a group whose matrices are all local (single process, DDP, ZeRO-0): what
+        ``_asgo_bucket`` computes under the ``local`` strategy (no collective either way), on the gradient
+        stacks of ``grouped_step`` (one per matrix shape, each an orientation of ``A``), applied by
+        ``GroupedStep.apply``; no per-matrix blocks, pieces or items."""
+        step = grouped_step(self, group)
+        blocks, states, plan = step.blocks, step.states, step.plan
+        from_momentum = group["statistic"] == "momentum"
+        moms = [_local(self.state[p]["exp_avg"]) for p in plan.params]
+        has_grad = step.has_grad
+        groups, stats, ms, lefts = [], [], [], []
+        for g, grads in zip(blocks.groups, step.grads):
+            views = blocks.block_views(moms, g)
+            m = views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
+            x = torch.stack(grads) if isinstance(grads, list) else grads
+            left = self.whole_matrix_transpose(group, (g.h, g.w))
+            k = g.h if left else g.w
+            for i in g.items:
+                if "V" not in states[i]:  # as _run_whole_matrix creates them (a local matrix's share is all of it)
+                    states[i]["V"] = torch.zeros(k, k, dtype=torch.float32, device=x.device)
+                    states[i]["P"] = torch.zeros(k, k, dtype=torch.float32, device=x.device)
+            groups.append(list(g.items))
+            ms.append(m.mT if left else m)
+            stats.append(ms[-1] if from_momentum else (x.mT if left else x))
+            lefts.append(left)
+        owners = plan.owners
+        refresh = self._refresh_rows(group, groups, steps, lambda i: plan.params[owners[i]])
+        products = self._asgo_groups(group, groups, stats, ms, states, has_grad, refresh, blocks.layouts,
+                                     lambda parts: parts, lambda i: False)
+        flops = sum(len(idx) * (c.row_flops + c.small_flops)
+                    for idx, c in ((idx, _asgo_cost(tuple(a.shape[1:]))) for idx, a in zip(groups, stats)))
+        collective_counter.add_flops("local", flops)  # MatrixOps.account of the local strategy
+        step.apply([u.mT if left else u for u, left in zip(products, lefts)], group["lr"], group["weight_decay"])
+
+    def _refresh_rows(self, group: dict, groups: list[list[int]], steps: dict[int, int] | None,
+                      tensor_of) -> list[list[int]]:
+        """Per group, the positions of the matrices whose root is recomputed this step (every ``tau`` steps)."""
+        if steps is None:
+            return [list(range(len(idx))) for idx in groups]
+        tau = group["refresh_interval"]
+        return [[j for j, i in enumerate(idx) if (steps[id(tensor_of(i))] - 1) % tau == 0] for idx in groups]
+
     def _asgo_bucket(self, group: dict, items: list, ops, steps: dict[int, int] | None) -> None:
-        """One bucket, batched: the blocks of ``A`` are grouped by shape, and each group's Grams, state EMAs and
-        updates are one kernel on a ``(B, rows, k)`` stack; the roots are one ``inverse_root`` call per ``k``
-        for all groups; parameters are updated with foreach kernels (``apply_items``). A group of one matrix
-        computes exactly what the per-matrix code did (its products on the blocks themselves)."""
-        b1, b2 = group["betas"]
-        tau, rms = group["refresh_interval"], group["update_rms"]
+        """One bucket on ``MatrixOps``: the blocks of ``A`` grouped by shape (``_asgo_groups``), the updates
+        returned to the engine's layout (``from_blocks``) and applied with foreach kernels."""
+        rms = group["update_rms"]
         from_momentum = group["statistic"] == "momentum"
         moms = [self._momentum_piece(it) for it in items]
         blocks = ops.to_blocks([[m] if from_momentum else [it.grad, m] for it, m in zip(items, moms)])
@@ -234,23 +277,38 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                 key = (tuple(a.shape), a.dtype, None if rms is None else math.prod(items[i].layout.shape))
                 shapes.setdefault(key, []).append(i)
         groups = list(shapes.values())
-        grams = []
-        for idx in groups:
-            if len(idx) == 1:
-                a = blocks[idx[0]][0]
-                grams.append((a.T @ a).unsqueeze(0))
-            else:
-                a = torch.stack([blocks[i][0] for i in idx])
-                grams.append(a.mT @ a)
-        spread = {i: g[j] for idx, g in zip(groups, grams) for j, i in enumerate(idx) if ops.kinds[i] == "distributed"}
+        stats = [_stacked([blocks[i][0] for i in idx]) for idx in groups]
+        ms = stats if from_momentum else [_stacked([blocks[i][-1] for i in idx]) for idx in groups]
+        refresh = self._refresh_rows(group, groups, steps, lambda i: items[i].tensor)
+        products = self._asgo_groups(group, groups, stats, ms, [it.state for it in items],
+                                     [it.has_grad for it in items], refresh, [it.layout for it in items],
+                                     ops.allreduce, lambda i: ops.kinds[i] == "distributed")
+        updates = {i: u for idx, p in zip(groups, products) for i, u in zip(idx, p.unbind(0))}
+        pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
+        ops.account()
+        apply_items(items, pieces, group["lr"], group["weight_decay"])
+
+    def _asgo_groups(self, group: dict, groups: list[list[int]], stats: list[torch.Tensor], ms: list[torch.Tensor],
+                     states: list[dict], has_grad: list[bool], refresh: list[list[int]], layouts: list,
+                     allreduce, distributed) -> list[torch.Tensor]:
+        """The updates ``M_A P`` of blocks of ``A`` grouped by shape: ``stats[g]`` and ``ms[g]`` are ``(B, rows,
+        k)`` stacks of the statistic's and the momentum's blocks of the matrices ``groups[g]`` (indices into
+        ``states``, ``has_grad``, ``layouts``). Per group one Gram kernel, one state EMA, one product; the roots
+        are one ``inverse_root`` call per ``k``. A group of one matrix runs exactly the per-matrix products (on
+        ``stats[g][0]``, the block as it is). ``allreduce`` completes partial sums of the matrices for which
+        ``distributed(i)`` holds (one call for the Grams, one for a graft's norms)."""
+        b2 = group["betas"][1]
+        rms = group["update_rms"]
+        grams = [(a[0].T @ a[0]).unsqueeze(0) if len(idx) == 1 else a.mT @ a for idx, a in zip(groups, stats)]
+        spread = {i: g[j] for idx, g in zip(groups, grams) for j, i in enumerate(idx) if distributed(i)}
         if spread:  # the partial Grams of distributed matrices, completed in one all-reduce per process group
-            reduced = ops.allreduce(spread)
+            reduced = allreduce(spread)
             grams = [torch.stack([reduced[i] for i in idx]) if any(i in reduced for i in idx) else g
                      for idx, g in zip(groups, grams)]
-        vstacks, refresh = [], []
+        vstacks = []
         for idx, g in zip(groups, grams):
-            vs = [items[i].state["V"] for i in idx]
-            with_grad = [j for j, i in enumerate(idx) if items[i].has_grad]
+            vs = [states[i]["V"] for i in idx]
+            with_grad = [j for j, i in enumerate(idx) if has_grad[i]]
             if len(with_grad) == len(idx):
                 v = _stacked(vs)  # one matrix: a view of its V, updated in place
                 v.mul_(b2).add_(g, alpha=1 - b2)
@@ -262,13 +320,10 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                     torch._foreach_add_([vs[j] for j in with_grad], [g[j] for j in with_grad], alpha=1 - b2)
                 v = _stacked(vs)
             vstacks.append(v)
-            refresh.append(list(range(len(idx))) if steps is None else
-                           [j for j, i in enumerate(idx) if (steps[id(items[i].tensor)] - 1) % tau == 0])
         roots = self._roots(group, vstacks, refresh)
-        updates: dict[int, torch.Tensor] = {}
         products = []
-        for idx, root, rows in zip(groups, roots, refresh):
-            ps = [items[i].state["P"] for i in idx]
+        for idx, m, root, rows in zip(groups, ms, roots, refresh):
+            ps = [states[i]["P"] for i in idx]
             if len(rows) == len(idx):
                 torch._foreach_copy_(ps, list(root.unbind(0)))
                 p = root
@@ -276,20 +331,13 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                 if rows:
                     torch._foreach_copy_([ps[j] for j in rows], list(root.unbind(0)))
                 p = _stacked(ps)
-            if len(idx) == 1:
-                products.append((blocks[idx[0]][-1] @ ps[0]).unsqueeze(0))
-            else:
-                products.append(torch.stack([blocks[i][-1] for i in idx]) @ p)
+            products.append((m[0] @ ps[0]).unsqueeze(0) if len(idx) == 1 else m @ p)
         if rms is not None:  # graft_to_rms: the squared norms of the whole matrices, all in one all-reduce
-            norms = ops.allreduce({i: n.reshape(1) for idx, u in zip(groups, products) for i, n in zip(
+            norms = allreduce({i: n.reshape(1) for idx, u in zip(groups, products) for i, n in zip(
                 idx, [(u[0] * u[0]).sum()] if len(idx) == 1 else (u * u).sum((1, 2)).unbind(0))})
             products = [graft_to_rms(u, torch.cat([norms[i] for i in idx])[:, None, None], rms,
-                                     items[idx[0]].layout.shape) for idx, u in zip(groups, products)]
-        for idx, u in zip(groups, products):
-            updates.update(zip(idx, u.unbind(0)))
-        pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
-        ops.account()
-        apply_items(items, pieces, group["lr"], group["weight_decay"])
+                                     layouts[idx[0]].shape) for idx, u in zip(groups, products)]
+        return products
 
     @staticmethod
     def _roots(group: dict, vstacks: list[torch.Tensor], refresh: list[list[int]]) -> list[torch.Tensor | None]:
