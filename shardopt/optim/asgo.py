@@ -19,6 +19,7 @@ the split columns' partial sums cross the network (the core primitives), no whol
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any, Iterable, Literal, Unpack
 
 import pydantic
@@ -129,6 +130,15 @@ def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
     return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k)
 
 
+#: blocks of ``A`` with at least this many elements are computed one by one, as views: there a kernel's launch
+#: is negligible next to its work, and a stack would copy them
+BATCH_NUMEL = 1 << 16
+
+
+#: per grouped plan (``optim.grouped``): whether all its matrices are local and small (``ASGO._asgo_local``)
+_LOCAL_AND_SMALL: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
+
+
 def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
     """``(B, ...)`` stack of same-shape tensors; one tensor: a view of it (in-place ops reach it)."""
     return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
@@ -214,12 +224,21 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         b1, b2 = group["betas"]
         tau = group["refresh_interval"]
         steps = self._update_momentum(group, b1, counts=tau > 1)  # tau = 1: every step refreshes, no read
-        layouts = _plan(self, group).layouts
-        if layouts and all(lay.group is None for lay in layouts):
+        if self._all_local_and_small(group):
             self._asgo_local(group, steps)  # nothing sharded: no MatrixOps, whole-matrix stacks as they are
             return
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._asgo_bucket(group, its, ops, steps))
+
+    def _all_local_and_small(self, group: dict) -> bool:
+        """Whether every matrix of ``group`` is local (not sharded) and below ``BATCH_NUMEL`` elements
+        (remembered per grouped plan, which an engine's ``use_layouts`` replaces)."""
+        plan = _plan(self, group)
+        small = _LOCAL_AND_SMALL.get(plan)
+        if small is None:
+            small = _LOCAL_AND_SMALL[plan] = bool(plan.layouts) and all(
+                lay.group is None and lay.shape[0] * lay.shape[1] < BATCH_NUMEL for lay in plan.layouts)
+        return small
 
     def _asgo_local(self, group: dict, steps: dict[int, int] | None) -> None:
         """The step of a group whose matrices are all local (single process, DDP, ZeRO-0): what
@@ -274,7 +293,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         for i in range(len(items)):
             if ops.active(i):
                 a = blocks[i][0]
-                key = (tuple(a.shape), a.dtype, None if rms is None else math.prod(items[i].layout.shape))
+                key = (tuple(a.shape), a.dtype, None if rms is None else math.prod(items[i].layout.shape),
+                       i if a.numel() >= BATCH_NUMEL else None)  # large blocks: one by one
                 shapes.setdefault(key, []).append(i)
         groups = list(shapes.values())
         stats = [_stacked([blocks[i][0] for i in idx]) for idx in groups]
