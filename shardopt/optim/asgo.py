@@ -18,6 +18,7 @@ the split columns' partial sums cross the network (the core primitives), no whol
 """
 from __future__ import annotations
 
+import functools
 import math
 import weakref
 from typing import Any, Iterable, Literal, Unpack
@@ -125,6 +126,7 @@ def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: t
     return update * (rms * math.sqrt(m * n) / norm2.sqrt().clamp(min=1e-12))
 
 
+@functools.lru_cache(maxsize=1024)
 def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
     rows, k = a_shape
     return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k)

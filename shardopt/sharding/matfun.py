@@ -212,6 +212,6 @@ def _eigh_inverse_root(a: torch.Tensor, pseudo_inverse: bool) -> torch.Tensor:
     k = a.shape[-1]
     lam, vec = torch.linalg.eigh(a)
     lam = lam.clamp(min=0)
-    cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if pseudo_inverse else torch.zeros_like(lam)
-    inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt(), torch.zeros_like(lam))
+    cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if pseudo_inverse else 0.0
+    inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt_(), 0.0)
     return ((vec * inv.unsqueeze(-2)) @ vec.mT).float()
