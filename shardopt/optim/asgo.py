@@ -183,10 +183,7 @@ class _MomentumMixin:
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
 
     def _momentum_piece(self, it) -> torch.Tensor:
-        """``it.frag.local(exp_avg)``; a fragment that is all of its tensor takes the flat view as it is."""
-        flat = _local(self.state[it.tensor]["exp_avg"]).view(-1)  # type: ignore[attr-defined]
-        frag = it.frag
-        return flat if frag.offset == 0 and frag.numel == flat.numel() else flat[frag.offset: frag.offset + frag.numel]
+        return it.frag.local(self.state[it.tensor]["exp_avg"])  # type: ignore[attr-defined]
 
 
 class ASGO(_MomentumMixin, ShardedOptimizer):
