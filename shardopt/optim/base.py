@@ -838,10 +838,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
         over all gradients; on CPUs (where that kernel is slow) l2 norms (one foreach call), which are non-finite
         whenever an element is, and are confirmed element-wise only then (a finite overflow is not a skip)."""
-        named = [(p, _local(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        named = [(p, g) for p, g in named if g.numel()]
-        if named:
-            grads = [g for _, g in named]
+        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [g for g in grads if g.numel()]
+        if grads:
             if _fused_check_applies(grads):
                 # one kernel for every gradient where the step is launch-bound: torch's AMP check, which also
                 # multiplies by its scale (1.0 here: every element is left as it was)
@@ -864,7 +863,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         world_group_allreduce_max(flag)
         if flag.item() == 0:
             return False
-        bad_local = [self.param_names.get(id(p), "?") for p, g in named if not torch.isfinite(g).all()]
+        named = [(p, _local(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None]
+        bad_local = [self.param_names.get(id(p), "?") for p, g in named if g.numel() and not torch.isfinite(g).all()]
         if self.on_nonfinite == "raise":
             raise FloatingPointError(
                 f"non-finite gradients in this step (on this rank: {bad_local or 'none, on another rank'}); "
@@ -888,7 +888,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
         counts = [st["step"] for st in states]
         if counts:  # _step_count(p, only_with_grad=True) of every tensor with a gradient: one kernel, one read
-            torch._foreach_add_(counts, 1.0)
+            # the tensor-list overload: the scalar one converts the scalar once per tensor on a CPU
+            torch._foreach_add_(counts, [counts[0].new_ones(())] * len(counts))
             counts = [int(c) for c in torch.stack(counts).tolist()]
         for p, st, count in zip(stepped, states, counts):
             params, grads, ms, vs = by_step.setdefault(count, ([], [], [], []))
