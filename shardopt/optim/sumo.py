@@ -149,17 +149,21 @@ class SUMO(ShardedOptimizer):
 
     def _sumo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
         """One bucket's step, batched: matrices whose blocks and moments have the same shapes (and orientation)
-        are stacked and computed with one batched product per group, the polar factors with one batched
-        factorization per moment shape; element-wise state updates and the parameter update are
-        ``torch._foreach_*`` calls. Each matrix gets the numbers of the per-matrix formulas above (to fp32
-        rounding of batched products); the collectives are those of the per-matrix code (one bucketed
-        all-reduce per phase, whatever the grouping)."""
+        are stacked and computed with one batched product per group, the polar factors and the limiter with
+        one batched call per moment shape; state writes are ``torch._foreach_*`` calls and the parameter update
+        is ``apply_items``. Each matrix gets the numbers of the per-matrix formulas above (to fp32 rounding of
+        batched products); the collectives are those of the per-matrix code (one bucketed all-reduce per
+        phase, whatever the grouping). When every matrix is ``local`` (one process, DDP) the blocks are the
+        gradients themselves, so a group's stack is read from them and its updates are returned as views of
+        one tensor, with no per-matrix block mapping."""
         n = len(items)
-        blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
+        kinds, plans = ops.kinds, ops.plans
+        local = all(k == "local" for k in kinds)
+        blocks = None if local else [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         states = [it.state for it in items]
         for i, (it, st) in enumerate(zip(items, states)):
             if "Q" not in st:  # normally created from matrix_state_spec by _run_whole_matrix
-                rows, cols = ops.plans[i].a_shape
+                rows, cols = plans[i].a_shape
                 r = effective_rank(group["rank"], (rows, cols), it.frag.name, "SUMO")
                 st["Q"] = it.grad.new_zeros(rows, r)
                 st["M"] = it.grad.new_zeros(r, cols)
@@ -167,26 +171,39 @@ class SUMO(ShardedOptimizer):
                 st["refreshes"] = it.grad.new_zeros(())
         period = group["refresh_interval"]
         due = [i for i, it in enumerate(items) if (steps[id(it.tensor)] - 1) % period == 0]
-        active = [i for i in range(n) if ops.active(i)]
         if due:
-            self._refresh(group, items, ops, blocks, due)
-        # per group of equal shapes and orientation: this rank's rows of the bases, Q^T A in one batched product
-        groups = _shape_groups(active, lambda i: (blocks[i].shape, blocks[i].stride(), states[i]["M"].shape,
-                                                  items[i].layout.shape))
-        kinds = ops.kinds
+            self._refresh(group, items, ops, blocks if blocks is not None else
+                          [_whole_block(p, it.grad) for p, it in zip(plans, items)], due)
+        if local:
+            active = list(range(n))
+            groups = _shape_groups(active, lambda i: (plans[i].transpose, items[i].layout.shape,
+                                                      states[i]["M"].shape))
+        else:
+            active = [i for i in range(n) if ops.active(i)]
+            groups = _shape_groups(active, lambda i: (blocks[i].shape, blocks[i].stride(), states[i]["M"].shape,
+                                                      items[i].layout.shape))
+        # per group: this rank's rows of the bases, Q^T A in one batched product
         stacked_q, projections = [], []
         parts: dict[int, torch.Tensor] = {}
         for idx in groups:
-            q = torch.stack([states[i]["Q"] if kinds[i] != "distributed" else ops.my_rows(i, states[i]["Q"])
-                             for i in idx])
+            if local:
+                a = torch.stack([items[i].grad for i in idx]).view(len(idx), *items[idx[0]].layout.shape)
+                a = a.mT if plans[idx[0]].transpose else a
+                q = torch.stack([states[i]["Q"] for i in idx])
+            else:
+                a = torch.stack([blocks[i] for i in idx])
+                q = torch.stack([states[i]["Q"] if kinds[i] != "distributed" else ops.my_rows(i, states[i]["Q"])
+                                 for i in idx])
             stacked_q.append(q)
-            projections.append(q.mT @ torch.stack([blocks[i] for i in idx]))
-            parts.update((i, projections[-1][j]) for j, i in enumerate(idx) if kinds[i] == "distributed")
+            projections.append(q.mT @ a)
+            if not local:
+                parts.update((i, projections[-1][j]) for j, i in enumerate(idx) if kinds[i] == "distributed")
         summed = ops.allreduce(parts)  # partial sums of distributed matrices; the others are complete
-        for g, idx in enumerate(groups):
-            if any(i in summed for i in idx):
-                projections[g] = torch.stack([summed.get(i, projections[g][j]) for j, i in enumerate(idx)])
-        # per moment shape (groups merged): M = mu M + Q^T A, polar factor, limiter, one batched call each
+        if summed:
+            for g, idx in enumerate(groups):
+                if any(i in summed for i in idx):
+                    projections[g] = torch.stack([summed.get(i, projections[g][j]) for j, i in enumerate(idx)])
+        # per moment shape (groups merged): M = mu M + Q^T A, polar factor, limiter
         by_moment: dict[tuple, list[int]] = {}
         for g, idx in enumerate(groups):
             by_moment.setdefault(tuple(states[idx[0]]["M"].shape), []).append(g)
@@ -198,30 +215,35 @@ class SUMO(ShardedOptimizer):
             mom = torch.stack(moments)
             proj = projections[gs[0]] if len(gs) == 1 else torch.cat([projections[g] for g in gs])
             stepped = [j for j, i in enumerate(idx) if items[i].has_grad]
-            if len(stepped) == len(idx):
+            whole = len(stepped) == len(idx)
+            if whole:
                 torch._foreach_copy_(moments, list(mom.mul_(mu).add_(proj).unbind(0)))
             elif stepped:  # a rank without this step's gradient keeps its moment
                 mom[stepped] = mom[stepped].mul_(mu).add_(proj[stepped])
                 torch._foreach_copy_([moments[j] for j in stepped], [mom[j] for j in stepped])
             o = polar_factor(mom, rtol=max(mom.shape[-2:]) * _EPS32)
-            o = limit_growth_batched(o, torch.stack([states[i]["prev_onorm"] for i in idx]), group["gamma"])
+            o, norms = _limit_growth_stacked(o, torch.stack([states[i]["prev_onorm"] for i in idx]), group["gamma"])
             if stepped:  # |O| of the (limited) factor, for the next step's limiter
-                norms = torch.linalg.vector_norm(o, dim=(-2, -1))
                 torch._foreach_copy_([states[idx[j]]["prev_onorm"] for j in stepped],
-                                     list(norms.unbind(0)) if len(stepped) == len(idx) else
-                                     [norms[j] for j in stepped])
+                                     list(norms.unbind(0)) if whole else [norms[j] for j in stepped])
             pos = 0
             for g in gs:
                 polar[g] = o[pos: pos + len(groups[g])]
                 pos += len(groups[g])
+        # alpha c(m, n) Q O, stored like G where the block is a transposed view (as mm_like)
         updates: list[torch.Tensor | None] = [None] * n
         for idx, q, o in zip(groups, stacked_q, polar):
-            # Q O stored in the orientation of the block (mm_like), scaled by alpha c(m, n)
-            u = (o.mT @ q.mT).mT if stored_transposed(blocks[idx[0]]) else q @ o
-            u.mul_(group["alpha"] * step_scale(group["step_scale"], items[idx[0]].layout.shape))
-            for i, ui in zip(idx, u.unbind(0)):
+            first = idx[0]
+            like_g = plans[first].transpose if local else stored_transposed(blocks[first])
+            u = o.mT @ q.mT if like_g else q @ o
+            u.mul_(group["alpha"] * step_scale(group["step_scale"], items[first].layout.shape))
+            if local:  # the G-shaped update of each matrix is its 1-D piece
+                updates_g = u.view(len(idx), -1).unbind(0)
+            else:
+                updates_g = (u.mT if like_g else u).unbind(0)
+            for i, ui in zip(idx, updates_g):
                 updates[i] = ui
-        pieces = ops.from_blocks(updates)
+        pieces = updates if local else ops.from_blocks(updates)
         ops.account()
         apply_items(items, pieces, group["lr"], group["weight_decay"])
 
@@ -255,14 +277,26 @@ def _state_spec(rank: int, rows: int, cols: int) -> dict:
     return {"Q": ((rows, r), 0), "M": ((r, cols), 1), "prev_onorm": ((), None), "refreshes": ((), None)}
 
 
-def limit_growth_batched(O: torch.Tensor, prev_norm: torch.Tensor, gamma: float | None) -> torch.Tensor:
-    """``limit_growth`` of a stack ``O`` (``B x k x l``, scaled in place) with one previous norm each (``B``)."""
-    if gamma is None:
-        return O
+def _limit_growth_stacked(O: torch.Tensor, prev_norm: torch.Tensor,
+                          gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``limit_growth`` of a stack ``O`` (``B x k x l``; scaled in place) with one previous norm each (``B``),
+    and the norms of the result. One host read decides whether any matrix is limited (rarely: ``|O|`` is the
+    square root of the moment's rank); if none is, the norms are those already computed."""
     onorm = torch.linalg.vector_norm(O, dim=(-2, -1))
+    if gamma is None:
+        return O, onorm
     bound = gamma * prev_norm
-    factor = torch.where((prev_norm > 0) & (onorm > bound), bound / onorm, 1.0)
-    return O.mul_(factor[:, None, None])
+    limited = (prev_norm > 0) & (onorm > bound)
+    if not bool(limited.any()):
+        return O, onorm
+    O.mul_(torch.where(limited, bound / onorm, 1.0)[:, None, None])
+    return O, torch.linalg.vector_norm(O, dim=(-2, -1))
+
+
+def _whole_block(plan, grad: torch.Tensor) -> torch.Tensor:
+    """The block of a ``local`` matrix: its whole gradient as ``A`` (a view, transposed for ``A = G^T``)."""
+    full = grad.view(plan.layout.shape)
+    return full.T if plan.transpose else full
 
 
 def _shape_groups(idx: Iterable[int], key) -> list[list[int]]:
