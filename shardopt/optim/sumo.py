@@ -131,19 +131,19 @@ class SUMO(ShardedOptimizer):
 
     def _step_counts(self, params: list) -> dict[int, int]:
         """``{id(p): _step_count(p)}`` for every parameter, with one foreach increment and one read of all the
-        counters (``_step_count`` for parameters whose counter is not a tensor yet)."""
+        counters (``_step_count`` itself for a counter that is not a CPU float32 tensor yet)."""
         counters, out = [], {}
         for p in params:
             step = self.state[p].get("step")
-            if isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.float32:
+            if isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.float32 \
+                    and step.device.type == "cpu":
                 counters.append((p, step))
             else:
                 out[id(p)] = self._step_count(p)
         if counters:
             tensors = [c for _, c in counters]
             torch._foreach_add_(tensors, 1)
-            values = torch.stack(tensors).tolist() if tensors[0].device.type == "cpu" else \
-                torch.stack(tensors).cpu().tolist()
+            values = torch.stack(tensors).tolist()
             out.update((id(p), int(v)) for (p, _), v in zip(counters, values))
         return out
 
