@@ -10,8 +10,12 @@ state keys are the symbols ``Q``, ``M`` (and ``prev_onorm`` = ``|O_prev|``)::
 
 The functions named above are the math, on plain tensors. ``SUMO._sumo_bucket`` drives them on ``MatrixOps``:
 ``Q^T A`` is a sum over the rows of ``A`` (one bucketed all-reduce of ``r x n`` under the distributed strategy),
-the SVD of the small ``r x n`` moment runs on identical inputs on every rank, and ``Q O`` is row-local. ``Q``
-(rows x r) and ``M`` (r x cols) are small per-matrix state.
+the polar factor of the small ``r x n`` moment (``matfun.polar_factor``: float64, exact to float32 rounding)
+runs on identical inputs on every rank, and ``Q O`` is row-local. ``Q`` (rows x r) and ``M`` (r x cols) are
+small per-matrix state. The step is batched: matrices of equal shapes are stacked for each product, polar
+factor and limiter (``_limit_growth_stacked``), the state is written with ``torch._foreach_*`` kernels, and the
+parameters are updated by ``apply_items``; a step's kernel launches grow with the number of shapes, not of
+matrices (except the per-matrix state writes, one foreach call each).
 """
 from __future__ import annotations
 
