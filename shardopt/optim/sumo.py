@@ -221,15 +221,18 @@ class SUMO(ShardedOptimizer):
             stepped = [j for j, i in enumerate(idx) if items[i].has_grad]
             whole = len(stepped) == len(idx)
             if whole:
-                torch._foreach_copy_(moments, list(mom.mul_(mu).add_(proj).unbind(0)))
+                mom.mul_(mu).add_(proj)
             elif stepped:  # a rank without this step's gradient keeps its moment
                 mom[stepped] = mom[stepped].mul_(mu).add_(proj[stepped])
-                torch._foreach_copy_([moments[j] for j in stepped], [mom[j] for j in stepped])
             o = polar_factor(mom, rtol=max(mom.shape[-2:]) * _EPS32)
             o, norms = _limit_growth_stacked(o, torch.stack([states[i]["prev_onorm"] for i in idx]), group["gamma"])
-            if stepped:  # |O| of the (limited) factor, for the next step's limiter
-                torch._foreach_copy_([states[idx[j]]["prev_onorm"] for j in stepped],
-                                     list(norms.unbind(0)) if whole else [norms[j] for j in stepped])
+            if stepped:  # the new moments, and |O| of the (limited) factor for the next step's limiter
+                if whole:
+                    torch._foreach_copy_(moments + [states[i]["prev_onorm"] for i in idx],
+                                         list(mom.unbind(0)) + list(norms.unbind(0)))
+                else:
+                    targets = [moments[j] for j in stepped] + [states[idx[j]]["prev_onorm"] for j in stepped]
+                    torch._foreach_copy_(targets, [mom[j] for j in stepped] + [norms[j] for j in stepped])
             pos = 0
             for g in gs:
                 polar[g] = o[pos: pos + len(groups[g])]
