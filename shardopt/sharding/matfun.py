@@ -124,8 +124,7 @@ def _polar_from_gram(g: torch.Tensor, tol: float, checked: bool = False) -> torc
         if bool(bad.any()):
             if out.dim() == 2:
                 return _polar_from_svd(g, tol)
-            out = out.clone()
-            out[bad] = _polar_from_svd(g[bad], tol)
+            out[bad] = _polar_from_svd(g[bad], tol)  # out is a new tensor (or a view of one)
     return out
 
 
@@ -218,10 +217,13 @@ def _polar_from_svd(g: torch.Tensor, tol: float) -> torch.Tensor:
 
 
 def _gram_floor(shape: tuple[int, ...]) -> float:
-    """Relative size (to ``sigma_1``) below which a singular value computed from the float64 Gram matrix of a
-    float32 ``k x l`` input is rounding: forming ``a a^T`` (sums of ``l`` products) and its eigendecomposition
-    (backward error ``~k eps64 |a a^T|``) perturb the eigenvalues by ``~(k + l) eps64 sigma_1^2``."""
-    return math.sqrt((shape[-2] + shape[-1]) * torch.finfo(torch.float64).eps)
+    """Relative size ``f`` (to ``sigma_1``) below which a singular value computed from the float64 Gram matrix of
+    a float32 ``k x l`` input (``k <= l``) may be rounding. Forming ``a a^T`` (exact products, sums of ``l``
+    terms) perturbs it by at most ``l eps64 |a|_F^2 <= k l eps64 sigma_1^2`` in norm, its eigendecomposition
+    (backward error ``~k eps64 |a a^T|``) by ``~k^2 eps64 sigma_1^2``: eigenvalues move by at most
+    ``f^2 sigma_1^2`` with ``f^2 = k (k + l) eps64``, a worst case (typical errors are far smaller)."""
+    k, l = sorted(shape[-2:])
+    return math.sqrt(k * (k + l) * torch.finfo(torch.float64).eps)
 
 
 def _gram_unsettled(sigma: torch.Tensor, top: torch.Tensor, tol: float, shape: tuple[int, ...]) -> torch.Tensor:
