@@ -218,12 +218,12 @@ def _polar_from_svd(g: torch.Tensor, tol: float) -> torch.Tensor:
 
 def _gram_floor(shape: tuple[int, ...]) -> float:
     """Relative size ``f`` (to ``sigma_1``) below which a singular value computed from the float64 Gram matrix of
-    a float32 ``k x l`` input (``k <= l``) may be rounding. Forming ``a a^T`` (exact products, sums of ``l``
-    terms) perturbs it by at most ``l eps64 |a|_F^2 <= k l eps64 sigma_1^2`` in norm, its eigendecomposition
-    (backward error ``~k eps64 |a a^T|``) by ``~k^2 eps64 sigma_1^2``: eigenvalues move by at most
-    ``f^2 sigma_1^2`` with ``f^2 = k (k + l) eps64``, a worst case (typical errors are far smaller)."""
-    k, l = sorted(shape[-2:])
-    return math.sqrt(k * (k + l) * torch.finfo(torch.float64).eps)
+    a float32 ``k x l`` input may be rounding: forming ``a a^T`` (exact products, sums of ``l`` terms) and its
+    eigendecomposition (backward error ``~k eps64 |a a^T|``) move the eigenvalues by ``~f^2 sigma_1^2`` with
+    ``f^2 = (k + l) eps64``. The error model of the unchecked Gram route (``~k eps64 sigma_1^2``, see
+    ``polar_factor``) plus the forming of the Gram matrix; the worst case, ``k (k + l) eps64``, is far from
+    typical and would send well-resolved spectra to the SVD."""
+    return math.sqrt((shape[-2] + shape[-1]) * torch.finfo(torch.float64).eps)
 
 
 def _gram_unsettled(sigma: torch.Tensor, top: torch.Tensor, tol: float, shape: tuple[int, ...]) -> torch.Tensor:
