@@ -134,22 +134,15 @@ class SUMO(ShardedOptimizer):
         self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))
 
     def _step_counts(self, params: list) -> dict[int, int]:
-        """``{id(p): _step_count(p)}`` for every parameter, with one foreach increment and one read of all the
-        counters (``_step_count`` itself for a counter that is not a CPU float32 tensor yet)."""
-        counters, out = [], {}
-        for p in params:
-            step = self.state[p].get("step")
-            if isinstance(step, torch.Tensor) and step.dim() == 0 and step.dtype == torch.float32 \
-                    and step.device.type == "cpu":
-                counters.append((p, step))
-            else:
-                out[id(p)] = self._step_count(p)
-        if counters:
-            tensors = [c for _, c in counters]
-            torch._foreach_add_(tensors, [torch.ones(())] * len(tensors))  # the list form: ~3x the scalar's speed
-            values = torch.stack(tensors).tolist()
-            out.update((id(p), int(v)) for (p, _), v in zip(counters, values))
-        return out
+        """``{id(p): _step_count(p)}`` for every parameter: one foreach increment and one read of all the
+        counters when they are all CPU float32 tensors (as ``_step_count`` makes them), else ``_step_count``."""
+        counters = [self.state[p].get("step") for p in params]
+        if counters and all(type(c) is torch.Tensor and c.dim() == 0 and c.dtype == torch.float32 and c.is_cpu
+                            for c in counters):
+            values = (torch.stack(counters) + 1).tolist()
+            torch._foreach_add_(counters, [torch.ones(())] * len(counters))  # the list form: ~3x the scalar's speed
+            return {id(p): int(v) for p, v in zip(params, values)}
+        return {id(p): self._step_count(p) for p in params}
 
     def _sumo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
         """One bucket's step, batched: matrices whose blocks and moments have the same shapes (and orientation)
