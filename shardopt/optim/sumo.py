@@ -218,13 +218,14 @@ class SUMO(ShardedOptimizer):
             elif stepped:  # a rank without this step's gradient keeps its moment
                 mom[stepped] = mom[stepped].mul_(mu).add_(proj[stepped])
             o = polar_factor(mom, rtol=max(mom.shape[-2:]) * _EPS32)
-            o, norms = _limit_growth_stacked(o, torch.stack([states[i]["prev_onorm"] for i in idx]), group["gamma"])
+            prevs = [states[i]["prev_onorm"] for i in idx]
+            o, norms = _limit_growth_stacked(o, torch.stack(prevs), group["gamma"])
             if stepped:  # the new moments, and |O| of the (limited) factor for the next step's limiter
-                if whole:
-                    torch._foreach_copy_(moments + [states[i]["prev_onorm"] for i in idx],
-                                         list(mom.unbind(0)) + list(norms.unbind(0)))
+                if whole:  # unbind_copy into the state tensors: no Python view per matrix
+                    torch.unbind_copy(mom, 0, out=moments)
+                    torch.unbind_copy(norms, 0, out=prevs)
                 else:
-                    targets = [moments[j] for j in stepped] + [states[idx[j]]["prev_onorm"] for j in stepped]
+                    targets = [moments[j] for j in stepped] + [prevs[j] for j in stepped]
                     torch._foreach_copy_(targets, [mom[j] for j in stepped] + [norms[j] for j in stepped])
             pos = 0
             for g in gs:
