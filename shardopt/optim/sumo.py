@@ -263,7 +263,7 @@ class SUMO(ShardedOptimizer):
             q_new = [new[i] for i in idx]
             qs, ms = [states[i]["Q"] for i in idx], [states[i]["M"] for i in idx]
             carried = carry_moment(torch.stack(q_new), torch.stack(qs), torch.stack(ms))
-            torch._foreach_copy_(ms, list(carried.unbind(0)))
+            torch.unbind_copy(carried, 0, out=ms)
             torch._foreach_copy_(qs, q_new)
         torch._foreach_add_([states[i]["refreshes"] for i in refresh], 1)
 
