@@ -9,6 +9,7 @@ whitening and ASGO's Newton-Schulz root.
 """
 from __future__ import annotations
 
+import math
 from typing import Callable, Generator
 
 import torch
@@ -111,30 +112,42 @@ def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
     ``sigma_i >= rtol sigma_1``, and float64 rounding of the Gram eigenvalues (``~k eps64 sigma_1^2``) moves it
     by at most ``k eps64 / (2 rtol^2)`` relative: 1e-7 to 2e-6 for SUMO's cutoffs on LLaMA shapes
     (``max(m, n) eps32``), float32 level; on a CPU it is 3-4x faster than the SVD of a ``128 x 512`` moment.
-    Tighter cutoffs take the SVD.
+
+    Tighter cutoffs take the Gram route only for the matrices whose computed spectrum settles every
+    decision (``_gram_unsettled``): each Gram singular value is either far below the cutoff (surely dropped) or
+    large enough that its float64 rounding moves the result by at most float32 rounding; the others (and
+    cutoffs too tight to tell a dropped direction from rounding, such as the default) take the SVD. Small
+    matrices (SUMO's ``r x n`` moments at small widths) thus pay one eigendecomposition, about half an SVD.
     """
     tol = max(g.shape[-2:]) * torch.finfo(torch.float64).eps if rtol is None else rtol
     if tol >= GRAM_RTOL and g.numel():
         return _polar_from_gram(g.double(), tol).float()
-    u, s, vh = torch.linalg.svd(g.double(), full_matrices=False)
-    if not s.numel():
-        return (u @ vh).float()
-    keep = (s > s.amax(-1, keepdim=True) * tol).to(u.dtype)
-    return ((u * keep.unsqueeze(-2)) @ vh).float()
+    if g.numel() and tol >= 2 * _gram_floor(g.shape):
+        return _polar_from_gram(g.double(), tol, checked=True).float()
+    return _polar_from_svd(g.double(), tol).float()
 
 
 GRAM_RTOL = 1e-5
 
 
-def _polar_from_gram(g: torch.Tensor, tol: float) -> torch.Tensor:
+def _polar_from_gram(g: torch.Tensor, tol: float, checked: bool = False) -> torch.Tensor:
+    """The Gram route of ``polar_factor`` (float64 in and out); ``checked``: matrices whose spectrum the Gram
+    matrix does not resolve at ``tol`` (``_gram_unsettled``) are recomputed by the SVD."""
     wide = g.size(-2) <= g.size(-1)
     a = g if wide else g.mT
     lam, vecs = torch.linalg.eigh(a @ a.mT)
     sigma = lam.clamp(min=0).sqrt()
-    keep = sigma > sigma.amax(-1, keepdim=True) * tol
-    inv = torch.where(keep, 1.0 / torch.where(keep, sigma, torch.ones_like(sigma)), torch.zeros_like(sigma))
+    top = sigma.amax(-1, keepdim=True)
+    inv = torch.where(sigma > top * tol, sigma.reciprocal(), 0.0)
     out = ((vecs * inv.unsqueeze(-2)) @ vecs.mT) @ a  # k x k first: two k^2 n products in all
-    return out if wide else out.mT
+    out = out if wide else out.mT
+    if checked:
+        bad = _gram_unsettled(sigma, top, tol, g.shape)
+        if bool(bad.any()):
+            if out.dim() == 2:
+                return _polar_from_svd(g, tol)
+            out[bad] = _polar_from_svd(g[bad], tol)  # out is a new tensor (or a view of one)
+    return out
 
 
 def by_shape(fn: Callable[[torch.Tensor], torch.Tensor], mats: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
@@ -215,3 +228,36 @@ def _eigh_inverse_root(a: torch.Tensor, pseudo_inverse: bool) -> torch.Tensor:
     cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if pseudo_inverse else 0.0
     inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt_(), 0.0)
     return ((vec * inv.unsqueeze(-2)) @ vec.mT).float()
+
+
+def _polar_from_svd(g: torch.Tensor, tol: float) -> torch.Tensor:
+    """The SVD route of ``polar_factor`` (float64 in and out): ``U diag(sigma_i > tol sigma_1) V^T``."""
+    u, s, vh = torch.linalg.svd(g, full_matrices=False)
+    if not s.numel():
+        return u @ vh
+    keep = (s > s.amax(-1, keepdim=True) * tol).to(u.dtype)
+    return (u * keep.unsqueeze(-2)) @ vh
+
+
+def _gram_floor(shape: tuple[int, ...]) -> float:
+    """Relative size ``f`` (to ``sigma_1``) below which a singular value computed from the float64 Gram matrix of
+    a float32 ``k x l`` input may be rounding: forming ``a a^T`` (exact products, sums of ``l`` terms) and its
+    eigendecomposition (backward error ``~k eps64 |a a^T|``) move the eigenvalues by ``~f^2 sigma_1^2`` with
+    ``f^2 = (k + l) eps64``. The error model of the unchecked Gram route (``~k eps64 sigma_1^2``, see
+    ``polar_factor``) plus the forming of the Gram matrix; the worst case, ``k (k + l) eps64``, is far from
+    typical and would send well-resolved spectra to the SVD."""
+    return math.sqrt((shape[-2] + shape[-1]) * torch.finfo(torch.float64).eps)
+
+
+def _gram_unsettled(sigma: torch.Tensor, top: torch.Tensor, tol: float, shape: tuple[int, ...]) -> torch.Tensor:
+    """Per matrix: whether the Gram singular values ``sigma`` (largest ``top``; from eigenvalues perturbed by at
+    most ``f^2 sigma_1^2``, ``f = _gram_floor``) leave the polar factor at cutoff ``tol`` unsettled to float32
+    rounding.
+
+    A value below ``tol / 2`` is surely dropped (its true size is below ``sqrt(tol^2 / 4 + f^2) < tol`` when
+    ``tol >= 2 f``); a value of at least ``2 tol`` (true size above ``sqrt(4 tol^2 - f^2) > tol``) and at least
+    ``t = f / sqrt(2 eps32)`` is surely kept, and the Gram rounding moves its direction of the factor by at most
+    ``f^2 / (2 t^2) = eps32`` relative. A value in between (near the cutoff, or too small for the Gram matrix
+    to resolve it to float32 accuracy) is unsettled. A zero matrix is settled (every direction dropped)."""
+    kept = max(2 * tol, _gram_floor(shape) / math.sqrt(2 * torch.finfo(torch.float32).eps))
+    return ((sigma >= top * (tol / 2)) & (sigma < top * kept)).any(-1)
