@@ -122,19 +122,19 @@ def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr
         torch._foreach_add_(views, ups, alpha=-r)
 
 
-#: below this many gradient elements a step is launch-bound and the non-finite check takes the fused AMP kernel;
-#: above it, l2 norms (read-only: about 20% less time per element on a CPU)
+#: below this many gradient elements a CPU step is launch-bound and the non-finite check takes the fused AMP
+#: kernel; above it, l2 norms (read-only: about 20% less time per element). GPUs take a multi-tensor max-abs.
 FUSED_CHECK_ELEMENTS = 1 << 22
 
 
 def _fused_check_applies(grads: list[torch.Tensor]) -> bool:
-    """Whether the fused AMP check kernel takes ``grads``: small in total, one device, float dtypes it supports."""
+    """Whether the fused AMP check kernel takes ``grads``: on a CPU, small in total, float dtypes it supports
+    (its CUDA version refuses bf16, and the GPU path is one multi-tensor kernel already)."""
     if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
         return False
-    device = grads[0].device
-    kinds = {(g.dtype, g.device) for g in grads}
-    return (sum(g.numel() for g in grads) < FUSED_CHECK_ELEMENTS and device.type in ("cpu", "cuda")
-            and all(d == device and dt in (torch.float32, torch.bfloat16, torch.float16) for dt, d in kinds))
+    kinds = {(g.dtype, g.device.type) for g in grads}
+    return (all(d == "cpu" and dt in (torch.float32, torch.bfloat16, torch.float16) for dt, d in kinds)
+            and sum(g.numel() for g in grads) < FUSED_CHECK_ELEMENTS)
 
 
 def _float_lr(group: dict) -> dict:
@@ -844,8 +844,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if _fused_check_applies(grads):
                 # one kernel for every gradient where the step is launch-bound: torch's AMP check, which also
                 # multiplies by its scale (1.0 here: every element is left as it was)
-                flag = torch.zeros(1, device=grads[0].device)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1, device=grads[0].device))
+                flag = torch.zeros(1)
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1))
             elif grads[0].device.type == "cpu":
                 # one foreach kernel: an l2 norm is non-finite whenever an element is; confirmed element-wise
                 # only then (a finite overflow of the norm is not a skip)
