@@ -132,9 +132,9 @@ def _fused_check_applies(grads: list[torch.Tensor]) -> bool:
     (its CUDA version refuses bf16, and the GPU path is one multi-tensor kernel already)."""
     if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
         return False
-    kinds = {(g.dtype, g.device.type) for g in grads}
-    return (all(d == "cpu" and dt in (torch.float32, torch.bfloat16, torch.float16) for dt, d in kinds)
-            and sum(g.numel() for g in grads) < FUSED_CHECK_ELEMENTS)
+    kinds = {(g.dtype, g.is_cpu) for g in grads}
+    return (all(cpu and dt in (torch.float32, torch.bfloat16, torch.float16) for dt, cpu in kinds)
+            and sum(map(torch.Tensor.numel, grads)) < FUSED_CHECK_ELEMENTS)
 
 
 def _float_lr(group: dict) -> dict:

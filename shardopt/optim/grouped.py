@@ -160,6 +160,8 @@ class GroupedStep:
         """``W <- W (1 - lr wd) - lr diag(row_scale) X diag(col_scale)`` (``MatrixItem.apply_scaled``): one fused
         multiply-add per block for fp32 parameters, without materializing the update."""
         dev = self.blocks.device
+        # every group's blocks into one list per kernel: a step issues each foreach kernel once, not per shape
+        all_views, fused, fused_x, fused_s, plain, plain_u = [], [], [], [], [], []
         for g, x in zip(self.blocks.groups, xs):
             keep = self._keep(g)
             if keep is not None and not keep:
@@ -168,19 +170,28 @@ class GroupedStep:
             x = blocks_of(self._pick(x, keep, dev))
             r = None if row_scale is None else blocks_of(self._pick(row_scale[g.row_index].unsqueeze(2), keep, dev))
             c = None if col_scale is None else blocks_of(self._pick(col_scale[g.col_index].unsqueeze(1), keep, dev))
-            if weight_decay:
-                torch._foreach_mul_(views, 1 - lr * weight_decay)
+            all_views += views
             if any(v.dtype != torch.float32 for v in views) or (r is not None and c is not None):
                 u = x
                 if r is not None:
                     u = torch._foreach_mul(u, r)
                 if c is not None:
                     u = torch._foreach_mul(u, c)
-                torch._foreach_add_(views, self._cast(u, views), alpha=-lr)
+                plain += views
+                plain_u += self._cast(u, views)
             elif r is not None or c is not None:
-                torch._foreach_addcmul_(views, x, r if r is not None else c, value=-lr)
+                fused += views
+                fused_x += x
+                fused_s += r if r is not None else c
             else:
-                torch._foreach_add_(views, x, alpha=-lr)
+                plain += views
+                plain_u += x
+        if weight_decay and all_views:
+            torch._foreach_mul_(all_views, 1 - lr * weight_decay)
+        if fused:
+            torch._foreach_addcmul_(fused, fused_x, fused_s, value=-lr)
+        if plain:
+            torch._foreach_add_(plain, plain_u, alpha=-lr)
 
     @staticmethod
     def _cast(u: list[torch.Tensor], views: list[torch.Tensor]) -> list[torch.Tensor]:
