@@ -330,14 +330,14 @@ class Alice(ShardedOptimizer):
         for s in plan.stacks:
             if s.local:  # the gradients themselves, viewed as A = G (the first n_plain) or A = G^T
                 n, b = s.n_plain, len(s.idx)
-                g = [torch.stack([items[i].grad for i in s.idx[:n]]).view(n, s.rows, s.cols)] if n else []
+                g = [_stack([items[i].grad for i in s.idx[:n]]).view(n, s.rows, s.cols)] if n else []
                 if n < b:
-                    g.append(torch.stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
+                    g.append(_stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
                 a = g[0] if len(g) == 1 else torch.cat(g)
             else:
-                a = torch.stack([blocks[i] for i in s.idx])
-            u = torch.stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
-                            else [items[i].state["U"] for i in s.idx])
+                a = _stack([blocks[i] for i in s.idx])
+            u = _stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
+                       else [items[i].state["U"] for i in s.idx])
             sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
             if s.distributed:
                 part = torch.cat([sigma.flatten(1), energy], 1)
@@ -453,6 +453,16 @@ class Alice(ShardedOptimizer):
             st["switches"] += 1
 
 
+#: a matrix with at least this many elements is a stack of its own: its gradient and basis are read as views,
+#: not copied into a stack (at such sizes a kernel per matrix costs nothing next to its data)
+SOLO_ELEMENTS = 1 << 16
+
+
+def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.stack(tensors)``; one tensor: a ``(1, ...)`` view of it (read-only uses: no copy)."""
+    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
+
+
 class _Stack:
     """Matrices of a bucket computed together as one ``(B, rows, cols)`` stack: same oriented shape, block
     shape, rank, strategy and gradient presence (``local``: unsharded, the block is the gradient viewed as
@@ -502,9 +512,10 @@ class _BucketPlan:
         for i in self.active:
             plan, kind = ops.plans[i], ops.kinds[i]
             a0, a1 = plan.rows()
-            groups.setdefault((plan.a_shape, a1 - a0, self.ranks[i], items[i].has_grad, kind), []).append(i)
+            big = i if plan.a_shape[0] * plan.a_shape[1] >= SOLO_ELEMENTS else None  # computed alone, not copied
+            groups.setdefault((plan.a_shape, a1 - a0, self.ranks[i], items[i].has_grad, kind, big), []).append(i)
         self.stacks = []
-        for ((rows, cols), _, r, has_grad, kind), idx in groups.items():
+        for ((rows, cols), _, r, has_grad, kind, _big), idx in groups.items():
             local = kind == "local"
             idx = sorted(idx, key=lambda i: local and ops.plans[i].transpose)  # A = G first, then A = G^T
             n_plain = sum(1 for i in idx if not (local and ops.plans[i].transpose))
