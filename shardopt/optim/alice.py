@@ -39,6 +39,7 @@ from ..sharding.orientation import mm_like
 from ..sharding.matfun import by_shape
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.subspace import orthonormal, range_basis
+from ..sharding.stacking import stack
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .racs import norm_growth_eta
@@ -267,25 +268,6 @@ class Alice(ShardedOptimizer):
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))
 
-    def _step_counts(self, params: list) -> dict[int, int]:
-        """``_step_count(p)`` (every step counts) of every tensor of a group: the counters are advanced as one
-        stack written back into each (cheaper than a foreach add on many 0-d tensors) and read once."""
-        counts = []
-        for p in params:
-            st = self.state[p]
-            step = st.get("step", 0)
-            if not isinstance(step, torch.Tensor):  # a new parameter, or a number from an older state dict
-                step = st["step"] = torch.tensor(float(step), dtype=torch.float32)
-            counts.append(step)
-        if not counts:
-            return {}
-        if all(c.dtype == torch.float32 for c in counts):
-            advanced = torch.stack(counts).add_(1)
-            torch.unbind_copy(advanced, 0, out=counts)
-        else:  # counters of another dtype (an older state dict): each keeps its own
-            torch._foreach_add_(counts, 1)
-            advanced = torch.stack([c.double() for c in counts])
-        return {id(p): int(c) for p, c in zip(params, advanced.tolist())}
 
     def _bucket_plan(self, group: dict, items: list, ops: MatrixOps) -> "_BucketPlan":
         """The static part of a bucket's step (cached: it depends on the row plans, strategies, which matrices
@@ -330,13 +312,13 @@ class Alice(ShardedOptimizer):
         for s in plan.stacks:
             if s.local:  # the gradients themselves, viewed as A = G (the first n_plain) or A = G^T
                 n, b = s.n_plain, len(s.idx)
-                g = [_stack([items[i].grad for i in s.idx[:n]]).view(n, s.rows, s.cols)] if n else []
+                g = [stack([items[i].grad for i in s.idx[:n]]).view(n, s.rows, s.cols)] if n else []
                 if n < b:
-                    g.append(_stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
+                    g.append(stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
                 a = g[0] if len(g) == 1 else torch.cat(g)
             else:
-                a = _stack([blocks[i] for i in s.idx])
-            u = _stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
+                a = stack([blocks[i] for i in s.idx])
+            u = stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
                        else [items[i].state["U"] for i in s.idx])
             sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
             if s.distributed:
@@ -457,11 +439,6 @@ class Alice(ShardedOptimizer):
 #: views, not copied into a stack (there a kernel per matrix costs nothing next to its data; on a GPU the copy
 #: is cheap and the launches are not: Alice at 60M took 20 ms per step on an H100 computed alone, 6 ms stacked)
 SOLO_ELEMENTS = 1 << 16
-
-
-def _stack(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``torch.stack(tensors)``; one tensor: a ``(1, ...)`` view of it (read-only uses: no copy)."""
-    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
 class _Stack:

@@ -26,9 +26,10 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
-from ..sharding import Round, col_sums, collective_counter, masked_rsqrt
+from ..sharding import Round, collective_counter, masked_rsqrt
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
+from ..sharding.stacking import stack
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
 from .grouped import _local, _plan, grouped_step
@@ -139,11 +140,6 @@ BATCH_NUMEL = 1 << 16
 
 #: per grouped plan (``optim.grouped``): whether all its matrices are local and small (``ASGO._asgo_local``)
 _LOCAL_AND_SMALL: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()
-
-
-def _stacked(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """``(B, ...)`` stack of same-shape tensors; one tensor: a view of it (in-place ops reach it)."""
-    return tensors[0].unsqueeze(0) if len(tensors) == 1 else torch.stack(tensors)
 
 
 class _MomentumMixin:
@@ -296,8 +292,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                        i if a.numel() >= BATCH_NUMEL else None)  # large blocks: one by one
                 shapes.setdefault(key, []).append(i)
         groups = list(shapes.values())
-        stats = [_stacked([blocks[i][0] for i in idx]) for idx in groups]
-        ms = stats if from_momentum else [_stacked([blocks[i][-1] for i in idx]) for idx in groups]
+        stats = [stack([blocks[i][0] for i in idx]) for idx in groups]
+        ms = stats if from_momentum else [stack([blocks[i][-1] for i in idx]) for idx in groups]
         refresh = self._refresh_rows(group, groups, steps, lambda i: items[i].tensor)
         products = self._asgo_groups(group, groups, stats, ms, [it.state for it in items],
                                      [it.has_grad for it in items], refresh, [it.layout for it in items],
@@ -329,7 +325,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             vs = [states[i]["V"] for i in idx]
             with_grad = [j for j, i in enumerate(idx) if has_grad[i]]
             if len(with_grad) == len(idx):
-                v = _stacked(vs)  # one matrix: a view of its V, updated in place
+                v = stack(vs)  # one matrix: a view of its V, updated in place
                 v.mul_(b2).add_(g, alpha=1 - b2)
                 if len(vs) > 1:
                     torch._foreach_copy_(vs, list(v.unbind(0)))
@@ -337,7 +333,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                 if with_grad:
                     torch._foreach_mul_([vs[j] for j in with_grad], b2)
                     torch._foreach_add_([vs[j] for j in with_grad], [g[j] for j in with_grad], alpha=1 - b2)
-                v = _stacked(vs)
+                v = stack(vs)
             vstacks.append(v)
         roots = self._roots(group, vstacks, refresh)
         products = []
@@ -349,7 +345,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             else:
                 if rows:
                     torch._foreach_copy_([ps[j] for j in rows], list(root.unbind(0)))
-                p = _stacked(ps)
+                p = stack(ps)
             products.append((m[0] @ ps[0]).unsqueeze(0) if len(idx) == 1 else m @ p)
         if rms is not None:  # graft_to_rms: the squared norms of the whole matrices, all in one all-reduce
             norms = allreduce({i: n.reshape(1) for idx, u in zip(groups, products) for i, n in zip(

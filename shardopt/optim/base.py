@@ -625,6 +625,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
             step += 1
         return int(step.item())
 
+    def _step_counts(self, params: Sequence[torch.Tensor]) -> dict[int, int]:
+        """``{id(p): _step_count(p)}`` (every step counts) for many tensors: one foreach increment and one read
+        when the counters are CPU float32 0-d tensors (as ``_step_count`` makes them), else one by one."""
+        counters = []
+        for p in params:
+            st = self.state[p]
+            step = st.get("step", 0)
+            if not isinstance(step, torch.Tensor):  # a new parameter, or a number from an older state dict
+                step = st["step"] = torch.tensor(float(step), dtype=torch.float32)
+            counters.append(step)
+        if counters and all(c.dtype == torch.float32 and c.is_cpu and c.dim() == 0 for c in counters):
+            # the tensor-list overload: the scalar one converts the scalar once per tensor on a CPU
+            torch._foreach_add_(counters, [counters[0].new_ones(())] * len(counters))
+            return {id(p): int(v) for p, v in zip(params, torch.stack(counters).tolist())}
+        return {id(p): self._step_count(p) for p in params}
+
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:

@@ -25,6 +25,7 @@ import torch
 
 from ..sharding.matfun import MUON_COEFFICIENTS, newton_schulz, newton_schulz_iteration
 from ..sharding.matrix_ops import MatrixOps, OpCost
+from ..sharding.stacking import same_shape
 from .base import MatrixItem, ShardedOptimizer, _local
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
@@ -170,7 +171,7 @@ class Muon(ShardedOptimizer):
         tall = {i for i in active if blocks[i].size(0) > blocks[i].size(1)}
         wide = {i: blocks[i].T if i in tall else blocks[i] for i in active if ops.kinds[i] != "distributed"}
         out = {}
-        for idx in _same_shape(wide):
+        for idx in same_shape(wide):
             y = newton_schulz(torch.stack([wide[i] for i in idx]), steps, MUON_COEFFICIENTS, eps, dtype)
             # each piece returns in its parameter's orientation: transposed once per stack where needed, so
             # that from_blocks takes views instead of copying every matrix
@@ -210,13 +211,6 @@ def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype:
                 items[i].work["update"] = piece
 
 
-def _same_shape(mats: dict[int, torch.Tensor]) -> list[list[int]]:
-    groups: dict[tuple, list[int]] = {}
-    for i, m in mats.items():
-        groups.setdefault((tuple(m.shape), m.dtype, m.device), []).append(i)
-    return list(groups.values())
-
-
 def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float,
                         dtype: torch.dtype) -> dict[int, torch.Tensor]:
     """Newton-Schulz on matrices whose tall orientation ``A`` is spread over ranks by rows: ``blocks[i]`` is
@@ -226,7 +220,7 @@ def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: 
     one shape on this rank run as one batched iteration; the reductions stay one entry per matrix, so every
     rank reduces the same entries in the same order however its blocks group."""
     runs = {}
-    for idx in _same_shape(blocks):
+    for idx in same_shape(blocks):
         x = torch.stack([blocks[i] for i in idx]).to(dtype).mT
         runs[tuple(idx)] = newton_schulz_iteration(x, steps, MUON_COEFFICIENTS, eps)
     parts = {idx: next(run) for idx, run in runs.items()}

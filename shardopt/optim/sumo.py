@@ -31,6 +31,7 @@ from ..sharding.matfun import polar_factor
 from ..sharding.orientation import stored_transposed
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis
+from ..sharding.stacking import group_indices
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig
 
@@ -133,16 +134,6 @@ class SUMO(ShardedOptimizer):
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))
 
-    def _step_counts(self, params: list) -> dict[int, int]:
-        """``{id(p): _step_count(p)}`` for every parameter: one foreach increment and one read of all the
-        counters when they are all CPU float32 tensors (as ``_step_count`` makes them), else ``_step_count``."""
-        counters = [self.state[p].get("step") for p in params]
-        if counters and all(type(c) is torch.Tensor and c.dim() == 0 and c.dtype == torch.float32 and c.is_cpu
-                            for c in counters):
-            values = (torch.stack(counters) + 1).tolist()
-            torch._foreach_add_(counters, [torch.ones(())] * len(counters))  # the list form: ~3x the scalar's speed
-            return {id(p): int(v) for p, v in zip(params, values)}
-        return {id(p): self._step_count(p) for p in params}
 
     def _sumo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
         """One bucket's step, batched: matrices whose blocks and moments have the same shapes (and orientation)
@@ -173,11 +164,11 @@ class SUMO(ShardedOptimizer):
                           [_whole_block(p, it.grad) for p, it in zip(plans, items)], due)
         if local:
             active = list(range(n))
-            groups = _shape_groups(active, lambda i: (plans[i].transpose, items[i].layout.shape,
+            groups = group_indices(active, lambda i: (plans[i].transpose, items[i].layout.shape,
                                                       states[i]["M"].shape))
         else:
             active = [i for i in range(n) if ops.active(i)]
-            groups = _shape_groups(active, lambda i: (blocks[i].shape, blocks[i].stride(), states[i]["M"].shape,
+            groups = group_indices(active, lambda i: (blocks[i].shape, blocks[i].stride(), states[i]["M"].shape,
                                                       items[i].layout.shape))
         # per group: this rank's rows of the bases, Q^T A in one batched product
         stacked_q, projections = [], []
@@ -259,7 +250,7 @@ class SUMO(ShardedOptimizer):
                           group["oversample"], group["power_iters"])
         if not refresh:
             return
-        for idx in _shape_groups(refresh, lambda i: (states[i]["Q"].shape, states[i]["M"].shape)):
+        for idx in group_indices(refresh, lambda i: (states[i]["Q"].shape, states[i]["M"].shape)):
             q_new = [new[i] for i in idx]
             qs, ms = [states[i]["Q"] for i in idx], [states[i]["M"] for i in idx]
             carried = carry_moment(torch.stack(q_new), torch.stack(qs), torch.stack(ms))
@@ -298,11 +289,3 @@ def _whole_block(plan, grad: torch.Tensor) -> torch.Tensor:
     """The block of a ``local`` matrix: its whole gradient as ``A`` (a view, transposed for ``A = G^T``)."""
     full = grad.view(plan.layout.shape)
     return full.T if plan.transpose else full
-
-
-def _shape_groups(idx: Iterable[int], key) -> list[list[int]]:
-    """``idx`` split by ``key(i)`` (first-seen order): the matrices stacked and computed at once."""
-    out: dict[Any, list[int]] = {}
-    for i in idx:
-        out.setdefault(key(i), []).append(i)
-    return list(out.values())

@@ -26,6 +26,7 @@ import torch
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
 from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
+from ..sharding.stacking import group_indices, same_shape
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig
 
@@ -154,7 +155,8 @@ class SWAN(ShardedOptimizer):
         by shape as ``A`` (rows = the long side ``k``, so the lines are its columns): normalize the lines,
         then whiten (the roots of all Grams of one size in one batch), ``iterations`` times."""
         stacks = []
-        for (m, n), idx in _by_shape(items).items():
+        for idx in group_indices(range(len(items)), lambda i: tuple(items[i].layout.shape)):
+            m, n = items[idx[0]].layout.shape
             g = torch.stack([items[i].grad for i in idx]).view(len(idx), m, n)
             stacks.append((idx, m <= n, g.mT if m <= n else g))  # A = G^T where whole_matrix_transpose
         xs = [a for _, _, a in stacks]
@@ -172,13 +174,6 @@ class SWAN(ShardedOptimizer):
                 items[i].work["x"] = piece
 
 
-def _by_shape(items: list) -> dict[tuple[int, int], list[int]]:
-    by: dict[tuple[int, int], list[int]] = {}
-    for i, it in enumerate(items):
-        by.setdefault(tuple(it.layout.shape), []).append(i)
-    return by
-
-
 def _exact_root(group: dict, rows: int, cols: int) -> bool:
     """Centered lines of a square matrix sum to zero, so its Gram is singular by construction and the coupled
     iteration would amplify the null direction by 1.5 per step (to inf/NaN): those take the exact
@@ -188,10 +183,7 @@ def _exact_root(group: dict, rows: int, cols: int) -> bool:
 
 def _stacks(blocks: dict[int, torch.Tensor]) -> list[tuple[list[int], torch.Tensor]]:
     """Same-shape blocks stacked: ``(indices, (B, rows, cols) stack)`` per shape, in first-seen order."""
-    by: dict[tuple, list[int]] = {}
-    for i, b in blocks.items():
-        by.setdefault((tuple(b.shape), b.dtype, b.device), []).append(i)
-    return [(idx, torch.stack([blocks[i] for i in idx])) for idx in by.values()]
+    return [(idx, torch.stack([blocks[i] for i in idx])) for idx in same_shape(blocks)]
 
 
 def _unstack(stacks: list[tuple[list[int], torch.Tensor]], results: list[torch.Tensor]) -> dict[int, torch.Tensor]:

@@ -14,6 +14,8 @@ from typing import Callable, Generator
 
 import torch
 
+from .stacking import same_shape
+
 __all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "complete_locally", "polar_factor",
            "GRAM_RTOL", "by_shape", "gram_inverse_sqrt", "inverse_root", "coupled_inverse_sqrt"]
 
@@ -153,11 +155,8 @@ def _polar_from_gram(g: torch.Tensor, tol: float, checked: bool = False) -> torc
 def by_shape(fn: Callable[[torch.Tensor], torch.Tensor], mats: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     """Apply a batched kernel once per distinct shape (one eigh/SVD call for all same-shape matrices instead
     of one per matrix: what keeps many small factorizations from being latency-bound on a GPU)."""
-    groups: dict[tuple, list[int]] = {}
-    for i, m in mats.items():
-        groups.setdefault((tuple(m.shape), m.dtype, m.device), []).append(i)
     out: dict[int, torch.Tensor] = {}
-    for idx in groups.values():
+    for idx in same_shape(mats):
         res = fn(torch.stack([mats[i] for i in idx]))
         for j, i in enumerate(idx):
             out[i] = res[j]
