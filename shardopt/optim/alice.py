@@ -443,8 +443,9 @@ SOLO_ELEMENTS = 1 << 16
 
 class _Stack:
     """Matrices of a bucket computed together as one ``(B, rows, cols)`` stack: same oriented shape, block
-    shape, rank, strategy and gradient presence (``local``: unsharded, the block is the gradient viewed as
-    ``G`` or ``G^T``, both kinds in one stack; else blocks come from ``MatrixOps.to_blocks``)."""
+    shape, rank, strategy and gradient presence (``local``: held whole by this rank, ``MatrixOps.here``, the
+    block is the gradient viewed as ``G`` or ``G^T``, both kinds in one stack; else blocks come from
+    ``MatrixOps.to_blocks``)."""
 
     __slots__ = ("idx", "local", "n_plain", "rows", "cols", "r", "has_grad", "distributed", "kept")
 
@@ -484,17 +485,17 @@ class _BucketPlan:
     def __init__(self, rank: int, items: list, ops: MatrixOps):
         self.ranks = [effective_rank(rank, plan.a_shape, it.frag.name, "Alice") for it, plan in zip(items, ops.plans)]
         self.active = [i for i in range(len(items)) if ops.active(i)]
-        self.remote = [i for i in range(len(items)) if ops.kinds[i] != "local"]
+        self.remote = [i for i in range(len(items)) if not ops.here[i]]
         self._plans = ops.plans
         groups: dict[tuple, list[int]] = {}
         for i in self.active:
-            plan, kind = ops.plans[i], ops.kinds[i]
+            plan, kind = ops.plans[i], "here" if ops.here[i] else ops.kinds[i]
             a0, a1 = plan.rows()
             big = i if (items[i].grad.is_cpu and plan.a_shape[0] * plan.a_shape[1] >= SOLO_ELEMENTS) else None
             groups.setdefault((plan.a_shape, a1 - a0, self.ranks[i], items[i].has_grad, kind, big), []).append(i)
         self.stacks = []
         for ((rows, cols), _, r, has_grad, kind, _big), idx in groups.items():
-            local = kind == "local"
+            local = kind == "here"
             idx = sorted(idx, key=lambda i: local and ops.plans[i].transpose)  # A = G first, then A = G^T
             n_plain = sum(1 for i in idx if not (local and ops.plans[i].transpose))
             self.stacks.append(_Stack(idx, local, n_plain, rows, cols, r, has_grad, kind == "distributed"))

@@ -791,6 +791,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plans = [self.matrix_plan(g) for g in range(len(self._groups()))]
         return max((ops.peak_transient(limit, rank) for ops in plans if ops is not None), default=0.0)
 
+    def _whole_here_items(self, group: dict, items: list["MatrixItem"]) -> tuple[list["MatrixItem"], list["MatrixItem"]]:
+        """``items`` as (held whole by this rank, shared with other ranks) by the group's plan
+        (``MatrixOps.here``); the matrices another rank holds whole are in neither: nothing of them is here."""
+        plan = self.matrix_plan(self._group_index(group))
+        if plan is None or plan.all_here:
+            return list(items), []
+        index = {name: i for i, name in enumerate(plan.names)}
+        here, shared = [], []
+        for it in items:
+            i = index[it.frag.name]
+            if plan.here[i]:
+                here.append(it)
+            elif not plan.elsewhere[i]:
+                shared.append(it)
+        return here, shared
+
     def _run_whole_matrix(self, group: dict, items: list["MatrixItem"],
                           body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
         """Run ``body(items, ops)`` bucket by bucket: the small state of each bucket's distributed matrices is
@@ -821,7 +837,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         where.append((it, key))
             for (it, key), full in zip(where, gather_full(entries)):
                 it.state[key] = full
-            body(its, sub)
+            if sub.all_here:
+                body(its, sub)
+            else:  # matrices this rank holds whole (ZeRO) take the stacked paths, those held elsewhere are skipped
+                for part in _whole_here_split(sub):
+                    body([its[j] for j in part], sub.subset(part))
             for i, (it, spec) in enumerate(zip(its, specs)):
                 if sub.kinds[i] != "distributed":
                     continue  # the state already is this rank's share (all of it, or none)
@@ -927,3 +947,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
                 weight_decay=group["weight_decay"], eps_mode=group["eps_mode"],
             )
+
+
+def _whole_here_split(ops: MatrixOps) -> list[list[int]]:
+    """A bucket's matrices in at most two runs of ``body``: those this rank holds whole (``MatrixOps.here``),
+    then those it shares with other ranks. Matrices another rank holds whole are left out: this rank has none of
+    their elements, state or collectives (the shared run is the same set on every rank)."""
+    here = [j for j, h in enumerate(ops.here) if h]
+    shared = [j for j, (h, e) in enumerate(zip(ops.here, ops.elsewhere)) if not h and not e]
+    return [part for part in (here, shared) if part]

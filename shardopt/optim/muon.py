@@ -160,7 +160,7 @@ class Muon(ShardedOptimizer):
         """``it.work["update"] = NS(it.grad)`` (the grad slot holds the Nesterov momentum) for one bucket."""
         dtype = _DTYPES[group["ns_dtype"]]
         steps, eps = group["ns_steps"], group["eps"]
-        if all(kind == "local" for kind in ops.kinds):
+        if ops.all_here:
             _orthogonalize_local(items, steps, eps, dtype)
             ops.account()
             return
@@ -189,7 +189,7 @@ class Muon(ShardedOptimizer):
 
 
 def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype: torch.dtype) -> None:
-    """``_orthogonalize`` for matrices held whole (``local``: each local gradient is the row-major matrix):
+    """``_orthogonalize`` for matrices held whole (``MatrixOps.here``: each local gradient is the row-major matrix):
     the gradients stacked by shape, tall stacks transposed and joined to the wide stack of the same shape, one
     batched iteration per wide shape, results back as flat row-major pieces (no per-matrix copies)."""
     by: dict[tuple[int, int], list[int]] = {}

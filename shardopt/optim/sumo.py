@@ -146,7 +146,7 @@ class SUMO(ShardedOptimizer):
         one tensor, with no per-matrix block mapping."""
         n = len(items)
         kinds, plans = ops.kinds, ops.plans
-        local = all(k == "local" for k in kinds)
+        local = ops.all_here  # every matrix held whole by this rank (one process, DDP, a ZeRO rank's own)
         blocks = None if local else [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         states = [it.state for it in items]
         for i, (it, st) in enumerate(zip(items, states)):

@@ -83,14 +83,14 @@ class SWAN(ShardedOptimizer):
             ns_steps=ns_steps, weight_decay=weight_decay), options))
 
     def _step_swan(self, group: dict) -> None:
-        items = self._matrix_items(group)
         lr = group["lr"] * group["lr_scale"]
-        if all(it.layout.group is None for it in items):
-            # single process / replicas (MatrixOps' "local"): every matrix is whole here, so all sweeps run on
-            # same-shape stacks
-            self._run_whole_matrix(group, items, lambda its, ops: self._local_bucket(its, ops, group))
-            apply_items(items, [it.work["x"] for it in items], lr, group["weight_decay"])
+        here, items = self._whole_here_items(group, self._matrix_items(group))
+        if here:  # matrices held whole by this rank (one process, DDP, a ZeRO rank's own): every sweep on stacks
+            self._run_whole_matrix(group, here, lambda its, ops: self._local_bucket(its, ops, group))
+            apply_items(here, [it.work["x"] for it in here], lr, group["weight_decay"])
+        if not items:
             return
+        # matrices split between ranks (the same ones on every rank): line norms reduced, whitening on MatrixOps
         rnd = Round()
         for it in items:
             m, n = it.layout.shape

@@ -141,6 +141,20 @@ class RowPlan:
         r = self.layout.rank if rank is None else rank
         return self.starts[r], self.starts[r + 1]
 
+    @cached_property
+    def held(self) -> str:
+        """``"all"``: this rank's piece is the whole matrix and its block all of ``A`` (not sharded, or one
+        ZeRO partition holds it and its owner is this rank), so the block is a view of the piece; ``"none"``:
+        this rank neither holds nor computes any of it; ``"some"`` otherwise. Nothing of the first two moves."""
+        lay = self.layout
+        a0, a1 = self.rows()
+        size = lay.shape[0] * lay.shape[1]
+        if lay.group is None or (lay.local_numel == size and (a0, a1) == (0, self.a_shape[0])):
+            return "all"
+        if lay.local_numel == 0 and a0 == a1:
+            return "none"
+        return "some"
+
     @property
     def whole(self) -> bool:
         """Whether this rank holds every row of ``A``."""
@@ -445,9 +459,13 @@ def to_blocks(plans: Sequence[RowPlan], pieces: Sequence[torch.Tensor], tags: Se
     blocks: list[torch.Tensor] = []
     for plan, piece in zip(plans, pieces):
         a0, a1 = plan.rows()
-        if plan.layout.group is None:
+        held = plan.held
+        if held == "all":  # the piece is the whole matrix and this rank computes it: a view, no copy
             full = piece.view(plan.layout.shape)
             blocks.append(full.T if plan.transpose else full)
+            continue
+        if held == "none":
+            blocks.append(piece.new_zeros(0, plan.a_shape[1]))
             continue
         block = torch.zeros(a1 - a0, plan.a_shape[1], dtype=piece.dtype, device=piece.device)
         parts = plan.pack_piece(piece, plan.layout.rank)
@@ -471,8 +489,12 @@ def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None],
     blocks = [b if b is not None else torch.zeros(0, p.a_shape[1], device=device) for p, b in zip(plans, blocks)]
     pieces: list[torch.Tensor] = []
     for plan, block in zip(plans, blocks):
-        if plan.layout.group is None:
+        held = plan.held
+        if held == "all":
             pieces.append((block.T if plan.transpose else block).reshape(-1))
+            continue
+        if held == "none":
+            pieces.append(block.new_zeros(0))
             continue
         piece = torch.zeros(plan.layout.local_numel, dtype=block.dtype, device=block.device)
         parts = plan.pack_block(block, plan.layout.rank)

@@ -98,6 +98,27 @@ class MatrixOps:
             else:
                 self.plans.append(RowPlan.aligned(lay, t))
             self.placements.append(Placement.of(self.plans[-1], self.owners[i] if self.kinds[i] == "gather" else None))
+        self._mark_whole_here()
+
+    def _mark_whole_here(self) -> None:
+        """``here[i]``: this rank holds matrix ``i`` whole and no other rank holds any of it (``local``, or a
+        ZeRO partition that contains the whole matrix, which its holder computes as ``gather`` owner), so it
+        is computed here with no communication and its pieces are the matrix itself. ``elsewhere[i]``: the
+        same holds on another rank, and this rank has nothing of it to do. Both are static and complementary
+        across ranks, so the remaining matrices (split between ranks, or ``distributed``) are the same set on
+        every rank and their collectives are unchanged when the others are left out of them."""
+        self.here, self.elsewhere = [], []
+        for kind, plan in zip(self.kinds, self.plans):
+            lay = plan.layout
+            size = lay.shape[0] * lay.shape[1]
+            sole = kind == "gather" and lay.holders == 1 and size > 0
+            self.here.append(kind == "local" or (sole and lay.local_numel == size))
+            self.elsewhere.append(sole and lay.local_numel == 0)
+
+    @property
+    def all_here(self) -> bool:
+        """Every matrix is held whole by this rank alone: the algorithms' stacked paths with no row blocks."""
+        return all(self.here)
 
     def _assign_owners(self, layouts: Sequence[MatrixLayout], memory_bound: bool) -> list[int]:
         """Owners of the gathered matrices, balancing FLOPs and small state together (each normalized by its
@@ -180,6 +201,8 @@ class MatrixOps:
         sub.owners = [self.owners[i] for i in idx]
         sub.plans = [self.plans[i] for i in idx]
         sub.placements = [self.placements[i] for i in idx]
+        sub.here = [self.here[i] for i in idx]
+        sub.elsewhere = [self.elsewhere[i] for i in idx]
         return sub
 
     def buckets(self, limit: float = BUCKET_ELEMENTS) -> list[list[int]]:
