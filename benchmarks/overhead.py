@@ -239,15 +239,21 @@ def worker(args: argparse.Namespace) -> None:
             for name in ["adamw"] + args.names:
                 model = tiny_llama(layers)
                 engine_step, timer = _engine_step(engine, model, name)
-                for _ in range(args.warmup + args.repeats):
+                times, net, calls = [], [], 0
+                for k in range(args.warmup + args.repeats):
+                    # an engine may call the optimizer more than once per step (DeepSpeed ZeRO steps each param
+                    # group on its own): a step's time is the sum of its calls
+                    first = len(timer.seconds)
                     engine_step()
-                times = timer.seconds[args.warmup:]
-                net = [t - c for t, c in zip(times, timer.collective_seconds[args.warmup:])]
+                    if k >= args.warmup:
+                        t = sum(timer.seconds[first:])
+                        times.append(t)
+                        net.append(t - sum(timer.collective_seconds[first:]))
+                        calls = max(calls, sum(timer.collective_calls[first:]))
                 timer.profile = True
                 engine_step()
                 slowest = max(gather(statistics.median(times)))  # a step ends when its slowest rank does
                 slowest_net = max(gather(statistics.median(net)))
-                calls = max(timer.collective_calls[args.warmup:])
                 records.append({"engine": engine, "layers": layers, "matrices": matrix_count(model),
                                 "optimizer": name, "median_s": slowest, "net_s": slowest_net,
                                 "collectives": calls, "aten_ops": sum(timer.ops)})

@@ -247,7 +247,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         has_grad = step.has_grad
         groups, stats, ms, lefts = [], [], [], []
         for g, grads in zip(blocks.groups, step.grads):
-            views = blocks.block_views(moms, g)
+            views = blocks.block_views(moms, g, persistent="state")
             m = views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
             x = torch.stack(grads) if isinstance(grads, list) else grads
             left = self.whole_matrix_transpose(group, (g.h, g.w))
@@ -416,5 +416,5 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
                 torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
                 v = torch.cat(vs)
         moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
-        momentum = [blocks.block_views(moms, g) for g in blocks.groups]  # the momentum's blocks, not a copy
+        momentum = [blocks.block_views(moms, g, persistent="state") for g in blocks.groups]  # the momentum's blocks, not a copy
         step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=masked_rsqrt(v + group["eps"]))

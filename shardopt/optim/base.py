@@ -190,6 +190,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: state keys of older releases -> today's (named after the algorithm's symbols, docs/algorithms/): both
     #: loaders, ``load_state_dict`` and ``shardopt.checkpoint``, rename them, so old checkpoints keep loading
     state_key_renames: dict[str, str] = {}
+    #: set by an engine adapter whose engine skips steps with non-finite gradients on every rank before it
+    #: calls ``step`` (DeepSpeed's overflow / global-norm check): then ``on_nonfinite`` has nothing left to check
+    engine_skips_nonfinite: bool = False
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
@@ -653,7 +656,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:
                 check_same_plan(self)
-            if self.on_nonfinite != "ignore" and self._nonfinite_grads():
+            if self.on_nonfinite != "ignore" and not self.engine_skips_nonfinite and self._nonfinite_grads():
                 return loss
             for group in self.param_groups:
                 getattr(self, f"_step_{group['treatment']}")(_float_lr(group))

@@ -139,7 +139,7 @@ class GroupedStep:
             keep = self._keep(g)
             if keep is not None and not keep:
                 continue
-            views = self._pick(self.blocks.block_views(self.locals, g), keep, dev)
+            views = self._pick(self.blocks.block_views(self.locals, g, persistent="param"), keep, dev)
             u = self._pick(u, keep, dev)
             if isinstance(lr, torch.Tensor):
                 lr_b = self._pick(lr[g.item_tensor], keep, dev)
@@ -166,7 +166,7 @@ class GroupedStep:
             keep = self._keep(g)
             if keep is not None and not keep:
                 continue
-            views = self._pick(self.blocks.block_views(self.locals, g), keep, dev)
+            views = self._pick(self.blocks.block_views(self.locals, g, persistent="param"), keep, dev)
             x = blocks_of(self._pick(x, keep, dev))
             r = None if row_scale is None else blocks_of(self._pick(row_scale[g.row_index].unsqueeze(2), keep, dev))
             c = None if col_scale is None else blocks_of(self._pick(col_scale[g.col_index].unsqueeze(1), keep, dev))

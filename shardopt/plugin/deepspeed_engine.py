@@ -173,6 +173,25 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             f"DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, which shardopt cannot map to "
             "matrices; use zero_optimization.stage 1, 2 or 3 (or stage 0 with fp32)")
     opt.use_layouts(flat=flat)
+    opt.engine_skips_nonfinite = _skips_nonfinite_steps(wrapper)
+
+
+def _skips_nonfinite_steps(wrapper: Any) -> bool:
+    """Whether DeepSpeed's wrapper skips a step whose gradients hold inf or NaN before it calls the optimizer,
+    on every rank (one collective of its own): ZeRO-3 and the bf16 ZeRO-1 wrapper always (an invalid global
+    gradient norm); ZeRO-1/2 with fp16 (its overflow check), or with the global norm computed
+    (``compute_grad_norm``, the default) for weights that are not bf16. shardopt's own check would repeat that
+    decision with one more collective per call, and ZeRO-1/2 call the optimizer once per param group."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(wrapper, (BF16_Optimizer, DeepSpeedZeroOptimizer_Stage3)):
+        return True
+    if isinstance(wrapper, DeepSpeedZeroOptimizer):
+        return bool(getattr(wrapper, "check_grad_overflow", False)) or (
+            bool(getattr(wrapper, "compute_grad_norm", False)) and getattr(wrapper, "dtype", None) != torch.bfloat16)
+    return False
 
 
 def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], **kwargs: Any):

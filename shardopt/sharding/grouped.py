@@ -35,13 +35,17 @@ __all__ = ["BlockGroups", "Group", "blocks_of"]
 
 #: blocks with at least this many elements use the per-block kernels on a CPU
 CPU_BLOCK_LIMIT = 1 << 16
+#: a group of blocks in one flat source (ZeRO) with at most this many elements in all is stacked by one
+#: ``index_select`` with a static element index (8 bytes an element, so only for small blocks) instead of
+#: one view per block
+INDEX_ELEMENTS = 1 << 20
 
 
 class Group:
     """The blocks of one ``(height, width)`` shape: which matrix, where in its local piece, which lines."""
 
     __slots__ = ("h", "w", "items", "starts", "whole", "row_index", "col_index", "row_flat", "col_flat", "big",
-                 "item_tensor", "owners", "all_whole")
+                 "item_tensor", "owners", "all_whole", "one_source", "elements", "kept_views")
 
     def __init__(self, h: int, w: int):
         self.h, self.w = h, w
@@ -51,6 +55,10 @@ class Group:
         self.owners: list[int] = []  # the source tensor of each block
         self.row_index = self.col_index = self.row_flat = self.col_flat = self.item_tensor = None
         self.big = h * w >= CPU_BLOCK_LIMIT
+        self.one_source = False  # every block in the same source tensor (a ZeRO flat partition)
+        self.elements: torch.Tensor | None = None  # that source's elements of the blocks, in stack order
+        #: per role ("param", "state"): the views of a persistent source, with the source they were made from
+        self.kept_views: dict[str, tuple[tuple, list[torch.Tensor]]] = {}
 
 
 class BlockGroups:
@@ -105,6 +113,10 @@ class BlockGroups:
             g.item_tensor = torch.tensor(g.items, dtype=torch.int64).to(dev)
             g.all_whole = all(g.whole)
             g.col_flat = g.col_index.reshape(-1)
+            g.one_source = len(set(g.owners)) == 1 and not g.all_whole
+            if g.one_source and len(g.items) * h * w <= INDEX_ELEMENTS:
+                starts = torch.tensor(g.starts, dtype=torch.int64)[:, None]
+                g.elements = (starts + torch.arange(h * w)).reshape(-1).to(dev)
         self.groups = list(groups.values())
         idx = torch.arange(self.n_items)
         self.item_of_row = torch.repeat_interleave(idx, torch.tensor(ms, dtype=torch.int64)).to(dev)
@@ -191,6 +203,12 @@ class BlockGroups:
         local elements (``tensors[t]``: source ``t``, contiguous, any shape; ``None``: zeros)."""
         out = []
         for g in self.groups:
+            if g.elements is not None and not self.listed(g):
+                src = tensors[g.owners[0]]
+                if src is not None:  # one gather for the whole group, no view per block
+                    x = src.reshape(-1).index_select(0, g.elements).view(len(g.items), g.h, g.w)
+                    out.append(x if dtype is None or x.dtype == dtype else x.to(dtype))
+                    continue
             blocks = self.block_views(tensors, g, fill=True)
             if self.listed(g):
                 out.append([b if dtype is None or b.dtype == dtype else b.to(dtype) for b in blocks])
@@ -203,14 +221,26 @@ class BlockGroups:
         """Whether group ``g``'s data is a list of blocks (large blocks on a CPU) rather than a stack."""
         return g.big and self.device.type == "cpu"
 
-    def block_views(self, tensors: Sequence[torch.Tensor | None], g: Group, fill: bool = False) -> list[torch.Tensor]:
+    def block_views(self, tensors: Sequence[torch.Tensor | None], g: Group, fill: bool = False,
+                    persistent: str | None = None) -> list[torch.Tensor]:
         """The 2-D views of group ``g``'s blocks in ``tensors`` (the sources' local elements); blocks of a
-        ``None`` source are zeros with ``fill``, else left out."""
+        ``None`` source are zeros with ``fill``, else left out. ``persistent`` names sources that live across
+        steps (``"param"``, ``"state"``): a flat source's views are kept for that role and reused while it is
+        the same tensor at the same address; a new source replaces them, so at most the last one is kept."""
         h, w = g.h, g.w
         if g.all_whole:  # whole sources of this shape (single process, FSDP2 row shards): the tensors themselves
             picked = [tensors[o] for o in g.owners]
             if all(t is not None and t.shape == (h, w) for t in picked):
                 return picked
+        if persistent and g.one_source:
+            src = tensors[g.owners[0]]
+            if src is not None:
+                key = (id(src), src.data_ptr(), src.dtype)
+                kept = g.kept_views.get(persistent)
+                if kept is None or kept[0] != key:
+                    flat = src.reshape(-1)
+                    kept = g.kept_views[persistent] = (key, [flat[s: s + h * w].view(h, w) for s in g.starts])
+                return list(kept[1])
         out = []
         for t, start, whole in zip(map(tensors.__getitem__, g.owners), g.starts, g.whole):
             if t is None:
