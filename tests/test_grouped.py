@@ -56,3 +56,47 @@ def test_groups_match_primitives(monkeypatch, limit):
     for i, (lay, a) in enumerate(zip(layouts, pieces)):
         torch.testing.assert_close(out[i], scale_into(lay, torch.empty_like(a), a, rw[i], cw[i]))
     torch.testing.assert_close(bg.item_sums(roww, 0), torch.stack([r.sum() for r in rw]))
+
+
+def _flat_partition(rank: int):
+    """Three matrices concatenated into one flat buffer cut in two at element 50 (a ZeRO-2 partition):
+    rank 0 holds the first whole and the second's head, rank 1 the second's tail and the third whole."""
+    shapes, offsets, total, cut = [(5, 7), (4, 9), (5, 7)], [0, 35, 71], 106, 50
+    layouts = []
+    for (m, n), off in zip(shapes, offsets):
+        pieces = [FlatPiece(max(0, lo - off), max(0, min(m * n, hi - off)) if hi > off else 0)
+                  for lo, hi in ((0, cut), (cut, total))]
+        pieces = [p if p.hi > p.lo else FlatPiece(0, 0) for p in pieces]
+        layouts.append(MatrixLayout((m, n), pieces, rank=rank))
+    mine = [0, 50] if rank == 0 else [50, 106]
+    local = [lay.local_numel for lay in layouts]
+    starts, pos = [], 0
+    for k in local:
+        starts.append(pos)
+        pos += k
+    assert pos == mine[1] - mine[0]
+    return layouts, starts, pos
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_flat_partition_stack_and_kept_views_match_block_views(rank):
+    """A ZeRO flat partition is one source: its small blocks stack with one index_select, and the views of a
+    persistent source are kept until the source changes (another tensor, or the same one moved)."""
+    layouts, starts, size = _flat_partition(rank)
+    bg = BlockGroups(layouts, owners=[0] * len(layouts), offsets=starts, whole=[False] * len(layouts))
+    src = torch.randn(size)
+    stacked = bg.stack([src])
+    for g, x in zip(bg.groups, stacked):
+        assert g.one_source and g.elements is not None
+        torch.testing.assert_close(x, torch.stack(bg.block_views([src], g)), rtol=0, atol=0)
+    for g in bg.groups:
+        views = bg.block_views([src], g, persistent="param")
+        again = bg.block_views([src], g, persistent="param")
+        assert all(a is b for a, b in zip(views, again))  # kept, not remade
+        assert all(v.data_ptr() == w.data_ptr() for v, w in zip(views, bg.block_views([src], g)))
+        other = src.clone()
+        moved = bg.block_views([other], g, persistent="param")
+        assert all(m.data_ptr() != v.data_ptr() for m, v in zip(moved, views))
+        for v in moved:
+            v.add_(1.0)  # views write into their source
+        assert torch.equal(torch.stack(bg.block_views([other], g)), torch.stack(bg.block_views([src], g)) + 1)

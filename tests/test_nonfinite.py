@@ -61,3 +61,29 @@ def test_raise_names_the_parameter():
     opt = shardopt.create_optimizer(model, "racs", on_nonfinite="raise")
     with pytest.raises(FloatingPointError, match="proj.weight"):
         step(model, opt, 0, poison="proj.weight")
+
+
+@pytest.mark.parametrize("wrapper,dtype,check,norm,skips", [
+    ("zero12", torch.float32, False, True, True),      # the global norm DeepSpeed computes by default: invalid -> skip
+    ("zero12", torch.float16, True, True, True),       # fp16: DeepSpeed's overflow check
+    ("zero12", torch.bfloat16, False, True, False),    # bf16: DeepSpeed steps through an invalid norm, we check
+    ("zero12", torch.bfloat16, True, True, True),      # bf16 with check_grad_overflow
+    ("zero12", torch.float32, False, False, False),    # compute_grad_norm disabled
+    ("zero3", torch.float32, False, True, True),
+    ("bf16_zero1", torch.bfloat16, False, True, True),
+])
+def test_deepspeed_wrappers_that_skip_nonfinite_steps_themselves(wrapper, dtype, check, norm, skips):
+    """Where DeepSpeed skips a non-finite step on every rank before calling the optimizer, ours would only
+    repeat that decision with one more all-reduce per call: the adapter turns it off exactly there."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    from shardopt.plugin.deepspeed_engine import _skips_nonfinite_steps
+
+    cls = {"zero12": DeepSpeedZeroOptimizer, "zero3": DeepSpeedZeroOptimizer_Stage3, "bf16_zero1": BF16_Optimizer}
+    w = object.__new__(cls[wrapper])
+    w.__dict__.update(dtype=dtype, check_grad_overflow=check, compute_grad_norm=norm)
+    assert _skips_nonfinite_steps(w) is skips
+    assert _skips_nonfinite_steps(object()) is False  # stage 0: the engine steps our optimizer directly

@@ -83,3 +83,36 @@ def test_pieces_to_blocks_and_back_is_exact(kind: str, owner: int | None, transp
     else:
         layouts = [MatrixLayout.row_chunks((m, n), world, r, object()) for r in range(world)]
     _roundtrip(layouts, transpose, owner)
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+@pytest.mark.parametrize("strategy", ["auto", "gather", "distributed"])
+def test_zero_partitions_split_into_here_elsewhere_and_shared(rank: int, strategy: str) -> None:
+    """On a ZeRO flat partition a matrix one rank holds whole is computed there (``here``, its block a view of
+    the piece) and skipped by the other (``elsewhere``, no block); only the matrix cut by the boundary is
+    shared, and every rank sees the same shared set."""
+    from shardopt.sharding.blocks import to_blocks
+    from shardopt.sharding.matrix_ops import MatrixOps, OpCost
+
+    group = object()  # never used for communication: no plan here moves anything across ranks but the shared one
+    layouts = [MatrixLayout((4, 6), [FlatPiece(0, 24), FlatPiece(0, 0)], rank, group),   # rank 0 holds it whole
+               MatrixLayout((4, 6), [FlatPiece(0, 10), FlatPiece(10, 24)], rank, group),  # cut by the boundary
+               MatrixLayout((6, 4), [FlatPiece(0, 0), FlatPiece(0, 24)], rank, group)]   # rank 1 holds it whole
+    cost = lambda a: OpCost(row_flops=1.0, small_flops=1.0, reduced=1.0, state=1.0)  # noqa: E731
+    plans = {r: MatrixOps([MatrixLayout(lay.shape, lay.pieces, r, group) for lay in layouts], ["a", "b", "c"],
+                          [False, True, False], strategy, cost) for r in (0, 1)}
+    ops = plans[rank]
+    assert ops.here == [rank == 0, False, rank == 1]
+    assert ops.elsewhere == [rank == 1, False, rank == 0]
+    shared = [i for i in range(3) if not ops.here[i] and not ops.elsewhere[i]]
+    assert shared == [i for i in range(3) if not plans[1 - rank].here[i] and not plans[1 - rank].elsewhere[i]]
+    assert not ops.all_here and ops.subset([i for i in range(3) if ops.here[i]]).all_here
+    whole = [i for i in range(3) if ops.here[i]]
+    pieces = [torch.randn(lay.local_numel) for lay in layouts]
+    sub = ops.subset(whole + [i for i in range(3) if ops.elsewhere[i]])
+    blocks = to_blocks(sub.plans, [pieces[i] for i in whole + [i for i in range(3) if ops.elsewhere[i]]],
+                       ["gather"] * len(sub))
+    held = blocks[0]
+    assert held.data_ptr() == pieces[whole[0]].data_ptr()  # a view: no copy of the gradient
+    assert torch.equal(held, pieces[whole[0]].view(layouts[whole[0]].shape))
+    assert blocks[1].shape[0] == 0
