@@ -356,12 +356,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._matrix_owner.clear()
         self.__dict__.get("_grouped_plans", {}).clear()
         self.__dict__.pop("_verified_tensors", None)  # plugin.wrapped's pre-step check runs again
+        self.__dict__.pop("_plan_index", None)
 
     # ------------------------------------------------------------------ copy / pickle
     #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
     _BY_TENSOR_ID = ("param_names", "_fragments", "_attached")
     #: caches keyed by object identity, rebuilt on the next step
-    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans", "_verified_tensors")
+    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans", "_verified_tensors",
+                        "_plan_index")
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an
@@ -818,8 +820,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan = self.matrix_plan(self._group_index(group))
         if plan is None or not items:
             return
-        index = {name: i for i, name in enumerate(plan.names)}
-        ops = plan.subset([index[it.frag.name] for it in items])
+        index = self.__dict__.setdefault("_plan_index", {}).get(id(plan))
+        if index is None or index[0] is not plan:
+            index = self._plan_index[id(plan)] = (plan, {name: i for i, name in enumerate(plan.names)})
+        order = [index[1][it.frag.name] for it in items]
+        ops = plan if order == list(range(len(plan))) else plan.subset(order)
         for idx in ops.buckets(self.matrix_bucket_elements):
             sub, its = ops.subset(idx), [items[i] for i in idx]
             by_shape: dict[tuple[int, int], StateSpec] = {}

@@ -47,6 +47,8 @@ class _Plan:
         self.layouts = [f.layout for _, f in pairs]
         self.blocks = BlockGroups([f.layout for _, f in pairs], device, owners=owners, offsets=offsets, whole=whole)
         self.state_made_for: object = None  # the optimizer state object whose matrix entries were last made
+        #: no DTensor among the tensors: their local elements are the tensors (and their gradients) themselves
+        self.plain = not any(hasattr(p, "to_local") for p in params)
 
 
 def _plan(opt, group: dict) -> _Plan:
@@ -84,8 +86,12 @@ class GroupedStep:
         self.tensor_has_grad = [g is not None for g in grads]
         if source is not None:
             grads = [None if g is None else source(p, g) for p, g in zip(params, grads)]
-        self.locals = [_local(p) for p in params]
-        self.grads = self.blocks.stack([None if g is None else _local(g) for g in grads])
+        if plan.plain:
+            self.locals = params
+            self.grads = self.blocks.stack(grads)
+        else:
+            self.locals = [_local(p) for p in params]
+            self.grads = self.blocks.stack([None if g is None else _local(g) for g in grads])
         self.all_have_grad = all(self.tensor_has_grad)
         self._opt = opt
         # every matrix's state dict exists after a step, also where its rule keeps nothing (as _matrix_items

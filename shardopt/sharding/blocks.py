@@ -132,7 +132,7 @@ class RowPlan:
         return out
 
     # ------------------------------------------------------------------ geometry
-    @property
+    @cached_property
     def a_shape(self) -> tuple[int, int]:
         m, n = self.layout.shape
         return (n, m) if self.transpose else (m, n)

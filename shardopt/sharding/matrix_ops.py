@@ -193,7 +193,18 @@ class MatrixOps:
 
     def subset(self, idx: Sequence[int]) -> "MatrixOps":
         """The plan of matrices ``idx`` only (same strategies, owners and row plans): a bucket, or the
-        matrices of one ``step()`` call when an engine steps part of a param group (ZeRO-3 sub-groups)."""
+        matrices of one ``step()`` call when an engine steps part of a param group (ZeRO-3 sub-groups).
+        Static, so each subset is made once and kept (with what it caches: its buckets and FLOP totals)."""
+        key = tuple(idx)
+        cache = self.__dict__.setdefault("_subsets", {})
+        sub = cache.get(key)
+        if sub is None:
+            if len(cache) >= 256:  # callers that ask for ever new subsets must not grow it without bound
+                cache.clear()
+            sub = cache[key] = self._make_subset(key)
+        return sub
+
+    def _make_subset(self, idx: Sequence[int]) -> "MatrixOps":
         sub = object.__new__(MatrixOps)
         sub.names = [self.names[i] for i in idx]
         sub.kinds = [self.kinds[i] for i in idx]
@@ -209,6 +220,12 @@ class MatrixOps:
         """Consecutive runs of matrices whose whole-tensor transients (small state gathered for the step,
         reduced partial sums, whole matrices on their owner) add up to at most ``limit`` elements; at
         least one matrix each. Static, so every rank runs the same buckets in the same order."""
+        cache = self.__dict__.setdefault("_buckets", {})
+        if limit not in cache:
+            cache[limit] = self._make_buckets(limit)
+        return cache[limit]
+
+    def _make_buckets(self, limit: float) -> list[list[int]]:
         out: list[list[int]] = []
         used = 0.0
         for i, (c, kind, plan) in enumerate(zip(self.costs, self.kinds, self.plans)):
@@ -298,7 +315,15 @@ class MatrixOps:
         return self.allreduce(full)
 
     def account(self) -> None:
-        """Add this step's estimated FLOPs on this rank, by strategy, to the active counters."""
+        """Add this step's estimated FLOPs on this rank, by strategy, to the active counters (static totals,
+        summed once per plan)."""
+        totals = self.__dict__.get("_flop_totals")
+        if totals is None:
+            totals = self._flop_totals = self._make_flop_totals()
+        for kind, flops in totals.items():
+            collective_counter.add_flops(kind, flops)
+
+    def _make_flop_totals(self) -> dict[str, float]:
         totals: dict[str, float] = {}
         for i, c in enumerate(self.costs):
             if not self.active(i):
@@ -307,8 +332,7 @@ class MatrixOps:
             a0, a1 = plan.rows()
             share = (a1 - a0) / max(plan.a_shape[0], 1)
             totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + c.small_flops
-        for kind, flops in totals.items():
-            collective_counter.add_flops(kind, flops)
+        return totals
 
 
 def _by_group(layouts: Sequence[MatrixLayout]) -> dict[int, list[int]]:
