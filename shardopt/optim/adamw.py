@@ -68,10 +68,14 @@ def _fused_applies(*tensor_lists: list[torch.Tensor]) -> bool:
     if not hasattr(torch, "_fused_adamw_"):
         return False
     device = tensor_lists[0][0].device
-    if device.type not in ("cpu", "cuda"):
+    if device.type == "cpu":
+        same = lambda t: t.is_cpu  # noqa: E731  (a device compare builds an object per tensor)
+    elif device.type == "cuda":
+        same = lambda t: t.is_cuda and t.get_device() == device.index  # noqa: E731
+    else:
         return False
-    kinds = {(t.dtype, t.device, t.layout) for tensors in tensor_lists for t in tensors}
-    return kinds == {(torch.float32, device, torch.strided)}
+    f32, strided = torch.float32, torch.strided
+    return all(t.dtype is f32 and t.layout is strided and same(t) for tensors in tensor_lists for t in tensors)
 
 
 def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step: int, *, lr: float,

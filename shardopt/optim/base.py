@@ -127,14 +127,18 @@ def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr
 FUSED_CHECK_ELEMENTS = 1 << 22
 
 
-def _fused_check_applies(grads: list[torch.Tensor]) -> bool:
-    """Whether the fused AMP check kernel takes ``grads``: on a CPU, small in total, float dtypes it supports
-    (its CUDA version refuses bf16, and the GPU path is one multi-tensor kernel already)."""
+_FUSED_CHECK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _fused_check_applies(grads: list[torch.Tensor], total: int | None = None) -> bool:
+    """Whether the fused AMP check kernel takes ``grads`` (``total`` elements, if known): on a CPU, small in
+    total, float dtypes it supports (its CUDA version refuses bf16, and the GPU path is one multi-tensor kernel
+    already)."""
     if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
         return False
-    kinds = {(g.dtype, g.is_cpu) for g in grads}
-    return (all(cpu and dt in (torch.float32, torch.bfloat16, torch.float16) for dt, cpu in kinds)
-            and sum(map(torch.Tensor.numel, grads)) < FUSED_CHECK_ELEMENTS)
+    if not all(g.is_cpu and g.dtype in _FUSED_CHECK_DTYPES for g in grads):
+        return False
+    return (sum(map(torch.Tensor.numel, grads)) if total is None else total) < FUSED_CHECK_ELEMENTS
 
 
 def _float_lr(group: dict) -> dict:
@@ -882,10 +886,19 @@ class ShardedOptimizer(torch.optim.Optimizer):
         A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
         over all gradients; on CPUs (where that kernel is slow) l2 norms (one foreach call), which are non-finite
         whenever an element is, and are confirmed element-wise only then (a finite overflow is not a skip)."""
-        grads = [_local(p.grad) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        grads = [g for g in grads if g.numel()]
+        grads, total = [], 0
+        for group in self.param_groups:
+            for p in group["params"]:
+                g = p.grad
+                if g is not None:
+                    if hasattr(g, "to_local"):
+                        g = g.to_local()
+                    k = g.numel()
+                    if k:
+                        grads.append(g)
+                        total += k
         if grads:
-            if _fused_check_applies(grads):
+            if _fused_check_applies(grads, total):
                 # one kernel for every gradient where the step is launch-bound: torch's AMP check, which also
                 # multiplies by its scale (1.0 here: every element is left as it was)
                 flag = torch.zeros(1)

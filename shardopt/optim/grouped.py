@@ -49,6 +49,10 @@ class _Plan:
         self.state_made_for: object = None  # the optimizer state object whose matrix entries were last made
         #: no DTensor among the tensors: their local elements are the tensors (and their gradients) themselves
         self.plain = not any(hasattr(p, "to_local") for p in params)
+        #: every tensor is one whole matrix of its own shape (one process, DDP): a matrix is its tensor
+        self.whole_matrices = self.plain and all(
+            len(fs) == 1 and tuple(p.shape) == fs[0].layout.shape and fs[0].layout.local_numel == p.numel()
+            for p, fs in zip(params, frags))
 
 
 def _plan(opt, group: dict) -> _Plan:
@@ -166,6 +170,9 @@ class GroupedStep:
         """``W <- W (1 - lr wd) - lr diag(row_scale) X diag(col_scale)`` (``MatrixItem.apply_scaled``): one fused
         multiply-add per block for fp32 parameters, without materializing the update."""
         dev = self.blocks.device
+        if self._scales_whole_fp32(row_scale, col_scale):
+            self._apply_scaled_whole(xs, lr, weight_decay, row_scale, col_scale)
+            return
         # every group's blocks into one list per kernel: a step issues each foreach kernel once, not per shape
         all_views, fused, fused_x, fused_s, plain, plain_u = [], [], [], [], [], []
         for g, x in zip(self.blocks.groups, xs):
@@ -198,6 +205,27 @@ class GroupedStep:
             torch._foreach_addcmul_(fused, fused_x, fused_s, value=-lr)
         if plain:
             torch._foreach_add_(plain, plain_u, alpha=-lr)
+
+    def _scales_whole_fp32(self, row_scale, col_scale) -> bool:
+        """Whether ``apply_scaled`` can take each matrix's scale as a slice of the concatenated vector: every
+        matrix a whole fp32 tensor with a gradient, one scale vector."""
+        return (self.plan.whole_matrices and self.all_have_grad and (row_scale is None) != (col_scale is None)
+                and all(p.dtype is torch.float32 for p in self.plan.params))
+
+    def _apply_scaled_whole(self, xs: list, lr: float, weight_decay: float, row_scale, col_scale) -> None:
+        """``apply_scaled`` for whole fp32 matrices: the scale of matrix ``i`` is its slice of the concatenated
+        vector (one split for all), so the update is one fused multiply-add kernel over every matrix."""
+        blocks = self.blocks
+        parts = col_scale.split(blocks.ns) if col_scale is not None else row_scale.unsqueeze(1).split(blocks.ms)
+        params = self.plan.params
+        views, x_all, scales = [], [], []
+        for g, x in zip(blocks.groups, xs):
+            views += [params[o] for o in g.owners]
+            x_all += blocks_of(x)
+            scales += [parts[i] for i in g.items]
+        if weight_decay:
+            torch._foreach_mul_(views, 1 - lr * weight_decay)
+        torch._foreach_addcmul_(views, x_all, scales, value=-lr)
 
     @staticmethod
     def _cast(u: list[torch.Tensor], views: list[torch.Tensor]) -> list[torch.Tensor]:
