@@ -100,3 +100,14 @@ def test_flat_partition_stack_and_kept_views_match_block_views(rank):
         for v in moved:
             v.add_(1.0)  # views write into their source
         assert torch.equal(torch.stack(bg.block_views([other], g)), torch.stack(bg.block_views([src], g)) + 1)
+
+
+def test_apply_scaled_with_no_matrix_on_this_rank():
+    """A param group can hold no matrix on a rank (ZeRO-3 sub-groups, ZeroRedundancyOptimizer's shares): the
+    step of its whole-matrix path must do nothing rather than call a foreach kernel on empty lists."""
+    import shardopt
+
+    model = torch.nn.Linear(4, 4, bias=False)
+    opt = shardopt.create_optimizer(model, "dasgo")
+    opt.param_groups[0]["params"] = []  # as an engine leaves a group whose matrices live on other ranks
+    opt.step()

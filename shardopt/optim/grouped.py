@@ -223,6 +223,8 @@ class GroupedStep:
             views += [params[o] for o in g.owners]
             x_all += blocks_of(x)
             scales += [parts[i] for i in g.items]
+        if not views:  # no matrix of this group on this rank (e.g. ZeroRedundancyOptimizer's share)
+            return
         if weight_decay:
             torch._foreach_mul_(views, 1 - lr * weight_decay)
         torch._foreach_addcmul_(views, x_all, scales, value=-lr)
