@@ -130,15 +130,12 @@ FUSED_CHECK_ELEMENTS = 1 << 22
 _FUSED_CHECK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fused_check_applies(grads: list[torch.Tensor], total: int | None = None) -> bool:
-    """Whether the fused AMP check kernel takes ``grads`` (``total`` elements, if known): on a CPU, small in
-    total, float dtypes it supports (its CUDA version refuses bf16, and the GPU path is one multi-tensor kernel
-    already)."""
+def _fused_check_applies(grads: list[torch.Tensor], total: int) -> bool:
+    """Whether the fused AMP check kernel takes ``grads`` (``total`` elements): on a CPU, small in total, float
+    dtypes it supports (its CUDA version refuses bf16, and the GPU path is one multi-tensor kernel already)."""
     if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
         return False
-    if not all(g.is_cpu and g.dtype in _FUSED_CHECK_DTYPES for g in grads):
-        return False
-    return (sum(map(torch.Tensor.numel, grads)) if total is None else total) < FUSED_CHECK_ELEMENTS
+    return total < FUSED_CHECK_ELEMENTS and all(g.is_cpu and g.dtype in _FUSED_CHECK_DTYPES for g in grads)
 
 
 def _float_lr(group: dict) -> dict:
@@ -360,14 +357,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._matrix_owner.clear()
         self.__dict__.get("_grouped_plans", {}).clear()
         self.__dict__.pop("_verified_tensors", None)  # plugin.wrapped's pre-step check runs again
-        self.__dict__.pop("_plan_index", None)
 
     # ------------------------------------------------------------------ copy / pickle
     #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
     _BY_TENSOR_ID = ("param_names", "_fragments", "_attached")
     #: caches keyed by object identity, rebuilt on the next step
-    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans", "_verified_tensors",
-                        "_plan_index")
+    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans", "_verified_tensors")
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an
@@ -806,15 +801,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan = self.matrix_plan(self._group_index(group))
         if plan is None or plan.all_here:
             return list(items), []
-        index = {name: i for i, name in enumerate(plan.names)}
-        here, shared = [], []
-        for it in items:
-            i = index[it.frag.name]
-            if plan.here[i]:
-                here.append(it)
-            elif not plan.elsewhere[i]:
-                shared.append(it)
-        return here, shared
+        by_name = {it.frag.name: it for it in items}
+        return tuple([by_name[plan.names[i]] for i in part if plan.names[i] in by_name]
+                     for part in plan.here_and_shared())
 
     def _run_whole_matrix(self, group: dict, items: list["MatrixItem"],
                           body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
@@ -824,10 +813,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plan = self.matrix_plan(self._group_index(group))
         if plan is None or not items:
             return
-        index = self.__dict__.setdefault("_plan_index", {}).get(id(plan))
-        if index is None or index[0] is not plan:
-            index = self._plan_index[id(plan)] = (plan, {name: i for i, name in enumerate(plan.names)})
-        order = [index[1][it.frag.name] for it in items]
+        positions = plan.positions
+        order = [positions[it.frag.name] for it in items]
         ops = plan if order == list(range(len(plan))) else plan.subset(order)
         for idx in ops.buckets(self.matrix_bucket_elements):
             sub, its = ops.subset(idx), [items[i] for i in idx]
@@ -852,8 +839,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if sub.all_here:
                 body(its, sub)
             else:  # matrices this rank holds whole (ZeRO) take the stacked paths, those held elsewhere are skipped
-                for part in _whole_here_split(sub):
-                    body([its[j] for j in part], sub.subset(part))
+                for part in sub.here_and_shared():
+                    if part:
+                        body([its[j] for j in part], sub.subset(part))
             for i, (it, spec) in enumerate(zip(its, specs)):
                 if sub.kinds[i] != "distributed":
                     continue  # the state already is this rank's share (all of it, or none)
@@ -968,12 +956,3 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
                 weight_decay=group["weight_decay"], eps_mode=group["eps_mode"],
             )
-
-
-def _whole_here_split(ops: MatrixOps) -> list[list[int]]:
-    """A bucket's matrices in at most two runs of ``body``: those this rank holds whole (``MatrixOps.here``),
-    then those it shares with other ranks. Matrices another rank holds whole are left out: this rank has none of
-    their elements, state or collectives (the shared run is the same set on every rank)."""
-    here = [j for j, h in enumerate(ops.here) if h]
-    shared = [j for j, (h, e) in enumerate(zip(ops.here, ops.elsewhere)) if not h and not e]
-    return [part for part in (here, shared) if part]

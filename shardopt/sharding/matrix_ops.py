@@ -120,6 +120,22 @@ class MatrixOps:
         """Every matrix is held whole by this rank alone: the algorithms' stacked paths with no row blocks."""
         return all(self.here)
 
+    def here_and_shared(self) -> tuple[list[int], list[int]]:
+        """(the matrices this rank computes alone, those it shares with other ranks); the ones another rank
+        holds whole are in neither: this rank has none of their elements, state or collectives, and the shared
+        ones are the same set on every rank."""
+        here = [i for i, h in enumerate(self.here) if h]
+        shared = [i for i, (h, e) in enumerate(zip(self.here, self.elsewhere)) if not h and not e]
+        return here, shared
+
+    @property
+    def positions(self) -> dict[str, int]:
+        """Matrix name -> its index in this plan (made once per plan)."""
+        found = self.__dict__.get("_positions")
+        if found is None:
+            found = self._positions = {name: i for i, name in enumerate(self.names)}
+        return found
+
     def _assign_owners(self, layouts: Sequence[MatrixLayout], memory_bound: bool) -> list[int]:
         """Owners of the gathered matrices, balancing FLOPs and small state together (each normalized by its
         total). With ``memory_bound`` (auto), the largest-state gathered matrices switch to the distributed
