@@ -111,3 +111,44 @@ def test_apply_scaled_with_no_matrix_on_this_rank():
     opt = shardopt.create_optimizer(model, "dasgo")
     opt.param_groups[0]["params"] = []  # as an engine leaves a group whose matrices live on other ranks
     opt.step()
+
+
+def test_line_buffer_segments_are_made_once_and_write_through():
+    """A line buffer's per-matrix slices are made once (a split per step costs a kernel's time on a CPU) and
+    are views of it; any other vector is split as it is."""
+    layouts = _layouts()
+    bg = BlockGroups(layouts)
+    for axis, sizes in ((0, bg.ms), (1, bg.ns)):
+        buf = bg.line_buffer("x", axis)
+        assert buf.shape == (sum(sizes),)
+        assert bg.line_buffer("x", axis) is buf
+        first = bg.segments(buf, axis)
+        assert bg.segments(buf, axis) is first
+        assert [s.numel() for s in first] == sizes
+        buf.copy_(torch.arange(buf.numel(), dtype=torch.float32))
+        assert torch.equal(torch.cat(first), buf)  # views, not copies
+        other = buf.clone()
+        split = bg.segments(other, axis)
+        assert split is not first and torch.equal(torch.cat(split), other)
+    assert bg.line_buffer("x", 1).shape == (bg.n_cols,)  # a key asked on another axis gets its own buffer
+
+
+def test_apply_items_takes_whole_tensor_shaped_updates():
+    """``apply_items`` adds an update shaped like a plain whole-matrix tensor to the tensor itself, and a 1-D or
+    otherwise shaped one to the matrix's flat piece: both give ``W - lr U``."""
+    import shardopt
+    from shardopt.optim.base import apply_items
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 5, bias=False))
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = shardopt.create_optimizer(model, "sumo")
+    group = next(g for g in opt.param_groups if g["treatment"] == "sumo")
+    items = opt._matrix_items(group)
+    before = [it.tensor.detach().clone() for it in items]
+    updates = [torch.randn(it.layout.shape) for it in items]
+    shaped = [updates[0], updates[1].reshape(-1)]  # one tensor-shaped, one flat
+    with torch.no_grad():  # as inside optimizer.step()
+        apply_items(items, shaped, 0.5)
+    for it, w0, u in zip(items, before, updates):
+        torch.testing.assert_close(it.tensor.detach(), w0 - 0.5 * u, rtol=0, atol=1e-6)

@@ -403,11 +403,11 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
             if "v" not in st:
                 st["v"] = sums.new_zeros(lay.shape[1])
         vs = [st["v"] for st in mstates]
-        v = torch.cat(vs) if vs else sums
+        v = torch.cat(vs, out=blocks.line_buffer("v", 1)) if vs else sums
         if step.all_have_grad:  # the EMA on the concatenation, written back with one foreach copy
             if vs:
                 v.mul_(b2).add_(sums, alpha=1 - b2)
-                torch._foreach_copy_(vs, list(v.split(blocks.ns)))
+                torch._foreach_copy_(vs, blocks.segments(v, 1))
         else:
             with_grad_items = [k for k, ok in enumerate(step.has_grad) if ok]
             if with_grad_items:
@@ -417,4 +417,5 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
                 v = torch.cat(vs)
         moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
         momentum = [blocks.block_views(moms, g, persistent="state") for g in blocks.groups]  # the momentum's blocks, not a copy
-        step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=masked_rsqrt(v + group["eps"]))
+        step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=masked_rsqrt(
+            v + group["eps"], out=blocks.line_buffer("col_scale", 1)))

@@ -106,13 +106,20 @@ def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr
                 weight_decay: float = 0.0) -> None:
     """``MatrixItem.apply`` for many matrices at once: ``W <- W (1 - lr wd) - lr U`` with ``torch._foreach_*``
     kernels, one call per distinct ``lr`` (a float, or one per item: e.g. a shape-dependent lr) instead of one
-    per matrix. Items without a gradient or without local elements are skipped, as ``apply`` does."""
+    per matrix. Items without a gradient or without local elements are skipped, as ``apply`` does. An update is
+    the item's 1-D local piece, or, for a plain tensor that is the whole matrix, may have the tensor's shape
+    (then it is added to the tensor itself)."""
     lrs = [lr] * len(items) if isinstance(lr, (int, float)) else list(lr)
     by_lr: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for it, u, r in zip(items, updates, lrs):
         if it.has_grad and it.frag.numel:
             views, ups = by_lr.setdefault(float(r), ([], []))
-            w = it.param()
+            t = it.tensor
+            if u.dim() > 1 and u.shape == t.shape and it.frag.offset == 0 and not hasattr(t, "to_local"):
+                w = t  # a tensor that is this whole matrix, updated by a same-shaped update: no flat view of it
+            else:
+                w = it.param()
+                u = u.reshape(-1) if u.dim() > 1 else u
             views.append(w)
             ups.append(u if u.dtype == w.dtype else u.to(w.dtype))
     for r, (views, ups) in by_lr.items():
@@ -608,7 +615,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 src = p.grad if source is None else source(p, p.grad)
             for frag in self.fragments(p):
                 if src is not None:
-                    g = frag.local(src).float()
+                    g = frag.local(src)
+                    g = g if g.dtype is torch.float32 else g.float()
                 else:
                     g = torch.zeros(frag.numel, dtype=torch.float32, device=local_flat(p).device)
                 items.append(MatrixItem(frag, p, g, self.matrix_state(p, frag), has_grad))

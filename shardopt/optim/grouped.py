@@ -216,7 +216,8 @@ class GroupedStep:
         """``apply_scaled`` for whole fp32 matrices: the scale of matrix ``i`` is its slice of the concatenated
         vector (one split for all), so the update is one fused multiply-add kernel over every matrix."""
         blocks = self.blocks
-        parts = col_scale.split(blocks.ns) if col_scale is not None else row_scale.unsqueeze(1).split(blocks.ms)
+        parts = blocks.segments(col_scale, 1) if col_scale is not None else \
+            [r.unsqueeze(1) for r in blocks.segments(row_scale, 0)]
         params = self.plan.params
         views, x_all, scales = [], [], []
         for g, x in zip(blocks.groups, xs):

@@ -229,8 +229,8 @@ class SUMO(ShardedOptimizer):
             like_g = plans[first].transpose if local else stored_transposed(blocks[first])
             u = o.mT @ q.mT if like_g else q @ o
             u.mul_(group["alpha"] * step_scale(group["step_scale"], items[first].layout.shape))
-            if local:  # the G-shaped update of each matrix is its 1-D piece
-                updates_g = u.view(len(idx), -1).unbind(0)
+            if local:  # the G-shaped update of each matrix (apply_items takes it so for a whole tensor)
+                updates_g = u.unbind(0)
             else:
                 updates_g = (u.mT if like_g else u).unbind(0)
             for i, ui in zip(idx, updates_g):

@@ -189,6 +189,27 @@ class BlockGroups:
             rnd._bucket(grp).append((out, index))
         return out
 
+    # ------------------------------------------------------------------ per-matrix slices of line vectors
+    def line_buffer(self, key: str, axis: int) -> torch.Tensor:
+        """A vector over every matrix's rows (axis 0) or columns (axis 1), kept between steps under ``key``, whose
+        per-matrix slices ``segments`` makes once. A step writes a concatenated statistic into it to hand its
+        slices to foreach kernels: on a CPU, splitting a vector into many matrices' slices costs as much as a
+        kernel over them. Its contents are the caller's for the length of a step only."""
+        buffers = self.__dict__.setdefault("_line_buffers", {})
+        entry = buffers.get(key)
+        if entry is None or entry[1] != axis:
+            buf = torch.zeros(self.n_rows if axis == 0 else self.n_cols, device=self.device)
+            entry = buffers[key] = (buf, axis, list(buf.split(self.ms if axis == 0 else self.ns)))
+        return entry[0]
+
+    def segments(self, vector: torch.Tensor, axis: int) -> list[torch.Tensor]:
+        """Per matrix, its slice of ``vector`` (its rows for axis 0, its columns for axis 1): made once for a
+        ``line_buffer``, split otherwise."""
+        for buf, buf_axis, views in self.__dict__.get("_line_buffers", {}).values():
+            if buf is vector and buf_axis == axis:
+                return views
+        return list(vector.split(self.ms if axis == 0 else self.ns))
+
     def item_sums(self, values: torch.Tensor, axis: int) -> torch.Tensor:
         """Per-matrix sums of a line vector (rows for axis 0, columns for axis 1)."""
         where = self.item_of_row if axis == 0 else self.item_of_col

@@ -125,7 +125,8 @@ def masked_reciprocal(x: torch.Tensor, numerator: float | torch.Tensor = 1.0) ->
     return torch.where(pos, numerator / torch.where(pos, x, torch.ones_like(x)), torch.zeros_like(x))
 
 
-def masked_rsqrt(x: torch.Tensor, numerator: float = 1.0) -> torch.Tensor:
-    """``numerator / sqrt(x)`` where ``x > 0``, else 0."""
+def masked_rsqrt(x: torch.Tensor, numerator: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``numerator / sqrt(x)`` where ``x > 0``, else 0 (written into ``out`` when given)."""
     pos = x > 0
-    return torch.where(pos, numerator * torch.rsqrt(torch.where(pos, x, torch.ones_like(x))), torch.zeros_like(x))
+    return torch.where(pos, numerator * torch.rsqrt(torch.where(pos, x, torch.ones_like(x))), torch.zeros_like(x),
+                       out=out)
