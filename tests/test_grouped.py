@@ -152,3 +152,26 @@ def test_apply_items_takes_whole_tensor_shaped_updates():
         apply_items(items, shaped, 0.5)
     for it, w0, u in zip(items, before, updates):
         torch.testing.assert_close(it.tensor.detach(), w0 - 0.5 * u, rtol=0, atol=1e-6)
+
+
+def test_masked_reciprocal_and_rsqrt_select_only_positive_lanes():
+    """Zero, negative, NaN and infinite statistics give 0, never NaN or inf; positive ones are the plain
+    quotient and root (the unselected lanes may compute inf or NaN, which ``where`` drops)."""
+    from shardopt.sharding import masked_reciprocal, masked_rsqrt
+
+    x = torch.tensor([0.0, -1.0, 4.0, float("nan"), 1e-30, float("inf"), 2.5])
+    num = torch.full_like(x, 3.0)
+    expect = {
+        "reciprocal": torch.tensor([0.0, 0.0, 0.25, 0.0, 1e30, 0.0, 0.4]),
+        "reciprocal x2": torch.tensor([0.0, 0.0, 0.5, 0.0, 2e30, 0.0, 0.8]),
+        "reciprocal by tensor": torch.tensor([0.0, 0.0, 0.75, 0.0, 3e30, 0.0, 1.2]),
+        "rsqrt": torch.where(x > 0, torch.rsqrt(x), 0.0),
+    }
+    got = {"reciprocal": masked_reciprocal(x), "reciprocal x2": masked_reciprocal(x, 2.0),
+           "reciprocal by tensor": masked_reciprocal(x, num), "rsqrt": masked_rsqrt(x)}
+    for key, value in got.items():
+        assert torch.isfinite(value).all(), key
+        torch.testing.assert_close(value, expect[key], rtol=1e-7, atol=0, msg=key)
+    out = torch.full_like(x, 7.0)
+    assert masked_rsqrt(x, 2.0, out=out) is out
+    torch.testing.assert_close(out, 2.0 * expect["rsqrt"], rtol=1e-7, atol=0)

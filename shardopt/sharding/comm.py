@@ -140,12 +140,13 @@ class Round:
                     parts.append(tensor.reshape(-1))
                 else:
                     parts.append(tensor.index_select(0, on_device(index, tensor.device)))
-            buf = torch.cat([p.to(torch.float32) for p in parts])
+            buf = torch.cat([p if p.dtype is torch.float32 else p.to(torch.float32) for p in parts])
             _all_reduce(buf, group)
             start = 0
             for (tensor, index), part in zip(items, parts):
                 size = part.numel()
-                chunk = buf[start: start + size].to(tensor.dtype)
+                chunk = buf[start: start + size]
+                chunk = chunk if tensor.dtype is torch.float32 else chunk.to(tensor.dtype)
                 start += size
                 if index is None:
                     tensor.copy_(chunk.reshape(tensor.shape))

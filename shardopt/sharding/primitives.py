@@ -121,12 +121,14 @@ def scale_into(
 def masked_reciprocal(x: torch.Tensor, numerator: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``numerator / x`` where ``x > 0``, else 0: zero statistics give zero updates, never NaN or inf
     (``numerator`` a number or a tensor shaped like ``x``)."""
-    pos = x > 0
-    return torch.where(pos, numerator / torch.where(pos, x, torch.ones_like(x)), torch.zeros_like(x))
+    # the lanes where x <= 0 compute inf or NaN and are never selected: no masked copy of x, no zeros tensor
+    inv = x.reciprocal() if isinstance(numerator, float) and numerator == 1.0 else numerator / x
+    return torch.where(x > 0, inv, 0.0)
 
 
 def masked_rsqrt(x: torch.Tensor, numerator: float = 1.0, out: torch.Tensor | None = None) -> torch.Tensor:
     """``numerator / sqrt(x)`` where ``x > 0``, else 0 (written into ``out`` when given)."""
-    pos = x > 0
-    return torch.where(pos, numerator * torch.rsqrt(torch.where(pos, x, torch.ones_like(x))), torch.zeros_like(x),
-                       out=out)
+    root = torch.rsqrt(x)  # NaN or inf where x <= 0, never selected
+    if numerator != 1.0:
+        root.mul_(numerator)
+    return torch.where(x > 0, root, 0.0) if out is None else torch.where(x > 0, root, root.new_zeros(()), out=out)
