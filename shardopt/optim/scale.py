@@ -36,7 +36,7 @@ def inverse_rms(sumsq: torch.Tensor, count: int | torch.Tensor, eps: float, norm
     length ``count``, a number or one per line), from each line's completed sum of squares."""
     if norm == "rms":
         sumsq = sumsq / count
-    return 1.0 / sumsq.sqrt().clamp_min(eps)
+    return sumsq.sqrt().clamp_min(eps).reciprocal()
 
 
 class SCALEConfig(OptimizerConfig):
