@@ -127,9 +127,13 @@ def test_line_buffer_segments_are_made_once_and_write_through():
         assert [s.numel() for s in first] == sizes
         buf.copy_(torch.arange(buf.numel(), dtype=torch.float32))
         assert torch.equal(torch.cat(first), buf)  # views, not copies
+        cols = bg.segments(buf, axis, column=True)
+        assert bg.segments(buf, axis, column=True) is cols
+        assert all(c.shape == (n, 1) and c.data_ptr() == f.data_ptr() for c, f, n in zip(cols, first, sizes))
         other = buf.clone()
         split = bg.segments(other, axis)
         assert split is not first and torch.equal(torch.cat(split), other)
+        assert [c.shape for c in bg.segments(other, axis, column=True)] == [(n, 1) for n in sizes]
     assert bg.line_buffer("x", 1).shape == (bg.n_cols,)  # a key asked on another axis gets its own buffer
 
 

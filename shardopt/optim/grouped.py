@@ -216,8 +216,7 @@ class GroupedStep:
         """``apply_scaled`` for whole fp32 matrices: the scale of matrix ``i`` is its slice of the concatenated
         vector (one split for all), so the update is one fused multiply-add kernel over every matrix."""
         blocks = self.blocks
-        parts = blocks.segments(col_scale, 1) if col_scale is not None else \
-            [r.unsqueeze(1) for r in blocks.segments(row_scale, 0)]
+        parts = blocks.segments(col_scale, 1) if col_scale is not None else blocks.segments(row_scale, 0, column=True)
         params = self.plan.params
         views, x_all, scales = [], [], []
         for g, x in zip(blocks.groups, xs):

@@ -31,12 +31,13 @@ from .grouped import grouped_step
 __all__ = ["SCALE", "inverse_rms", "SCALEConfig"]
 
 
-def inverse_rms(sumsq: torch.Tensor, count: int | torch.Tensor, eps: float, norm: str = "rms") -> torch.Tensor:
+def inverse_rms(sumsq: torch.Tensor, count: int | torch.Tensor, eps: float, norm: str = "rms",
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """``1 / s`` with ``s = max(sqrt(sumsq / count), eps)`` per line (``norm="l2"``: no division by the line
-    length ``count``, a number or one per line), from each line's completed sum of squares."""
+    length ``count``, a number or one per line), from each line's completed sum of squares (into ``out``)."""
     if norm == "rms":
         sumsq = sumsq / count
-    return sumsq.sqrt().clamp_min(eps).reciprocal()
+    return torch.reciprocal(sumsq.sqrt().clamp_min(eps), out=out)
 
 
 class SCALEConfig(OptimizerConfig):
@@ -130,6 +131,7 @@ class SCALE(ShardedOptimizer):
         blocks.add_axis(rnd, stats, axis)
         rnd.run()
         # each row's count is its matrix's n (per-row stats), each column's its m
-        inv = inverse_rms(stats, blocks.row_length if axis == 0 else blocks.col_length, group["eps"], group["norm"])
+        inv = inverse_rms(stats, blocks.row_length if axis == 0 else blocks.col_length, group["eps"], group["norm"],
+                          out=blocks.line_buffer("inverse_rms", axis))  # its per-matrix slices made once
         step.apply_scaled(step.grads, group["lr"], group["weight_decay"],
                           row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)

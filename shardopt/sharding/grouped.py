@@ -199,16 +199,21 @@ class BlockGroups:
         entry = buffers.get(key)
         if entry is None or entry[1] != axis:
             buf = torch.zeros(self.n_rows if axis == 0 else self.n_cols, device=self.device)
-            entry = buffers[key] = (buf, axis, list(buf.split(self.ms if axis == 0 else self.ns)))
+            entry = buffers[key] = [buf, axis, list(buf.split(self.ms if axis == 0 else self.ns)), None]
         return entry[0]
 
-    def segments(self, vector: torch.Tensor, axis: int) -> list[torch.Tensor]:
+    def segments(self, vector: torch.Tensor, axis: int, column: bool = False) -> list[torch.Tensor]:
         """Per matrix, its slice of ``vector`` (its rows for axis 0, its columns for axis 1): made once for a
-        ``line_buffer``, split otherwise."""
-        for buf, buf_axis, views in self.__dict__.get("_line_buffers", {}).values():
-            if buf is vector and buf_axis == axis:
-                return views
-        return list(vector.split(self.ms if axis == 0 else self.ns))
+        ``line_buffer``, split otherwise. ``column``: each slice as an ``m x 1`` column (a row scale that
+        broadcasts over the matrix's columns)."""
+        for entry in self.__dict__.get("_line_buffers", {}).values():
+            if entry[0] is vector and entry[1] == axis:
+                if not column:
+                    return entry[2]
+                if entry[3] is None:
+                    entry[3] = [v.unsqueeze(1) for v in entry[2]]
+                return entry[3]
+        return list((vector.unsqueeze(1) if column else vector).split(self.ms if axis == 0 else self.ns))
 
     def item_sums(self, values: torch.Tensor, axis: int) -> torch.Tensor:
         """Per-matrix sums of a line vector (rows for axis 0, columns for axis 1)."""
