@@ -411,7 +411,7 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         else:
             with_grad_items = [k for k, ok in enumerate(step.has_grad) if ok]
             if with_grad_items:
-                parts = sums.split(blocks.ns)
+                parts = blocks.segments(sums, 1)
                 torch._foreach_mul_([vs[k] for k in with_grad_items], b2)
                 torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
                 v = torch.cat(vs)

@@ -214,7 +214,7 @@ class GroupedStep:
 
     def _apply_scaled_whole(self, xs: list, lr: float, weight_decay: float, row_scale, col_scale) -> None:
         """``apply_scaled`` for whole fp32 matrices: the scale of matrix ``i`` is its slice of the concatenated
-        vector (one split for all), so the update is one fused multiply-add kernel over every matrix."""
+        vector (``BlockGroups.segments``), so the update is one fused multiply-add kernel over every matrix."""
         blocks = self.blocks
         parts = blocks.segments(col_scale, 1) if col_scale is not None else blocks.segments(row_scale, 0, column=True)
         params = self.plan.params

@@ -124,7 +124,7 @@ class RACS(ShardedOptimizer):
                 st["phi"] = q_hat.new_zeros(())
         with_grad = [k for k, ok in enumerate(step.has_grad) if ok]
         if with_grad:
-            q_parts, s_parts = q_hat.split(blocks.ms), s_hat.split(blocks.ns)
+            q_parts, s_parts = blocks.segments(q_hat, 0), blocks.segments(s_hat, 1)
             qs, ss = [states[k]["q"] for k in with_grad], [states[k]["s"] for k in with_grad]
             torch._foreach_mul_(qs, beta)  # ema_scales for every matrix with a gradient
             torch._foreach_add_(qs, [q_parts[k] for k in with_grad], alpha=1 - beta)
