@@ -53,9 +53,12 @@ MIB = 1 << 20
 #: issue 15: busiest rank's state <= BOUND_FACTOR x single-process state / P + BOUND_SLACK bytes
 BOUND_FACTOR = 1.15
 BOUND_SLACK = 16 * MIB
+#: issue 27: modeled optimizer seconds per step <= TIME_TARGET x the reference forward+backward
+TIME_TARGET = 0.10
 VOCAB = 32000
 LAYOUTS = ("fsdp2", "zero1/2", "zero3")
 STRATEGIES = ("auto", "distributed", "gather")
+WORLDS = "8,64,256,1024"
 
 
 # ---------------------------------------------------------------------------------------------- world
@@ -257,6 +260,73 @@ def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Ten
         flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1) + work[1]
 
 
+#: the issue-27 reference step: forward+backward at 40% MFU of 989 TFLOP/s on max(4096, 4M / P) tokens per rank
+FWD_BWD_MFU = 0.4 * 989e12
+#: line-statistic all-reduce rounds per step of the element-wise rules (SCALE/DASGO 1, SinkGD/RACS 5 sweeps of
+#: rows and columns); whole-matrix rules' line rounds are in their plans
+LINE_ROUNDS = {"scale": 1, "dasgo": 1, "sinkgd": 10, "racs": 10, "swan": 2}
+
+
+def fwd_bwd_seconds(n_params: int, world: int) -> float:
+    return 6.0 * n_params * max(4096, (4 << 20) / world) / FWD_BWD_MFU
+
+
+def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") -> dict[str, Any]:
+    """The optimizer's modeled seconds per step on every rank (issue 27), under its plans' profile:
+    whole-matrix work (``MatrixOps.op_cost``: FLOPs by kind, bytes, rounds), element-wise passes (compulsory
+    memory traffic of ``costmodel.traffic_elements`` over each rank's elements) and line-statistic all-reduces
+    ((m + n) per matrix per round). Reports the busiest rank's seconds and bytes (sent + received)."""
+    from shardopt.sharding.time_model import resolve_profile
+
+    from .costmodel import traffic_elements
+
+    groups = _groups(opt)
+    profile = None
+    seconds = torch.zeros(world, dtype=torch.float64)
+    net = torch.zeros(world, dtype=torch.float64)  # bytes sent + received
+    mem = torch.zeros(world, dtype=torch.float64)
+    line = 0.0
+    kinds: set[str] = set()
+    for g, frags in opt._fragments_by_group(all_groups=True).items():
+        group = groups[g]
+        rule = group.get("treatment", "adamw")
+        ops = opt.matrix_plan(g)
+        if ops is not None:
+            profile = ops.profile
+            for i, kind in enumerate(ops.kinds):
+                if kind == "gather":
+                    pieces = piece_numels(ops.plans[i].layout).double() * 4
+                    own = ops.op_cost(i, "gather")
+                    seconds += pieces / ops.profile.bandwidth
+                    net += 2 * pieces
+                    seconds[ops.owners[i]] += own.seconds(ops.profile) - float(pieces[ops.owners[i]]) / ops.profile.bandwidth
+                    net[ops.owners[i]] += own.sent + own.received - 2 * float(pieces[ops.owners[i]])
+                else:
+                    c = ops.op_cost(i, kind)
+                    c.rounds = 0.0
+                    seconds += c.seconds(ops.profile)
+                    net += c.sent + c.received
+                if kind != "local" and (ops.plans[i].layout.holders > 1 or kind == "distributed"):
+                    kinds.add(kind)
+        rule_name = "adamw" if rule == "adamw" else name
+        for f in frags:
+            m, n = f.layout.shape
+            per = traffic_elements(rule_name, m, n, group) or 0.0
+            mem += per / max(m * n, 1) * piece_numels(f.layout).double() * 4
+            if rule != "adamw" and f.layout.group is not None:
+                line += (m + n) * LINE_ROUNDS.get(name, 0)
+    if profile is None:  # no whole-matrix plan: the optimizer's configured profile, for meta tensors
+        profile = resolve_profile(default_profile)
+    seconds += mem / profile.memory_bandwidth
+    ring = 2.0 * (world - 1) / world
+    seconds += ring * 4 * line / profile.bandwidth + LINE_ROUNDS.get(name, 0) * profile.latency
+    net += 2 * ring * 4 * line
+    seconds += profile.latency * sum({"gather": 2, "distributed": 4}[k] for k in kinds)
+    busiest = int(seconds.argmax())
+    return {"modeled_s": float(seconds[busiest]), "modeled_rank": busiest, "traffic_busiest_bytes": float(net.max()),
+            "modeled_mean_s": float(seconds.mean()), "profile": profile.describe()}
+
+
 def busiest_transient(opt: Any, world: int) -> float | None:
     """The largest per-rank whole-matrix transient of a step (elements), if the optimizer can tell it: every
     owner of a gathered matrix, and one rank that owns none (all such ranks hold the same)."""
@@ -272,9 +342,25 @@ def busiest_transient(opt: Any, world: int) -> float | None:
 
 
 # ---------------------------------------------------------------------------------------------- one case
+def largest_owned_bytes(opt: Any, rank: int) -> int:
+    """The largest whole-matrix small state (bytes) of one matrix that ``rank`` owns (gathers) in any group: what
+    any owner-compute scheme must hold, and issue 27's allowance beside the even share."""
+    groups = _groups(opt)
+    best = 0
+    for g in range(len(groups)):
+        ops = opt.matrix_plan(g)
+        if ops is None:
+            continue
+        for kind, owner, plan in zip(ops.kinds, ops.owners, ops.plans):
+            if kind == "gather" and owner == rank:
+                spec = opt.matrix_state_spec(groups[g], plan.a_shape)
+                best = max(best, 4 * sum(math.prod(s) for s, d in spec.values() if d is not None))
+    return best
+
+
 def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, name: str, strategy: str | None,
-             single_bytes: int, n_params: int, samples: int) -> dict[str, Any]:
-    kw = {"matrix_ops": {"strategy": strategy}} if strategy else {}
+             single_bytes: int, n_params: int, samples: int, profile: str = "gpu") -> dict[str, Any]:
+    kw = {"matrix_ops": {"strategy": strategy, "profile": profile}} if strategy else {}
     opt, plan_s, adamw = build(layout, model, name, kw, world)
     state = per_rank_state(opt, world)
     total = 4 * (state["elements"] + state["vectors"] + state["matrix"])
@@ -282,7 +368,10 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
     checked = check_ranks(opt, state, world, busiest, samples)
     traffic, flops, kinds = traffic_and_flops(opt, world)
     transient = busiest_transient(opt, world)
-    bound = BOUND_FACTOR * single_bytes / world + BOUND_SLACK
+    owned = largest_owned_bytes(opt, busiest)
+    bound = BOUND_FACTOR * single_bytes / world + owned + BOUND_SLACK
+    timing = modeled_time(opt, world, name, profile)
+    fwd_bwd = fwd_bwd_seconds(n_params, world)
     rec = {
         "model": model_size, "layout": layout, "world_size": world, "optimizer": name, "strategy": strategy or "-",
         "params": n_params, "single_bytes": single_bytes,
@@ -298,7 +387,9 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
         "traffic_vs_grad": (4 * sum(traffic.values()) / world) / (4 * n_params),
         "busiest_flops": float(flops.max()), "mean_flops": float(flops.mean()),
         "transient_busiest_bytes": 4 * transient if transient is not None else None,
-        "checked_ranks": len(checked),
+        "checked_ranks": len(checked), "largest_owned_bytes": owned,
+        **timing, "fwd_bwd_s": fwd_bwd, "time_ratio": timing["modeled_s"] / fwd_bwd,
+        "within_time": timing["modeled_s"] <= TIME_TARGET * fwd_bwd,
     }
     del opt
     return rec
@@ -330,7 +421,10 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         n_params = sum(p.numel() for p in plain.parameters())
         init_world(1)
         singles = {name: single_state(plain, name) for name in names}
-        for world in (int(w) for w in args.worlds.split(",")):
+        worlds = args.worlds_7b if size == "7b" and args.worlds_7b else args.worlds
+        if size == "7b" and not args.worlds_7b and args.worlds == WORLDS:
+            worlds = WORLDS + ",4096"
+        for world in (int(w) for w in worlds.split(",")):
             init_world(world)
             for layout in args.layouts.split(","):
                 model = fsdp2_model(size, world) if layout == "fsdp2" else meta_model(size)
@@ -338,7 +432,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     t0 = time.perf_counter()
                     try:
                         rec = run_case(size, layout, world, model, name, strategy, singles[name], n_params,
-                                       args.check_ranks)
+                                       args.check_ranks, args.profile)
                     except Exception as err:  # a failing case is reported, the others still run
                         import traceback
 
@@ -350,7 +444,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     if "error" not in rec:
                         print(f"{size} {layout:8s} P={world:5d} {name:7s} {rec['strategy']:11s} busiest "
                               f"{rec['busiest_bytes'] / MIB:9.1f} MiB bound {rec['bound_bytes'] / MIB:9.1f} "
-                              f"{'ok ' if rec['within_bound'] else 'OVER'} plan {rec['plan_s']:6.2f} s "
+                              f"{'ok ' if rec['within_bound'] else 'OVER'} time {rec['time_ratio']:6.3f}x fwd+bwd "
+                              f"{'ok ' if rec['within_time'] else 'SLOW'} plan {rec['plan_s']:6.2f} s "
                               f"({time.perf_counter() - t0:.1f} s)", flush=True)
                 del model
         close_world()
@@ -447,12 +542,15 @@ def notes_for(records: list[dict[str, Any]]) -> list[str]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="1b,7b", help="model presets (shardopt.train.model.PRESETS)")
-    ap.add_argument("--worlds", default="8,64,256,1024", help="simulated world sizes")
+    ap.add_argument("--worlds", default=WORLDS, help="simulated world sizes")
+    ap.add_argument("--worlds-7b", default=None,
+                    help=f"simulated world sizes of the 7b model (default: --worlds, and 4096 with the default {WORLDS})")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {LAYOUTS}")
     ap.add_argument("--optimizers", default=None, help="comma list of shardopt names (default: all registered)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="whole-matrix strategies to run")
     ap.add_argument("--check-ranks", type=int, default=4,
                     help="random ranks (beyond 0, the busiest and the last) checked against planned_state_elements")
+    ap.add_argument("--profile", default="gpu", help="matrix_ops.profile of the modeled seconds (gpu, cpu)")
     ap.add_argument("--out", default="scale", help="result file stem")
     args = parse_args(ap, argv, dict(models="1b", worlds="8,64", optimizers="scale,muon,sumo,alice"))
     for lay in args.layouts.split(","):

@@ -27,6 +27,7 @@ from ..sharding.primitives import scale_into
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter, world_group_allreduce_max
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
+from ..sharding.time_model import resolve_profile
 from ..sharding.plan import check_same_plan
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
@@ -263,6 +264,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.matrix_bucket_elements = float((matrix_ops or {}).get("bucket_mb", BUCKET_ELEMENTS * 4 / 2**20)) * 2**20 / 4
         if self.matrix_strategy not in STRATEGIES:
             raise ValueError(f"matrix_ops.strategy must be one of {STRATEGIES}, got {self.matrix_strategy!r}")
+        #: the time model's hardware profile and the auto strategy's memory budget (shardopt.sharding.time_model)
+        self.matrix_profile = (matrix_ops or {}).get("profile", "auto")
+        self.matrix_memory_budget_mib = (matrix_ops or {}).get("memory_budget_mib")
+        if isinstance(self.matrix_profile, dict):
+            self.matrix_profile = {k: v for k, v in self.matrix_profile.items() if v is not None}
+        resolve_profile(self.matrix_profile)  # a bad profile fails here, not at the first step
         self._comm_stats: dict[str, dict[str, float]] = {}
         self._ops_cache: dict[int, MatrixOps | None] = {}
         #: group rank that keeps each matrix's "matrix"-kind state current (gather strategy); see sync_state
@@ -743,7 +750,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.whole_matrix_work and group.get("treatment", "adamw") in self.matrix_treatments and frags:
             transposes = [self.whole_matrix_transpose(group, f.layout.shape) for f in frags]
             ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], transposes, self.matrix_strategy,
-                            lambda a_shape: self.whole_matrix_cost(group, a_shape))
+                            lambda a_shape: self.whole_matrix_cost(group, a_shape),
+                            resolve_profile(self.matrix_profile, self._device_type(group)),
+                            self.matrix_memory_budget_mib)
             for f, kind, owner, plan, place in zip(frags, ops.kinds, ops.owners, ops.plans, ops.placements):
                 self._matrix_plans[f.name] = (g, plan.a_shape, place)
                 if kind == "gather":
@@ -752,6 +761,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     self._matrix_owner.pop(f.name, None)
         self._ops_cache[g] = ops
         return ops
+
+    def _device_type(self, group: dict) -> str | None:
+        """Where a group's tensors live (``matrix_ops.profile="auto"`` picks the CPU profile for CPU tensors);
+        the same on every rank."""
+        for p in list(group.get("params", [])) + list(self.stepped_tensors()):
+            if isinstance(p, torch.Tensor):
+                return p.device.type
+        return None
 
     def matrix_state_share(self, name: str) -> tuple[Placement, StateSpec] | None:
         """Where matrix ``name``'s small state rests and its spec (None for matrices without such state)."""

@@ -51,6 +51,19 @@ def format_errors(err: pydantic.ValidationError, where: str, names: Mapping[str,
     return "; ".join(lines)
 
 
+class ProfileConfig(_Strict):
+    """A hardware profile in numbers (``matrix_ops.profile``); missing keys come from ``base``."""
+
+    base: Literal["gpu", "cpu"] = "gpu"
+    matmul_tflops: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="fp32 products, TFLOP/s")
+    factor_tflops: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
+                                                 description="small factorizations (eigh, SVD, QR), TFLOP/s")
+    bandwidth_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
+                                                 description="collective bandwidth per rank, GB/s")
+    latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="per collective round, us")
+    memory_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="device memory, GB/s")
+
+
 class MatrixOpsConfig(_Strict):
     """How whole-matrix operations run on sharded matrices (shardopt.sharding.matrix_ops)."""
 
@@ -59,6 +72,14 @@ class MatrixOpsConfig(_Strict):
                             "pick per matrix by the cost model")
     bucket_mb: float = pydantic.Field(128.0, gt=0, description="bound on one bucket's whole-matrix transients "
                                                                "(gathered small state, reduced sums), MiB")
+    profile: Literal["auto", "gpu", "cpu"] | ProfileConfig = pydantic.Field(
+        "auto", description="hardware profile that turns the auto strategy's FLOPs, bytes and rounds into seconds "
+                            "(shardopt.sharding.time_model): 'auto' (cpu for CPU parameters, else gpu), 'gpu', "
+                            "'cpu', or numbers")
+    memory_budget_mib: float | None = pydantic.Field(
+        None, gt=0, allow_inf_nan=False,
+        description="MiB of whole-matrix small state a rank may keep under auto; default: 1.15 x its even share + "
+                    "the largest matrix it owns + 4 MiB")
 
 
 class CommonOptions(TypedDict, total=False):

@@ -7,18 +7,22 @@ small factorizations on identical inputs on every rank that takes part, and retu
 (``from_blocks``). Each matrix gets one strategy:
 
 * ``local``: not sharded (single process, DDP replicas); nothing is communicated.
-* ``gather``: an owner rank (longest-processing-time on estimated cost, identical on every rank) receives
-  the whole matrix, computes alone, and sends every rank its piece of the result; the others skip it.
+* ``gather``: an owner rank (longest-processing-time, identical on every rank) receives the whole matrix,
+  computes alone, and sends every rank its piece of the result; the others skip it.
 * ``distributed``: rows stay where the engine put them (only rows cut by a partition boundary move; across
   the grain an all-to-all of ~1/P of the matrix per rank), every rank computes on its rows, and sums over
   rows are all-reduced: small ``k x k`` / ``r x n`` matrices instead of the matrix itself.
 
-``strategy="auto"`` picks per matrix the one with the lower estimated per-rank cost (bytes moved weighted by
-``FLOPS_PER_BYTE`` plus FLOPs; a gathered matrix costs its owner the whole op, about 1/P per rank once the
-owner plan balances them; the distributed strategy splits the row products and repeats small factorizations),
-and never gathers where the owners' small state would exceed its even share (``auto`` keeps memory per rank
-within ``STATE_SLACK`` of total / P); ``"gather"`` / ``"distributed"`` force one. A matrix held whole by a
-single rank of its group is computed there with no communication under any strategy.
+``strategy="auto"`` (issue 27) minimizes the busiest rank's modeled step time (``time_model``: FLOPs by kind,
+bytes sent or received, collective rounds, turned into seconds by ``matrix_ops.profile``) under a memory
+budget: by default a rank keeps at most ``(1 + BUDGET_SLACK)`` x its even share of the group's small state,
+plus the whole state of the largest matrix it owns (what any owner-compute scheme must hold), plus
+``STATE_SLACK_ELEMENTS``; ``matrix_ops.memory_budget_mib`` replaces that by a fixed number. It starts from
+every matrix gathered (owners balanced by modeled seconds), moves to the distributed strategy the matrices
+that break the budget, then, while it lowers the modeled step, the costliest matrix of the busiest owner.
+``"gather"`` / ``"distributed"`` force one (``distributed`` also keeps every rank's small state within
+``STATE_SLACK`` of the even share, as before). A matrix held whole by a single rank of its group is computed
+there with no communication under any strategy that gathers it.
 
 Small persistent state (``OpCost.state``) rests split over the ranks by ``shardopt.sharding.state_split``; a
 step runs in buckets (``buckets``) whose whole-tensor transients stay below a bound, not the model's size.
@@ -35,18 +39,24 @@ from .comm import collective_counter
 from .layout import MatrixLayout
 from .owner import owner_plan
 from .state_split import Placement
+from .time_model import HardwareProfile, StepCost, resolve_profile
 
-__all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUCKET_ELEMENTS"]
+__all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUDGET_SLACK",
+           "BUCKET_ELEMENTS"]
 
 Strategy = Literal["auto", "gather", "distributed"]
 STRATEGIES = ("auto", "gather", "distributed")
-#: how many FLOPs one byte on the network is worth in the strategy choice (~ a GPU's FLOP rate over its
-#: interconnect bandwidth, an order of magnitude below it to favour moving little data)
+#: how many FLOPs one byte on the network is worth when owners of forced ``gather`` plans are balanced
 FLOPS_PER_BYTE = 100.0
-#: under ``auto`` the busiest owner's gathered state may exceed the even share (all small state / P) by this
-#: fraction plus ``STATE_SLACK_ELEMENTS``; matrices whose gathering would break that run distributed
+#: under ``distributed`` a rank that holds a matrix whole may keep its state only while its small state stays
+#: within this fraction (plus ``STATE_SLACK_ELEMENTS``) of the even share (all small state / P)
 STATE_SLACK = 0.10
+#: under ``auto`` (default budget) a rank keeps at most (1 + BUDGET_SLACK) x the even share + the largest
+#: matrix it owns + ``STATE_SLACK_ELEMENTS`` of small state
+BUDGET_SLACK = 0.15
 STATE_SLACK_ELEMENTS = 1 << 20
+#: bytes of one fp32 element on the wire
+_B = 4
 #: default bound on a bucket's whole-matrix transients (fp32 elements: 128 MiB)
 BUCKET_ELEMENTS = 32 << 20
 
@@ -70,25 +80,32 @@ class MatrixOps:
     """The whole-matrix plan of one step for ``layouts`` (oriented by ``transposes``), identical on every rank."""
 
     def __init__(self, layouts: Sequence[MatrixLayout], names: Sequence[str], transposes: Sequence[bool],
-                 strategy: str, cost: Callable[[tuple[int, int]], OpCost]):
+                 strategy: str, cost: Callable[[tuple[int, int]], OpCost],
+                 profile: HardwareProfile | str | dict | None = None, memory_budget_mib: float | None = None):
         if strategy not in STRATEGIES:
             raise ValueError(f"matrix_ops strategy must be one of {STRATEGIES}, got {strategy!r}")
         self.names = list(names)
+        self.strategy = strategy
+        self.profile = resolve_profile(profile, _device_type(layouts))
+        self.budget_elements = None if memory_budget_mib is None else float(memory_budget_mib) * 2 ** 20 / _B
         self.kinds: list[str] = []
         self.costs: list[OpCost] = []
+        self.a_shapes: list[tuple[int, int]] = []
         for lay, t in zip(layouts, transposes):
             a_shape = (lay.shape[1], lay.shape[0]) if t else lay.shape
-            c = cost(a_shape)
-            self.costs.append(c)
+            self.a_shapes.append(a_shape)
+            self.costs.append(cost(a_shape))
             if lay.group is None:
                 self.kinds.append("local")
-            elif lay.holders <= 1 or strategy == "gather":
+            elif lay.holders <= 1 or strategy in ("gather", "auto"):
                 self.kinds.append("gather")
-            elif strategy == "distributed":
-                self.kinds.append("distributed")
             else:
-                self.kinds.append(self._cheaper(lay, t, c))
-        self.owners = self._assign_owners(layouts, strategy != "gather")
+                self.kinds.append("distributed")
+        self._layouts, self._transposes = list(layouts), list(transposes)
+        if strategy == "auto":
+            self.owners = self._choose_by_time(layouts)
+        else:
+            self.owners = self._assign_owners(layouts, strategy == "distributed")
         self.plans: list[RowPlan] = []
         #: where each matrix's small state rests (shardopt.sharding.state_split)
         self.placements: list[Placement] = []
@@ -138,8 +155,9 @@ class MatrixOps:
 
     def _assign_owners(self, layouts: Sequence[MatrixLayout], memory_bound: bool) -> list[int]:
         """Owners of the gathered matrices, balancing FLOPs and small state together (each normalized by its
-        total). With ``memory_bound`` (auto), the largest-state gathered matrices switch to the distributed
-        strategy until the busiest owner's state is within ``STATE_SLACK`` of the even share."""
+        total). With ``memory_bound`` (the distributed strategy: matrices one rank holds whole are gathered to
+        it), the largest-state gathered matrices switch to the distributed strategy until the busiest owner's
+        state is within ``STATE_SLACK`` of the even share."""
         n = len(layouts)
         if memory_bound:  # LPT keeps the busiest owner within one matrix of the mean: no matrix may exceed the slack
             for idx in _by_group(layouts).values():
@@ -177,15 +195,118 @@ class MatrixOps:
                     return max(mats, key=lambda i: (self.costs[i].state, self.names[i]))
         return None
 
-    @staticmethod
-    def _cheaper(lay: MatrixLayout, transpose: bool, c: OpCost) -> str:
-        """Per-rank cost of each strategy: gathering spreads whole matrices over the ranks (the owner plan
-        balances them), so a rank pays about 1/P of a matrix's bytes and FLOPs; the distributed strategy splits
-        the row products but repeats the small factorizations on every rank."""
-        plan = RowPlan.aligned(lay, transpose)
-        p = lay.holders
-        dist = FLOPS_PER_BYTE * 4 * (2 * max(plan.sent) + 2 * c.reduced) + c.row_flops / p + c.small_flops
-        return "distributed" if dist <= _gather_cost(c, lay.shape) / p else "gather"
+    # ------------------------------------------------------------------ the time model (issue 27)
+    def op_cost(self, i: int, kind: str | None = None, owner: bool = True) -> StepCost:
+        """Modeled work of matrix ``i`` on one rank under ``kind`` (default: its strategy): on the owner
+        (``owner``) or on another rank under ``gather``; on the busiest rank under ``distributed``."""
+        kind = kind or self.kinds[i]
+        c, lay = self.costs[i], self._layouts[i]
+        m, n = lay.shape
+        if kind == "local":
+            return StepCost(matmul=c.row_flops, factor=c.small_flops)
+        if kind == "gather":
+            piece = m * n / max(lay.holders, 1)
+            if not owner:  # its piece to the owner and the result back
+                return StepCost(sent=_B * piece, received=_B * piece)
+            moved = m * n - piece  # the other holders' pieces in, their results out
+            return StepCost(matmul=c.row_flops, factor=c.small_flops, sent=_B * moved, received=_B * moved,
+                            rounds=2.0 if moved else 0.0)
+        plan = RowPlan.aligned(lay, self._transposes[i])
+        rows = max((b - a for a, b in zip(plan.starts, plan.starts[1:])), default=0)
+        share = rows / max(self.a_shapes[i][0], 1)
+        world = lay.world
+        ring = 2.0 * (world - 1) / world  # a ring all-reduce sends (and receives) 2 (P-1)/P of the buffer
+        state = c.state * (world - 1) / world  # the resting state all-gathered for the step
+        net = _B * (2 * max(plan.sent) + ring * c.reduced + state)
+        return StepCost(matmul=c.row_flops * share, factor=c.small_flops, sent=net, received=net, rounds=4.0)
+
+    def seconds(self, i: int, kind: str | None = None, owner: bool = True) -> float:
+        return self.op_cost(i, kind, owner).seconds(self.profile)
+
+    def _choose_by_time(self, layouts: Sequence[MatrixLayout]) -> list[int]:
+        """``auto``: per process group, start from every matrix gathered (owners balanced by modeled
+        seconds), move to ``distributed`` the matrices that break the memory budget, then, while it lowers the
+        busiest rank's modeled seconds, the costliest gathered matrix on the busiest owner. Deterministic
+        from static metadata, so every rank plans the same."""
+        owners = [-1] * len(layouts)
+        for idx in _by_group(layouts).values():
+            t_gather = {i: self.seconds(i, "gather") for i in idx}
+            t_dist = {i: self.seconds(i, "distributed") for i in idx}
+            for _ in range(len(idx) + 1):
+                gathered = [i for i in idx if self.kinds[i] == "gather"]
+                plan = owner_plan([layouts[i] for i in gathered], [self.names[i] for i in gathered],
+                                  [t_gather[i] for i in gathered])
+                for i, o in zip(gathered, plan):
+                    owners[i] = o
+                over = self._over_budget(idx, owners)
+                if over is not None:
+                    self.kinds[over] = "distributed"
+                    continue
+                load: dict[int, float] = {}
+                for i in gathered:
+                    load[owners[i]] = load.get(owners[i], 0.0) + t_gather[i]
+                if not load:
+                    break
+                busiest = max(load, key=lambda r: (load[r], -r))
+                mine = [i for i in gathered if owners[i] == busiest]
+                if not mine:
+                    break
+                move = max(mine, key=lambda i: (t_gather[i] - t_dist[i], self.names[i]))
+                rest = sorted(load.values(), reverse=True)
+                after = max(load[busiest] - t_gather[move], rest[1] if len(rest) > 1 else 0.0)
+                if t_dist[move] + after >= load[busiest]:
+                    break
+                self.kinds[move] = "distributed"
+            for i in idx:
+                if self.kinds[i] != "gather":
+                    owners[i] = -1
+        return owners
+
+    def _over_budget(self, idx: Sequence[int], owners: Sequence[int]) -> int | None:
+        """The largest-state gathered matrix on the rank whose small state most exceeds its budget, else None."""
+        lay = self._layouts[idx[0]]
+        world = lay.world
+        total = sum(self.costs[i].state for i in idx)
+        spread = sum(self.costs[i].state for i in idx if self.kinds[i] != "gather") / world
+        held: dict[int, list[int]] = {}
+        for i in idx:
+            if self.kinds[i] == "gather" and self.costs[i].state > 0:
+                held.setdefault(owners[i], []).append(i)
+        worst, excess = None, 0.0
+        for r, mats in sorted(held.items()):
+            keep = spread + sum(self.costs[i].state for i in mats)
+            if self.budget_elements is not None:
+                budget = self.budget_elements
+            else:
+                budget = (1 + BUDGET_SLACK) * total / world + max(self.costs[i].state for i in mats) \
+                    + STATE_SLACK_ELEMENTS
+            if keep - budget > excess:
+                worst, excess = r, keep - budget
+        if worst is None:
+            return None
+        return max((i for i in held[worst]), key=lambda i: (self.costs[i].state, self.names[i]))
+
+    def modeled(self, rank: int | None = None) -> dict[str, float]:
+        """This plan's modeled work on ``rank`` (default: this rank) per step: FLOPs by kind, bytes sent and
+        received, collective rounds (bucketed: per strategy in use, not per matrix), seconds under the profile."""
+        total = StepCost()
+        rounds = {"gather": 2.0, "distributed": 4.0}
+        used = set()
+        for i, kind in enumerate(self.kinds):
+            lay = self._layouts[i]
+            r = lay.rank if rank is None else rank
+            if kind == "gather" and self.owners[i] != r:
+                piece = lay._piece_numel(lay.pieces[r])
+                c = StepCost(sent=_B * piece, received=_B * piece)
+            else:
+                c = self.op_cost(i, kind)
+            if c.sent or c.received:
+                used.add(kind)
+            c.rounds = 0.0
+            total += c
+        total.rounds = sum(rounds.get(k, 0.0) for k in used)
+        return {"matmul_flops": total.matmul, "factor_flops": total.factor, "sent_bytes": total.sent,
+                "received_bytes": total.received, "rounds": total.rounds, "seconds": total.seconds(self.profile)}
 
     def _transient(self, i: int, rank: int | None) -> float:
         """Whole-tensor elements matrix ``i`` puts on ``rank`` during its bucket's step."""
@@ -228,6 +349,10 @@ class MatrixOps:
         sub.owners = [self.owners[i] for i in idx]
         sub.plans = [self.plans[i] for i in idx]
         sub.placements = [self.placements[i] for i in idx]
+        sub.a_shapes = [self.a_shapes[i] for i in idx]
+        sub._layouts = [self._layouts[i] for i in idx]
+        sub._transposes = [self._transposes[i] for i in idx]
+        sub.strategy, sub.profile, sub.budget_elements = self.strategy, self.profile, self.budget_elements
         sub.here = [self.here[i] for i in idx]
         sub.elsewhere = [self.elsewhere[i] for i in idx]
         return sub
@@ -349,6 +474,15 @@ class MatrixOps:
             share = (a1 - a0) / max(plan.a_shape[0], 1)
             totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + c.small_flops
         return totals
+
+
+def _device_type(layouts: Sequence[MatrixLayout]) -> str | None:
+    """Where the parameters live, for ``profile="auto"``: read from a layout's ``device`` if an engine set one."""
+    for lay in layouts:
+        dev = getattr(lay, "device", None)
+        if dev is not None:
+            return torch.device(dev).type
+    return None
 
 
 def _by_group(layouts: Sequence[MatrixLayout]) -> dict[int, list[int]]:
