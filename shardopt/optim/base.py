@@ -346,6 +346,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return describe_groups([{**g, "params": [p for p in g["params"] if not self.is_flat(p)]}
                                 for g in self.param_groups], self.param_names)
 
+    def describe_plan(self) -> str:
+        """Every param group's whole-matrix plan (``MatrixOps.describe``): strategy, owner and modeled seconds
+        per matrix, and this rank's modeled step; call it after the engine has set the layouts (the first
+        ``step`` or ``use_layouts``)."""
+        parts = []
+        for g in range(len(self._groups())):
+            ops = self.matrix_plan(g)
+            if ops is not None:
+                parts.append(f"param group {g} ({self._groups()[g].get('treatment')}, strategy "
+                             f"{self.matrix_strategy}):\n{ops.describe()}")
+        return "\n\n".join(parts) or "no whole-matrix work"
+
     # ------------------------------------------------------------------ layouts (the engine boundary)
     def use_layouts(self, resolver: LayoutResolver | None = None,
                     flat: Iterable[tuple[torch.Tensor, Sequence[Fragment]]] = ()) -> None:

@@ -224,14 +224,17 @@ class MatrixOps:
         return self.op_cost(i, kind, owner).seconds(self.profile)
 
     def _choose_by_time(self, layouts: Sequence[MatrixLayout]) -> list[int]:
-        """``auto``: per process group, start from every matrix gathered (owners balanced by modeled
-        seconds), move to ``distributed`` the matrices that break the memory budget, then, while it lowers the
-        busiest rank's modeled seconds, the costliest gathered matrix on the busiest owner. Deterministic
-        from static metadata, so every rank plans the same."""
+        """``auto``: per process group, start from the split into distributed and gathered matrices with the
+        lowest estimated busiest rank (``_distribute_first``; owners balanced by modeled seconds), move to
+        ``distributed`` the matrices that break the memory budget, then, while it lowers the busiest rank's
+        modeled seconds, the costliest gathered matrix on the busiest owner. Deterministic from static
+        metadata, so every rank plans the same."""
         owners = [-1] * len(layouts)
         for idx in _by_group(layouts).values():
             t_gather = {i: self.seconds(i, "gather") for i in idx}
             t_dist = {i: self.seconds(i, "distributed") for i in idx}
+            for i in self._distribute_first(idx, t_gather, t_dist, layouts[idx[0]].world):
+                self.kinds[i] = "distributed"
             for _ in range(len(idx) + 1):
                 gathered = [i for i in idx if self.kinds[i] == "gather"]
                 plan = owner_plan([layouts[i] for i in gathered], [self.names[i] for i in gathered],
@@ -261,6 +264,27 @@ class MatrixOps:
                 if self.kinds[i] != "gather":
                     owners[i] = -1
         return owners
+
+    def _distribute_first(self, idx: Sequence[int], t_gather: dict[int, float], t_dist: dict[int, float],
+                          world: int) -> list[int]:
+        """The matrices to start distributed: those most favourable to it (smallest distributed / gathered
+        seconds) up to the count that minimizes the estimated busiest rank, the distributed ones' seconds (every
+        rank pays each) plus the gathered ones' balanced load (their mean over the ranks, or the largest one).
+        Moving one matrix at a time cannot find this: with one matrix per owner, moving any one alone costs
+        every rank its distributed seconds without unloading the busiest owner."""
+        order = sorted(idx, key=lambda i: (t_dist[i] / max(t_gather[i], 1e-30), self.names[i]))
+        tail_sum, tail_max = [0.0] * (len(order) + 1), [0.0] * (len(order) + 1)
+        for j in range(len(order) - 1, -1, -1):
+            tail_sum[j] = tail_sum[j + 1] + t_gather[order[j]]
+            tail_max[j] = max(tail_max[j + 1], t_gather[order[j]])
+        best, best_k, head = float("inf"), 0, 0.0
+        for k in range(len(order) + 1):
+            est = head + max(tail_sum[k] / world, tail_max[k])
+            if est < best:
+                best, best_k = est, k
+            if k < len(order):
+                head += t_dist[order[k]]
+        return order[:best_k]
 
     def _over_budget(self, idx: Sequence[int], owners: Sequence[int]) -> int | None:
         """The largest-state gathered matrix on the rank whose small state most exceeds its budget, else None."""
@@ -307,6 +331,21 @@ class MatrixOps:
         total.rounds = sum(rounds.get(k, 0.0) for k in used)
         return {"matmul_flops": total.matmul, "factor_flops": total.factor, "sent_bytes": total.sent,
                 "received_bytes": total.received, "rounds": total.rounds, "seconds": total.seconds(self.profile)}
+
+    def describe(self) -> str:
+        """The plan as a table (one row per matrix: strategy, owner, modeled seconds on its owner or on every
+        rank) and a line with this rank's modeled step and the profile; the same text on every rank but the
+        last line, which speaks for this rank."""
+        rows = [f"{'matrix':40s} {'A shape':>13s} {'strategy':11s} {'owner':>5s} {'modeled ms':>10s}"]
+        for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
+            shape = "x".join(map(str, self.a_shapes[i]))
+            owner = str(self.owners[i]) if kind == "gather" else "-"
+            rows.append(f"{name[-40:]:40s} {shape:>13s} {kind:11s} {owner:>5s} {1e3 * self.seconds(i):10.3f}")
+        m = self.modeled()
+        rows.append(f"this rank: {1e3 * m['seconds']:.3f} ms modeled ({m['matmul_flops'] / 1e9:.3g} GFLOP products, "
+                    f"{m['factor_flops'] / 1e9:.3g} GFLOP factorizations, {m['sent_bytes'] / 2**20:.3g} MiB sent, "
+                    f"{m['received_bytes'] / 2**20:.3g} MiB received) under {self.profile.describe()}")
+        return "\n".join(rows)
 
     def _transient(self, i: int, rank: int | None) -> float:
         """Whole-tensor elements matrix ``i`` puts on ``rank`` during its bucket's step."""
