@@ -31,8 +31,11 @@ identically, so this one process knows every rank's plan.
   ``RowPlan.sent``); allreduce = the reduced partial sums (a ring all-reduce: 2 (P-1) x 4 B x reduced
   elements); state = the split small state of distributed matrices all-gathered for the step ((P-1) x 4 B x
   its elements). The per-row/column statistics of SCALE/SinkGD/RACS/DASGO are not estimated here (``comm``).
-* FLOPs (whole-matrix work, per step): a rank computes ``row_flops`` x its share of A's rows + ``small_flops``
-  for every distributed matrix, and everything for the matrices it owns under gather.
+* FLOPs (whole-matrix work, per step): a rank computes ``row_flops`` x its share of A's rows for every
+  distributed matrix and ``small_flops`` for those whose factorization it owns (or for every one, where the
+  optimizer repeats it on every rank), and everything for the matrices it owns under gather.
+* Modeled seconds (issue 27): the same plans under ``--profile`` (``shardopt.sharding.time_model``), busiest
+  rank, against a forward+backward of 6 x params x max(4096, 4M / P) tokens at 40% of 989 TFLOP/s.
 """
 from __future__ import annotations
 
@@ -241,7 +244,7 @@ def traffic_and_flops(opt: Any, world: int) -> tuple[dict[str, float], torch.Ten
 
 def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Tensor, kinds: dict[str, int],
                spec_of: Any) -> None:
-    for kind, c, plan, owner in zip(ops.kinds, ops.costs, ops.plans, ops.owners):
+    for kind, c, plan, owner, factor_owner in zip(ops.kinds, ops.costs, ops.plans, ops.owners, ops.factor_owners):
         kinds[kind] = kinds.get(kind, 0) + 1
         work = (c.row_flops, c.small_flops)
         if kind == "local":
@@ -257,7 +260,11 @@ def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Ten
         spec = spec_of(plan)
         traffic["state"] += (world - 1) * sum(math.prod(s) for s, d in spec.values() if d is not None)
         starts = torch.tensor(plan.starts, dtype=torch.float64)
-        flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1) + work[1]
+        flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1)
+        if c.shared:  # computed once, by its factorization owner (MatrixOps.compute_once)
+            flops[factor_owner] += work[1]
+        else:
+            flops += work[1]
 
 
 #: the issue-27 reference step: forward+backward at 40% MFU of 989 TFLOP/s on max(4096, 4M / P) tokens per rank
@@ -301,11 +308,13 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
                     net += 2 * pieces
                     seconds[ops.owners[i]] += own.seconds(ops.profile) - float(pieces[ops.owners[i]]) / ops.profile.bandwidth
                     net[ops.owners[i]] += own.sent + own.received - 2 * float(pieces[ops.owners[i]])
-                else:
-                    c = ops.op_cost(i, kind)
+                else:  # every rank its rows; a shared factorization on its factorization owner only
+                    c = ops.op_cost(i, kind, owner=kind == "local")
                     c.rounds = 0.0
                     seconds += c.seconds(ops.profile)
                     net += c.sent + c.received
+                    if kind == "distributed" and ops.costs[i].shared:
+                        seconds[ops.factor_owners[i]] += ops.costs[i].small_flops / ops.profile.factor_flops
                 if kind != "local" and (ops.plans[i].layout.holders > 1 or kind == "distributed"):
                     kinds.add(kind)
         rule_name = "adamw" if rule == "adamw" else name

@@ -130,7 +130,8 @@ def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: t
 @functools.lru_cache(maxsize=1024)
 def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
     rows, k = a_shape
-    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k)
+    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k,
+                  shared=k * k)
 
 
 #: blocks of ``A`` with at least this many elements are computed one by one, as views: there a kernel's launch
@@ -297,7 +298,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         refresh = self._refresh_rows(group, groups, steps, lambda i: items[i].tensor)
         products = self._asgo_groups(group, groups, stats, ms, [it.state for it in items],
                                      [it.has_grad for it in items], refresh, [it.layout for it in items],
-                                     ops.allreduce, lambda i: ops.kinds[i] == "distributed")
+                                     ops.allreduce, lambda i: ops.kinds[i] == "distributed", ops.compute_once)
         updates = {i: u for idx, p in zip(groups, products) for i, u in zip(idx, p.unbind(0))}
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
@@ -305,13 +306,14 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
     def _asgo_groups(self, group: dict, groups: list[list[int]], stats: list[torch.Tensor], ms: list[torch.Tensor],
                      states: list[dict], has_grad: list[bool], refresh: list[list[int]], layouts: list,
-                     allreduce, distributed) -> list[torch.Tensor]:
+                     allreduce, distributed, compute_once=None) -> list[torch.Tensor]:
         """The updates ``M_A P`` of blocks of ``A`` grouped by shape: ``stats[g]`` and ``ms[g]`` are ``(B, rows,
         k)`` stacks of the statistic's and the momentum's blocks of the matrices ``groups[g]`` (indices into
         ``states``, ``has_grad``, ``layouts``). Per group one Gram kernel, one state EMA, one product; the roots
         are one ``inverse_root`` call per ``k``. A group of one matrix runs exactly the per-matrix products (on
         ``stats[g][0]``, the block as it is). ``allreduce`` completes partial sums of the matrices for which
-        ``distributed(i)`` holds (one call for the Grams, one for a graft's norms)."""
+        ``distributed(i)`` holds (one call for the Grams, one for a graft's norms); ``compute_once``
+        (``MatrixOps.compute_once``) has each distributed matrix's root computed by one rank and shared."""
         b2 = group["betas"][1]
         rms = group["update_rms"]
         grams = [(a[0].T @ a[0]).unsqueeze(0) if len(idx) == 1 else a.mT @ a for idx, a in zip(groups, stats)]
@@ -335,7 +337,10 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                     torch._foreach_add_([vs[j] for j in with_grad], [g[j] for j in with_grad], alpha=1 - b2)
                 v = stack(vs)
             vstacks.append(v)
-        roots = self._roots(group, vstacks, refresh)
+        if compute_once is not None and any(distributed(idx[j]) for idx, rows in zip(groups, refresh) for j in rows):
+            roots = self._roots_once(group, groups, vstacks, refresh, compute_once)
+        else:
+            roots = self._roots(group, vstacks, refresh)
         products = []
         for idx, m, root, rows in zip(groups, ms, roots, refresh):
             ps = [states[i]["P"] for i in idx]
@@ -353,6 +358,20 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             products = [graft_to_rms(u, torch.cat([norms[i] for i in idx])[:, None, None], rms,
                                      layouts[idx[0]].shape) for idx, u in zip(groups, products)]
         return products
+
+    def _roots_once(self, group: dict, groups: list[list[int]], vstacks: list[torch.Tensor],
+                    refresh: list[list[int]], compute_once) -> list[torch.Tensor | None]:
+        """``_roots`` with each root computed on one rank (``compute_once``): a distributed matrix's by its
+        factorization owner, shared by one all-reduce; the others' (owned, local) here, batched as before."""
+        where = {idx[j]: (g, j) for g, (idx, rows) in enumerate(zip(groups, refresh)) for j in rows}
+
+        def compute(mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+            rows = [[j for j in refresh[g] if groups[g][j] in mine] for g in range(len(groups))]
+            roots = self._roots(group, vstacks, rows)
+            return {groups[g][j]: r[t] for g, (rs, r) in enumerate(zip(rows, roots)) if rs for t, j in enumerate(rs)}
+
+        done = compute_once({i: vstacks[g][j] for i, (g, j) in where.items()}, compute)
+        return [torch.stack([done[idx[j]] for j in rows]) if rows else None for idx, rows in zip(groups, refresh)]
 
     @staticmethod
     def _roots(group: dict, vstacks: list[torch.Tensor], refresh: list[list[int]]) -> list[torch.Tensor | None]:

@@ -126,7 +126,8 @@ class SWAN(ShardedOptimizer):
 
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
         rows, k = a_shape
-        return OpCost(row_flops=4.0 * rows * k * k, small_flops=4.0 * group["ns_steps"] * k ** 3, reduced=k * k)
+        return OpCost(row_flops=4.0 * rows * k * k, small_flops=4.0 * group["ns_steps"] * k ** 3, reduced=k * k,
+                      shared=k * k)
 
     def _whiten(self, items: list, group: dict) -> None:
         """``x <- sqrt(k) x (x^T x)^{-1/2}`` on the orientation whose Gram is small: a sum over the long
@@ -141,10 +142,7 @@ class SWAN(ShardedOptimizer):
         stacks = _stacks({i: blocks[i] for i in active if ops.kinds[i] != "distributed"})
         out = _unstack(stacks, _whiten_stacks([a for _, a in stacks], group))
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in spread})
-        exact = {i for i in grams if _exact_root(group, *items[i].layout.shape)}
-        roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]),
-                         {i: g for i, g in grams.items() if i not in exact})
-        roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact}))
+        roots = ops.compute_once(grams, lambda mine: _gram_roots(mine, items, group))
         out.update({i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in spread})
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece
@@ -172,6 +170,16 @@ class SWAN(ShardedOptimizer):
             g = a.mT if transposed else a
             for i, piece in zip(idx, g.reshape(len(idx), -1).unbind(0)):
                 items[i].work["x"] = piece
+
+
+def _gram_roots(grams: dict[int, torch.Tensor], items: list, group: dict) -> dict[int, torch.Tensor]:
+    """``(A^T A)^{-1/2}`` of reduced Grams, batched by shape: the configured method, or the exact root where
+    the Gram is singular by construction (``_exact_root``)."""
+    exact = {i for i in grams if _exact_root(group, *items[i].layout.shape)}
+    roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]),
+                     {i: g for i, g in grams.items() if i not in exact})
+    roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact}))
+    return roots
 
 
 def _exact_root(group: dict, rows: int, cols: int) -> bool:

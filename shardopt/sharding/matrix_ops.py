@@ -65,15 +65,19 @@ BUCKET_ELEMENTS = 32 << 20
 class OpCost:
     """Estimated work of one matrix's step on the oriented ``A`` (rows x cols).
 
-    ``row_flops``: FLOPs that split with the rows of ``A`` (products with ``A``); ``small_flops``: FLOPs every
-    participating rank repeats (factorizations of small matrices); ``reduced``: fp32 elements all-reduced per
-    step under the distributed strategy.
+    ``row_flops``: FLOPs that split with the rows of ``A`` (products with ``A``); ``small_flops``: FLOPs of
+    factorizations of small matrices (on the owner under ``gather``; under ``distributed`` on one rank when
+    ``shared``, else on every rank); ``reduced``: fp32 elements all-reduced per step under the distributed
+    strategy.
     """
 
     row_flops: float
     small_flops: float = 0.0
     reduced: float = 0.0
     state: float = 0.0  # fp32 elements of small persistent state (bases, moments, k x k statistics)
+    #: elements of the small factorization's result under the distributed strategy when one rank computes it
+    #: and shares it (``MatrixOps.compute_once``); 0: every rank repeats the factorization
+    shared: float = 0.0
 
 
 class MatrixOps:
@@ -106,6 +110,7 @@ class MatrixOps:
             self.owners = self._choose_by_time(layouts)
         else:
             self.owners = self._assign_owners(layouts, strategy == "distributed")
+        self.factor_owners = self._assign_factor_owners(layouts)
         self.plans: list[RowPlan] = []
         #: where each matrix's small state rests (shardopt.sharding.state_split)
         self.placements: list[Placement] = []
@@ -195,10 +200,38 @@ class MatrixOps:
                     return max(mats, key=lambda i: (self.costs[i].state, self.names[i]))
         return None
 
+    def _assign_factor_owners(self, layouts: Sequence[MatrixLayout]) -> list[int]:
+        """The rank that computes each distributed matrix's small factorization once (``compute_once``; balanced
+        by its FLOPs, longest first), the gather owner otherwise; identical on every rank."""
+        out = list(self.owners)
+        spread = [i for i, k in enumerate(self.kinds) if k == "distributed" and self.costs[i].shared]
+        plan = owner_plan([layouts[i] for i in spread], [self.names[i] for i in spread],
+                          [self.costs[i].small_flops for i in spread])
+        for i, o in zip(spread, plan):
+            out[i] = o
+        return out
+
+    def compute_once(self, inputs: dict[int, torch.Tensor],
+                     fn: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+        """``fn`` of identical small inputs (reduced Grams, EMA statistics) without repeating it on every rank:
+        a distributed matrix's result is computed by its factorization owner alone and shared with one
+        all-reduce per process group (the others add exact zeros, so every rank gets the owner's result);
+        other matrices (an owner's, local ones) are computed here. ``fn`` maps a dict of inputs to results of
+        the inputs' shapes. Every rank issues the same collective, also a rank that owns none."""
+        mine = {i: x for i, x in inputs.items()
+                if self.kinds[i] != "distributed" or self.factor_owners[i] == self.plans[i].layout.rank}
+        out = fn(mine) if mine else {}
+        spread = {i: out[i] if i in out else torch.zeros_like(x) for i, x in inputs.items()
+                  if self.kinds[i] == "distributed"}
+        if spread:
+            out.update(self.allreduce(spread))
+        return out
+
     # ------------------------------------------------------------------ the time model (issue 27)
     def op_cost(self, i: int, kind: str | None = None, owner: bool = True) -> StepCost:
         """Modeled work of matrix ``i`` on one rank under ``kind`` (default: its strategy): on the owner
-        (``owner``) or on another rank under ``gather``; on the busiest rank under ``distributed``."""
+        (``owner``) or on another rank under ``gather``; under ``distributed`` on the busiest rank's rows, with
+        the factorization where it runs (every rank, or only its factorization owner when ``shared``)."""
         kind = kind or self.kinds[i]
         c, lay = self.costs[i], self._layouts[i]
         m, n = lay.shape
@@ -217,8 +250,9 @@ class MatrixOps:
         world = lay.world
         ring = 2.0 * (world - 1) / world  # a ring all-reduce sends (and receives) 2 (P-1)/P of the buffer
         state = c.state * (world - 1) / world  # the resting state all-gathered for the step
-        net = _B * (2 * max(plan.sent) + ring * c.reduced + state)
-        return StepCost(matmul=c.row_flops * share, factor=c.small_flops, sent=net, received=net, rounds=4.0)
+        net = _B * (2 * max(plan.sent) + ring * (c.reduced + c.shared) + state)
+        factor = c.small_flops if not c.shared or owner else 0.0
+        return StepCost(matmul=c.row_flops * share, factor=factor, sent=net, received=net, rounds=4.0)
 
     def seconds(self, i: int, kind: str | None = None, owner: bool = True) -> float:
         return self.op_cost(i, kind, owner).seconds(self.profile)
@@ -232,8 +266,9 @@ class MatrixOps:
         owners = [-1] * len(layouts)
         for idx in _by_group(layouts).values():
             t_gather = {i: self.seconds(i, "gather") for i in idx}
-            t_dist = {i: self.seconds(i, "distributed") for i in idx}
-            for i in self._distribute_first(idx, t_gather, t_dist, layouts[idx[0]].world):
+            world = layouts[idx[0]].world
+            t_dist = {i: self._amortized_distributed(i, world) for i in idx}
+            for i in self._distribute_first(idx, t_gather, t_dist, world):
                 self.kinds[i] = "distributed"
             for _ in range(len(idx) + 1):
                 gathered = [i for i in idx if self.kinds[i] == "gather"]
@@ -264,6 +299,14 @@ class MatrixOps:
                 if self.kinds[i] != "gather":
                     owners[i] = -1
         return owners
+
+    def _amortized_distributed(self, i: int, world: int) -> float:
+        """A distributed matrix's seconds on every rank, its shared factorization spread over the ranks (the
+        factorization owners are balanced like the gather owners)."""
+        c = self.op_cost(i, "distributed", owner=False)
+        if self.costs[i].shared:
+            c.factor += self.costs[i].small_flops / world
+        return c.seconds(self.profile)
 
     def _distribute_first(self, idx: Sequence[int], t_gather: dict[int, float], t_dist: dict[int, float],
                           world: int) -> list[int]:
@@ -323,7 +366,7 @@ class MatrixOps:
                 piece = lay._piece_numel(lay.pieces[r])
                 c = StepCost(sent=_B * piece, received=_B * piece)
             else:
-                c = self.op_cost(i, kind)
+                c = self.op_cost(i, kind, owner=kind != "distributed" or self.factor_owners[i] == r)
             if c.sent or c.received:
                 used.add(kind)
             c.rounds = 0.0
@@ -386,6 +429,7 @@ class MatrixOps:
         sub.kinds = [self.kinds[i] for i in idx]
         sub.costs = [self.costs[i] for i in idx]
         sub.owners = [self.owners[i] for i in idx]
+        sub.factor_owners = [self.factor_owners[i] for i in idx]
         sub.plans = [self.plans[i] for i in idx]
         sub.placements = [self.placements[i] for i in idx]
         sub.a_shapes = [self.a_shapes[i] for i in idx]
@@ -511,7 +555,9 @@ class MatrixOps:
             plan = self.plans[i]
             a0, a1 = plan.rows()
             share = (a1 - a0) / max(plan.a_shape[0], 1)
-            totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + c.small_flops
+            small = c.small_flops if not (self.kinds[i] == "distributed" and c.shared) \
+                or self.factor_owners[i] == plan.layout.rank else 0.0
+            totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + small
         return totals
 
 
