@@ -128,10 +128,12 @@ def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: t
 
 
 @functools.lru_cache(maxsize=1024)
-def _asgo_cost(a_shape: tuple[int, int]) -> OpCost:
+def _asgo_cost(a_shape: tuple[int, int], channels: int = 2) -> OpCost:
+    """``channels``: the gradient and the momentum go to the row blocks (the momentum alone with
+    ``statistic="momentum"``)."""
     rows, k = a_shape
     return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k,
-                  shared=k * k)
+                  shared=k * k, channels=channels)
 
 
 #: blocks of ``A`` with at least this many elements are computed one by one, as views: there a kernel's launch
@@ -210,7 +212,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         return asgo_left(shape, group["side"])
 
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
-        return _asgo_cost(a_shape)
+        return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2)
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]
@@ -221,7 +223,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         tau = group["refresh_interval"]
         steps = self._update_momentum(group, b1, counts=tau > 1)  # tau = 1: every step refreshes, no read
         if self._all_local_and_small(group):
-            self._asgo_local(group, steps)  # nothing sharded: no MatrixOps, whole-matrix stacks as they are
+            with self.whole_matrix_timing():  # nothing sharded: no MatrixOps, whole-matrix stacks as they are
+                self._asgo_local(group, steps)
             return
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._asgo_bucket(group, its, ops, steps))

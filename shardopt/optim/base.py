@@ -12,12 +12,14 @@ imports an engine. Per-matrix state is found by fragment name through ``matrix_s
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
+import time
 import warnings
 from collections import defaultdict
 from itertools import chain
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
@@ -271,6 +273,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self.matrix_profile = {k: v for k, v in self.matrix_profile.items() if v is not None}
         resolve_profile(self.matrix_profile)  # a bad profile fails here, not at the first step
         self._comm_stats: dict[str, dict[str, float]] = {}
+        #: CPU seconds this process spent inside whole-matrix work (``_run_whole_matrix``), summed over steps
+        self.whole_matrix_cpu_s = 0.0
         self._ops_cache: dict[int, MatrixOps | None] = {}
         #: group rank that keeps each matrix's "matrix"-kind state current (gather strategy); see sync_state
         self._matrix_owner: dict[str, tuple[int, MatrixLayout]] = {}
@@ -844,6 +848,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _run_whole_matrix(self, group: dict, items: list["MatrixItem"],
                           body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
+        """``_whole_matrix_buckets``, timed by ``whole_matrix_timing``."""
+        with self.whole_matrix_timing():
+            self._whole_matrix_buckets(group, items, body)
+
+    @contextlib.contextmanager
+    def whole_matrix_timing(self) -> Iterator[None]:
+        """Adds the CPU time of this thread inside the block to ``whole_matrix_cpu_s`` (issue 27: the work that
+        divides over the ranks, measured per rank; a rank blocked in a collective spends no CPU time)."""
+        t0 = time.thread_time()
+        try:
+            yield
+        finally:
+            self.whole_matrix_cpu_s = getattr(self, "whole_matrix_cpu_s", 0.0) + time.thread_time() - t0
+
+    def _whole_matrix_buckets(self, group: dict, items: list["MatrixItem"],
+                              body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
         """Run ``body(items, ops)`` bucket by bucket: the small state of each bucket's distributed matrices is
         gathered whole for the step (one all-gather per group, on every step, the first included: the state is
         created from ``matrix_state_spec`` as zeros before it) and cut back to this rank's share after it."""

@@ -78,6 +78,8 @@ class OpCost:
     #: elements of the small factorization's result under the distributed strategy when one rank computes it
     #: and shares it (``MatrixOps.compute_once``); 0: every rank repeats the factorization
     shared: float = 0.0
+    #: m x n tensors sent to the row blocks (gather or realign) per step; one result tensor comes back
+    channels: float = 1.0
 
 
 class MatrixOps:
@@ -240,17 +242,17 @@ class MatrixOps:
         if kind == "gather":
             piece = m * n / max(lay.holders, 1)
             if not owner:  # its piece to the owner and the result back
-                return StepCost(sent=_B * piece, received=_B * piece)
-            moved = m * n - piece  # the other holders' pieces in, their results out
-            return StepCost(matmul=c.row_flops, factor=c.small_flops, sent=_B * moved, received=_B * moved,
-                            rounds=2.0 if moved else 0.0)
+                return StepCost(sent=_B * piece * c.channels, received=_B * piece)
+            moved = m * n - piece  # the other holders' pieces in (``channels`` tensors), their results out
+            return StepCost(matmul=c.row_flops, factor=c.small_flops, sent=_B * moved,
+                            received=_B * moved * c.channels, rounds=2.0 if moved else 0.0)
         plan = RowPlan.aligned(lay, self._transposes[i])
         rows = max((b - a for a, b in zip(plan.starts, plan.starts[1:])), default=0)
         share = rows / max(self.a_shapes[i][0], 1)
         world = lay.world
         ring = 2.0 * (world - 1) / world  # a ring all-reduce sends (and receives) 2 (P-1)/P of the buffer
         state = c.state * (world - 1) / world  # the resting state all-gathered for the step
-        net = _B * (2 * max(plan.sent) + ring * (c.reduced + c.shared) + state)
+        net = _B * ((c.channels + 1) * max(plan.sent) + ring * (c.reduced + c.shared) + state)
         factor = c.small_flops if not c.shared or owner else 0.0
         return StepCost(matmul=c.row_flops * share, factor=factor, sent=net, received=net, rounds=4.0)
 
@@ -364,7 +366,7 @@ class MatrixOps:
             r = lay.rank if rank is None else rank
             if kind == "gather" and self.owners[i] != r:
                 piece = lay._piece_numel(lay.pieces[r])
-                c = StepCost(sent=_B * piece, received=_B * piece)
+                c = StepCost(sent=_B * piece * self.costs[i].channels, received=_B * piece)
             else:
                 c = self.op_cost(i, kind, owner=kind != "distributed" or self.factor_owners[i] == r)
             if c.sent or c.received:
@@ -374,6 +376,30 @@ class MatrixOps:
         total.rounds = sum(rounds.get(k, 0.0) for k in used)
         return {"matmul_flops": total.matmul, "factor_flops": total.factor, "sent_bytes": total.sent,
                 "received_bytes": total.received, "rounds": total.rounds, "seconds": total.seconds(self.profile)}
+
+    def modeled_payload(self, rank: int | None = None, state_share=None) -> dict[str, float]:
+        """Bytes ``rank`` hands to collectives per step by ``collective_counter`` tag (what ``comm_stats``
+        records: the send buffer of each call), as the plan predicts them: ``gather`` (pieces to owners and
+        results back), ``realign`` (rows to the distributed row blocks and back), ``distributed`` (reduced
+        small matrices and shared factorizations), ``state`` (this rank's share of distributed matrices'
+        resting state, all-gathered). ``state_share(i, rank)``: elements of matrix ``i``'s state the rank
+        keeps (default: an even cut of ``OpCost.state``)."""
+        out = {"gather": 0.0, "realign": 0.0, "distributed": 0.0, "state": 0.0}
+        for i, kind in enumerate(self.kinds):
+            lay, c = self._layouts[i], self.costs[i]
+            r = lay.rank if rank is None else rank
+            if kind == "gather" and lay.holders > 1:
+                if self.owners[i] == r:  # the results of every other rank's piece
+                    out["gather"] += _B * sum(lay._piece_numel(p) for q, p in enumerate(lay.pieces) if q != r)
+                else:
+                    out["gather"] += _B * c.channels * lay._piece_numel(lay.pieces[r])
+            elif kind == "distributed":
+                plan = RowPlan.aligned(lay, self._transposes[i])
+                back = sum(plan.moved(q, r) for q in range(lay.world) if q != r)
+                out["realign"] += _B * (c.channels * plan.sent[r] + back)
+                out["distributed"] += _B * (c.reduced + c.shared)
+                out["state"] += _B * (state_share(i, r) if state_share is not None else c.state / lay.world)
+        return out
 
     def describe(self) -> str:
         """The plan as a table (one row per matrix: strategy, owner, modeled seconds on its owner or on every

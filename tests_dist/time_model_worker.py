@@ -1,0 +1,178 @@
+"""Time-model worker (issue 27): what the whole-matrix plans predict against what the ranks really do.
+
+Every whole-matrix optimizer under ``strategy="auto"`` (the CPU profile: the parameters are on the CPU; it
+gathers every matrix of this model) and ``"distributed"`` (the other paths: row realignment, reduced small
+matrices, shared factorizations, resting state) on FSDP2 and ZeRO-2 at this world size. Per rank and step: the bytes shardopt's collectives really hand to gloo
+(``comm_stats``, by tag) beside the plan's prediction (``MatrixOps.modeled_payload``), and the CPU time
+spent inside whole-matrix work (``whole_matrix_cpu_s``) beside the single-process run's. The model is a
+SmallLM whose matrices (256 x 256 and 704 x 256, 4 blocks) make whole-matrix work, not Python, the bulk of
+a step. SUMO and Alice refresh at the first step only (interval 100): the compared steps are those between
+refreshes; the refresh step's bytes are recorded beside them.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import finish_worker  # noqa: E402
+import shardopt  # noqa: E402
+from shardopt.sharding.state_split import share_numel  # noqa: E402
+
+VOCAB, DIM, FFN, BLOCKS, SEQ, BATCH = 256, 256, 704, 4, 8, 4
+OPTIMIZERS = ("muon", "swan", "asgo", "sumo", "alice", "alice0")
+EXTRA = {"sumo": {"rank": 64, "refresh_interval": 100},
+         "alice": {"rank": 64, "leading": 4, "refresh_interval": 100},
+         "alice0": {"rank": 64, "leading": 4, "refresh_interval": 100}}
+TAGS = ("gather", "realign", "distributed", "state")
+MEASURED_STEPS = 3
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
+        self.gate, self.up = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
+        self.down = nn.Linear(FFN, DIM, bias=False)
+        self.norm = nn.LayerNorm(DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        x = self.norm(h)
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / DIM ** 0.5, -1) @ self.v(x)
+        h = h + self.o(a)
+        return h + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class SmallLM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.embed(tokens)
+        for b in self.blocks:
+            h = b(h)
+        return self.lm_head(h)
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(step)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
+
+
+def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
+
+
+def predicted(opt) -> dict[str, float]:
+    """The plans' bytes per tag for this rank (each matrix's resting state cut as the optimizer cuts it)."""
+    out = dict.fromkeys(TAGS, 0.0)
+    groups = opt._groups()
+    for g in range(len(groups)):
+        ops = opt.matrix_plan(g)
+        if ops is None:
+            continue
+
+        def state_share(i: int, rank: int, ops=ops, group=groups[g]) -> float:
+            return share_numel(ops.placements[i], opt.matrix_state_spec(group, ops.plans[i].a_shape), rank)
+
+        for tag, b in ops.modeled_payload(state_share=state_share).items():
+            out[tag] += b
+    return out
+
+
+def measured(opt) -> dict[str, float]:
+    stats = opt.comm_stats(reset=True)
+    return {tag: float(stats.get(tag, {}).get("bytes", 0)) for tag in TAGS}
+
+
+def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
+    """Steps 1 (plans, state, refreshes) and 2..1+MEASURED_STEPS: bytes per step and whole-matrix CPU time."""
+    torch.manual_seed(0)
+    model = SmallLM()
+    kw = dict(EXTRA.get(name, {}), matrix_ops={"strategy": strategy})
+    if engine == "zero2":
+        config = {"train_batch_size": BATCH * dist.get_world_size(), "train_micro_batch_size_per_gpu": BATCH,
+                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+                  "shardopt": {"optimizer": name, "params": kw}}
+        eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
+        opt = eng.optimizer.optimizer
+
+        def step(s: int) -> None:
+            eng.backward(loss_of(eng, batch(s)))
+            eng.step()
+    else:
+        if engine == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+            for b in model.blocks:
+                fully_shard(b, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        opt = shardopt.create_optimizer(model, name, **kw)
+
+        def step(s: int) -> None:
+            opt.zero_grad()
+            loss_of(model, batch(s)).backward()
+            opt.step()
+
+    opt.comm_stats(reset=True)
+    step(0)
+    rec = {"refresh_bytes": measured(opt)}
+    opt.whole_matrix_cpu_s = 0.0
+    rec["bytes"] = []
+    for s in range(1, 1 + MEASURED_STEPS):
+        step(s)
+        rec["bytes"].append(measured(opt))
+    rec["cpu_s"] = opt.whole_matrix_cpu_s / MEASURED_STEPS
+    rec["predicted"] = predicted(opt)
+    rec["kinds"] = sorted({k for g in range(len(opt._groups())) if opt.matrix_plan(g) is not None
+                           for k in opt.matrix_plan(g).kinds})
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    args = ap.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    records = []
+    for name in args.optimizers.split(","):
+        # every rank runs the single-process steps (its non-finite check is an all-reduce over the world)
+        singles: list = [None] * dist.get_world_size()
+        dist.all_gather_object(singles, run(name, None)["cpu_s"])
+        single = sorted(singles)[len(singles) // 2]
+        for engine, strategy in [(e, s) for e in ("fsdp2", "zero2") for s in ("auto", "distributed")]:
+            rec = {"optimizer": name, "engine": engine, "strategy": strategy, "single_cpu_s": single}
+            try:
+                with contextlib.redirect_stdout(io.StringIO()):
+                    result = run(name, engine, strategy)
+                got: list = [None] * dist.get_world_size()
+                dist.all_gather_object(got, result)
+                rec["ranks"] = got
+            except Exception:
+                rec["error"] = traceback.format_exc()
+            records.append(rec)
+            dist.barrier()
+    finish_worker(records, args.out)
+
+
+if __name__ == "__main__":
+    main()
