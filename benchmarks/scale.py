@@ -481,11 +481,23 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
             s = f"{r['busiest_bytes'] / r['bound_bytes']:.2f}"
             return s if r["within_bound"] else (f"**{s}**" if r["bound_applies"] else f"({s})")
 
-        out.append(f"\n## {size}: busiest rank's state / bound (1.15 x single / P + 16 MiB)\n\n"
+        out.append(f"\n## {size}: busiest rank's state / bound (1.15 x single / P + largest owned matrix's state + 16 MiB)\n\n"
                    "Above 1 misses the bound: **bold** where the bound applies (auto, distributed, optimizers "
                    "without whole-matrix work), (parenthesized) under gather, which the bound does not cover.\n\n")
         out.append(markdown_table(["optimizer (strategy)", *[f"{lay} P={w}" for lay, w in cols]],
                                   [[lab, *[ratio(cell.get((lab, lay, w))) for lay, w in cols]] for lab in labels]))
+        def timing(r: dict | None) -> str:
+            if r is None:
+                return "error"
+            s = f"{r['time_ratio']:.3f}"
+            return s if r["within_time"] else (f"**{s}**" if r["strategy"] in ("-", "auto") else f"({s})")
+
+        out.append(f"\n## {size}: modeled optimizer seconds / forward+backward (issue 27; target <= {TIME_TARGET})\n\n"
+                   f"Busiest rank under the `{ok[0].get('profile', '?') if ok else '?'}` profile; forward+backward = "
+                   "6 x params x max(4096, 4M / P) tokens at 40% of 989 TFLOP/s. **Bold**: over target under auto "
+                   "(or an optimizer without whole-matrix work); (parenthesized): over under a forced strategy.\n\n")
+        out.append(markdown_table(["optimizer (strategy)", *[f"{lay} P={w}" for lay, w in cols]],
+                                  [[lab, *[timing(cell.get((lab, lay, w))) for lay, w in cols]] for lab in labels]))
         worlds = list(dict.fromkeys(w for _, w in cols))
         out.append(f"\n## {size}: plan building (s; construction + layouts + every group's plan), slowest layout\n\n")
         rows = []
@@ -511,12 +523,15 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                          fmt(r["plan_s"], ".2f") + (f" (+{r['step_plan_s']:.2f}/step)" if r.get("step_plan_s") else ""),
                          " / ".join(fmt(t[k] / r["world_size"] / MIB, ".1f") for k in ("gather", "realign", "allreduce",
                                                                                          "state")),
-                         fmt(r["traffic_vs_grad"], ".2f"), fmt(r["busiest_flops"] / 1e9, ".1f"),
+                         fmt(r["traffic_vs_grad"], ".2f"), fmt(r["traffic_busiest_bytes"] / MIB, ".1f"),
+                         fmt(1e3 * r["modeled_s"], ".2f"), fmt(r["time_ratio"], ".3f"),
+                         fmt(r["busiest_flops"] / 1e9, ".1f"),
                          fmt(r["transient_busiest_bytes"] / MIB if r["transient_busiest_bytes"] is not None else None,
                              ".0f")])
         out.append(markdown_table(["layout", "P", "optimizer (strategy)", "busiest", "mean", "rank 0", "AdamW",
                                    "busiest / AdamW", "single / P", "bound", "within", "plan s",
                                    "traffic MiB/rank: gather / realign / allreduce / state", "traffic / grad",
+                                   "busiest rank MiB sent+received", "modeled ms", "/ fwd+bwd",
                                    "GFLOP busiest", "transient MiB"], rows))
     errors = [r for r in records if "error" in r]
     if errors:
@@ -531,7 +546,19 @@ def notes_for(records: list[dict[str, Any]]) -> list[str]:
     miss = [r for r in ok if r["bound_applies"] and not r["within_bound"]]
     gather_miss = [r for r in ok if not r["bound_applies"] and not r["within_bound"]]
     slowest = max(ok, key=lambda r: r["plan_s"], default=None)
-    notes = [f"bound (auto, distributed, optimizers without whole-matrix work): "
+    slow = [r for r in ok if r["strategy"] in ("-", "auto") and not r["within_time"]]
+    worst = {}
+    for r in ok:
+        if r["strategy"] in ("-", "auto"):
+            key = r["optimizer"]
+            if key not in worst or r["time_ratio"] > worst[key]["time_ratio"]:
+                worst[key] = r
+    time_note = (f"modeled optimizer time <= {TIME_TARGET} x forward+backward under auto: "
+                 + ("met in every case" if not slow else f"MISSED in {len(slow)} case(s)")
+                 + "; worst per optimizer: " + ", ".join(
+                     f"{k} {r['time_ratio']:.3f} ({r['model']} {r['layout']} P={r['world_size']})"
+                     for k, r in worst.items()))
+    notes = [time_note, f"bound (auto, distributed, optimizers without whole-matrix work): "
              f"{'met in every case' if not miss else f'MISSED in {len(miss)} case(s)'}"
              + "".join(f"; {r['model']} {r['layout']} P={r['world_size']} {_label(r)}: busiest (rank "
                        f"{r['busiest_rank']}) {r['busiest_bytes'] / MIB:.1f} MiB (small matrix state "

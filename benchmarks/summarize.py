@@ -91,8 +91,9 @@ def _convergence(data: dict[str, Any]) -> Columns:
 def scale_section(data: dict[str, Any] | None) -> str:
     """Per-rank optimizer state at simulated scale (``benchmarks.scale``): one row per optimizer under its
     default strategy (auto), the busiest rank's state at the largest world size of each model (worst layout)
-    and against torch AdamW's busiest rank there, whether busiest <= 1.15 x single / P + 16 MiB held in every
-    case the bound covers (auto, distributed, optimizers without whole-matrix work), and plan building."""
+    and against torch AdamW's busiest rank there, whether busiest <= 1.15 x single / P + the largest owned
+    matrix's state + 16 MiB held in every case the bound covers (auto, distributed, optimizers without
+    whole-matrix work), the worst modeled optimizer seconds over forward+backward (issue 27), and plan building."""
     if data is None:
         return "Scale simulation (`benchmarks.scale`): not run.\n"
     recs = [r for r in data["records"] if "error" not in r]
@@ -116,10 +117,18 @@ def scale_section(data: dict[str, Any] | None) -> str:
             f"({r['busiest_bytes'] / r['bound_bytes']:.2f}x)" for r in miss))
         gather = [r for r in mine if r["strategy"] == "gather"]
         row.append(fmt(max(r["busiest_bytes"] / r["bound_bytes"] for r in gather), ".2f") if gather else "-")
+        timed = [r for r in default if "time_ratio" in r]
+        if timed:
+            worst = max(timed, key=lambda r: r["time_ratio"])
+            row.append(f"{worst['time_ratio']:.3f} ({worst['model']} {worst['layout']} P={worst['world_size']})"
+                       + ("" if worst["within_time"] else " **over 0.10**"))
+        else:
+            row.append("n/a")
         row.append(fmt(max(r["plan_s"] for r in mine), ".2f"))
         rows.append(row)
     heads = ["optimizer", *[f"busiest MiB, {m} P={top[m]} (worst layout)" for m in models],
-             "bound (auto, distributed)", "gather: busiest / bound", "plan s (max)"]
+             "bound (auto, distributed)", "gather: busiest / bound", "modeled s / fwd+bwd (auto, worst)",
+             "plan s (max)"]
     return (f"Per-rank optimizer state at simulated scale (`benchmarks.scale`, {_describe_run(data)}; "
             f"layouts {', '.join(dict.fromkeys(r['layout'] for r in recs))}; "
             f"P = {', '.join(str(w) for w in dict.fromkeys(r['world_size'] for r in recs))}):\n\n"
