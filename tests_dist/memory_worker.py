@@ -26,51 +26,14 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import finish_worker  # noqa: E402
+import toy_models  # noqa: E402
 import shardopt  # noqa: E402
 from shardopt.optim.registry import OPTIMIZERS  # noqa: E402
 
-VOCAB, DIM, FFN, BLOCKS, SEQ, BATCH = 1024, 64, 176, 4, 8, 4
+LM = toy_models.LMSetup(1024, 64, 176, 4, 8, 4)  # vocab, dim, ffn, blocks, seq, batch
+BATCH = LM.batch_size
 WHOLE_MATRIX = ("swan", "asgo", "sumo", "alice", "alice0")
 EXTRA = {"sumo": {"rank": 8}, "alice": {"rank": 8, "leading": 4}, "alice0": {"rank": 8, "leading": 4}}
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-        self.gate, self.up = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
-        self.down = nn.Linear(FFN, DIM, bias=False)
-        self.norm = nn.LayerNorm(DIM)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = self.norm(h)
-        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / DIM ** 0.5, -1) @ self.v(x)
-        h = h + self.o(a)
-        return h + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
-
-
-class SmallLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for b in self.blocks:
-            h = b(h)
-        return self.lm_head(h)
-
-
-def batch(step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
 
 
 def state_bytes(opt) -> int:
@@ -102,18 +65,18 @@ def kwargs(name: str, strategy: str | None) -> dict:
 
 def single_process_bytes(name: str) -> int:
     torch.manual_seed(0)
-    model = SmallLM()
+    model = LM.model()
     opt = shardopt.create_optimizer(model, name, **kwargs(name, None))
     for s in range(2):
         opt.zero_grad()
-        loss_of(model, batch(s)).backward()
+        LM.loss(model, LM.batch(s)).backward()
         opt.step()
     return state_bytes(opt)
 
 
 def sharded(name: str, engine: str, strategy: str | None) -> tuple[int, int, int]:
     torch.manual_seed(0)
-    model = SmallLM()
+    model = LM.model()
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -124,7 +87,7 @@ def sharded(name: str, engine: str, strategy: str | None) -> tuple[int, int, int
         opt = shardopt.create_optimizer(model, name, **kwargs(name, strategy))
         for s in range(2):
             opt.zero_grad()
-            loss_of(model, batch(s)).backward()
+            LM.loss(model, LM.batch(s)).backward()
             opt.step()
     else:
         kw = kwargs(name, strategy)
@@ -134,7 +97,7 @@ def sharded(name: str, engine: str, strategy: str | None) -> tuple[int, int, int
         eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
         opt = eng.optimizer.optimizer
         for s in range(2):
-            loss = loss_of(eng, batch(s))
+            loss = LM.loss(eng, LM.batch(s))
             eng.backward(loss)
             eng.step()
     planned = sum(opt.planned_state_elements().values()) * 4
@@ -179,7 +142,7 @@ def main() -> None:
                     rec["per_rank"] = [g[0] for g in got]
                     rec["planned"] = [g[1] for g in got]
                     rec["written"] = [g[2] for g in got]
-                    rec["params"] = sum(p.numel() for p in SmallLM().parameters()) * 4
+                    rec["params"] = sum(p.numel() for p in LM.model().parameters()) * 4
                 except Exception:
                     rec["error"] = traceback.format_exc()
                 records.append(rec)

@@ -26,55 +26,18 @@ from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import finish_worker  # noqa: E402
+import toy_models  # noqa: E402
 import shardopt  # noqa: E402
 from shardopt.sharding.state_split import share_numel  # noqa: E402
 
-VOCAB, DIM, FFN, BLOCKS, SEQ, BATCH = 256, 256, 704, 4, 8, 4
+LM = toy_models.LMSetup(256, 256, 704, 4, 8, 4)  # vocab, dim, ffn, blocks, seq, batch
+BATCH = LM.batch_size
 OPTIMIZERS = ("muon", "swan", "asgo", "sumo", "alice", "alice0")
 EXTRA = {"sumo": {"rank": 64, "refresh_interval": 100},
          "alice": {"rank": 64, "leading": 4, "refresh_interval": 100},
          "alice0": {"rank": 64, "leading": 4, "refresh_interval": 100}}
 TAGS = ("gather", "realign", "distributed", "state")
 MEASURED_STEPS = 3
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q, self.k, self.v, self.o = (nn.Linear(DIM, DIM, bias=False) for _ in range(4))
-        self.gate, self.up = nn.Linear(DIM, FFN, bias=False), nn.Linear(DIM, FFN, bias=False)
-        self.down = nn.Linear(FFN, DIM, bias=False)
-        self.norm = nn.LayerNorm(DIM)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
-        x = self.norm(h)
-        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / DIM ** 0.5, -1) @ self.v(x)
-        h = h + self.o(a)
-        return h + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
-
-
-class SmallLM(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, DIM)
-        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
-        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.embed(tokens)
-        for b in self.blocks:
-            h = b(h)
-        return self.lm_head(h)
-
-
-def batch(step: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(step)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
-
-
-def loss_of(model, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB).float(), tokens[:, 1:].reshape(-1))
 
 
 def predicted(opt) -> dict[str, float]:
@@ -102,7 +65,7 @@ def measured(opt) -> dict[str, float]:
 def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
     """Steps 1 (plans, state, refreshes) and 2..1+MEASURED_STEPS: bytes per step and whole-matrix CPU time."""
     torch.manual_seed(0)
-    model = SmallLM()
+    model = LM.model()
     kw = dict(EXTRA.get(name, {}), matrix_ops={"strategy": strategy})
     if engine == "zero2":
         config = {"train_batch_size": BATCH * dist.get_world_size(), "train_micro_batch_size_per_gpu": BATCH,
@@ -112,7 +75,7 @@ def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
         opt = eng.optimizer.optimizer
 
         def step(s: int) -> None:
-            eng.backward(loss_of(eng, batch(s)))
+            eng.backward(LM.loss(eng, LM.batch(s)))
             eng.step()
     else:
         if engine == "fsdp2":
@@ -127,7 +90,7 @@ def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
 
         def step(s: int) -> None:
             opt.zero_grad()
-            loss_of(model, batch(s)).backward()
+            LM.loss(model, LM.batch(s)).backward()
             opt.step()
 
     opt.comm_stats(reset=True)

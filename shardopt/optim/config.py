@@ -72,10 +72,30 @@ class MatrixOpsConfig(_Strict):
                             "pick per matrix by the cost model")
     bucket_mb: float = pydantic.Field(128.0, gt=0, description="bound on one bucket's whole-matrix transients "
                                                                "(gathered small state, reduced sums), MiB")
-    profile: Literal["auto", "gpu", "cpu"] | ProfileConfig = pydantic.Field(
+    profile: Any = pydantic.Field(
         "auto", description="hardware profile that turns the auto strategy's FLOPs, bytes and rounds into seconds "
                             "(shardopt.sharding.time_model): 'auto' (cpu for CPU parameters, else gpu), 'gpu', "
-                            "'cpu', or numbers")
+                            "'cpu', or numbers (ProfileConfig)")
+    @pydantic.field_validator("profile", mode="before")
+    @classmethod
+    def _profile(cls, v: Any) -> Any:
+        """A name, or numbers checked by ``ProfileConfig`` (kept as a plain dict without the unset keys)."""
+        if isinstance(v, str):
+            if v not in ("auto", "gpu", "cpu"):
+                raise ValueError(f"must be 'auto', 'gpu', 'cpu' or a mapping of {sorted(ProfileConfig.model_fields)}")
+            return v
+        if isinstance(v, ProfileConfig):
+            return v.model_dump(exclude_none=True)
+        if not isinstance(v, Mapping):
+            raise ValueError("must be a profile name or a mapping of numbers")
+        try:
+            return ProfileConfig.model_validate(dict(v)).model_dump(exclude_none=True)
+        except pydantic.ValidationError as err:
+            raise ValueError("; ".join(f"{'.'.join(str(x) for x in e['loc'])}: "
+                                       + ("unknown key" if e["type"] == "extra_forbidden" else e["msg"])
+                                       + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" else "")
+                                       for e in err.errors())) from None
+
     memory_budget_mib: float | None = pydantic.Field(
         None, gt=0, allow_inf_nan=False,
         description="MiB of whole-matrix small state a rank may keep under auto; default: 1.15 x its even share + "
