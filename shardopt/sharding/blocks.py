@@ -167,14 +167,25 @@ class RowPlan:
         m, n = self.layout.shape
         return (0, m, a0, a1) if self.transpose else (a0, a1, 0, n)
 
-    def _cuts(self, blocks: Sequence[Block], rank: int):
-        """(block, rows, cols) intersections of ``blocks`` with ``rank``'s rectangle, in block order."""
-        r0, r1, c0, c1 = self._rect(rank)
-        for b in blocks:
-            i0, i1 = max(b.row, r0), min(b.row + b.height, r1)
-            j0, j1 = max(b.col, c0), min(b.col + b.width, c1)
-            if i0 < i1 and j0 < j1:
-                yield b, (i0, i1), (j0, j1)
+    def _cuts(self, src: int, rank: int) -> tuple:
+        """(block, rows, cols) intersections of ``src``'s piece blocks with ``rank``'s rectangle, in block
+        order. Static: the pairs with this rank on one side (what packing uses every step) are made once and
+        kept; others (plan statistics over all pairs) are not, so memory stays O(world)."""
+        mine = self.layout.rank in (src, rank)
+        cache = self.__dict__.setdefault("_cut_cache", {})
+        found = cache.get((src, rank)) if mine else None
+        if found is None:
+            r0, r1, c0, c1 = self._rect(rank)
+            out = []
+            for b in self._piece_blocks[src]:
+                i0, i1 = max(b.row, r0), min(b.row + b.height, r1)
+                j0, j1 = max(b.col, c0), min(b.col + b.width, c1)
+                if i0 < i1 and j0 < j1:
+                    out.append((b, (i0, i1), (j0, j1)))
+            found = tuple(out)
+            if mine:
+                cache[(src, rank)] = found
+        return found
 
     @property
     def _piece_blocks(self) -> tuple[tuple[Block, ...], ...]:
@@ -182,7 +193,7 @@ class RowPlan:
 
     def moved(self, src: int, dst: int) -> int:
         """Elements ``src`` sends to ``dst`` when filling the blocks (static; the same on every rank)."""
-        return sum((i1 - i0) * (j1 - j0) for _, (i0, i1), (j0, j1) in self._cuts(self._piece_blocks[src], dst))
+        return sum((i1 - i0) * (j1 - j0) for _, (i0, i1), (j0, j1) in self._cuts(src, dst))
 
     def _along(self, b: Block) -> tuple[int, int, int]:
         """A block as ``(first row of A, last row + 1, elements per row of A)``."""
@@ -272,7 +283,7 @@ class RowPlan:
     def pack_piece(self, piece: torch.Tensor, dst: int) -> list[torch.Tensor]:
         """This rank's elements that ``dst``'s block needs, flattened in plan order."""
         out = []
-        for b, (i0, i1), (j0, j1) in self._cuts(self._piece_blocks[self.layout.rank], dst):
+        for b, (i0, i1), (j0, j1) in self._cuts(self.layout.rank, dst):
             view = piece[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
             out.append(view[i0 - b.row: i1 - b.row, j0 - b.col: j1 - b.col].reshape(-1))
         return out
@@ -281,7 +292,7 @@ class RowPlan:
         """Write the elements received from ``src`` (``pack_piece`` order) into this rank's block."""
         a0 = self.rows()[0]
         pos = 0
-        for _, (i0, i1), (j0, j1) in self._cuts(self._piece_blocks[src], self.layout.rank):
+        for _, (i0, i1), (j0, j1) in self._cuts(src, self.layout.rank):
             h, w = i1 - i0, j1 - j0
             chunk = flat[pos: pos + h * w].view(h, w)
             pos += h * w
@@ -294,7 +305,7 @@ class RowPlan:
         """The parts of this rank's block that belong to ``dst``'s piece, in ``dst``'s block order."""
         a0 = self.rows()[0]
         out = []
-        for _, (i0, i1), (j0, j1) in self._cuts(self._piece_blocks[dst], self.layout.rank):
+        for _, (i0, i1), (j0, j1) in self._cuts(dst, self.layout.rank):
             part = block[j0 - a0: j1 - a0, i0:i1].T if self.transpose else block[i0 - a0: i1 - a0, j0:j1]
             out.append(part.reshape(-1))
         return out
@@ -302,7 +313,7 @@ class RowPlan:
     def unpack_into_piece(self, piece: torch.Tensor, src: int, flat: torch.Tensor) -> None:
         """Write the elements received from ``src`` (``pack_block`` order) into this rank's piece."""
         pos = 0
-        for b, (i0, i1), (j0, j1) in self._cuts(self._piece_blocks[self.layout.rank], src):
+        for b, (i0, i1), (j0, j1) in self._cuts(self.layout.rank, src):
             h, w = i1 - i0, j1 - j0
             view = piece[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
             view[i0 - b.row: i1 - b.row, j0 - b.col: j1 - b.col] = flat[pos: pos + h * w].view(h, w)
