@@ -29,6 +29,7 @@ step runs in buckets (``buckets``) whose whole-tensor transients stay below a bo
 """
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -37,7 +38,7 @@ import torch
 from .blocks import RowPlan, from_blocks, to_blocks
 from .comm import collective_counter
 from .layout import MatrixLayout
-from .owner import owner_plan
+from .owner import owner_plan, sole_holder
 from .state_split import Placement
 from .time_model import HardwareProfile, StepCost, resolve_profile
 
@@ -261,46 +262,100 @@ class MatrixOps:
 
     def _choose_by_time(self, layouts: Sequence[MatrixLayout]) -> list[int]:
         """``auto``: per process group, start from the split into distributed and gathered matrices with the
-        lowest estimated busiest rank (``_distribute_first``; owners balanced by modeled seconds), move to
-        ``distributed`` the matrices that break the memory budget, then, while it lowers the busiest rank's
-        modeled seconds, the costliest gathered matrix on the busiest owner. Deterministic from static
-        metadata, so every rank plans the same."""
+        lowest estimated busiest rank (``_distribute_first``), give the gathered ones owners by modeled
+        seconds within every rank's memory budget (``_owners_within_budget``; a matrix no rank has room for is
+        distributed), then, while it lowers the busiest rank's modeled seconds, move the costliest gathered
+        matrix of the busiest owner to ``distributed``. Deterministic from static metadata, so every rank
+        plans the same."""
         owners = [-1] * len(layouts)
         for idx in _by_group(layouts).values():
-            t_gather = {i: self.seconds(i, "gather") for i in idx}
             world = layouts[idx[0]].world
+            t_gather = {i: self.seconds(i, "gather") for i in idx}
             t_dist = {i: self._amortized_distributed(i, world) for i in idx}
             for i in self._distribute_first(idx, t_gather, t_dist, world):
                 self.kinds[i] = "distributed"
-            for _ in range(len(idx) + 1):
-                gathered = [i for i in idx if self.kinds[i] == "gather"]
-                plan = owner_plan([layouts[i] for i in gathered], [self.names[i] for i in gathered],
-                                  [t_gather[i] for i in gathered])
-                for i, o in zip(gathered, plan):
-                    owners[i] = o
-                over = self._over_budget(idx, owners)
-                if over is not None:
-                    self.kinds[over] = "distributed"
+            for _ in range(2 * len(idx) + 1):
+                placed, homeless = self._owners_within_budget(idx, t_gather)
+                if homeless:
+                    for i in homeless:
+                        self.kinds[i] = "distributed"
                     continue
                 load: dict[int, float] = {}
-                for i in gathered:
-                    load[owners[i]] = load.get(owners[i], 0.0) + t_gather[i]
+                for i, r in placed.items():
+                    load[r] = load.get(r, 0.0) + t_gather[i]
                 if not load:
                     break
                 busiest = max(load, key=lambda r: (load[r], -r))
-                mine = [i for i in gathered if owners[i] == busiest]
-                if not mine:
-                    break
+                mine = [i for i, r in placed.items() if r == busiest]
                 move = max(mine, key=lambda i: (t_gather[i] - t_dist[i], self.names[i]))
                 rest = sorted(load.values(), reverse=True)
                 after = max(load[busiest] - t_gather[move], rest[1] if len(rest) > 1 else 0.0)
                 if t_dist[move] + after >= load[busiest]:
                     break
                 self.kinds[move] = "distributed"
+            placed, _ = self._owners_within_budget(idx, t_gather)
             for i in idx:
-                if self.kinds[i] != "gather":
-                    owners[i] = -1
+                owners[i] = placed.get(i, -1) if self.kinds[i] == "gather" else -1
         return owners
+
+    def _owners_within_budget(self, idx: Sequence[int], t_gather: dict[int, float]) -> tuple[dict[int, int], list[int]]:
+        """Owners of the gathered matrices among ``idx`` (one process group): longest modeled seconds first, each
+        to the least-loaded rank that stays within its small-state budget (a matrix one rank holds whole stays
+        with it). Returns ``({matrix: owner}, [matrices no rank has room for])``. The budget of rank ``r``:
+        ``memory_budget_mib``, else (1 + BUDGET_SLACK) x the even share + the largest matrix it owns +
+        ``STATE_SLACK_ELEMENTS``, counting the distributed matrices' state, which rests evenly."""
+        world = self._layouts[idx[0]].world
+        state = {i: self.costs[i].state for i in idx}
+        total = sum(state.values())
+        spread = sum(state[i] for i in idx if self.kinds[i] != "gather") / world
+        held, largest, load = [spread] * world, [0.0] * world, [0.0] * world
+
+        def fits(r: int, i: int) -> bool:
+            if not state[i]:
+                return True
+            if self.budget_elements is not None:
+                cap = self.budget_elements
+            else:
+                cap = (1 + BUDGET_SLACK) * total / world + max(largest[r], state[i]) + STATE_SLACK_ELEMENTS
+            return held[r] + state[i] <= cap
+
+        def take(r: int, i: int) -> None:
+            placed[i] = r
+            held[r] += state[i]
+            largest[r] = max(largest[r], state[i])
+            load[r] += t_gather[i]
+
+        placed: dict[int, int] = {}
+        homeless: list[int] = []
+        gathered = sorted((i for i in idx if self.kinds[i] == "gather"), key=lambda i: (-t_gather[i], self.names[i]))
+        sole = [i for i in gathered if self._layouts[i].holders <= 1]
+        for i in sole:  # nothing to move: the holder computes it, if it has room
+            r = sole_holder(self._layouts[i])
+            if r is not None and fits(r, i):
+                take(r, i)
+            else:
+                homeless.append(i)
+        heap = [(load[r], r) for r in range(world)]
+        heapq.heapify(heap)
+        for i in gathered:
+            if self._layouts[i].holders <= 1:
+                continue
+            skipped = []
+            while heap:
+                l, r = heapq.heappop(heap)
+                if l != load[r]:  # stale entry: the rank took a matrix since
+                    heapq.heappush(heap, (load[r], r))
+                    continue
+                if fits(r, i):
+                    take(r, i)
+                    heapq.heappush(heap, (load[r], r))
+                    break
+                skipped.append((l, r))
+            else:
+                homeless.append(i)
+            for e in skipped:
+                heapq.heappush(heap, e)
+        return placed, homeless
 
     def _amortized_distributed(self, i: int, world: int) -> float:
         """A distributed matrix's seconds on every rank, its shared factorization spread over the ranks (the
@@ -330,30 +385,6 @@ class MatrixOps:
             if k < len(order):
                 head += t_dist[order[k]]
         return order[:best_k]
-
-    def _over_budget(self, idx: Sequence[int], owners: Sequence[int]) -> int | None:
-        """The largest-state gathered matrix on the rank whose small state most exceeds its budget, else None."""
-        lay = self._layouts[idx[0]]
-        world = lay.world
-        total = sum(self.costs[i].state for i in idx)
-        spread = sum(self.costs[i].state for i in idx if self.kinds[i] != "gather") / world
-        held: dict[int, list[int]] = {}
-        for i in idx:
-            if self.kinds[i] == "gather" and self.costs[i].state > 0:
-                held.setdefault(owners[i], []).append(i)
-        worst, excess = None, 0.0
-        for r, mats in sorted(held.items()):
-            keep = spread + sum(self.costs[i].state for i in mats)
-            if self.budget_elements is not None:
-                budget = self.budget_elements
-            else:
-                budget = (1 + BUDGET_SLACK) * total / world + max(self.costs[i].state for i in mats) \
-                    + STATE_SLACK_ELEMENTS
-            if keep - budget > excess:
-                worst, excess = r, keep - budget
-        if worst is None:
-            return None
-        return max((i for i in held[worst]), key=lambda i: (self.costs[i].state, self.names[i]))
 
     def modeled(self, rank: int | None = None) -> dict[str, float]:
         """This plan's modeled work on ``rank`` (default: this rank) per step: FLOPs by kind, bytes sent and

@@ -13,7 +13,7 @@ from typing import Callable, Sequence
 
 from .layout import MatrixLayout
 
-__all__ = ["owner_plan", "CostFn", "newton_schulz_cost"]
+__all__ = ["owner_plan", "sole_holder", "CostFn", "newton_schulz_cost"]
 
 CostFn = Callable[[tuple[int, int]], float]
 
@@ -42,7 +42,7 @@ def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: Cost
         heap = [(0.0, r) for r in range(world)]
         for i in sorted(idx, key=lambda i: (-costs[i], names[i])):
             lay = layouts[i]
-            holder = _sole_holder(lay)
+            holder = sole_holder(lay)
             if holder is not None:  # a matrix one rank already holds whole stays there (nothing to move)
                 r = holder
             else:
@@ -56,7 +56,8 @@ def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: Cost
     return owners
 
 
-def _sole_holder(lay: MatrixLayout) -> int | None:
+def sole_holder(lay: MatrixLayout) -> int | None:
+    """The one rank that holds elements of the matrix, if exactly one does."""
     if lay.holders != 1:
         return None
-    return next(r for r, p in enumerate(lay.pieces) if lay._piece_numel(p) > 0)
+    return next((r for r, p in enumerate(lay.pieces) if lay._piece_numel(p) > 0), None)
