@@ -44,8 +44,9 @@ def find(ws: int, **match) -> dict:
 
 
 #: 0-based steps without a basis refresh in the 6-step runs (refresh_interval 2): SUMO refreshes at steps
-#: 1, 3, 5 (1-based), Alice switches at 1, 2, 4, 6; ASGO's root refresh needs no extra collective
-REFRESHING = {"sumo": (1, 3, 5), "alice": (2, 4), "alice0": (2, 4)}
+#: 1, 3, 5 (1-based), Alice switches at 1, 2, 4, 6; ASGO recomputes its roots at 1, 3, 5, and a distributed
+#: matrix's root is shared from its factorization owner with one more all-reduce (MatrixOps.compute_once)
+REFRESHING = {"sumo": (1, 3, 5), "alice": (2, 4), "alice0": (2, 4), "asgo": (1, 3, 5)}
 CASES = [(opt, s) for opt in OPTIMIZERS for s in STRATEGIES.get(opt, (None,))]
 
 
