@@ -186,6 +186,12 @@ def share_numels(place: Any, spec: dict, world: int) -> torch.Tensor:
         if place.owner is not None:
             out[place.owner] += length * other
             continue
+        if place.members is not None:  # a team: even over its members
+            g = len(place.members)
+            c = -(-length // g) if length else 0
+            for j, r in enumerate(place.members):
+                out[r] += (min((j + 1) * c, length) - min(j * c, length)) * other
+            continue
         if place.world == 1:
             out += length * other
             continue
@@ -244,7 +250,8 @@ def traffic_and_flops(opt: Any, world: int) -> tuple[dict[str, float], torch.Ten
 
 def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Tensor, kinds: dict[str, int],
                spec_of: Any) -> None:
-    for kind, c, plan, owner, factor_owner in zip(ops.kinds, ops.costs, ops.plans, ops.owners, ops.factor_owners):
+    for i, (kind, plan, owner, factor_owner) in enumerate(zip(ops.kinds, ops.plans, ops.owners, ops.factor_owners)):
+        c = ops.cost_of(i)
         kinds[kind] = kinds.get(kind, 0) + 1
         work = (c.row_flops, c.small_flops)
         if kind == "local":
@@ -254,6 +261,19 @@ def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Ten
         if kind == "gather":
             traffic["gather"] += 2 * sent
             flops[owner] += work[0] + work[1]
+            continue
+        if kind == "team":  # the matrix to its members and back; reductions and state among the members
+            g = len(ops.teams[i])
+            traffic["gather"] += 2 * sent
+            traffic["allreduce"] += 2 * (g - 1) * (c.reduced + c.shared)
+            spec = spec_of(plan)
+            traffic["state"] += (g - 1) * sum(math.prod(s) for s, d in spec.values() if d is not None)
+            starts = torch.tensor(plan.starts, dtype=torch.float64)
+            flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1)
+            if c.shared:
+                flops[factor_owner] += work[1]
+            else:
+                flops[list(ops.teams[i])] += work[1]
             continue
         traffic["realign"] += 2 * sent
         traffic["allreduce"] += 2 * (world - 1) * c.reduced
@@ -301,7 +321,17 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
         if ops is not None:
             profile = ops.profile
             for i, kind in enumerate(ops.kinds):
-                if kind == "gather":
+                if kind == "team":  # holders send their pieces and get results; members per the plan
+                    sent_el = torch.tensor(ops.plans[i].sent, dtype=torch.float64)
+                    out_b, in_b = 4 * ops.cost_of(i).channels * sent_el, 4 * sent_el
+                    seconds += torch.maximum(out_b, in_b) / ops.profile.bandwidth
+                    net += out_b + in_b
+                    for r in ops.teams[i]:
+                        own = ops._team_cost(i, len(ops.teams[i]), ops.factor_owners[i] == r, rank=r)
+                        own.rounds = 0.0
+                        seconds[r] += own.seconds(ops.profile) - float(torch.maximum(out_b[r], in_b[r])) / ops.profile.bandwidth
+                        net[r] += own.sent + own.received - float(out_b[r] + in_b[r])
+                elif kind == "gather":
                     pieces = piece_numels(ops.plans[i].layout).double() * 4
                     own = ops.op_cost(i, "gather")
                     seconds += pieces / ops.profile.bandwidth
@@ -315,7 +345,7 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
                     net += c.sent + c.received
                     if kind == "distributed" and ops.costs[i].shared:
                         seconds[ops.factor_owners[i]] += ops.costs[i].small_flops / ops.profile.factor_flops
-                if kind != "local" and (ops.plans[i].layout.holders > 1 or kind == "distributed"):
+                if kind != "local" and (ops.plans[i].layout.holders > 1 or kind != "gather"):
                     kinds.add(kind)
         rule_name = "adamw" if rule == "adamw" else name
         for f in frags:
@@ -330,7 +360,7 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
     ring = 2.0 * (world - 1) / world
     seconds += ring * 4 * line / profile.bandwidth + LINE_ROUNDS.get(name, 0) * profile.latency
     net += 2 * ring * 4 * line
-    seconds += profile.latency * sum({"gather": 2, "distributed": 4}[k] for k in kinds)
+    seconds += profile.latency * sum({"gather": 2, "distributed": 4, "team": 6}[k] for k in kinds)
     busiest = int(seconds.argmax())
     return {"modeled_s": float(seconds[busiest]), "modeled_rank": busiest, "traffic_busiest_bytes": float(net.max()),
             "modeled_mean_s": float(seconds.mean()), "profile": profile.describe()}
@@ -346,6 +376,7 @@ def busiest_transient(opt: Any, world: int) -> float | None:
         ops = opt.matrix_plan(g)
         if ops is not None:
             owners |= {o for k, o in zip(ops.kinds, ops.owners) if k == "gather"}
+            owners |= {r for k, t in zip(ops.kinds, ops.teams) if k == "team" for r in t}
     others = [r for r in range(min(world, len(owners) + 1)) if r not in owners][:1]
     return max(float(opt.planned_transient_elements(r)) for r in sorted(owners) + others)
 
@@ -360,10 +391,11 @@ def largest_owned_bytes(opt: Any, rank: int) -> int:
         ops = opt.matrix_plan(g)
         if ops is None:
             continue
-        for kind, owner, plan in zip(ops.kinds, ops.owners, ops.plans):
-            if kind == "gather" and owner == rank:
+        for kind, owner, plan, team in zip(ops.kinds, ops.owners, ops.plans, ops.teams):
+            if (kind == "gather" and owner == rank) or (kind == "team" and rank in team):
                 spec = opt.matrix_state_spec(groups[g], plan.a_shape)
-                best = max(best, 4 * sum(math.prod(s) for s, d in spec.values() if d is not None))
+                whole = 4 * sum(math.prod(s) for s, d in spec.values() if d is not None)
+                best = max(best, whole if kind == "gather" else whole / len(team))
     return best
 
 

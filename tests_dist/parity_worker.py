@@ -46,15 +46,19 @@ OPTIMIZERS = {
     "alice0": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "gather"},
                    routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
 }
-#: optimizers whose whole-matrix work runs under either strategy: the parity matrix runs both
-STRATEGIES = {name: ("gather", "distributed") for name in ("swan", "asgo", "sumo", "alice", "alice0")}
+#: optimizers whose whole-matrix work runs under every strategy: the parity matrix runs each (``team``: teams of
+#: two ranks; "distributed" last, the strategy of the collective-count check); Muon's own suite
+#: (test_muon_strategies.py) covers its gather and distributed strategies, this one its teams
+STRATEGIES = {name: ("gather", "team", "distributed") for name in ("swan", "asgo", "sumo", "alice", "alice0")}
+STRATEGIES["muon"] = (None, "team")
+TEAM_SIZE = 2
 
 
 def options(opt_name: str, strategy: str | None = None) -> dict:
     """The test hyperparameters of ``opt_name``, with the whole-matrix strategy forced when given."""
     kw = dict(OPTIMIZERS[opt_name])
     if strategy is not None:
-        kw["matrix_ops"] = {"strategy": strategy}
+        kw["matrix_ops"] = {"strategy": strategy, **({"team_size": TEAM_SIZE} if strategy == "team" else {})}
     return kw
 N_BLOCKS = 1  # the collective-count check reruns cases with more matrices
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "..", "configs", "deepspeed", "zero2_scale.json")
@@ -242,8 +246,9 @@ def main() -> None:
     records = []
     for opt_name in args.optimizers.split(","):
         ref, ref_losses = reference(opt_name)
-        cases = [(layout, s) for layout in args.layouts.split(",") for s in STRATEGIES.get(opt_name, (None,))
-                 if s != "gather" or layout not in BF16_LAYOUTS]  # bf16 runs once (distributed) per optimizer
+        strategies = STRATEGIES.get(opt_name, (None,))
+        cases = [(layout, s) for layout in args.layouts.split(",") for s in strategies
+                 if s == strategies[-1] or layout not in BF16_LAYOUTS]  # bf16 runs once (the last) per optimizer
         for layout, strategy in cases:
             t0 = time.time()
             rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "strategy": strategy}

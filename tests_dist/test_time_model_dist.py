@@ -18,7 +18,7 @@ import tempfile
 import pytest
 
 from launch import torchrun
-from time_model_worker import OPTIMIZERS, TAGS
+from time_model_worker import OPTIMIZERS, STRATEGIES, TAGS
 
 WORLD = 4
 BYTES_TOL = 0.10
@@ -45,7 +45,7 @@ def find(name: str, engine: str, strategy: str) -> dict:
     return rec
 
 
-@pytest.mark.parametrize("strategy", ["auto", "distributed"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("engine", ["fsdp2", "zero2"])
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_modeled_bytes_equal_what_the_collectives_move(name: str, engine: str, strategy: str) -> None:

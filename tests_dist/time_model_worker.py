@@ -1,8 +1,9 @@
 """Time-model worker (issue 27): what the whole-matrix plans predict against what the ranks really do.
 
-Every whole-matrix optimizer under ``strategy="auto"`` (the CPU profile: the parameters are on the CPU; it
-gathers every matrix of this model) and ``"distributed"`` (the other paths: row realignment, reduced small
-matrices, shared factorizations, resting state) on FSDP2 and ZeRO-2 at this world size. Per rank and step: the bytes shardopt's collectives really hand to gloo
+Every whole-matrix optimizer under ``strategy="auto"`` (the CPU profile: the parameters are on the CPU),
+``"distributed"`` (row realignment, reduced small matrices, shared factorizations, resting state) and
+``"team"`` (teams of two ranks: pieces to the members, reductions and state among them) on FSDP2 and ZeRO-2
+at this world size. Per rank and step: the bytes shardopt's collectives really hand to gloo
 (``comm_stats``, by tag) beside the plan's prediction (``MatrixOps.modeled_payload``), and the CPU time
 spent inside whole-matrix work (``whole_matrix_cpu_s``) beside the single-process run's. The model is a
 SmallLM whose matrices (256 x 256 and 704 x 256, 4 blocks) make whole-matrix work, not Python, the bulk of
@@ -37,6 +38,9 @@ EXTRA = {"sumo": {"rank": 64, "refresh_interval": 100},
          "alice": {"rank": 64, "leading": 4, "refresh_interval": 100},
          "alice0": {"rank": 64, "leading": 4, "refresh_interval": 100}}
 TAGS = ("gather", "realign", "distributed", "state")
+#: auto (what the model picks for this size under the CPU profile), and each path forced: row realignment with
+#: reduced small matrices, and teams of two ranks (pieces to the members, reductions among them)
+STRATEGIES = ("auto", "distributed", "team")
 MEASURED_STEPS = 5
 
 
@@ -66,7 +70,7 @@ def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
     """Steps 1 (plans, state, refreshes) and 2..1+MEASURED_STEPS: bytes per step and whole-matrix CPU time."""
     torch.manual_seed(0)
     model = LM.model()
-    kw = dict(EXTRA.get(name, {}), matrix_ops={"strategy": strategy})
+    kw = dict(EXTRA.get(name, {}), matrix_ops={"strategy": strategy, **({"team_size": 2} if strategy == "team" else {})})
     if engine == "zero2":
         config = {"train_batch_size": BATCH * dist.get_world_size(), "train_micro_batch_size_per_gpu": BATCH,
                   "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
@@ -123,7 +127,7 @@ def main() -> None:
         singles: list = [None] * dist.get_world_size()
         dist.all_gather_object(singles, run(name, None)["cpu_s"])
         single = sorted(singles)[len(singles) // 2]
-        for engine, strategy in [(e, s) for e in ("fsdp2", "zero2") for s in ("auto", "distributed")]:
+        for engine, strategy in [(e, s) for e in ("fsdp2", "zero2") for s in STRATEGIES]:
             rec = {"optimizer": name, "engine": engine, "strategy": strategy, "single_cpu_s": single}
             try:
                 with contextlib.redirect_stdout(io.StringIO()):

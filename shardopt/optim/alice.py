@@ -247,7 +247,7 @@ class Alice(ShardedOptimizer):
         m, n = shape
         return m > n
 
-    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
         return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r,
@@ -498,7 +498,7 @@ class _BucketPlan:
             local = kind == "here"
             idx = sorted(idx, key=lambda i: local and ops.plans[i].transpose)  # A = G first, then A = G^T
             n_plain = sum(1 for i in idx if not (local and ops.plans[i].transpose))
-            self.stacks.append(_Stack(idx, local, n_plain, rows, cols, r, has_grad, kind == "distributed"))
+            self.stacks.append(_Stack(idx, local, n_plain, rows, cols, r, has_grad, kind in ("distributed", "team")))
 
     def local_block(self, i: int, grad: torch.Tensor) -> torch.Tensor:
         """``MatrixOps.to_blocks`` of an unsharded matrix: its gradient viewed as ``A``."""

@@ -128,12 +128,15 @@ def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: t
 
 
 @functools.lru_cache(maxsize=1024)
-def _asgo_cost(a_shape: tuple[int, int], channels: int = 2) -> OpCost:
+def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, symmetric_root: bool = True) -> OpCost:
     """``channels``: the gradient and the momentum go to the row blocks (the momentum alone with
-    ``statistic="momentum"``)."""
+    ``statistic="momentum"``). The Gram crosses the network as a triangle (the root symmetrizes the statistic
+    anyway), the root too where it is symmetric to rounding (``symmetric_root``: the float64 eigh root; the
+    fp32 Newton-Schulz root is not, and goes whole)."""
     rows, k = a_shape
-    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=k * k, state=2.0 * k * k,
-                  shared=k * k, channels=channels)
+    tri = k * (k + 1) // 2
+    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=tri, state=2.0 * k * k,
+                  shared=tri if symmetric_root else k * k, channels=channels)
 
 
 #: blocks of ``A`` with at least this many elements are computed one by one, as views: there a kernel's launch
@@ -211,8 +214,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
     def whole_matrix_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
         return asgo_left(shape, group["side"])
 
-    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
-        return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2)
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
+        return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2, group["root"] == "eigh")
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]
@@ -267,7 +270,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         owners = plan.owners
         refresh = self._refresh_rows(group, groups, steps, lambda i: plan.params[owners[i]])
         products = self._asgo_groups(group, groups, stats, ms, states, has_grad, refresh, blocks.layouts,
-                                     lambda parts: parts, lambda i: False)
+                                     lambda parts, symmetric=False: parts, lambda i: False)
         flops = sum(len(idx) * (c.row_flops + c.small_flops)
                     for idx, c in ((idx, _asgo_cost(tuple(a.shape[1:]))) for idx, a in zip(groups, stats)))
         collective_counter.add_flops("local", flops)  # MatrixOps.account of the local strategy
@@ -301,7 +304,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         refresh = self._refresh_rows(group, groups, steps, lambda i: items[i].tensor)
         products = self._asgo_groups(group, groups, stats, ms, [it.state for it in items],
                                      [it.has_grad for it in items], refresh, [it.layout for it in items],
-                                     ops.allreduce, lambda i: ops.kinds[i] == "distributed", ops.compute_once)
+                                     ops.allreduce, ops.split, ops.compute_once)
         updates = {i: u for idx, p in zip(groups, products) for i, u in zip(idx, p.unbind(0))}
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
@@ -322,7 +325,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         grams = [(a[0].T @ a[0]).unsqueeze(0) if len(idx) == 1 else a.mT @ a for idx, a in zip(groups, stats)]
         spread = {i: g[j] for idx, g in zip(groups, grams) for j, i in enumerate(idx) if distributed(i)}
         if spread:  # the partial Grams of distributed matrices, completed in one all-reduce per process group
-            reduced = allreduce(spread)
+            reduced = allreduce(spread, symmetric=True)
             grams = [torch.stack([reduced[i] for i in idx]) if any(i in reduced for i in idx) else g
                      for idx, g in zip(groups, grams)]
         vstacks = []
@@ -373,7 +376,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             roots = self._roots(group, vstacks, rows)
             return {groups[g][j]: r[t] for g, (rs, r) in enumerate(zip(rows, roots)) if rs for t, j in enumerate(rs)}
 
-        done = compute_once({i: vstacks[g][j] for i, (g, j) in where.items()}, compute)
+        done = compute_once({i: vstacks[g][j] for i, (g, j) in where.items()}, compute,
+                            symmetric=group["root"] == "eigh")
         return [torch.stack([done[idx[j]] for j in rows]) if rows else None for idx, rows in zip(groups, refresh)]
 
     @staticmethod

@@ -260,8 +260,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         #: check every step that all ranks hold the same step plan (also with SHARDOPT_DEBUG_PLAN=1)
         self.debug_plan = bool(int(os.environ.get("SHARDOPT_DEBUG_PLAN", "0"))) if debug_plan is None else debug_plan
-        #: whole-matrix strategy: "auto" | "gather" | "distributed" (shardopt.sharding.matrix_ops)
+        #: whole-matrix strategy: "auto" | "gather" | "distributed" | "team" (shardopt.sharding.matrix_ops)
         self.matrix_strategy = str((matrix_ops or {}).get("strategy", "auto"))
+        #: ranks per team under strategy="team" (None: per matrix, the size the time model finds fastest)
+        self.matrix_team_size = (matrix_ops or {}).get("team_size")
         #: bound on one bucket's whole-matrix transients (gathered state, reduced sums, owners' whole matrices)
         self.matrix_bucket_elements = float((matrix_ops or {}).get("bucket_mb", BUCKET_ELEMENTS * 4 / 2**20)) * 2**20 / 4
         if self.matrix_strategy not in STRATEGIES:
@@ -711,8 +713,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Whether the algorithm works on ``A = G^T`` (else ``A = G``) for an ``m x n`` matrix."""
         raise NotImplementedError
 
-    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
-        """Estimated work, reduced elements and small-state size for the oriented ``A`` (rows x cols)."""
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
+        """Estimated work, reduced elements and small-state size for the oriented ``A`` (rows x cols) when its
+        rows are computed on ``parts`` ranks (1: whole on one rank; an algorithm may compute otherwise when
+        they are spread, as Muon does)."""
         raise NotImplementedError
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> StateSpec:
@@ -766,12 +770,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self.whole_matrix_work and group.get("treatment", "adamw") in self.matrix_treatments and frags:
             transposes = [self.whole_matrix_transpose(group, f.layout.shape) for f in frags]
             ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], transposes, self.matrix_strategy,
-                            lambda a_shape: self.whole_matrix_cost(group, a_shape),
+                            lambda a_shape, parts=1: self.whole_matrix_cost(group, a_shape, parts),
                             resolve_profile(self.matrix_profile, self._device_type(group)),
-                            self.matrix_memory_budget_mib)
+                            self.matrix_memory_budget_mib, self.matrix_team_size)
             for f, kind, owner, plan, place in zip(frags, ops.kinds, ops.owners, ops.plans, ops.placements):
                 self._matrix_plans[f.name] = (g, plan.a_shape, place)
-                if kind == "gather":
+                if kind in ("gather", "team"):  # a team's members compute identical 0-d state: one of them wins
                     self._matrix_owner[f.name] = (owner, f.layout)
                 else:
                     self._matrix_owner.pop(f.name, None)
@@ -884,8 +888,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if key not in it.state:
                         it.state[key] = torch.zeros(share_shape(sub.placements[i], shape, dim), dtype=torch.float32,
                                                     device=it.grad.device)
-                if sub.kinds[i] != "distributed":
-                    continue  # owner / local: the computing rank already holds all of it
+                if not (sub.split(i) and sub.active(i)):
+                    continue  # owner / local: the computing rank already holds all of it; a team's others none
                 for key in sorted(spec):
                     shape, dim = spec[key]
                     if dim is not None:
@@ -900,7 +904,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if part:
                         body([its[j] for j in part], sub.subset(part))
             for i, (it, spec) in enumerate(zip(its, specs)):
-                if sub.kinds[i] != "distributed":
+                if not (sub.split(i) and sub.active(i)):
                     continue  # the state already is this rank's share (all of it, or none)
                 for key, (shape, dim) in spec.items():
                     if dim is not None and key in it.state:

@@ -67,9 +67,12 @@ class ProfileConfig(_Strict):
 class MatrixOpsConfig(_Strict):
     """How whole-matrix operations run on sharded matrices (shardopt.sharding.matrix_ops)."""
 
-    strategy: Literal["auto", "gather", "distributed"] = pydantic.Field(
-        "auto", description="gather to owner ranks, compute from row blocks with reduced small matrices, or "
-                            "pick per matrix by the cost model")
+    strategy: Literal["auto", "gather", "distributed", "team"] = pydantic.Field(
+        "auto", description="gather to owner ranks, compute from row blocks with reduced small matrices, on "
+                            "teams of ranks, or pick per matrix by the time model")
+    team_size: int | None = pydantic.Field(
+        None, ge=2, description="ranks per matrix under strategy 'team' (null: per matrix, the size the time "
+                                "model finds fastest)")
     bucket_mb: float = pydantic.Field(128.0, gt=0, description="bound on one bucket's whole-matrix transients "
                                                                "(gathered small state, reduced sums), MiB")
     profile: Any = pydantic.Field(

@@ -23,9 +23,9 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
-from ..sharding.matfun import MUON_COEFFICIENTS, newton_schulz, newton_schulz_iteration
+from ..sharding.matfun import MUON_COEFFICIENTS, muon_gram_products, newton_schulz, newton_schulz_iteration
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from ..sharding.stacking import same_shape
+from ..sharding.stacking import group_indices, same_shape
 from .base import MatrixItem, ShardedOptimizer, _local
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
@@ -147,14 +147,18 @@ class Muon(ShardedOptimizer):
         m, n = shape
         return self.matrix_strategy != "gather" and m < n
 
-    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
-        """Per step ``x x^T`` and ``(b G + c G^2) x`` on ``k x l`` (``4 k^2 l``, split with the rows of ``A``),
-        ``G^2`` (``2 k^3``, repeated by every computing rank) and, distributed, a ``k x k`` all-reduce."""
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
+        """Per step ``x x^T`` and ``(b G + c G^2) x`` on ``k x l`` (``4 k^2 l``, split with the rows of ``A``) and
+        ``G^2`` (``2 k^3``, repeated by every computing rank); or, where ``parts`` ranks compute row blocks of
+        fewer than ``k`` rows, ``x x^T``, ``G x`` and ``G (G x)`` (``6 k^2 l``, split, nothing repeated:
+        ``muon_gram_products``). Split, each step all-reduces the ``k x k`` Gram as a triangle."""
         rows, cols = a_shape
         k, long = min(rows, cols), max(rows, cols)
         steps = group["ns_steps"]
-        return OpCost(row_flops=steps * 4.0 * k * k * long, small_flops=steps * 2.0 * k ** 3,
-                      reduced=steps * k * k + 1)
+        reduced = steps * k * (k + 1) // 2 + 1
+        if muon_gram_products(a_shape, parts):
+            return OpCost(row_flops=steps * 6.0 * k * k * long, reduced=reduced)
+        return OpCost(row_flops=steps * 4.0 * k * k * long, small_flops=steps * 2.0 * k ** 3, reduced=reduced)
 
     def _orthogonalize(self, items: list[MatrixItem], ops: MatrixOps, group: dict) -> None:
         """``it.work["update"] = NS(it.grad)`` (the grad slot holds the Nesterov momentum) for one bucket."""
@@ -169,7 +173,7 @@ class Muon(ShardedOptimizer):
         # whole matrices (single process, or this rank owns them): one batched iteration per wide shape (a
         # tall matrix runs on its transpose, as newton_schulz does, so it shares the batch of its wide twin)
         tall = {i for i in active if blocks[i].size(0) > blocks[i].size(1)}
-        wide = {i: blocks[i].T if i in tall else blocks[i] for i in active if ops.kinds[i] != "distributed"}
+        wide = {i: blocks[i].T if i in tall else blocks[i] for i in active if not ops.split(i)}
         out = {}
         for idx in same_shape(wide):
             y = newton_schulz(torch.stack([wide[i] for i in idx]), steps, MUON_COEFFICIENTS, eps, dtype)
@@ -180,7 +184,7 @@ class Muon(ShardedOptimizer):
             for j, i in enumerate(idx):
                 piece = yt[j] if flip[j] else y[j]
                 out[i] = piece.T if ops.plans[i].transpose else piece
-        spread = {i: blocks[i] for i in active if ops.kinds[i] == "distributed"}
+        spread = {i: blocks[i] for i in active if ops.split(i)}
         if spread:
             out.update(_newton_schulz_rows(spread, ops, steps, eps, dtype))
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
@@ -220,9 +224,11 @@ def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: 
     one shape on this rank run as one batched iteration; the reductions stay one entry per matrix, so every
     rank reduces the same entries in the same order however its blocks group."""
     runs = {}
+    form = {i: muon_gram_products(ops.plans[i].a_shape, ops.parts(i)) for i in blocks}
     for idx in same_shape(blocks):
-        x = torch.stack([blocks[i] for i in idx]).to(dtype).mT
-        runs[tuple(idx)] = newton_schulz_iteration(x, steps, MUON_COEFFICIENTS, eps)
+        for sub in group_indices(idx, form.__getitem__):
+            x = torch.stack([blocks[i] for i in sub]).to(dtype).mT
+            runs[tuple(sub)] = newton_schulz_iteration(x, steps, MUON_COEFFICIENTS, eps, form[sub[0]])
     parts = {idx: next(run) for idx, run in runs.items()}
     norms = ops.allreduce({i: p[j].float().square().reshape(1) for idx, p in parts.items() for j, i in enumerate(idx)})
     complete = {idx: torch.stack([norms[i] for i in idx]).sqrt().reshape(-1, 1, 1).to(dtype) for idx in runs}
@@ -235,6 +241,6 @@ def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: 
             except StopIteration as stop:
                 out.update((i, stop.value[j].T.float()) for j, i in enumerate(idx))
                 del runs[idx]
-        grams = ops.allreduce({i: p[j].float() for idx, p in parts.items() for j, i in enumerate(idx)})
+        grams = ops.allreduce({i: p[j].float() for idx, p in parts.items() for j, i in enumerate(idx)}, symmetric=True)
         complete = {idx: torch.stack([grams[i] for i in idx]).to(dtype) for idx in parts}
     return out

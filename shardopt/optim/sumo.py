@@ -120,7 +120,7 @@ class SUMO(ShardedOptimizer):
         m, n = shape
         return (m < n) if group["side"] == "auto" else group["side"] == "right"
 
-    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
         return OpCost(row_flops=4.0 * rows * cols * r, small_flops=4.0 * cols * r * r + 8.0 * r ** 3,
@@ -180,12 +180,11 @@ class SUMO(ShardedOptimizer):
                 q = torch.stack([states[i]["Q"] for i in idx])
             else:
                 a = torch.stack([blocks[i] for i in idx])
-                q = torch.stack([states[i]["Q"] if kinds[i] != "distributed" else ops.my_rows(i, states[i]["Q"])
-                                 for i in idx])
+                q = torch.stack([ops.my_rows(i, states[i]["Q"]) if ops.split(i) else states[i]["Q"] for i in idx])
             stacked_q.append(q)
             projections.append(q.mT @ a)
             if not local:
-                parts.update((i, projections[-1][j]) for j, i in enumerate(idx) if kinds[i] == "distributed")
+                parts.update((i, projections[-1][j]) for j, i in enumerate(idx) if ops.split(i))
         summed = ops.allreduce(parts)  # partial sums of distributed matrices; the others are complete
         if summed:
             for g, idx in enumerate(groups):

@@ -124,7 +124,11 @@ class SWAN(ShardedOptimizer):
         m, n = shape
         return m <= n
 
-    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int]) -> OpCost:
+    def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
+        """The Gram and the whitening product (``4 rows k^2``, split with the rows), the root (``4 ns_steps
+        k^3``, once, on a factorization owner). The Gram and the root cross the network whole, not as
+        triangles: the fp32 iteration grows near-null directions by 1.5 per step and leaves its root asymmetric
+        by more than rounding on rank-deficient gradients, so a symmetrized one would move the result."""
         rows, k = a_shape
         return OpCost(row_flops=4.0 * rows * k * k, small_flops=4.0 * group["ns_steps"] * k ** 3, reduced=k * k,
                       shared=k * k)
@@ -137,9 +141,9 @@ class SWAN(ShardedOptimizer):
     def _whiten_bucket(self, items: list, ops, group: dict) -> None:
         blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
-        spread = [i for i in active if ops.kinds[i] == "distributed"]
+        spread = [i for i in active if ops.split(i)]
         # whole matrices (an owner's, or not sharded): stacked by shape, one batched Gram, root and product
-        stacks = _stacks({i: blocks[i] for i in active if ops.kinds[i] != "distributed"})
+        stacks = _stacks({i: blocks[i] for i in active if not ops.split(i)})
         out = _unstack(stacks, _whiten_stacks([a for _, a in stacks], group))
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in spread})
         roots = ops.compute_once(grams, lambda mine: _gram_roots(mine, items, group))

@@ -79,6 +79,18 @@ class RowPlan:
         rows = layout.shape[1] if transpose else layout.shape[0]
         return cls(layout, transpose, (0,) * (owner + 1) + (rows,) * (layout.world - owner))
 
+    @classmethod
+    def team(cls, layout: MatrixLayout, transpose: bool, members: Sequence[int]) -> "RowPlan":
+        """The rows of ``A`` in even chunks (``torch.chunk``) over ``members`` (ascending group ranks; a team),
+        none elsewhere."""
+        rows = layout.shape[1] if transpose else layout.shape[0]
+        g = len(members)
+        c = -(-rows // g) if rows else 0
+        count = [0] * layout.world
+        for j, r in enumerate(members):
+            count[r] = min((j + 1) * c, rows) - min(j * c, rows)
+        return cls(layout, transpose, (0, *itertools.accumulate(count)))
+
     @staticmethod
     def _majority_runs(layout: MatrixLayout, transpose: bool) -> list[tuple[int, int, int]]:
         """``(lo, hi, rank)`` runs covering the rows of ``A``: ``rank`` holds the most elements of each row in

@@ -16,7 +16,8 @@ import torch
 
 from .stacking import same_shape
 
-__all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "complete_locally", "polar_factor",
+__all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "muon_gram_products", "complete_locally",
+           "polar_factor",
            "GRAM_RTOL", "by_shape", "gram_inverse_sqrt", "inverse_root", "coupled_inverse_sqrt"]
 
 #: quintic coefficients of Muon (KellerJordan/Muon; torch.optim.Muon defaults)
@@ -27,7 +28,7 @@ Iteration = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFFICIENTS,
-                            eps: float = 1e-7) -> Iteration:
+                            eps: float = 1e-7, gram_products: bool = False) -> Iteration:
     """Quintic Newton-Schulz on the wide orientation ``x`` (``k x l``, ``k <= l``), or on a block of its
     columns when they are spread over ranks; batched over leading dimensions (``(..., k, l)``: one kernel per
     product for many same-shape matrices).
@@ -36,6 +37,11 @@ def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFF
     matrix's, then for each step yields the partial Gram ``x x^T`` (``k x k``, a sum over columns) and
     receives the complete one; everything else is column-local. Returns the block of ``U V^T`` (singular
     values near 1) in ``x``'s dtype.
+
+    ``gram_products``: each step as ``a x + b (G x) + c G (G x)`` (``6 k^2 l`` on a block of ``l`` columns)
+    instead of ``a x + (b G + c G^2) x`` (``4 k^2 l + 2 k^3``): the same polynomial, with no ``k x k`` product
+    that every rank computing a block of the matrix would repeat; cheaper where a block has fewer than ``k``
+    columns (``muon_gram_products``).
     """
     a, b, c = coefficients
     if x.dim() == 2:
@@ -49,8 +55,21 @@ def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFF
     x = x / norm.clamp(min=eps)
     for _ in range(steps):
         gram = yield x @ x.mT
-        x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+        if gram_products:
+            y = gram @ x
+            x = addmm(y, gram, y, beta=b, alpha=c).add_(x, alpha=a)
+        else:
+            x = addmm(x, addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
     return x
+
+
+def muon_gram_products(a_shape: tuple[int, int], parts: int) -> bool:
+    """Whether a Newton-Schulz whose tall ``A`` (``a_shape``) is cut into ``parts`` row blocks runs each step as
+    products with the Gram matrix (``newton_schulz_iteration(gram_products=True)``): where a block has fewer
+    rows than ``k`` columns, ``2 k^2`` per row is less than the ``2 k^3`` of ``G^2`` that every block's rank
+    would repeat. Static, so every rank of the matrix decides alike."""
+    rows, k = max(a_shape), min(a_shape)
+    return parts > 1 and -(-rows // parts) < k
 
 
 def complete_locally(iteration: Iteration) -> torch.Tensor:

@@ -12,6 +12,10 @@ small factorizations on identical inputs on every rank that takes part, and retu
 * ``distributed``: rows stay where the engine put them (only rows cut by a partition boundary move; across
   the grain an all-to-all of ~1/P of the matrix per rank), every rank computes on its rows, and sums over
   rows are all-reduced: small ``k x k`` / ``r x n`` matrices instead of the matrix itself.
+* ``team``: the matrix is gathered to a team of ``g`` ranks (``teams``), its rows spread over them, and the
+  algorithm runs as under ``distributed`` among the members only (their own process group); a factorization
+  the algorithm shares runs on one member. Where ranks outnumber matrices, this is how the busiest rank
+  approaches the total work / P instead of one matrix's whole work.
 
 ``strategy="auto"`` (issue 27) minimizes the busiest rank's modeled step time (``time_model``: FLOPs by kind,
 bytes sent or received, collective rounds, turned into seconds by ``matrix_ops.profile``) under a memory
@@ -19,10 +23,15 @@ budget: by default a rank keeps at most ``(1 + BUDGET_SLACK)`` x its even share 
 plus the whole state of the largest matrix it owns (what any owner-compute scheme must hold), plus
 ``STATE_SLACK_ELEMENTS``; ``matrix_ops.memory_budget_mib`` replaces that by a fixed number. It starts from
 every matrix gathered (owners balanced by modeled seconds), moves to the distributed strategy the matrices
-that break the budget, then, while it lowers the modeled step, the costliest matrix of the busiest owner.
-``"gather"`` / ``"distributed"`` force one (``distributed`` also keeps every rank's small state within
-``STATE_SLACK`` of the even share, as before). A matrix held whole by a single rank of its group is computed
-there with no communication under any strategy that gathers it.
+that break the budget, then, while it lowers the modeled step, the costliest matrix of the busiest owner; and
+then takes, where the model says it is faster, the plan that puts the gathered matrices (or all of them) on
+teams of ranks (``teams.choose``). ``"gather"`` / ``"distributed"`` / ``"team"`` force one (``distributed``
+also keeps every rank's small state within ``STATE_SLACK`` of the even share, as before; ``team`` takes
+``team_size`` ranks per matrix, or the size the model picks). A matrix held whole by a single rank of its
+group is computed there with no communication under any strategy that gathers it.
+
+Reductions over the rows of symmetric small matrices (Grams, roots) may be sent as their upper triangles
+(``allreduce(..., symmetric=True)``): half the bytes, and every rank gets the same exactly symmetric result.
 
 Small persistent state (``OpCost.state``) rests split over the ranks by ``shardopt.sharding.state_split``; a
 step runs in buckets (``buckets``) whose whole-tensor transients stay below a bound, not the model's size.
@@ -30,6 +39,8 @@ step runs in buckets (``buckets``) whose whole-tensor transients stay below a bo
 from __future__ import annotations
 
 import heapq
+import inspect
+import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 
@@ -40,13 +51,16 @@ from .comm import collective_counter
 from .layout import MatrixLayout
 from .owner import owner_plan, sole_holder
 from .state_split import Placement
+from .teams import TeamCost, TeamPlan, choose, team_group, team_sizes
 from .time_model import HardwareProfile, StepCost, resolve_profile
 
 __all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUDGET_SLACK",
            "BUCKET_ELEMENTS"]
 
-Strategy = Literal["auto", "gather", "distributed"]
-STRATEGIES = ("auto", "gather", "distributed")
+Strategy = Literal["auto", "gather", "distributed", "team"]
+STRATEGIES = ("auto", "gather", "distributed", "team")
+#: collective rounds of a step: per strategy in use (bucketed), for the latency term of the time model
+_ROUNDS = {"gather": 2.0, "distributed": 4.0, "team": 6.0}
 #: how many FLOPs one byte on the network is worth when owners of forced ``gather`` plans are balanced
 FLOPS_PER_BYTE = 100.0
 #: under ``distributed`` a rank that holds a matrix whole may keep its state only while its small state stays
@@ -83,18 +97,35 @@ class OpCost:
     channels: float = 1.0
 
 
+def _packed(k: int) -> int:
+    """Elements of the upper triangle of a ``k x k`` matrix (what a symmetric reduction sends)."""
+    return k * (k + 1) // 2
+
+
 class MatrixOps:
     """The whole-matrix plan of one step for ``layouts`` (oriented by ``transposes``), identical on every rank."""
 
     def __init__(self, layouts: Sequence[MatrixLayout], names: Sequence[str], transposes: Sequence[bool],
-                 strategy: str, cost: Callable[[tuple[int, int]], OpCost],
-                 profile: HardwareProfile | str | dict | None = None, memory_budget_mib: float | None = None):
+                 strategy: str, cost: Callable[..., OpCost],
+                 profile: HardwareProfile | str | dict | None = None, memory_budget_mib: float | None = None,
+                 team_size: int | None = None):
+        """``cost(a_shape)`` or ``cost(a_shape, parts)``: the matrix's work when its rows of ``A`` are computed
+        on ``parts`` ranks (1: whole on one rank), which may change how an algorithm computes (Muon)."""
         if strategy not in STRATEGIES:
             raise ValueError(f"matrix_ops strategy must be one of {STRATEGIES}, got {strategy!r}")
+        if team_size is not None and (isinstance(team_size, bool) or not isinstance(team_size, int) or team_size < 2):
+            raise ValueError(f"matrix_ops.team_size must be an integer >= 2 or null, got {team_size!r}")
         self.names = list(names)
         self.strategy = strategy
         self.profile = resolve_profile(profile, _device_type(layouts))
         self.budget_elements = None if memory_budget_mib is None else float(memory_budget_mib) * 2 ** 20 / _B
+        self.team_size = team_size
+        self._cost = cost
+        try:
+            self._cost_takes_parts = len(inspect.signature(cost).parameters) >= 2
+        except (TypeError, ValueError):
+            self._cost_takes_parts = False
+        self._split_costs: dict[tuple, OpCost] = {}
         self.kinds: list[str] = []
         self.costs: list[OpCost] = []
         self.a_shapes: list[tuple[int, int]] = []
@@ -104,13 +135,18 @@ class MatrixOps:
             self.costs.append(cost(a_shape))
             if lay.group is None:
                 self.kinds.append("local")
-            elif lay.holders <= 1 or strategy in ("gather", "auto"):
+            elif lay.holders <= 1 or strategy in ("gather", "auto", "team"):
                 self.kinds.append("gather")
             else:
                 self.kinds.append("distributed")
         self._layouts, self._transposes = list(layouts), list(transposes)
+        #: a team's members (group ranks, ascending) per matrix of kind "team", else None
+        self.teams: list[tuple[int, ...] | None] = [None] * len(self.kinds)
+        self._team_factor: dict[int, int] = {}
         if strategy == "auto":
             self.owners = self._choose_by_time(layouts)
+        elif strategy == "team":
+            self.owners = self._assign_teams(layouts)
         else:
             self.owners = self._assign_owners(layouts, strategy == "distributed")
         self.factor_owners = self._assign_factor_owners(layouts)
@@ -120,10 +156,40 @@ class MatrixOps:
         for i, (lay, t) in enumerate(zip(layouts, transposes)):
             if self.kinds[i] == "gather":
                 self.plans.append(RowPlan.owner(lay, t, self.owners[i]))
+            elif self.kinds[i] == "team":
+                self.plans.append(RowPlan.team(lay, t, self.teams[i]))
             else:
                 self.plans.append(RowPlan.aligned(lay, t))
-            self.placements.append(Placement.of(self.plans[-1], self.owners[i] if self.kinds[i] == "gather" else None))
+            self.placements.append(Placement.of(self.plans[-1], self.owners[i] if self.kinds[i] == "gather" else None,
+                                                self.teams[i]))
         self._mark_whole_here()
+
+    # ------------------------------------------------------------------ kinds
+    def split(self, i: int) -> bool:
+        """Whether matrix ``i``'s rows of ``A`` are spread over several computing ranks (``distributed`` or a
+        ``team``): its sums over rows are partial and reduced (``allreduce``)."""
+        return self.kinds[i] in ("distributed", "team")
+
+    def parts(self, i: int) -> int:
+        """How many ranks compute matrix ``i`` (its rows of ``A`` are cut into that many blocks): 1 for ``local``
+        and ``gather``, the team's size, or the group's size under ``distributed``; the same on every rank."""
+        kind = self.kinds[i]
+        if kind == "team":
+            return len(self.teams[i])
+        if kind == "distributed":
+            return self._layouts[i].world
+        return 1
+
+    def cost_of(self, i: int, parts: int | None = None) -> OpCost:
+        """Matrix ``i``'s ``OpCost`` when ``parts`` ranks compute it (default: as planned)."""
+        parts = self.parts(i) if parts is None else parts
+        if parts <= 1 or not self._cost_takes_parts:
+            return self.costs[i]
+        key = (self.a_shapes[i], parts)
+        found = self._split_costs.get(key)
+        if found is None:
+            found = self._split_costs[key] = self._cost(self.a_shapes[i], parts)
+        return found
 
     def _mark_whole_here(self) -> None:
         """``here[i]``: this rank holds matrix ``i`` whole and no other rank holds any of it (``local``, or a
@@ -205,36 +271,64 @@ class MatrixOps:
 
     def _assign_factor_owners(self, layouts: Sequence[MatrixLayout]) -> list[int]:
         """The rank that computes each distributed matrix's small factorization once (``compute_once``; balanced
-        by its FLOPs, longest first), the gather owner otherwise; identical on every rank."""
+        by its FLOPs, longest first), a team's member chosen with the team, the gather owner otherwise;
+        identical on every rank."""
         out = list(self.owners)
-        spread = [i for i, k in enumerate(self.kinds) if k == "distributed" and self.costs[i].shared]
+        spread = [i for i, k in enumerate(self.kinds) if k == "distributed" and self.cost_of(i).shared]
         plan = owner_plan([layouts[i] for i in spread], [self.names[i] for i in spread],
-                          [self.costs[i].small_flops for i in spread])
+                          [self.cost_of(i).small_flops for i in spread])
         for i, o in zip(spread, plan):
             out[i] = o
+        for i, f in self._team_factor.items():
+            if self.kinds[i] == "team":
+                out[i] = f
         return out
 
+    def _assign_teams(self, layouts: Sequence[MatrixLayout]) -> list[int]:
+        """``strategy="team"``: every matrix held by several ranks on a team (``team_size`` ranks, capped at the
+        group's size, or per matrix the size the model finds fastest, at least 2), packed by ``teams.choose``
+        within the memory budget; a matrix one rank holds whole stays with it (``gather``)."""
+        owners = [-1] * len(layouts)
+        for idx in _by_group(layouts).values():
+            world = layouts[idx[0]].world
+            if self.team_size is not None:
+                sizes = [min(self.team_size, world)]
+            else:
+                sizes = [g for g in team_sizes(world) if g >= 2] or [world]
+            sole = {i: sole_holder(layouts[i]) if layouts[i].holders <= 1 else None for i in idx}
+            t_gather = {i: self.seconds(i, "gather") for i in idx}
+            costs = {i: self._team_costs(i, [1] if sole[i] is not None or world < 2 else sizes, t_gather[i])
+                     for i in idx}
+            plan = choose(idx, self.names, costs, world, torch.zeros(world, dtype=torch.float64),
+                          {i: self.costs[i].state for i in idx}, sole, self._capacity(idx, world, 0.0, force=True))
+            self._apply_team_plan(idx, plan, owners)
+        return owners
+
     def compute_once(self, inputs: dict[int, torch.Tensor],
-                     fn: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]]) -> dict[int, torch.Tensor]:
+                     fn: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]],
+                     symmetric: bool = False) -> dict[int, torch.Tensor]:
         """``fn`` of identical small inputs (reduced Grams, EMA statistics) without repeating it on every rank:
-        a distributed matrix's result is computed by its factorization owner alone and shared with one
-        all-reduce per process group (the others add exact zeros, so every rank gets the owner's result);
-        other matrices (an owner's, local ones) are computed here. ``fn`` maps a dict of inputs to results of
-        the inputs' shapes. Every rank issues the same collective, also a rank that owns none."""
+        a split matrix's result (``distributed`` or ``team``) is computed by its factorization owner alone and
+        shared with one all-reduce per process group or team (the others add exact zeros, so every rank gets the
+        owner's result); other matrices (an owner's, local ones) are computed here. ``fn`` maps a dict of inputs
+        to results of the inputs' shapes (``symmetric``: symmetric ``k x k`` results, sent as triangles). Every
+        rank that computes a split matrix issues the same collective, also a rank that owns none."""
         mine = {i: x for i, x in inputs.items()
-                if self.kinds[i] != "distributed" or self.factor_owners[i] == self.plans[i].layout.rank}
+                if not self.split(i) or self.factor_owners[i] == self.plans[i].layout.rank}
         out = fn(mine) if mine else {}
-        spread = {i: out[i] if i in out else torch.zeros_like(x) for i, x in inputs.items()
-                  if self.kinds[i] == "distributed"}
+        spread = {i: out[i] if i in out else torch.zeros_like(x) for i, x in inputs.items() if self.split(i)}
         if spread:
-            out.update(self.allreduce(spread))
+            out.update(self.allreduce(spread, symmetric=symmetric))
         return out
 
     # ------------------------------------------------------------------ the time model (issue 27)
-    def op_cost(self, i: int, kind: str | None = None, owner: bool = True, bound: bool = False) -> StepCost:
+    def op_cost(self, i: int, kind: str | None = None, owner: bool = True, bound: bool = False,
+                size: int | None = None, rank: int | None = None) -> StepCost:
         """Modeled work of matrix ``i`` on one rank under ``kind`` (default: its strategy): on the owner
         (``owner``) or on another rank under ``gather``; under ``distributed`` on the busiest rank's rows, with
-        the factorization where it runs (every rank, or only its factorization owner when ``shared``).
+        the factorization where it runs (every rank, or only its factorization owner when ``shared``); on a
+        ``team`` of ``size`` ranks (default: its team) on a member, with the factorization when ``owner`` (see
+        ``_team_cost``; ``rank``: that rank exactly, from the plan).
         ``bound``: under ``distributed``, a lower bound without the row plan (an even share of the rows, no row
         moved), which costs O(1) instead of O(P)."""
         kind = kind or self.kinds[i]
@@ -249,7 +343,10 @@ class MatrixOps:
             moved = m * n - piece  # the other holders' pieces in (``channels`` tensors), their results out
             return StepCost(matmul=c.row_flops, factor=c.small_flops, sent=_B * moved,
                             received=_B * moved * c.channels, rounds=2.0 if moved else 0.0)
+        if kind == "team":
+            return self._team_cost(i, size or len(self.teams[i]), owner, rank)
         world = lay.world
+        c = self.cost_of(i, world)
         if bound:
             share, moved = 1.0 / world, 0
         else:
@@ -261,6 +358,50 @@ class MatrixOps:
         net = _B * ((c.channels + 1) * moved + ring * (c.reduced + c.shared) + state)
         factor = c.small_flops if not c.shared or owner else 0.0
         return StepCost(matmul=c.row_flops * share, factor=factor, sent=net, received=net, rounds=4.0)
+
+    def _team_cost(self, i: int, g: int, factor: bool, rank: int | None = None) -> StepCost:
+        """Matrix ``i`` on a team of ``g`` ranks, for one member (``factor``: the member that runs the shared
+        factorization). It receives its rows of ``A`` (``channels`` tensors) from their holders and sends the
+        results of its rows back, sends its own piece to the members and gets its results; among the members
+        the reduced small matrices (a ring: 2 (g - 1) / g of them, also the shared factorization) and the
+        resting state (its (g - 1) / g). With ``rank`` of a planned team, the moved elements are the plan's;
+        otherwise estimated (an even share of the rows, none of them already in place: an upper bound)."""
+        c = self.cost_of(i, g)
+        lay = self._layouts[i]
+        m, n = lay.shape
+        rows, cols = self.a_shapes[i]
+        member = True
+        if rank is not None and self.kinds[i] == "team" and i < len(self.plans):
+            plan = self.plans[i]
+            a0, a1 = plan.rows(rank)
+            member = rank in self.teams[i]
+            block = (a1 - a0) * cols
+            back = block - (plan.moved(rank, rank) if block else 0)  # its rows' elements held by other ranks
+            out = plan.sent[rank]  # its piece's elements in the members' rows
+            share = (a1 - a0) / max(rows, 1)
+            received, sent = c.channels * back + out, c.channels * out + back
+        else:
+            rows_g = -(-rows // g) if rows else 0
+            share = rows_g / max(rows, 1)
+            block = rows_g * cols
+            piece = m * n / max(lay.holders, 1)
+            received, sent = c.channels * block + piece, block + c.channels * piece
+        if not member:  # a holder outside the team: its piece out, its results back
+            return StepCost(sent=_B * sent, received=_B * received, rounds=2.0)
+        coll = 2.0 * (g - 1) / g * (c.reduced + c.shared) + c.state * (g - 1) / g
+        return StepCost(matmul=c.row_flops * share, factor=c.small_flops if not c.shared or factor else 0.0,
+                        sent=_B * (sent + coll), received=_B * (received + coll), rounds=_ROUNDS["team"])
+
+    def _team_costs(self, i: int, sizes: Sequence[int], t_gather: float) -> dict[int, TeamCost]:
+        """``TeamCost`` of matrix ``i`` for each team size (1: its gather owner's seconds)."""
+        out = {}
+        for g in sizes:
+            if g == 1:
+                out[1] = TeamCost(1, t_gather, t_gather)
+            else:
+                out[g] = TeamCost(g, self._team_cost(i, g, False).seconds(self.profile),
+                                  self._team_cost(i, g, True).seconds(self.profile))
+        return out
 
     def seconds(self, i: int, kind: str | None = None, owner: bool = True) -> float:
         return self.op_cost(i, kind, owner).seconds(self.profile)
@@ -301,7 +442,74 @@ class MatrixOps:
             placed, _ = self._owners_within_budget(idx, t_gather)
             for i in idx:
                 owners[i] = placed.get(i, -1) if self.kinds[i] == "gather" else -1
+            self._consider_teams(idx, world, t_gather, t_dist, owners)
         return owners
+
+    def _consider_teams(self, idx: Sequence[int], world: int, t_gather: dict[int, float], t_dist: dict[int, float],
+                        owners: list[int]) -> None:
+        """``auto``, after the gather / distributed plan of one process group: the same estimate of its busiest
+        rank (every rank pays the distributed matrices and the moves of its pieces; owners their matrices)
+        against two team plans (``teams.choose``): the gathered matrices on teams beside the distributed ones,
+        and every matrix on a team (a team of one is an owner). The plan with the least busiest rank is kept
+        (the current one on ties). Deterministic from static metadata."""
+        if world < 2:
+            return
+        lays = self._layouts
+        sizes = team_sizes(world)
+        sole = {i: sole_holder(lays[i]) if lays[i].holders <= 1 else None for i in idx}
+        state = {i: self.costs[i].state for i in idx}
+        costs = {i: self._team_costs(i, [1] if sole[i] is not None else sizes, t_gather[i]) for i in idx}
+        moves = {i: self.op_cost(i, "gather", owner=False).seconds(self.profile) if sole[i] is None else 0.0
+                 for i in idx}  # a holder's piece to the owner or team and its results back
+        gathered = [i for i in idx if self.kinds[i] == "gather"]
+        spread = [i for i in idx if self.kinds[i] == "distributed"]
+        if any(owners[i] < 0 for i in gathered):
+            return
+        base = sum(t_dist[i] for i in spread) + sum(moves[i] for i in gathered)
+        current = torch.full((world,), base, dtype=torch.float64)
+        for i in gathered:
+            current[owners[i]] += t_gather[i]
+        best, best_busiest = None, float(current.max())
+        spread_state = sum(state[i] for i in spread) / world
+        candidates = [
+            (gathered, base, spread_state),
+            (list(idx), sum(moves[i] for i in idx), 0.0),
+        ]
+        for mats, start, held in candidates:
+            plan = choose(mats, self.names, costs, world, torch.full((world,), start, dtype=torch.float64), state,
+                          sole, self._capacity(idx, world, held))
+            if plan is not None and plan.busiest < best_busiest * (1 - 1e-9):
+                best, best_busiest = (mats, plan), plan.busiest
+        if best is not None:
+            self._apply_team_plan(*best, owners)
+
+    def _capacity(self, idx: Sequence[int], world: int, held: float, force: bool = False):
+        """The memory budget as ``teams.pack`` asks it: ``cap(held, largest, share)`` per rank (tensors), whether
+        ``share`` more small state fits a rank that keeps ``held`` (plus ``held`` of evenly spread state) and
+        whose largest owned share is ``largest``. ``force``: no budget (a forced strategy)."""
+        if force:
+            return lambda h, big, share: torch.ones_like(h, dtype=torch.bool)
+        if self.budget_elements is not None:
+            limit = self.budget_elements
+            return lambda h, big, share: h + held + share <= limit
+        total = sum(self.costs[i].state for i in idx)
+        even = (1 + BUDGET_SLACK) * total / world + STATE_SLACK_ELEMENTS
+        return lambda h, big, share: h + held + share <= even + torch.clamp(big, min=share)
+
+    def _apply_team_plan(self, idx: Sequence[int], plan: TeamPlan | None, owners: list[int]) -> None:
+        """Strategies from a team plan: a team of one is the matrix's gather owner, a larger one a ``team``
+        (its factorization member is the owner of its 0-d state, as a gather owner's); with no plan (nothing
+        fits the budget) the matrices are ``distributed``."""
+        for i in idx:
+            if plan is None or i not in plan.members:
+                self.kinds[i], owners[i] = "distributed", -1
+                continue
+            members = plan.members[i]
+            if len(members) == 1:
+                self.kinds[i], owners[i], self.teams[i] = "gather", members[0], None
+            else:
+                self.kinds[i], owners[i], self.teams[i] = "team", plan.factor[i], members
+                self._team_factor[i] = plan.factor[i]
 
     def _owners_within_budget(self, idx: Sequence[int], t_gather: dict[int, float]) -> tuple[dict[int, int], list[int]]:
         """Owners of the gathered matrices among ``idx`` (one process group): longest modeled seconds first, each
@@ -402,7 +610,6 @@ class MatrixOps:
         """This plan's modeled work on ``rank`` (default: this rank) per step: FLOPs by kind, bytes sent and
         received, collective rounds (bucketed: per strategy in use, not per matrix), seconds under the profile."""
         total = StepCost()
-        rounds = {"gather": 2.0, "distributed": 4.0}
         used = set()
         for i, kind in enumerate(self.kinds):
             lay = self._layouts[i]
@@ -410,32 +617,43 @@ class MatrixOps:
             if kind == "gather" and self.owners[i] != r:
                 piece = lay._piece_numel(lay.pieces[r])
                 c = StepCost(sent=_B * piece * self.costs[i].channels, received=_B * piece)
+            elif kind == "team":
+                c = self._team_cost(i, len(self.teams[i]), self.factor_owners[i] == r, rank=r)
             else:
                 c = self.op_cost(i, kind, owner=kind != "distributed" or self.factor_owners[i] == r)
             if c.sent or c.received:
                 used.add(kind)
             c.rounds = 0.0
             total += c
-        total.rounds = sum(rounds.get(k, 0.0) for k in used)
+        total.rounds = sum(_ROUNDS.get(k, 0.0) for k in used)
         return {"matmul_flops": total.matmul, "factor_flops": total.factor, "sent_bytes": total.sent,
                 "received_bytes": total.received, "rounds": total.rounds, "seconds": total.seconds(self.profile)}
 
     def modeled_payload(self, rank: int | None = None, state_share=None) -> dict[str, float]:
         """Bytes ``rank`` hands to collectives per step by ``collective_counter`` tag (what ``comm_stats``
-        records: the send buffer of each call), as the plan predicts them: ``gather`` (pieces to owners and
-        results back), ``realign`` (rows to the distributed row blocks and back), ``distributed`` (reduced
-        small matrices and shared factorizations), ``state`` (this rank's share of distributed matrices'
-        resting state, all-gathered). ``state_share(i, rank)``: elements of matrix ``i``'s state the rank
-        keeps (default: an even cut of ``OpCost.state``)."""
+        records: the send buffer of each call), as the plan predicts them: ``gather`` (pieces to owners or
+        teams and results back), ``realign`` (rows to the distributed row blocks and back), ``distributed``
+        (reduced small matrices and shared factorizations), ``state`` (this rank's share of distributed and
+        team matrices' resting state, all-gathered). ``state_share(i, rank)``: elements of matrix ``i``'s state
+        the rank keeps (default: an even cut of ``OpCost.state`` over the ranks that keep it)."""
         out = {"gather": 0.0, "realign": 0.0, "distributed": 0.0, "state": 0.0}
         for i, kind in enumerate(self.kinds):
-            lay, c = self._layouts[i], self.costs[i]
+            lay, c = self._layouts[i], self.cost_of(i)
             r = lay.rank if rank is None else rank
             if kind == "gather" and lay.holders > 1:
                 if self.owners[i] == r:  # the results of every other rank's piece
                     out["gather"] += _B * sum(lay._piece_numel(p) for q, p in enumerate(lay.pieces) if q != r)
                 else:
                     out["gather"] += _B * c.channels * lay._piece_numel(lay.pieces[r])
+            elif kind == "team":
+                plan = self.plans[i]
+                a0, a1 = plan.rows(r)
+                back = (a1 - a0) * plan.a_shape[1] - (plan.moved(r, r) if a1 > a0 else 0)
+                out["gather"] += _B * (c.channels * plan.sent[r] + back)
+                if r in self.teams[i]:
+                    out["distributed"] += _B * (c.reduced + c.shared)
+                    out["state"] += _B * (state_share(i, r) if state_share is not None else
+                                          c.state / len(self.teams[i]))
             elif kind == "distributed":
                 plan = RowPlan.aligned(lay, self._transposes[i])
                 back = sum(plan.moved(q, r) for q in range(lay.world) if q != r)
@@ -445,14 +663,21 @@ class MatrixOps:
         return out
 
     def describe(self) -> str:
-        """The plan as a table (one row per matrix: strategy, owner, modeled seconds on its owner or on every
-        rank) and a line with this rank's modeled step and the profile; the same text on every rank but the
-        last line, which speaks for this rank."""
-        rows = [f"{'matrix':40s} {'A shape':>13s} {'strategy':11s} {'owner':>5s} {'modeled ms':>10s}"]
+        """The plan as a table (one row per matrix: strategy, owner or team, modeled seconds on its owner, on a
+        team's factorization member or on every rank) and a line with this rank's modeled step and the
+        profile; the same text on every rank but the last line, which speaks for this rank."""
+        rows = [f"{'matrix':40s} {'A shape':>13s} {'strategy':11s} {'owner':>11s} {'modeled ms':>10s}"]
         for i, (name, kind) in enumerate(zip(self.names, self.kinds)):
             shape = "x".join(map(str, self.a_shapes[i]))
-            owner = str(self.owners[i]) if kind == "gather" else "-"
-            rows.append(f"{name[-40:]:40s} {shape:>13s} {kind:11s} {owner:>5s} {1e3 * self.seconds(i):10.3f}")
+            if kind == "gather":
+                owner = str(self.owners[i])
+            elif kind == "team":
+                team = self.teams[i]
+                owner = f"{team[0]}-{team[-1]}" if team == tuple(range(team[0], team[-1] + 1)) else \
+                    ",".join(map(str, team))
+            else:
+                owner = "-"
+            rows.append(f"{name[-40:]:40s} {shape:>13s} {kind:11s} {owner:>11s} {1e3 * self.seconds(i):10.3f}")
         m = self.modeled()
         rows.append(f"this rank: {1e3 * m['seconds']:.3f} ms modeled ({m['matmul_flops'] / 1e9:.3g} GFLOP products, "
                     f"{m['factor_flops'] / 1e9:.3g} GFLOP factorizations, {m['sent_bytes'] / 2**20:.3g} MiB sent, "
@@ -461,11 +686,14 @@ class MatrixOps:
 
     def _transient(self, i: int, rank: int | None) -> float:
         """Whole-tensor elements matrix ``i`` puts on ``rank`` during its bucket's step."""
-        c, plan = self.costs[i], self.plans[i]
+        c, plan = self.cost_of(i), self.plans[i]
+        r = plan.layout.rank if rank is None else rank
         if self.kinds[i] == "distributed":
             return c.state + c.reduced
+        if self.kinds[i] == "team":
+            a0, a1 = plan.rows(r)
+            return c.state + c.reduced + (a1 - a0) * plan.a_shape[1] if r in self.teams[i] else 0.0
         if self.kinds[i] == "gather":
-            r = plan.layout.rank if rank is None else rank
             m, n = plan.a_shape
             return c.state + c.reduced + m * n if self.owners[i] == r else 0.0
         return 0.0
@@ -504,6 +732,10 @@ class MatrixOps:
         sub.a_shapes = [self.a_shapes[i] for i in idx]
         sub._layouts = [self._layouts[i] for i in idx]
         sub._transposes = [self._transposes[i] for i in idx]
+        sub.teams = [self.teams[i] for i in idx]
+        sub._team_factor = {}
+        sub._cost, sub._cost_takes_parts, sub._split_costs = self._cost, self._cost_takes_parts, self._split_costs
+        sub.team_size = self.team_size
         sub.strategy, sub.profile, sub.budget_elements = self.strategy, self.profile, self.budget_elements
         sub.here = [self.here[i] for i in idx]
         sub.elsewhere = [self.elsewhere[i] for i in idx]
@@ -521,9 +753,12 @@ class MatrixOps:
     def _make_buckets(self, limit: float) -> list[list[int]]:
         out: list[list[int]] = []
         used = 0.0
-        for i, (c, kind, plan) in enumerate(zip(self.costs, self.kinds, self.plans)):
+        for i, (kind, plan) in enumerate(zip(self.kinds, self.plans)):
+            c = self.cost_of(i)
             m, n = plan.a_shape
-            size = c.state + c.reduced + (m * n if kind == "gather" else 0)
+            # on its owner a gathered matrix is whole, on a team member one share of its rows
+            whole = m * n if kind == "gather" else -(-m // len(self.teams[i])) * n if kind == "team" else 0
+            size = c.state + c.reduced + whole
             if not out or used + size > limit:
                 out.append([])
                 used = 0.0
@@ -533,7 +768,12 @@ class MatrixOps:
 
     def active(self, i: int) -> bool:
         """Whether this rank computes matrix ``i`` (holds its rows, or takes part in its reductions)."""
-        return self.kinds[i] != "gather" or self.owners[i] == self.plans[i].layout.rank
+        kind = self.kinds[i]
+        if kind == "gather":
+            return self.owners[i] == self.plans[i].layout.rank
+        if kind == "team":
+            return self.plans[i].layout.rank in self.teams[i]
+        return True
 
     def rows(self, i: int) -> tuple[int, int]:
         return self.plans[i].rows()
@@ -570,27 +810,38 @@ class MatrixOps:
                            getattr(self, "_device", "cpu"))
 
     def _tag(self, i: int) -> str:
-        return "gather" if self.kinds[i] == "gather" else "realign"
+        return "realign" if self.kinds[i] == "distributed" else "gather"
 
-    def allreduce(self, parts: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Sum each distributed matrix's partial tensor over its group (one all-reduce per group and dtype);
-        others are returned as they are (their ranks already hold every row)."""
+    def allreduce(self, parts: dict[int, torch.Tensor], symmetric: bool = False) -> dict[int, torch.Tensor]:
+        """Sum each split matrix's partial tensor over the ranks that compute it: one all-reduce per process
+        group and dtype for the ``distributed`` ones, then one per team and dtype, on the team's own group
+        (teams in the order of their member sets, so a rank in several teams meets them as every other
+        member does); others are returned as they are (their ranks already hold every row). ``symmetric``:
+        every part is a symmetric ``k x k`` matrix; its upper triangle is sent (half the bytes) and the sum
+        comes back exactly symmetric."""
         import torch.distributed as dist
 
         buckets: dict[tuple, list[int]] = {}
         for i in sorted(parts):
-            if self.kinds[i] == "distributed":
+            if self.split(i):
                 lay = self.plans[i].layout
-                buckets.setdefault((id(lay.group), parts[i].dtype), []).append(i)
+                buckets.setdefault((id(lay.group), self.teams[i], parts[i].dtype), []).append(i)
         out = dict(parts)
-        for idx in buckets.values():
-            flat = torch.cat([parts[i].reshape(-1) for i in idx])
+        keys = [k for k in buckets if k[1] is None] + sorted((k for k in buckets if k[1] is not None),
+                                                                key=lambda k: (k[1], str(k[2])))
+        for key in keys:
+            idx = buckets[key]
+            lay = self.plans[idx[0]].layout
+            pieces = [_triangle(parts[i]) if symmetric else parts[i].reshape(-1) for i in idx]
+            flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
             collective_counter.record(flat, "distributed")
-            dist.all_reduce(flat, group=self.plans[idx[0]].layout.group)
+            group = lay.group if key[1] is None else team_group(lay.group, key[1])
+            dist.all_reduce(flat, group=group)
             pos = 0
-            for i in idx:
-                k = parts[i].numel()
-                out[i] = flat[pos: pos + k].view(parts[i].shape)
+            for i, piece in zip(idx, pieces):
+                k = piece.numel()
+                chunk = flat[pos: pos + k]
+                out[i] = _from_triangle(chunk, parts[i].shape[-1]) if symmetric else chunk.view(parts[i].shape)
                 pos += k
         return out
 
@@ -598,7 +849,7 @@ class MatrixOps:
         """Row blocks of small tall matrices (rows of ``A`` x k) -> the whole matrix on every rank that computes."""
         full = {}
         for i, b in blocks.items():
-            if self.kinds[i] == "distributed":
+            if self.split(i):
                 a0, a1 = self.rows(i)
                 f = torch.zeros(self.plans[i].a_shape[0], b.shape[1], dtype=b.dtype, device=b.device)
                 f[a0:a1] = b
@@ -622,12 +873,40 @@ class MatrixOps:
             if not self.active(i):
                 continue
             plan = self.plans[i]
+            c = self.cost_of(i)
             a0, a1 = plan.rows()
             share = (a1 - a0) / max(plan.a_shape[0], 1)
-            small = c.small_flops if not (self.kinds[i] == "distributed" and c.shared) \
+            small = c.small_flops if not (self.split(i) and c.shared) \
                 or self.factor_owners[i] == plan.layout.rank else 0.0
             totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + small
         return totals
+
+
+def _triangle(x: torch.Tensor) -> torch.Tensor:
+    """The upper triangle of a square matrix, row by row (what a symmetric reduction sends)."""
+    k = x.shape[-1]
+    rows, cols = _triu(k, x.device)
+    return x[rows, cols]
+
+
+def _from_triangle(flat: torch.Tensor, k: int) -> torch.Tensor:
+    """The symmetric ``k x k`` matrix whose upper triangle is ``flat``."""
+    rows, cols = _triu(k, flat.device)
+    out = flat.new_empty(k, k)
+    out[rows, cols] = flat
+    out[cols, rows] = flat
+    return out
+
+
+_TRIU: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _triu(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    key = (k, str(device))
+    found = _TRIU.get(key)
+    if found is None:
+        found = _TRIU[key] = tuple(torch.triu_indices(k, k, device=device).unbind(0))
+    return found
 
 
 def _device_type(layouts: Sequence[MatrixLayout]) -> str | None:

@@ -9,6 +9,8 @@ dimension is cut over the ranks of the matrix's process group:
   ranks balanced where engines hand out contiguous ranges of the model (ZeRO-1/2: a rank holding attention
   matrices would otherwise keep more state per parameter than one holding MLP matrices);
 * gather strategy: whole on the owner, nothing elsewhere;
+* a team (``MatrixOps`` kind ``"team"``): evenly over the team's members, nothing elsewhere; the step gathers
+  it among the members only (their own process group, ``teams.team_group``);
 * not sharded (single process, DDP): the whole tensor.
 
 0-d entries (counters, limiter norms) are kept on every rank (``split dim`` None). For a step,
@@ -49,12 +51,17 @@ class Placement:
     rank: int
     owner: int | None = None
     group: Any = None
+    #: a team: the group ranks (ascending) over which the state is cut evenly; the others keep none of it
+    members: tuple[int, ...] | None = None
 
     @classmethod
-    def of(cls, plan: RowPlan, owner: int | None) -> "Placement":
+    def of(cls, plan: RowPlan, owner: int | None, members: tuple[int, ...] | None = None) -> "Placement":
         lay = plan.layout
-        return cls(lay.world, lay.rank, owner if lay.group is not None and owner is not None and owner >= 0 else None,
-                   lay.group)
+        if lay.group is None:
+            return cls(lay.world, lay.rank, None, None)
+        if members is not None:
+            return cls(lay.world, lay.rank, None, lay.group, tuple(members))
+        return cls(lay.world, lay.rank, owner if owner is not None and owner >= 0 else None, lay.group)
 
 
 def share(place: Placement, length: int, rank: int | None = None) -> tuple[int, int]:
@@ -62,6 +69,8 @@ def share(place: Placement, length: int, rank: int | None = None) -> tuple[int, 
     r = place.rank if rank is None else rank
     if place.owner is not None:
         return (0, length) if r == place.owner else (0, 0)
+    if place.members is not None:
+        return _even(length, len(place.members), place.members.index(r)) if r in place.members else (0, 0)
     return _even(length, place.world, r)
 
 
@@ -88,21 +97,28 @@ def keep_share(plan: Placement, full: torch.Tensor, dim: int | None) -> torch.Te
     return full.narrow(dim, lo, hi - lo).clone()
 
 
-def _by_group(entries: Sequence[tuple]) -> list[list[int]]:
-    """Entry indices by process group (one collective each), in first-seen order."""
-    by: dict[int, list[int]] = {}
+def _by_group(entries: Sequence[tuple], by_team: bool = False) -> list[list[int]]:
+    """Entry indices by process group (one collective each): in first-seen order, and with ``by_team`` each
+    team's entries apart, after the others, in the order of their member sets (a rank in several teams meets
+    them in the same order as every other member)."""
+    by: dict[tuple, list[int]] = {}
     for e, (place, *_rest) in enumerate(entries):
-        by.setdefault(id(place.group), []).append(e)
-    return list(by.values())
+        team = place.members if by_team else None
+        by.setdefault((id(place.group), team), []).append(e)
+    keys = [k for k in by if k[1] is None] + sorted((k for k in by if k[1] is not None), key=lambda k: k[1])
+    return [by[k] for k in keys]
 
 
 def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int, str]]) -> list[torch.Tensor]:
     """Whole tensors from every rank's share: ``entries[e] = (plan, local share, logical shape, dim, name)``.
 
-    One ``all_gather`` per process group for all entries (shares padded to the largest rank's total). Every
-    rank of a group must pass the same entries in the same order; a share of the wrong shape raises
-    ``StateShapeError`` naming the matrix before any collective runs."""
+    One ``all_gather`` per process group for all entries (shares padded to the largest rank's total); a team's
+    entries gather among its members, on the team's own group (every member passes them, the other ranks
+    none). Every rank of a group must pass the same entries in the same order; a share of the wrong shape
+    raises ``StateShapeError`` naming the matrix before any collective runs."""
     import torch.distributed as dist
+
+    from .teams import team_group
 
     for plan, local, shape, dim, name in entries:
         want = share_shape(plan, shape, dim)
@@ -113,11 +129,12 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
                 "same world size, engine and matrix_ops strategy; reshard with torch.distributed.checkpoint "
                 "(get_state_dict / set_state_dict) or shardopt.checkpoint.save / load")
     out: list[torch.Tensor | None] = [None] * len(entries)
-    for idx in _by_group(entries):
+    for idx in _by_group(entries, by_team=True):
         plan0 = entries[idx[0]][0]
-        world = plan0.world
+        ranks = list(plan0.members) if plan0.members is not None else list(range(plan0.world))
+        world = len(ranks)
         sizes = [[math.prod(share_shape(entries[e][0], entries[e][2], entries[e][3], r)) for e in idx]
-                 for r in range(world)]
+                 for r in ranks]
         width = max(sum(s) for s in sizes)
         local = entries[idx[0]][1]
         send = torch.zeros(width, dtype=local.dtype, device=local.device)
@@ -128,18 +145,19 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
             pos += t.numel()
         recv = [torch.empty_like(send) for _ in range(world)]
         collective_counter.record(send, "state")
-        dist.all_gather(recv, send, group=plan0.group)
+        group = plan0.group if plan0.members is None else team_group(plan0.group, plan0.members)
+        dist.all_gather(recv, send, group=group)
         offsets = [0] * world
         for k, e in enumerate(idx):
             plan, _, shape, dim, _ = entries[e]
             full = torch.empty(shape, dtype=local.dtype, device=local.device)
-            for r in range(world):
+            for j, r in enumerate(ranks):
                 part_shape = share_shape(plan, shape, dim, r)
-                numel = sizes[r][k]
+                numel = sizes[j][k]
                 if numel:
                     lo, hi = share(plan, shape[dim], r)
-                    full.narrow(dim, lo, hi - lo).copy_(recv[r][offsets[r]: offsets[r] + numel].view(part_shape))
-                offsets[r] += numel
+                    full.narrow(dim, lo, hi - lo).copy_(recv[j][offsets[j]: offsets[j] + numel].view(part_shape))
+                offsets[j] += numel
             out[e] = full
     return out  # type: ignore[return-value]
 

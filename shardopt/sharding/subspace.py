@@ -48,7 +48,7 @@ def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int
     def reduced(reduce, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """One ``reduce`` (assemble or all-reduce) over every group's stacked partial results."""
         done = reduce({i: p[j] for g, p in zip(members, parts) for j, i in enumerate(g)})
-        return [p if all(ops.kinds[i] != "distributed" for i in g) else torch.stack([done[i] for i in g])
+        return [p if not any(ops.split(i) for i in g) else torch.stack([done[i] for i in g])
                 for g, p in zip(members, parts)]
 
     y = reduced(ops.assemble, [ag @ torch.stack([omega[i] for i in g]) for g, ag in zip(members, a)])
