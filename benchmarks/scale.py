@@ -253,7 +253,7 @@ def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Ten
     for i, (kind, plan, owner, factor_owner) in enumerate(zip(ops.kinds, ops.plans, ops.owners, ops.factor_owners)):
         c = ops.cost_of(i)
         kinds[kind] = kinds.get(kind, 0) + 1
-        work = (c.row_flops, c.small_flops)
+        work = (c.row_flops, c.small_flops + c.small_matmul)
         if kind == "local":
             flops += work[0] + work[1]
             continue
@@ -313,7 +313,7 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
     net = torch.zeros(world, dtype=torch.float64)  # bytes sent + received
     mem = torch.zeros(world, dtype=torch.float64)
     line = 0.0
-    kinds: set[str] = set()
+    kinds: dict[str, float] = {}  # strategy -> collective rounds per step (bucketed: the most of its matrices)
     for g, frags in opt._fragments_by_group(all_groups=True).items():
         group = groups[g]
         rule = group.get("treatment", "adamw")
@@ -343,10 +343,13 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
                     c.rounds = 0.0
                     seconds += c.seconds(ops.profile)
                     net += c.sent + c.received
-                    if kind == "distributed" and ops.costs[i].shared:
-                        seconds[ops.factor_owners[i]] += ops.costs[i].small_flops / ops.profile.factor_flops
+                    split = ops.cost_of(i)
+                    if kind == "distributed" and split.shared:
+                        seconds[ops.factor_owners[i]] += (split.small_flops / ops.profile.factor_flops
+                                                          + split.small_matmul / ops.profile.matmul_flops)
                 if kind != "local" and (ops.plans[i].layout.holders > 1 or kind != "gather"):
-                    kinds.add(kind)
+                    rounds = 2.0 if kind == "gather" else ops.cost_of(i).split_rounds()
+                    kinds[kind] = max(kinds.get(kind, 0.0), rounds)
         rule_name = "adamw" if rule == "adamw" else name
         for f in frags:
             m, n = f.layout.shape
@@ -360,7 +363,7 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
     ring = 2.0 * (world - 1) / world
     seconds += ring * 4 * line / profile.bandwidth + LINE_ROUNDS.get(name, 0) * profile.latency
     net += 2 * ring * 4 * line
-    seconds += profile.latency * sum({"gather": 2, "distributed": 4, "team": 6}[k] for k in kinds)
+    seconds += profile.latency * sum(kinds.values())
     busiest = int(seconds.argmax())
     return {"modeled_s": float(seconds[busiest]), "modeled_rank": busiest, "traffic_busiest_bytes": float(net.max()),
             "modeled_mean_s": float(seconds.mean()), "profile": profile.describe()}

@@ -43,7 +43,7 @@ OPTIMIZERS = {
                  routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
     "alice": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "distributed"},
                   routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
-    "alice0": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "gather"},
+    "alice0": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "team", "team_size": 2},
                    routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
 }
 #: optimizers whose whole-matrix work runs under every strategy: the parity matrix runs each (``team``: teams of

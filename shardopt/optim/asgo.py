@@ -128,15 +128,21 @@ def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: t
 
 
 @functools.lru_cache(maxsize=1024)
-def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, symmetric_root: bool = True) -> OpCost:
+def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None = None, graft: bool = False) -> OpCost:
     """``channels``: the gradient and the momentum go to the row blocks (the momentum alone with
-    ``statistic="momentum"``). The Gram crosses the network as a triangle (the root symmetrizes the statistic
-    anyway), the root too where it is symmetric to rounding (``symmetric_root``: the float64 eigh root; the
-    fp32 Newton-Schulz root is not, and goes whole)."""
+    ``statistic="momentum"``). The root: a float64 eigendecomposition (about ``10 k^3``) and its product, or
+    (``ns_steps``) the coupled Newton-Schulz iteration's ``3 ns_steps - 2`` products and its residual check.
+    The Gram crosses the network as a triangle (the root symmetrizes the statistic anyway), the eigh root too
+    (symmetric to rounding; the fp32 Newton-Schulz root is not, and goes whole); ``graft``: one more round,
+    the update's norm."""
     rows, k = a_shape
     tri = k * (k + 1) // 2
-    return OpCost(row_flops=4.0 * rows * k * k, small_flops=10.0 * k ** 3, reduced=tri, state=2.0 * k * k,
-                  shared=tri if symmetric_root else k * k, channels=channels)
+    if ns_steps is None:
+        small = dict(small_flops=10.0 * k ** 3, small_matmul=2.0 * k ** 3)
+    else:
+        small = dict(small_matmul=2.0 * k ** 3 * (3 * ns_steps))
+    return OpCost(row_flops=4.0 * rows * k * k, reduced=tri, state=2.0 * k * k, shared=tri if ns_steps is None else k * k,
+                  channels=channels, rounds=2.0 if graft else 1.0, **small)
 
 
 #: blocks of ``A`` with at least this many elements are computed one by one, as views: there a kernel's launch
@@ -215,7 +221,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         return asgo_left(shape, group["side"])
 
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
-        return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2, group["root"] == "eigh")
+        return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2,
+                          None if group["root"] == "eigh" else group["ns_steps"], group["update_rms"] is not None)
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]
@@ -271,7 +278,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         refresh = self._refresh_rows(group, groups, steps, lambda i: plan.params[owners[i]])
         products = self._asgo_groups(group, groups, stats, ms, states, has_grad, refresh, blocks.layouts,
                                      lambda parts, symmetric=False: parts, lambda i: False)
-        flops = sum(len(idx) * (c.row_flops + c.small_flops)
+        flops = sum(len(idx) * (c.row_flops + c.small_flops + c.small_matmul)
                     for idx, c in ((idx, _asgo_cost(tuple(a.shape[1:]))) for idx, a in zip(groups, stats)))
         collective_counter.add_flops("local", flops)  # MatrixOps.account of the local strategy
         step.apply([u.mT if left else u for u, left in zip(products, lefts)], group["lr"], group["weight_decay"])

@@ -157,8 +157,9 @@ class Muon(ShardedOptimizer):
         steps = group["ns_steps"]
         reduced = steps * k * (k + 1) // 2 + 1
         if muon_gram_products(a_shape, parts):
-            return OpCost(row_flops=steps * 6.0 * k * k * long, reduced=reduced)
-        return OpCost(row_flops=steps * 4.0 * k * k * long, small_flops=steps * 2.0 * k ** 3, reduced=reduced)
+            return OpCost(row_flops=steps * 6.0 * k * k * long, reduced=reduced, rounds=steps + 1)
+        return OpCost(row_flops=steps * 4.0 * k * k * long, small_matmul=steps * 2.0 * k ** 3, reduced=reduced,
+                      rounds=steps + 1)
 
     def _orthogonalize(self, items: list[MatrixItem], ops: MatrixOps, group: dict) -> None:
         """``it.work["update"] = NS(it.grad)`` (the grad slot holds the Nesterov momentum) for one bucket."""

@@ -123,7 +123,10 @@ class SUMO(ShardedOptimizer):
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
-        return OpCost(row_flops=4.0 * rows * cols * r, small_flops=4.0 * cols * r * r + 8.0 * r ** 3,
+        # the moment's polar factor from its r x r Gram: products (Gram and O, 4 cols r^2 + 2 r^3) and a float64
+        # eigendecomposition
+        return OpCost(row_flops=4.0 * rows * cols * r, small_matmul=4.0 * cols * r * r + 2.0 * r ** 3,
+                      small_flops=8.0 * r ** 3,
                       reduced=r * cols, state=(rows + cols) * r)
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:

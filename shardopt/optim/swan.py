@@ -125,13 +125,18 @@ class SWAN(ShardedOptimizer):
         return m <= n
 
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
-        """The Gram and the whitening product (``4 rows k^2``, split with the rows), the root (``4 ns_steps
-        k^3``, once, on a factorization owner). The Gram and the root cross the network whole, not as
-        triangles: the fp32 iteration grows near-null directions by 1.5 per step and leaves its root asymmetric
-        by more than rounding on rank-deficient gradients, so a symmetrized one would move the result."""
+        """The Gram and the whitening product (``4 rows k^2``, split with the rows), the root, once, on a
+        factorization owner: the coupled Newton-Schulz iteration's ``3 ns_steps - 2`` products of ``k x k``
+        matrices, or a float64 eigendecomposition (``whitening="svd"``, about ``10 k^3``). The Gram and the root
+        cross the network whole, not as triangles: the fp32 iteration grows near-null directions by 1.5 per step
+        and leaves its root asymmetric by more than rounding on rank-deficient gradients, so a symmetrized one
+        would move the result."""
         rows, k = a_shape
-        return OpCost(row_flops=4.0 * rows * k * k, small_flops=4.0 * group["ns_steps"] * k ** 3, reduced=k * k,
-                      shared=k * k)
+        if group["whitening"] == "svd":
+            small = dict(small_flops=10.0 * k ** 3, small_matmul=2.0 * k ** 3)
+        else:
+            small = dict(small_matmul=2.0 * k ** 3 * (3 * group["ns_steps"] - 2))
+        return OpCost(row_flops=4.0 * rows * k * k, reduced=k * k, shared=k * k, **small)
 
     def _whiten(self, items: list, group: dict) -> None:
         """``x <- sqrt(k) x (x^T x)^{-1/2}`` on the orientation whose Gram is small: a sum over the long

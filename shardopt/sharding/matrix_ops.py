@@ -59,8 +59,7 @@ __all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "S
 
 Strategy = Literal["auto", "gather", "distributed", "team"]
 STRATEGIES = ("auto", "gather", "distributed", "team")
-#: collective rounds of a step: per strategy in use (bucketed), for the latency term of the time model
-_ROUNDS = {"gather": 2.0, "distributed": 4.0, "team": 6.0}
+
 #: how many FLOPs one byte on the network is worth when owners of forced ``gather`` plans are balanced
 FLOPS_PER_BYTE = 100.0
 #: under ``distributed`` a rank that holds a matrix whole may keep its state only while its small state stays
@@ -95,6 +94,17 @@ class OpCost:
     shared: float = 0.0
     #: m x n tensors sent to the row blocks (gather or realign) per step; one result tensor comes back
     channels: float = 1.0
+    #: FLOPs of products of small matrices (Muon's ``G^2``, SWAN's Newton-Schulz root), run where the
+    #: factorization runs (the same rules as ``small_flops``) but at the matmul rate
+    small_matmul: float = 0.0
+    #: collective rounds of reductions per step when the rows are split (Muon: one per Newton-Schulz step
+    #: and the norm); the row moves, a shared result and the resting state add theirs (``split_rounds``)
+    rounds: float = 1.0
+
+    def split_rounds(self) -> float:
+        """Collective rounds per step of a matrix whose rows are split: the rows in and out, the reductions,
+        a shared factorization, the resting state gathered."""
+        return 2.0 + self.rounds + (1.0 if self.shared else 0.0) + (1.0 if self.state else 0.0)
 
 
 def _packed(k: int) -> int:
@@ -276,7 +286,7 @@ class MatrixOps:
         out = list(self.owners)
         spread = [i for i, k in enumerate(self.kinds) if k == "distributed" and self.cost_of(i).shared]
         plan = owner_plan([layouts[i] for i in spread], [self.names[i] for i in spread],
-                          [self.cost_of(i).small_flops for i in spread])
+                          [self.cost_of(i).small_flops + self.cost_of(i).small_matmul for i in spread])
         for i, o in zip(spread, plan):
             out[i] = o
         for i, f in self._team_factor.items():
@@ -335,13 +345,13 @@ class MatrixOps:
         c, lay = self.costs[i], self._layouts[i]
         m, n = lay.shape
         if kind == "local":
-            return StepCost(matmul=c.row_flops, factor=c.small_flops)
+            return StepCost(matmul=c.row_flops + c.small_matmul, factor=c.small_flops)
         if kind == "gather":
             piece = m * n / max(lay.holders, 1)
             if not owner:  # its piece to the owner and the result back
-                return StepCost(sent=_B * piece * c.channels, received=_B * piece)
+                return StepCost(sent=_B * piece * c.channels, received=_B * piece, rounds=2.0)
             moved = m * n - piece  # the other holders' pieces in (``channels`` tensors), their results out
-            return StepCost(matmul=c.row_flops, factor=c.small_flops, sent=_B * moved,
+            return StepCost(matmul=c.row_flops + c.small_matmul, factor=c.small_flops, sent=_B * moved,
                             received=_B * moved * c.channels, rounds=2.0 if moved else 0.0)
         if kind == "team":
             return self._team_cost(i, size or len(self.teams[i]), owner, rank)
@@ -356,8 +366,9 @@ class MatrixOps:
         ring = 2.0 * (world - 1) / world  # a ring all-reduce sends (and receives) 2 (P-1)/P of the buffer
         state = c.state * (world - 1) / world  # the resting state all-gathered for the step
         net = _B * ((c.channels + 1) * moved + ring * (c.reduced + c.shared) + state)
-        factor = c.small_flops if not c.shared or owner else 0.0
-        return StepCost(matmul=c.row_flops * share, factor=factor, sent=net, received=net, rounds=4.0)
+        mine = not c.shared or owner  # where the small work runs: every rank, or the factorization owner
+        return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
+                        factor=c.small_flops if mine else 0.0, sent=net, received=net, rounds=c.split_rounds())
 
     def _team_cost(self, i: int, g: int, factor: bool, rank: int | None = None) -> StepCost:
         """Matrix ``i`` on a team of ``g`` ranks, for one member (``factor``: the member that runs the shared
@@ -389,8 +400,10 @@ class MatrixOps:
         if not member:  # a holder outside the team: its piece out, its results back
             return StepCost(sent=_B * sent, received=_B * received, rounds=2.0)
         coll = 2.0 * (g - 1) / g * (c.reduced + c.shared) + c.state * (g - 1) / g
-        return StepCost(matmul=c.row_flops * share, factor=c.small_flops if not c.shared or factor else 0.0,
-                        sent=_B * (sent + coll), received=_B * (received + coll), rounds=_ROUNDS["team"])
+        mine = not c.shared or factor
+        return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
+                        factor=c.small_flops if mine else 0.0, sent=_B * (sent + coll), received=_B * (received + coll),
+                        rounds=c.split_rounds())
 
     def _team_costs(self, i: int, sizes: Sequence[int], t_gather: float) -> dict[int, TeamCost]:
         """``TeamCost`` of matrix ``i`` for each team size (1: its gather owner's seconds)."""
@@ -578,8 +591,10 @@ class MatrixOps:
         every matrix took most of a plan's 15 s."""
         for bound in (True, False):
             c = self.op_cost(i, "distributed", owner=False, bound=bound)
-            if self.costs[i].shared:
-                c.factor += self.costs[i].small_flops / world
+            split = self.cost_of(i, world)
+            if split.shared:
+                c.factor += split.small_flops / world
+                c.matmul += split.small_matmul / world
             t = c.seconds(self.profile)
             if bound and t >= gather:
                 return t
@@ -610,22 +625,22 @@ class MatrixOps:
         """This plan's modeled work on ``rank`` (default: this rank) per step: FLOPs by kind, bytes sent and
         received, collective rounds (bucketed: per strategy in use, not per matrix), seconds under the profile."""
         total = StepCost()
-        used = set()
+        used: dict[str, float] = {}
         for i, kind in enumerate(self.kinds):
             lay = self._layouts[i]
             r = lay.rank if rank is None else rank
             if kind == "gather" and self.owners[i] != r:
                 piece = lay._piece_numel(lay.pieces[r])
-                c = StepCost(sent=_B * piece * self.costs[i].channels, received=_B * piece)
+                c = StepCost(sent=_B * piece * self.costs[i].channels, received=_B * piece, rounds=2.0)
             elif kind == "team":
                 c = self._team_cost(i, len(self.teams[i]), self.factor_owners[i] == r, rank=r)
             else:
                 c = self.op_cost(i, kind, owner=kind != "distributed" or self.factor_owners[i] == r)
-            if c.sent or c.received:
-                used.add(kind)
+            if c.sent or c.received:  # rounds are bucketed: per strategy, the most any of its matrices takes
+                used[kind] = max(used.get(kind, 0.0), c.rounds)
             c.rounds = 0.0
             total += c
-        total.rounds = sum(_ROUNDS.get(k, 0.0) for k in used)
+        total.rounds = sum(used.values())
         return {"matmul_flops": total.matmul, "factor_flops": total.factor, "sent_bytes": total.sent,
                 "received_bytes": total.received, "rounds": total.rounds, "seconds": total.seconds(self.profile)}
 
@@ -876,7 +891,7 @@ class MatrixOps:
             c = self.cost_of(i)
             a0, a1 = plan.rows()
             share = (a1 - a0) / max(plan.a_shape[0], 1)
-            small = c.small_flops if not (self.split(i) and c.shared) \
+            small = c.small_flops + c.small_matmul if not (self.split(i) and c.shared) \
                 or self.factor_owners[i] == plan.layout.rank else 0.0
             totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + small
         return totals
@@ -937,4 +952,4 @@ def _balance_weights(costs: Sequence[OpCost], shapes: Sequence[tuple[int, int]])
 
 def _gather_cost(c: OpCost, shape: tuple[int, int]) -> float:
     m, n = shape
-    return FLOPS_PER_BYTE * 4 * 2 * m * n + c.row_flops + c.small_flops
+    return FLOPS_PER_BYTE * 4 * 2 * m * n + c.row_flops + c.small_flops + c.small_matmul
