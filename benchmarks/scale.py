@@ -60,7 +60,7 @@ BOUND_SLACK = 16 * MIB
 TIME_TARGET = 0.10
 VOCAB = 32000
 LAYOUTS = ("fsdp2", "zero1/2", "zero3")
-STRATEGIES = ("auto", "distributed", "gather")
+STRATEGIES = ("auto", "distributed", "gather", "team")
 WORLDS = "8,64,256,1024"
 
 
@@ -424,7 +424,7 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
         "busiest_by_kind": {k: 4 * int(v[busiest]) for k, v in state.items()},
         "adamw_busiest_bytes": 4 * int(adamw.max()), "vs_adamw": float(total[busiest]) / (4 * int(adamw.max())),
         "bound_bytes": bound, "within_bound": int(total[busiest]) <= bound,
-        "bound_applies": strategy in (None, "auto", "distributed"),
+        "bound_applies": strategy in (None, "auto", "distributed", "team"),
         "plan_s": plan_s, "strategies": kinds,
         "traffic_bytes": {k: 4 * v for k, v in traffic.items()},
         "traffic_per_rank_bytes": 4 * sum(traffic.values()) / world,

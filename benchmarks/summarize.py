@@ -93,7 +93,7 @@ def scale_section(data: dict[str, Any] | None) -> str:
     default strategy (auto), the busiest rank's state at the largest world size of each model (worst layout)
     and against torch AdamW's busiest rank there, whether busiest <= 1.15 x single / P + the largest owned
     matrix's state + 16 MiB held in every case the bound covers (auto, distributed, optimizers without
-    whole-matrix work), the worst modeled optimizer seconds over forward+backward (issue 27), and plan building."""
+    whole-matrix work, team), the worst modeled optimizer seconds over forward+backward (issue 27), and plan building."""
     if data is None:
         return "Scale simulation (`benchmarks.scale`): not run.\n"
     recs = [r for r in data["records"] if "error" not in r]
@@ -127,7 +127,7 @@ def scale_section(data: dict[str, Any] | None) -> str:
         row.append(fmt(max(r["plan_s"] for r in mine), ".2f"))
         rows.append(row)
     heads = ["optimizer", *[f"busiest MiB, {m} P={top[m]} (worst layout)" for m in models],
-             "bound (auto, distributed)", "gather: busiest / bound", "modeled s / fwd+bwd (auto, worst)",
+             "bound (auto, distributed, team)", "gather: busiest / bound", "modeled s / fwd+bwd (auto, worst)",
              "plan s (max)"]
     return (f"Per-rank optimizer state at simulated scale (`benchmarks.scale`, {_describe_run(data)}; "
             f"layouts {', '.join(dict.fromkeys(r['layout'] for r in recs))}; "
