@@ -59,7 +59,7 @@ def state_bytes(opt) -> int:
 def kwargs(name: str, strategy: str | None) -> dict:
     kw = dict(EXTRA.get(name, {}))
     if strategy:
-        kw["matrix_ops"] = {"strategy": strategy}
+        kw["matrix_ops"] = {"strategy": strategy, **({"team_size": 2} if strategy == "team" else {})}
     return kw
 
 
@@ -132,7 +132,7 @@ def main() -> None:
     for name in OPTIMIZERS:
         single = single_process_bytes(name)
         for engine in ("fsdp2", "zero2"):
-            for strategy in (("gather", "distributed") if name in WHOLE_MATRIX else (None,)):
+            for strategy in (("gather", "distributed", "team") if name in WHOLE_MATRIX else (None,)):
                 rec = {"optimizer": name, "engine": engine, "strategy": strategy, "single": single}
                 try:
                     with contextlib.redirect_stdout(io.StringIO()):

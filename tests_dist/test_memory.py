@@ -1,6 +1,6 @@
 """Per-rank optimizer state shrinks with the world size (real processes, gloo, world size 4).
 
-For every optimizer (whole-matrix ones under both strategies) on FSDP2 and ZeRO-2: the state all ranks hold
+For every optimizer (whole-matrix ones under gather, distributed and teams of two) on FSDP2 and ZeRO-2: the state all ranks hold
 together is at most 1.1x the single-process state (nothing big is replicated), the busiest rank holds at most
 1.5x the mean, the planner's per-rank prediction (used by ``benchmarks.scale``) equals what is held, and a
 ``shardopt.checkpoint.save`` has each rank write about its own share (no rank gathers the whole state).
@@ -29,7 +29,7 @@ def records() -> list:
 
 def test_state_is_split_not_replicated_at_world_size_4() -> None:
     recs = records()
-    assert len(recs) == 5 * 2 + 5 * 2 * 2  # 5 element-wise/vector optimizers, 5 whole-matrix ones x 2 strategies
+    assert len(recs) == 5 * 2 + 5 * 2 * 3  # 5 element-wise/vector optimizers, 5 whole-matrix ones x 3 strategies
     for rec in recs:
         assert "error" not in rec, rec.get("error")
         total, per = sum(rec["per_rank"]), rec["per_rank"]
