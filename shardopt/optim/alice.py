@@ -38,8 +38,9 @@ from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
 from ..sharding.matfun import by_shape
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from ..sharding.subspace import orthonormal, range_basis
-from ..sharding.stacking import stack
+from ..sharding.subspace import (complete_basis, fill_draw, fp32_floor, range_basis, signal_directions,
+                                 signal_range)
+from ..sharding.stacking import group_indices, stack
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .racs import norm_growth_eta
@@ -63,13 +64,18 @@ def subspace_sketch(a_rows: torch.Tensor, at_u: torch.Tensor, u_rows: torch.Tens
 def ritz_vectors(u_tilde: torch.Tensor, at_ut: torch.Tensor, U: torch.Tensor, Q_tilde: torch.Tensor | None,
                  b3: float) -> torch.Tensor:
     """Rayleigh-Ritz: the eigenvectors of ``Ut^T Q Ut = (1 - b3) (A^T Ut)^T (A^T Ut) + b3 C Q_tilde C^T`` (``C =
-    Ut^T U``) mapped back by ``Ut``, by descending Ritz value (float64 eigh, fp32 result)."""
+    Ut^T U``) mapped back by ``Ut``, by descending Ritz value (float64 eigh, fp32 result). Ritz values at fp32
+    rounding level (``signal_directions`` of their square roots: a rank-deficient ``A``) leave their vectors to
+    summation order; they come back as zero columns (``Alice._switch`` completes them with seeded directions,
+    ``subspace.complete_basis``)."""
     vr = (1 - b3) * (at_ut.mT @ at_ut).double()
     if Q_tilde is not None and b3:
         c = (u_tilde.mT @ U).double()
         vr = vr + b3 * (c @ Q_tilde.double() @ c.mT)
     lam, vec = torch.linalg.eigh(0.5 * (vr + vr.mT))
-    return (u_tilde.double() @ vec.flip(-1)).float()
+    lam, vec = lam.flip(-1), vec.flip(-1)
+    keep = signal_directions(lam.clamp(min=0).sqrt(), (u_tilde.shape[-2], at_ut.shape[-2]))
+    return (u_tilde.double() @ (vec * keep.unsqueeze(-2))).float()
 
 
 def switched_basis(u1: torch.Tensor, lead: int, pick: torch.Tensor | None) -> torch.Tensor:
@@ -88,15 +94,28 @@ def reproject_tracking(Q_tilde: torch.Tensor, U_new: torch.Tensor, U: torch.Tens
     Q_tilde.copy_(c @ Q_tilde @ c.mT)
 
 
-def residual_energy(a_energy, sigma):
+def residual_energy(a_energy, sigma, floor: float = 0.0):
     """``colsum(R * R)`` of ``R = A - U sigma`` from ``colsum(A * A)`` and ``sigma = U^T A``: with orthonormal
-    ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2`` (clamped at 0 against rounding). Tensors (one matrix or a
-    stack) or lists of them (foreach kernels for all)."""
+    ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2``, set to 0 where it is at most ``floor |a_j|^2`` (the rounding
+    of that difference: a column ``U`` captures whole leaves a residual of rounding noise, which the
+    compensation's ``1 / sqrt(p)`` would otherwise amplify). Tensors (one matrix or a stack) or lists of them."""
     if isinstance(sigma, torch.Tensor):
-        return (a_energy - sigma.square().sum(-2)).clamp_(min=0)
+        out = a_energy - sigma.square().sum(-2)
+        return out.masked_fill_(out <= floor * a_energy, 0.0)
     out = torch._foreach_sub(a_energy, [s.sum(-2) for s in torch._foreach_mul(sigma, sigma)])
-    torch._foreach_clamp_min_(out, 0.0)
+    for o, e in zip(out, a_energy):
+        o.masked_fill_(o <= floor * e, 0.0)
     return out
+
+
+def drop_noise_directions(sigma: torch.Tensor, a_energy: torch.Tensor, floor: float) -> torch.Tensor:
+    """``sigma = U^T A`` (``(..., r, cols)``) with the entries at fp32 rounding level set to 0:
+    ``|sigma_ij| <= floor |a_j|``, the rounding bound of the product of a unit basis vector with column ``j``
+    (a rank-deficient ``A`` leaves whole directions at that level, a padded or frozen column leaves entries).
+    Adam's element-wise normalization ``M / sqrt(V)`` would give such an entry a unit-size step from noise,
+    which depends on summation order (issue 28); in place."""
+    bound = (floor * floor) * a_energy.unsqueeze(-2)
+    return sigma.masked_fill_(sigma.square() <= bound, 0.0)
 
 
 def update_moments(M, V, p, Q_tilde, sigma, energy, betas: tuple[float, float, float]) -> None:
@@ -363,7 +382,10 @@ class Alice(ShardedOptimizer):
         keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
         states = [[items[i].state for i in s.idx] for s in plan.stacks]
         cur = [{key: s.gather(key, [st[key] for st in sts]) for key in keys} for s, sts in zip(plan.stacks, states)]
-        energies = residual_energy(a_energy, sigmas)
+        floors = [fp32_floor((s.rows, s.cols)) for s in plan.stacks]
+        for sigma, energy, floor in zip(sigmas, a_energy, floors):
+            drop_noise_directions(sigma, energy, floor)
+        energies = [residual_energy(e, s, f) for e, s, f in zip(a_energy, sigmas, floors)]
         moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
         if moved:
             update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
@@ -413,7 +435,11 @@ class Alice(ShardedOptimizer):
         atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_old[i]) for i in later})
         h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3)
                   for i in later}
-        u_tilde = by_shape(orthonormal, ops.assemble(h_rows))  # one batched QR per shape
+        sketches = ops.assemble(h_rows)
+        u_tilde: dict[int, torch.Tensor] = {}  # one batched SVD per shape; directions below fp32 rounding left out
+        for idx in group_indices(later, lambda i: (tuple(sketches[i].shape), ops.plans[i].a_shape)):
+            basis = signal_range(torch.stack([sketches[i] for i in idx]), ops.plans[idx[0]].a_shape)
+            u_tilde.update(zip(idx, basis.unbind(0)))
         atut = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_tilde[i]) for i in later})
         by_shapes: dict[tuple, list[int]] = {}  # one batched eigh per shape
         for i in later:
@@ -421,7 +447,12 @@ class Alice(ShardedOptimizer):
         for idx in by_shapes.values():
             stack = [torch.stack([x[i] for i in idx]) for x in (u_tilde, atut, u_old)]
             q = torch.stack([qt[i] for i in idx]) if group["tracking"] else None
-            ritz.update(zip(idx, ritz_vectors(*stack, q, b3).unbind(0)))
+            vectors = ritz_vectors(*stack, q, b3)
+            keep = (vectors.square().sum(-2) > 0).to(torch.float64)  # the noise ones come back as zero columns
+            rows, r = vectors.shape[-2:]
+            draws = torch.stack([fill_draw(rows, r, group["seed"], int(items[i].state["switches"]), vectors.device)
+                                 for i in idx])
+            ritz.update(zip(idx, complete_basis(vectors, keep, draws).unbind(0)))
         for i in switch:
             st = items[i].state
             r, l = ranks[i], lead[i]

@@ -31,6 +31,7 @@ from ..sharding.comm import Round, collective_counter, world_group_allreduce_max
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.time_model import resolve_profile
 from ..sharding.plan import check_same_plan
+from ..sharding.teams import create_team_groups
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
 from .adamw import adamw_step
@@ -382,8 +383,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
             self._attached[id(tensor)] = tensor
         self._forget_plans()
 
+    def _make_team_groups(self) -> None:
+        """Before the first step on new plans, every rank makes the process groups of every rank's teams
+        (``teams.create_team_groups``, collective over the default group), so that a team's reductions run on
+        groups all its members know, whatever teams each of them is in."""
+        if not self.whole_matrix_work or self.__dict__.get("_team_groups_made"):
+            return
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            teams = [t for g in range(len(self._groups())) if (ops := self.matrix_plan(g)) is not None
+                     for t in ops.team_sets()]
+            create_team_groups(teams)
+        self._team_groups_made = True
+
     def _forget_plans(self) -> None:
         """Layouts changed (an engine attached its partitions): whole-matrix plans are rebuilt on next use."""
+        self.__dict__.pop("_team_groups_made", None)
         self._ops_cache.clear()
         self._matrix_plans.clear()
         self._matrix_owner.clear()
@@ -690,6 +706,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:
                 check_same_plan(self)
+            self._make_team_groups()
             if self.on_nonfinite != "ignore" and not self.engine_skips_nonfinite and self._nonfinite_grads():
                 return loss
             for group in self.param_groups:

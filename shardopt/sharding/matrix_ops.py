@@ -297,7 +297,9 @@ class MatrixOps:
     def _assign_teams(self, layouts: Sequence[MatrixLayout]) -> list[int]:
         """``strategy="team"``: every matrix held by several ranks on a team (``team_size`` ranks, capped at the
         group's size, or per matrix the size the model finds fastest, at least 2), packed by ``teams.choose``
-        within the memory budget; a matrix one rank holds whole stays with it (``gather``)."""
+        (a forced strategy: no memory budget, as under ``gather``); a matrix one rank holds whole stays with it
+        (``gather``). Teams sit on aligned blocks of ranks, so a ``team_size`` that does not divide the group's
+        size leaves its last ``size mod team_size`` ranks out of every team (they still send their pieces)."""
         owners = [-1] * len(layouts)
         for idx in _by_group(layouts).values():
             world = layouts[idx[0]].world
@@ -313,6 +315,17 @@ class MatrixOps:
                           {i: self.costs[i].state for i in idx}, sole, self._capacity(idx, world, 0.0, force=True))
             self._apply_team_plan(idx, plan, owners)
         return owners
+
+    def team_sets(self) -> list[tuple[int, ...]]:
+        """The teams of this plan smaller than their process group, as ranks of the default group (what
+        ``teams.create_team_groups`` makes groups for)."""
+        from .teams import global_team
+
+        out = set()
+        for kind, team, plan in zip(self.kinds, self.teams, self.plans):
+            if kind == "team" and len(team) < plan.layout.world:
+                out.add(global_team(plan.layout.group, team))
+        return sorted(out)
 
     def compute_once(self, inputs: dict[int, torch.Tensor],
                      fn: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]],
@@ -625,7 +638,7 @@ class MatrixOps:
         """This plan's modeled work on ``rank`` (default: this rank) per step: FLOPs by kind, bytes sent and
         received, collective rounds (bucketed: per strategy in use, not per matrix), seconds under the profile."""
         total = StepCost()
-        used: dict[str, float] = {}
+        used: dict[tuple, float] = {}
         for i, kind in enumerate(self.kinds):
             lay = self._layouts[i]
             r = lay.rank if rank is None else rank
@@ -636,8 +649,9 @@ class MatrixOps:
                 c = self._team_cost(i, len(self.teams[i]), self.factor_owners[i] == r, rank=r)
             else:
                 c = self.op_cost(i, kind, owner=kind != "distributed" or self.factor_owners[i] == r)
-            if c.sent or c.received:  # rounds are bucketed: per strategy, the most any of its matrices takes
-                used[kind] = max(used.get(kind, 0.0), c.rounds)
+            if c.sent or c.received:  # rounds are bucketed: per strategy (per team: each has its own group), the
+                key = (kind, self.teams[i] if kind == "team" and r in self.teams[i] else None)  # most of its matrices
+                used[key] = max(used.get(key, 0.0), c.rounds)
             c.rounds = 0.0
             total += c
         total.rounds = sum(used.values())
@@ -899,6 +913,8 @@ class MatrixOps:
 
 def _triangle(x: torch.Tensor) -> torch.Tensor:
     """The upper triangle of a square matrix, row by row (what a symmetric reduction sends)."""
+    if x.dim() != 2 or x.shape[0] != x.shape[1]:
+        raise ValueError(f"a symmetric reduction takes square matrices, got shape {tuple(x.shape)}")
     k = x.shape[-1]
     rows, cols = _triu(k, x.device)
     return x[rows, cols]

@@ -13,12 +13,22 @@ import torch
 from .draws import seeded_normal
 from .matrix_ops import MatrixOps
 
-__all__ = ["range_basis", "orthonormal"]
+__all__ = ["range_basis", "orthonormal", "signal_range", "signal_directions", "fp32_floor", "complete_basis", "fill_draw"]
 
 
 def orthonormal(x: torch.Tensor) -> torch.Tensor:
     """Orthonormal columns spanning ``x`` (reduced QR in float64, returned in fp32)."""
     return torch.linalg.qr(x.double()).Q.float()
+
+
+def signal_range(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Orthonormal columns spanning the part of ``x`` (``(..., rows, k)``, computed from fp32 data of an ``m x n``
+    matrix ``shape``) above fp32 rounding, in fp32: the left singular vectors whose singular values
+    ``signal_directions`` keeps, the others as zero columns. Where ``x`` is rank-deficient a QR would fill the
+    missing columns from rounding noise, which differs between a sharded run and a single process; callers
+    that need the full width complete the zero columns from a seeded draw (``complete_basis``)."""
+    svd = torch.linalg.svd(x.double(), full_matrices=False)
+    return (svd.U * signal_directions(svd.S, shape).unsqueeze(-2)).float()
 
 
 def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int, int], seed: int,
@@ -61,7 +71,54 @@ def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int
     b = reduced(ops.allreduce, [yg[:, s].mT @ ag for ag, yg, s in zip(a, y, mine)])
     out = {}
     for g, yg, bg in zip(members, y, b):
-        ub = torch.linalg.svd(bg.double(), full_matrices=False).U
-        basis = (yg.double() @ ub[..., : ranks[g[0]]]).float()
-        out.update(zip(g, basis.unbind(0)))
+        r = ranks[g[0]]
+        rows = ops.plans[g[0]].a_shape[0]
+        svd = torch.linalg.svd(bg.double(), full_matrices=False)
+        keep = signal_directions(svd.S, ops.plans[g[0]].a_shape)[..., :r]
+        basis = yg.double() @ svd.U[..., :r]
+        fill = torch.stack([fill_draw(rows, r, seed, keys[i][-1], basis.device) for i in g])
+        out.update(zip(g, complete_basis(basis, keep, fill).unbind(0)))
     return out
+
+
+def fill_draw(rows: int, r: int, seed: int, count: object, device: torch.device | str) -> torch.Tensor:
+    """The seeded draw ``complete_basis`` fills left-out directions from: keyed by the seed, the refresh count
+    and the shape only (not the matrix's name), so a matrix's basis does not depend on how its optimizer names
+    it, and a matrix with no signal at all (a zero gradient) gets the same basis wherever it is."""
+    return seeded_normal((rows, r), seed, "complete", count, device=device)
+
+
+def complete_basis(basis: torch.Tensor, keep: torch.Tensor, draw: torch.Tensor) -> torch.Tensor:
+    """``basis`` (``(..., rows, r)``, orthonormal columns) with the columns that ``keep`` (``(..., r)``, 1.0 on a
+    prefix: the directions ``signal_directions`` keeps) leaves out replaced by ``draw`` (a seeded ``rows x r``
+    draw) made orthonormal to the kept ones and to each other; fp32 result. The subspace keeps its rank, as
+    the left-out directions did, but they no longer depend on summation order: they are the same on every
+    rank, at every world size, sharded or not. Batched, with no host synchronization (every matrix is
+    completed, the kept columns selected back)."""
+    b = basis.double() * keep.unsqueeze(-2)
+    g = draw.double()
+    for _ in range(2):  # twice is enough (Gram-Schmidt's "twice is enough")
+        g = g - b @ (b.mT @ g)
+    q = torch.linalg.qr(g).Q  # its first r - k columns span the left-out ones' share of the complement
+    r = basis.shape[-1]
+    k = keep.sum(-1, keepdim=True).long()
+    src = (torch.arange(r, device=basis.device) - k).clamp(min=0)
+    fill = q.gather(-1, src.unsqueeze(-2).expand(q.shape))
+    return torch.where(keep.unsqueeze(-2) > 0, basis.double(), fill).float()
+
+
+def signal_directions(sigma: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Per singular value of a small matrix computed from fp32 data of an ``m x n`` matrix: 1.0 where it is
+    above fp32 rounding (``sigma > max(m, n) eps32 sigma_1``), else 0.0. A rank-deficient gradient (a batch
+    smaller than the subspace rank, frozen rows, padding) leaves directions whose singular values are
+    rounding noise; their vectors depend on summation order, so a sharded run and a single process would
+    pick different ones and, where an algorithm weighs every direction alike (an orthogonalization, Adam's
+    normalization), drift apart (issue 28). Bases replace them by seeded directions (``complete_basis``)."""
+    return (sigma > sigma[..., :1] * fp32_floor(shape)).to(sigma.dtype)
+
+
+def fp32_floor(shape: tuple[int, int]) -> float:
+    """Relative size below which a quantity computed from fp32 data of an ``m x n`` matrix is rounding: sums of
+    up to ``max(m, n)`` products, each rounded at ``eps32`` (the worst-case bound, so that nothing above it is
+    noise)."""
+    return max(shape) * torch.finfo(torch.float32).eps

@@ -4,8 +4,9 @@ At scale ranks outnumber matrices (7B at P = 1024 has 224 hidden matrices), so o
 busiest rank with the largest matrix's whole Newton-Schulz (4.4 TFLOP), while spreading every matrix over all
 P ranks makes every rank pay every matrix's reduced ``k x k`` matrices. A *team* of ``g`` ranks takes the
 middle: the matrix's rows of ``A`` are spread over its members (``RowPlan.team``), every sum over rows is
-reduced among the members only (``team_group``: one process group per distinct member set), and a
-factorization shared by the algorithm runs once, on one member. ``g = 1`` is the gather strategy's owner.
+reduced among the members only (``team_group``: one process group per distinct member set, made by every rank
+together before the first step that needs them, ``create_team_groups``), and a factorization shared by the
+algorithm runs once, on one member. ``g = 1`` is the gather strategy's owner.
 
 This module chooses the teams from numbers alone (modeled seconds per member, small state per member), the
 same on every rank:
@@ -26,7 +27,7 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["TeamCost", "TeamPlan", "pack", "choose", "team_sizes", "team_group"]
+__all__ = ["TeamCost", "TeamPlan", "pack", "choose", "team_sizes", "team_group", "create_team_groups", "global_team"]
 
 
 @dataclass(frozen=True)
@@ -156,23 +157,47 @@ def choose(idx: Sequence[int], names: Sequence[str], costs: dict[int, dict[int, 
 
 
 # ---------------------------------------------------------------------------------------------- process groups
-_GROUPS: dict[tuple, Any] = {}
+#: the default process group the team groups were made in, and its team groups by global ranks
+_REGISTRY: dict[str, Any] = {"world": None, "groups": {}}
+
+
+def global_team(parent: Any, members: tuple[int, ...]) -> tuple[int, ...]:
+    """A team's members (ranks of ``parent``) as ranks of the default process group."""
+    import torch.distributed as dist
+
+    return tuple(dist.get_global_rank(parent, r) for r in members)
+
+
+def create_team_groups(teams: Sequence[tuple[int, ...]]) -> None:
+    """Make the process group of every team any rank needs (``teams``: this rank's, as global ranks; it may be
+    empty). Collective over the default group: one ``all_gather_object`` of the teams, then one ``new_group``
+    per team of the union, by every rank in the same sorted order (ranks outside a team get
+    ``NON_GROUP_MEMBER``). Groups made on first use by their members alone (``use_local_synchronization``)
+    would hang: torch names such a group by its ranks and the number of groups the rank already made, which
+    differs between members in several teams, and on NCCL with a bound device the others must join the split."""
+    import torch.distributed as dist
+
+    world = dist.group.WORLD
+    if _REGISTRY["world"] is not world:  # a new default group (tests re-initialize): nothing made is valid
+        _REGISTRY["world"], _REGISTRY["groups"] = world, {}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(set(teams)))
+    made = _REGISTRY["groups"]
+    for team in sorted({tuple(t) for mine in everyone for t in mine}):
+        if team not in made:
+            made[team] = dist.new_group(list(team))
 
 
 def team_group(parent: Any, members: tuple[int, ...]) -> Any:
-    """The process group of ``members`` (ranks of ``parent``), created on first use by the members only
-    (``use_local_synchronization``: ranks outside the team never call it) and kept for the process. A team that
-    is the whole parent group is the parent itself."""
+    """The process group of ``members`` (ranks of ``parent``; this rank among them); the parent itself when the
+    team is all of it. Made beforehand by ``create_team_groups`` (``ShardedOptimizer.step`` does it)."""
     import torch.distributed as dist
 
     if len(members) == dist.get_world_size(parent):
         return parent
-    key = (id(parent), members)
-    found = _GROUPS.get(key)
-    if found is not None and found[0] is parent:
-        return found[1]
-    ranks = [dist.get_global_rank(parent, r) for r in members]
-    pg = dist.new_group(ranks, use_local_synchronization=True)
-    _GROUPS[key] = (parent, pg)
-    return pg
-
+    team = global_team(parent, members)
+    found = _REGISTRY["groups"].get(team) if _REGISTRY["world"] is dist.group.WORLD else None
+    if found is None or found == dist.GroupMember.NON_GROUP_MEMBER:
+        raise RuntimeError(f"no process group for the team of ranks {team}: team groups are made by every rank at "
+                           "the first ShardedOptimizer.step() after the plans changed (create_team_groups)")
+    return found
