@@ -52,6 +52,9 @@ OPTIMIZERS = {
 STRATEGIES = {name: ("gather", "team", "distributed") for name in ("swan", "asgo", "sumo", "alice", "alice0")}
 STRATEGIES["muon"] = (None, "team")
 TEAM_SIZE = 2
+#: teams run from this world size: below it a team of two is the whole group (its collectives those of
+#: ``distributed``, on the parent group), and CI time goes to the sizes where teams are subgroups
+TEAM_WORLD = 3
 
 
 def options(opt_name: str, strategy: str | None = None) -> dict:
@@ -205,6 +208,8 @@ def plan_summary(opt) -> list[dict]:
     """Per matrix of the optimizer's whole-matrix plans: strategy and the most elements any rank receives."""
     out = []
     for ops in getattr(opt, "_ops_cache", {}).values():
+        if ops is None:  # a group without whole-matrix work
+            continue
         for name, kind, plan in zip(ops.names, ops.kinds, ops.plans):
             lay = plan.layout
             recv = max((sum(plan.moved(s, d) for s in range(lay.world) if s != d) for d in range(lay.world)),
@@ -246,7 +251,7 @@ def main() -> None:
     records = []
     for opt_name in args.optimizers.split(","):
         ref, ref_losses = reference(opt_name)
-        strategies = STRATEGIES.get(opt_name, (None,))
+        strategies = [s for s in STRATEGIES.get(opt_name, (None,)) if s != "team" or ws >= TEAM_WORLD]
         cases = [(layout, s) for layout in args.layouts.split(",") for s in strategies
                  if s == strategies[-1] or layout not in BF16_LAYOUTS]  # bf16 runs once (the last) per optimizer
         for layout, strategy in cases:

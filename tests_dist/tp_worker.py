@@ -1,0 +1,162 @@
+"""Tensor parallelism on DTensor meshes (issue 28): FSDP2 x TP on a 2 x 2 ("dp", "tp") mesh and TP alone.
+
+The model is an MLP of two blocks, each a column-parallel ``up`` (64 x 16) and a row-parallel ``down``
+(16 x 64) (``parallelize_module`` with ``ColwiseParallel`` / ``RowwiseParallel`` on "tp"), a LayerNorm and a
+column-parallel head, then ``fully_shard`` of every block on "dp": the weights are DTensors over both mesh
+dimensions (``_StridedShard`` on "dp" over ``Shard(0)`` on "tp" for the column-parallel ones, ``Shard(0)`` x
+``Shard(1)`` for the row-parallel ones, ``Shard(0)`` x ``Replicate`` for the biases of row-parallel layers and
+the norm). Ranks of one "dp" coordinate see the same samples. For each optimizer and strategy: 3 steps, every
+parameter compared with the single-process run on the whole batch; rank 0 writes one record per case.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import logging
+import os
+import sys
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import finish_worker  # noqa: E402
+import shardopt  # noqa: E402
+
+GLOBAL = 8
+STEPS = 3
+DIM, HIDDEN, OUT = 16, 64, 32
+MATRICES = ("blocks.0.up.weight", "blocks.0.down.weight", "blocks.1.up.weight", "blocks.1.down.weight",
+            "head.weight")
+OPTIMIZERS = {"scale": dict(lr=3e-3), "racs": dict(lr=0.05), "sumo": dict(lr=0.02, rank=4, refresh_interval=2),
+              "alice": dict(lr=0.02, rank=4, leading=1, refresh_interval=2), "asgo": dict(lr=0.01, refresh_interval=2)}
+WHOLE = ("sumo", "alice", "asgo")
+STRATEGIES = ("gather", "team", "distributed")
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(DIM, HIDDEN)
+        self.down = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h + self.down(torch.tanh(self.up(h)))
+
+
+class MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.norm = nn.LayerNorm(DIM)
+        self.head = nn.Linear(DIM, OUT, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return self.head(self.norm(x))
+
+
+def make_model() -> MLP:
+    torch.manual_seed(0)
+    return MLP()
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return torch.randn(GLOBAL, DIM, generator=g), torch.randn(GLOBAL, OUT, generator=g)
+
+
+def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (out - y).square().mean()
+
+
+def options(name: str, strategy: str | None) -> dict:
+    kw = dict(OPTIMIZERS[name], routing={n: "matrix" for n in MATRICES})
+    if strategy is not None:
+        kw["matrix_ops"] = {"strategy": strategy, **({"team_size": 2} if strategy == "team" else {})}
+    return kw
+
+
+def reference(name: str, strategy: str | None) -> dict[str, torch.Tensor]:
+    model = make_model()
+    opt = shardopt.create_optimizer(model, name, **options(name, strategy))
+    for s in range(STEPS):
+        opt.zero_grad()
+        loss_fn(model(batch(s)[0]), batch(s)[1]).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def parallelize(model: MLP, mesh) -> None:
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    plan = {}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.up"] = ColwiseParallel()
+        plan[f"blocks.{i}.down"] = RowwiseParallel()
+    plan["head"] = ColwiseParallel(output_layouts=Replicate())  # the whole output on every rank
+    parallelize_module(model, mesh, plan)
+
+
+def run(name: str, strategy: str | None, layout: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model()
+    ws = dist.get_world_size()
+    if layout == "fsdp2_tp":
+        mesh = init_device_mesh("cpu", (ws // 2, 2), mesh_dim_names=("dp", "tp"))
+        parallelize(model, mesh["tp"])
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh["dp"])
+        fully_shard(model, mesh=mesh["dp"])
+        dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
+    else:  # TP alone, on every rank
+        mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
+        parallelize(model, mesh)
+        dp, dp_rank = 1, 0
+    opt = shardopt.create_optimizer(model, name, **options(name, strategy))
+    per = GLOBAL // dp
+    for s in range(STEPS):
+        x, y = batch(s)
+        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        opt.zero_grad()
+        loss_fn(model(x), y).backward()
+        opt.step()
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in model.named_parameters()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--layouts", default="fsdp2_tp,tp")
+    args = ap.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    records = []
+    for name in OPTIMIZERS:
+        for strategy in (STRATEGIES if name in WHOLE else (None,)):
+            want = reference(name, strategy)
+            for layout in args.layouts.split(","):
+                rec = {"optimizer": name, "strategy": strategy, "layout": layout, "world_size": dist.get_world_size()}
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        got = run(name, strategy, layout)
+                    rec["max_abs_diff"] = max((got[n] - want[n]).abs().max().item() for n in want)
+                except Exception:
+                    rec["error"] = traceback.format_exc()
+                records.append(rec)
+                dist.barrier()
+    finish_worker(records, args.out)
+
+
+if __name__ == "__main__":
+    main()
