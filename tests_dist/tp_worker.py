@@ -28,6 +28,7 @@ from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
 
 GLOBAL = 8
+SEQ = 4
 STEPS = 3
 DIM, HIDDEN, OUT = 16, 64, 32
 MATRICES = ("blocks.0.up.weight", "blocks.0.down.weight", "blocks.1.up.weight", "blocks.1.down.weight",
@@ -68,7 +69,7 @@ def make_model() -> MLP:
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(step)
-    return torch.randn(GLOBAL, DIM, generator=g), torch.randn(GLOBAL, OUT, generator=g)
+    return torch.randn(GLOBAL, SEQ, DIM, generator=g), torch.randn(GLOBAL, SEQ, OUT, generator=g)
 
 
 def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -92,19 +93,27 @@ def reference(name: str, strategy: str | None) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def parallelize(model: MLP, mesh) -> None:
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+def parallelize(model: MLP, mesh, sequence: bool = False) -> None:
+    """Megatron-style TP; with ``sequence`` also sequence parallelism (torchtitan's plan): activations between
+    the blocks stay cut along the sequence, the LayerNorm runs on its sequence shard (``SequenceParallel``,
+    whose gradients DTensor leaves partial)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
 
+    seq = {"input_layouts": Shard(1)} if sequence else {}
     plan = {}
     for i in range(len(model.blocks)):
-        plan[f"blocks.{i}.up"] = ColwiseParallel()
-        plan[f"blocks.{i}.down"] = RowwiseParallel()
-    plan["head"] = ColwiseParallel(output_layouts=Replicate())  # the whole output on every rank
+        plan[f"blocks.{i}.up"] = ColwiseParallel(**seq)
+        plan[f"blocks.{i}.down"] = RowwiseParallel(**({"output_layouts": Shard(1)} if sequence else {}))
+    if sequence:
+        plan["norm"] = SequenceParallel()
+    plan["head"] = ColwiseParallel(output_layouts=Replicate(), **seq)  # the whole output on every rank
     parallelize_module(model, mesh, plan)
 
 
-def run(name: str, strategy: str | None, layout: str) -> dict[str, torch.Tensor]:
+def build(name: str, strategy: str | None, layout: str):
+    """The model on ``layout``, its optimizer, and this rank's share of the batch (dp size, dp rank)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
@@ -117,31 +126,116 @@ def run(name: str, strategy: str | None, layout: str) -> dict[str, torch.Tensor]
             fully_shard(b, mesh=mesh["dp"])
         fully_shard(model, mesh=mesh["dp"])
         dp, dp_rank = mesh["dp"].size(), mesh["dp"].get_local_rank()
-    else:  # TP alone, on every rank
+    elif layout == "hsdp_tp":  # 2 x 2 x 2: replicas of an FSDP2 x TP model (HSDP's Replicate x Shard on "rep", "dp")
+        mesh = init_device_mesh("cpu", (2, ws // 4, 2), mesh_dim_names=("rep", "dp", "tp"))
+        parallelize(model, mesh["tp"])
+        for b in model.blocks:
+            fully_shard(b, mesh=mesh["rep", "dp"])
+        fully_shard(model, mesh=mesh["rep", "dp"])
+        data = mesh["rep", "dp"]._flatten()
+        dp, dp_rank = data.size(), data.get_local_rank()
+    else:  # TP alone, on every rank ("tp_sp": with sequence parallelism, each rank its part of the sequence)
         mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("tp",))
-        parallelize(model, mesh)
+        parallelize(model, mesh, sequence=layout == "tp_sp")
         dp, dp_rank = 1, 0
-    opt = shardopt.create_optimizer(model, name, **options(name, strategy))
-    per = GLOBAL // dp
-    for s in range(STEPS):
+        if layout == "tp_sp":
+            dp, dp_rank = -ws, mesh.get_local_rank()  # negative: cut the sequence, not the batch
+    return model, shardopt.create_optimizer(model, name, **options(name, strategy)), dp, dp_rank
+
+
+def train(model, opt, dp: int, dp_rank: int, start: int, stop: int) -> None:
+    for s in range(start, stop):
         x, y = batch(s)
-        x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        if dp > 0:
+            per = GLOBAL // dp
+            x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+        else:  # sequence parallel: the whole batch, this rank's positions in; the whole output out
+            per = SEQ // -dp
+            x = x[:, dp_rank * per:(dp_rank + 1) * per]
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
+
+
+def full(model) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
             for n, p in model.named_parameters()}
+
+
+def run(name: str, strategy: str | None, layout: str) -> dict[str, torch.Tensor]:
+    model, opt, dp, dp_rank = build(name, strategy, layout)
+    train(model, opt, dp, dp_rank, 0, STEPS)
+    return full(model)
+
+
+def resume(name: str, strategy: str | None, layout: str, root: str, how: str) -> float:
+    """Train 2 steps, save (``how``: DCP through ``get_state_dict``, or ``shardopt.checkpoint``), rebuild, load,
+    train the last step; the largest difference from the uninterrupted run."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import shardopt.checkpoint as sckpt
+
+    model, opt, dp, dp_rank = build(name, strategy, layout)
+    train(model, opt, dp, dp_rank, 0, STEPS)
+    want = full(model)
+    model, opt, dp, dp_rank = build(name, strategy, layout)
+    train(model, opt, dp, dp_rank, 0, STEPS - 1)
+    path = os.path.join(root, f"{name}-{strategy}-{layout}-{how}")
+    if how == "dcp":
+        msd, osd = get_state_dict(model, opt)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    else:
+        msd, _ = get_state_dict(model, opt)
+        dcp.save({"model": msd}, checkpoint_id=path + "-model")
+        sckpt.save(path, opt, engine="fsdp2")
+    model, opt, dp, dp_rank = build(name, strategy, layout)
+    msd, osd = get_state_dict(model, opt)
+    if how == "dcp":
+        sd = {"model": msd, "optim": osd}
+        dcp.load(sd, checkpoint_id=path)
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    else:
+        sd = {"model": msd}
+        dcp.load(sd, checkpoint_id=path + "-model")
+        set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=osd)
+        sckpt.load(path, opt)
+    train(model, opt, dp, dp_rank, STEPS - 1, STEPS)
+    got = full(model)
+    return max((got[n] - want[n]).abs().max().item() for n in want)
+
+
+#: one strategy per whole-matrix optimizer for the save/resume cases (the others' states rest alike)
+RESUME = [("scale", None), ("racs", None), ("sumo", "team"), ("alice", "distributed"), ("asgo", "gather")]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--layouts", default="fsdp2_tp,tp")
+    ap.add_argument("--layouts", default="fsdp2_tp,tp,tp_sp")
     args = ap.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     records = []
+    import tempfile
+
+    root = tempfile.mkdtemp(prefix="shardopt-tp-") if dist.get_rank() == 0 else None
+    holder = [root]
+    dist.broadcast_object_list(holder)
+    root = holder[0]
+    for name, strategy in RESUME:
+        for layout in args.layouts.split(","):
+            for how in ("dcp", "shardopt"):
+                rec = {"optimizer": name, "strategy": strategy, "layout": layout, "resume": how,
+                       "world_size": dist.get_world_size()}
+                try:
+                    with contextlib.redirect_stdout(io.StringIO()):
+                        rec["max_abs_diff"] = resume(name, strategy, layout, root, how)
+                except Exception:
+                    rec["error"] = traceback.format_exc()
+                records.append(rec)
+                dist.barrier()
     for name in OPTIMIZERS:
         for strategy in (STRATEGIES if name in WHOLE else (None,)):
             want = reference(name, strategy)

@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.layout import ColPiece, FlatPiece, _blocks_of
+from ..sharding.layout import ColPiece, FlatPiece, RectPiece, _blocks_of
 from .errors import CheckpointError
 
 __all__ = ["STATE_FILE", "FORMAT", "write_state_file", "write_part", "read_state_file", "read_metadata",
@@ -32,12 +32,18 @@ FORMAT = "shardopt-logical-v2"
 _OLD_FORMATS = ("shardopt-logical-v1",)
 
 
-def piece_spec(piece: FlatPiece | ColPiece) -> list:
+def piece_spec(piece: FlatPiece | ColPiece | RectPiece) -> list:
+    """How a piece is written in a checkpoint's index: ``["flat", lo, hi]``, ``["cols", c0, c1]`` or
+    ``["rect", r0, r1, c0, c1]`` (a block of a tensor-parallel shard)."""
+    if isinstance(piece, RectPiece):
+        return ["rect", piece.r0, piece.r1, piece.c0, piece.c1]
     return ["flat", piece.lo, piece.hi] if isinstance(piece, FlatPiece) else ["cols", piece.c0, piece.c1]
 
 
-def _piece(kind: str, a: int, b: int) -> FlatPiece | ColPiece:
-    return FlatPiece(a, b) if kind == "flat" else ColPiece(a, b)
+def _piece(kind: str, *bounds: int) -> FlatPiece | ColPiece | RectPiece:
+    if kind == "rect":
+        return RectPiece(*bounds)
+    return FlatPiece(*bounds) if kind == "flat" else ColPiece(*bounds)
 
 
 def _natural_view(shape: tuple[int, ...]) -> list[int]:
@@ -170,14 +176,15 @@ class StateReader:
                 raise CheckpointError(f"{self._file(file)}: corrupt or truncated shardopt state file ({err})") from None
         return self._handles[file].get_slice(tname)
 
-    def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None:
+    def fill(self, key: str, target: FlatPiece | ColPiece | RectPiece, out: torch.Tensor) -> None:
         """Write ``target``'s elements of logical tensor ``key`` (on its 2-D view) into the 1-D ``out``."""
         entry = self.index[key]
         m, n = entry["view"]
         want = _blocks_of(target, m, n)
-        for file, tname, kind, a, b in entry["pieces"]:
-            saved = _piece(kind, a, b)
-            if isinstance(saved, FlatPiece) and isinstance(target, FlatPiece) and (b <= target.lo or a >= target.hi):
+        for file, tname, kind, *bounds in entry["pieces"]:
+            saved = _piece(kind, *bounds)
+            if isinstance(saved, FlatPiece) and isinstance(target, FlatPiece) and \
+                    (saved.hi <= target.lo or saved.lo >= target.hi):
                 continue
             sl = None
             for bs in _blocks_of(saved, m, n):

@@ -261,7 +261,7 @@ def _target(source: Source, key: str, lay, frag_logical: tuple[int, ...]) -> Fla
     piece = lay.pieces[lay.rank]
     if isinstance(piece, FlatPiece):  # the same row-major elements on another 2-D view
         return FlatPiece(piece.lo, piece.hi)
-    raise CheckpointError(f"{key}: stored as {m}x{n}, cannot cut this rank's column block from it")
+    raise CheckpointError(f"{key}: stored as {m}x{n}, cannot cut this rank's column or rectangular block from it")
 
 
 def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], load_params: bool = True) -> None:

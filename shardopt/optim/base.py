@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..sharding.discover import global_shape, layout_of
+from ..sharding.discover import complete_partial_grads, global_shape, layout_of, shard_mesh
 from ..sharding.fragment import Fragment, local_flat
 from ..sharding.primitives import scale_into
 from ..sharding.layout import MatrixLayout
@@ -572,8 +572,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         writes each element once (no replicated copy) and reshards it like any DTensor."""
         plan, spec = self.matrix_state_share(name)
         shape, dim = spec[key]
-        mesh_dim = next(d for d, pl in enumerate(p.placements) if pl.is_shard())
-        return plan, value, tuple(shape), dim, p.device_mesh, mesh_dim
+        mesh, mesh_dim = shard_mesh(p)
+        return plan, value, tuple(shape), dim, mesh, mesh_dim
 
     def _local_state_entries(self, state_dict: dict[str, Any], id_map: dict[Any, torch.Tensor]) -> dict[str, Any]:
         """Give every "matrix"-kind entry the shape this rank keeps: even DTensor chunks (a DCP load) are
@@ -703,6 +703,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 loss = closure()
         run_pre_step_checks(self)  # hooks.pre_step_checks: a wrapper's flat partitions mapped (DeepSpeed) or refused
         params = [p for g in self.param_groups for p in g["params"]]
+        complete_partial_grads(params)  # sequence-parallel norms: DTensor leaves their gradients partial
         with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:
                 check_same_plan(self)

@@ -1,15 +1,23 @@
-"""Layout discovery for real parameters: DTensor placements (FSDP2, ``distribute_tensor``) or a whole matrix.
+"""Layout discovery for real parameters: DTensor placements (FSDP2, tensor parallel, ``distribute_tensor``) or a
+whole matrix.
 
-Nothing is declared by hand: a DTensor parameter's mesh and placements say which rows or columns each rank
-holds; any other tensor is whole on this process (single process, DDP, DeepSpeed stage 0).
+Nothing is declared by hand: a DTensor parameter's mesh and placements say which block of the matrix each rank
+holds; any other tensor is whole on this process (single process, DDP, DeepSpeed stage 0). On one sharded mesh
+dimension (FSDP2, HSDP's shard dimension, tensor parallel alone) the blocks are ``torch.chunk`` rows or columns
+over that dimension's group. On several (FSDP2 x TP, HSDP x TP: ``Shard`` / ``_StridedShard`` on more than one
+dimension) the group is those dimensions flattened (``DeviceMesh._flatten``, row-major over them, as torchtitan
+does), and each rank's block is what DTensor itself computes for its coordinate; ``Replicate`` dimensions hold
+replicas, which reduce separately and identically (as HSDP's replicas), never double-counting.
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
-from .layout import MatrixLayout
+from .layout import ColPiece, FlatPiece, MatrixLayout, RectPiece
 
-__all__ = ["layout_of", "matrix_shape", "global_shape"]
+__all__ = ["layout_of", "matrix_shape", "global_shape", "shard_mesh", "complete_partial_grads"]
 
 
 def _megatron_tp(p: torch.Tensor):
@@ -63,14 +71,11 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
     if placements is None:
         return MatrixLayout.whole(shape)
     mesh = p.device_mesh
-    shard_dims = [(i, pl) for i, pl in enumerate(placements) if pl.is_shard()]
+    shard_dims = [(i, pl) for i, pl in enumerate(placements) if _shards(pl)]
     if not shard_dims:
         return MatrixLayout.whole(shape)
-    if len(shard_dims) > 1:
-        raise NotImplementedError(
-            f"parameter of shape {shape} is sharded over {len(shard_dims)} mesh dimensions {placements}; "
-            "shardopt supports one sharded mesh dimension (FSDP2 or HSDP: Replicate x Shard)"
-        )
+    if len(shard_dims) > 1 or not pl_is_plain_shard(shard_dims[0][1]):
+        return _mesh_layout(p, shape, [i for i, _ in shard_dims])
     mesh_dim, placement = shard_dims[0]
     group = mesh.get_group(mesh_dim)
     world = mesh.size(mesh_dim)
@@ -89,3 +94,114 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
             f"{layout.local_numel} for shape {shape} on rank {rank}/{world}; padded local shards are not supported"
         )
     return layout
+
+
+def complete_partial_grads(params) -> None:
+    """Gradients that DTensor leaves as partial sums (``Partial``: a sequence-parallel LayerNorm's weight, whose
+    ranks each saw a part of the sequence) made complete in place, as the parameter's placement says, before the
+    optimizer reads their local values: one all-reduce per mesh dimension and dtype for all of them (the same
+    on every rank: placements are static)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor, Replicate
+
+    buckets: dict[tuple, list] = {}
+    for p in params:
+        g = p.grad
+        if g is None or not isinstance(g, DTensor):
+            continue
+        partial = tuple(i for i, pl in enumerate(g.placements) if pl.is_partial())
+        if partial:
+            for i in partial:
+                op = getattr(g.placements[i], "reduce_op", "sum")
+                if op not in ("sum", "avg"):
+                    raise NotImplementedError(f"a gradient with placement {g.placements[i]} (reduce op {op!r}) on "
+                                              f"mesh {g.device_mesh}; shardopt completes Partial(sum) and Partial(avg)")
+            buckets.setdefault((id(g.device_mesh), partial, g.dtype), []).append(p)
+    for (_, dims, _), ps in buckets.items():
+        mesh = ps[0].grad.device_mesh
+        locals_ = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for i in dims:
+            dist.all_reduce(flat, group=mesh.get_group(i))
+            if getattr(ps[0].grad.placements[i], "reduce_op", "sum") == "avg":
+                flat /= mesh.size(i)
+        pos = 0
+        for p, t in zip(ps, locals_):
+            g = p.grad
+            done = flat[pos: pos + t.numel()].view_as(t).clone()
+            pos += t.numel()
+            placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
+            p.grad = DTensor.from_local(done, g.device_mesh, placements, run_check=False, shape=g.shape,
+                                        stride=g.stride())
+
+
+def shard_mesh(p: torch.Tensor) -> tuple:
+    """``(mesh, mesh dim)`` whose group ``layout_of`` reduces a DTensor parameter's matrix over: its one sharded
+    dimension, or the flattened mesh of several (FSDP2 x TP); where its small state's DTensors live."""
+    dims = [i for i, pl in enumerate(p.placements) if _shards(pl)]
+    if len(dims) == 1 and pl_is_plain_shard(p.placements[dims[0]]):
+        return p.device_mesh, dims[0]
+    names = p.device_mesh.mesh_dim_names
+    sub = p.device_mesh[tuple(names[i] for i in dims)] if len(dims) > 1 else p.device_mesh[names[dims[0]]]
+    return (sub._flatten() if len(dims) > 1 else sub), 0
+
+
+def _shards(pl) -> bool:
+    """Whether a placement cuts the tensor: ``Shard`` and ``_StridedShard`` (which in torch 2.13 is not a
+    ``Shard`` and answers ``is_shard()`` with False)."""
+    return pl.is_shard() or type(pl).__name__ == "_StridedShard"
+
+
+def pl_is_plain_shard(pl) -> bool:
+    return pl.is_shard() and type(pl).__name__ == "Shard"
+
+
+def _mesh_layout(p: torch.Tensor, shape: tuple[int, int], dims: list[int]) -> MatrixLayout:
+    """A DTensor sharded over the mesh dimensions ``dims`` (FSDP2 x TP, HSDP x TP, a strided shard): the group is
+    those dimensions flattened, and every rank's block comes from DTensor's own offsets for its coordinate."""
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh, placements = p.device_mesh, p.placements
+    names = mesh.mesh_dim_names
+    if names is None:
+        raise NotImplementedError(
+            f"a parameter of shape {tuple(p.shape)} is sharded over mesh dimensions {dims} {tuple(placements)} of a "
+            "mesh without dimension names; name them (init_device_mesh(..., mesh_dim_names=...)) so that shardopt "
+            "can reduce over the sharded dimensions together")
+    sub = mesh[tuple(names[i] for i in dims)] if len(dims) > 1 else mesh[names[dims[0]]]
+    flat = sub._flatten() if len(dims) > 1 else sub
+    pieces = []
+    for coords in itertools.product(*(range(mesh.size(i)) for i in dims)):  # row-major: the flattened order
+        coordinate = [0] * mesh.ndim
+        for i, c in zip(dims, coords):
+            coordinate[i] = c
+        local_shape, offset = _compute_local_shape_and_global_offset(tuple(p.shape), mesh.shape, coordinate,
+                                                                     placements)
+        pieces.append(_piece(tuple(p.shape), shape, local_shape, offset, placements))
+    layout = MatrixLayout(shape, pieces, flat.get_local_rank(), flat.get_group())
+    if p.to_local().numel() != layout.local_numel:
+        raise RuntimeError(f"DTensor local shard has {p.to_local().numel()} elements but its placements "
+                           f"{tuple(placements)} give {layout.local_numel} for shape {tuple(p.shape)}")
+    return layout
+
+
+def _piece(tensor_shape: tuple[int, ...], shape: tuple[int, int], local: tuple[int, ...], offset: tuple[int, ...],
+           placements) -> FlatPiece | ColPiece | RectPiece:
+    """The piece of the ``shape`` (row-major 2-D) view that a block ``local`` at ``offset`` of the tensor is."""
+    m, n = shape
+    rows = (offset[0], offset[0] + local[0]) if local[0] else (0, 0)
+    if len(tensor_shape) != 2:
+        rest = 1
+        for s, full in zip(local[1:], tensor_shape[1:]):
+            if s != full:
+                raise NotImplementedError(
+                    f"a {len(tensor_shape)}-D parameter of shape {tensor_shape} sharded along a dimension other than "
+                    f"the first ({tuple(placements)}) is not supported; shard it along dim 0")
+            rest *= s
+        return FlatPiece(rows[0] * n, rows[1] * n)
+    if local[1] == n:
+        return FlatPiece(rows[0] * n, rows[1] * n)
+    cols = (offset[1], offset[1] + local[1]) if local[1] else (0, 0)
+    if local[0] == m:
+        return ColPiece(*cols)
+    return RectPiece(rows[0], rows[1], cols[0], cols[1])

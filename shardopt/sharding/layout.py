@@ -9,6 +9,8 @@ piece kinds, given for every rank of the process group that shards the matrix:
   and may be shorter than one row.
 * ``ColPiece(c0, c1)``: columns ``[c0, c1)`` of every row (FSDP2 ``Shard(1)``), stored as a contiguous
   ``(m, c1 - c0)`` block.
+* ``RectPiece(r0, r1, c0, c1)``: rows ``[r0, r1)`` x columns ``[c0, c1)``, stored as a contiguous block: a DTensor
+  sharded over two mesh dimensions (FSDP2 x tensor parallel: ``Shard(0)`` x ``Shard(1)``).
 
 From the pieces of *all* ranks the layout derives, statically and identically on every rank, which row and
 column indices are split between ranks. Only split indices of a statistic ever cross the network; that is
@@ -22,7 +24,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["FlatPiece", "ColPiece", "Block", "MatrixLayout", "AxisPlan"]
+__all__ = ["FlatPiece", "ColPiece", "RectPiece", "Block", "MatrixLayout", "AxisPlan", "piece_numel"]
 
 
 @dataclass(frozen=True)
@@ -45,7 +47,21 @@ class ColPiece:
     c1: int
 
 
-Piece = FlatPiece | ColPiece
+@dataclass(frozen=True)
+class RectPiece:
+    """Rows ``[r0, r1)`` x columns ``[c0, c1)``, stored row-major as an ``(r1 - r0, c1 - c0)`` block."""
+
+    r0: int
+    r1: int
+    c0: int
+    c1: int
+
+    @property
+    def numel(self) -> int:
+        return max(self.r1 - self.r0, 0) * max(self.c1 - self.c0, 0)
+
+
+Piece = FlatPiece | ColPiece | RectPiece
 
 
 class Block(NamedTuple):
@@ -77,7 +93,17 @@ class AxisPlan(NamedTuple):
     replicated: bool
 
 
+def piece_numel(p: Piece, m: int) -> int:
+    """Elements of piece ``p`` of a matrix with ``m`` rows."""
+    if isinstance(p, ColPiece):
+        return max(p.c1 - p.c0, 0) * m
+    return p.numel
+
+
 def _blocks_of(piece: Piece, m: int, n: int) -> tuple[Block, ...]:
+    if isinstance(piece, RectPiece):
+        h, w = piece.r1 - piece.r0, piece.c1 - piece.c0
+        return (Block(piece.r0, piece.c0, h, w, 0),) if h > 0 and w > 0 else ()
     if isinstance(piece, ColPiece):
         w = piece.c1 - piece.c0
         return (Block(0, piece.c0, m, w, 0),) if w > 0 and m > 0 else ()
@@ -118,8 +144,7 @@ class MatrixLayout:
             raise ValueError(f"rank {rank} outside the {len(self.pieces)} pieces of a {m}x{n} matrix")
         self.rank = rank
         self.group = group if len(self.pieces) > 1 else None
-        total = sum((p.hi - p.lo if p.hi > p.lo else 0) if isinstance(p, FlatPiece) else max(p.c1 - p.c0, 0) * m
-                    for p in self.pieces)
+        total = sum(piece_numel(p, m) for p in self.pieces)
         if total != m * n:
             raise ValueError(f"pieces of a {m}x{n} matrix cover {total} elements, expected {m * n}")
 
@@ -147,7 +172,7 @@ class MatrixLayout:
 
     # ------------------------------------------------------------------ geometry
     def _piece_numel(self, p: Piece) -> int:
-        return p.numel if isinstance(p, FlatPiece) else max(p.c1 - p.c0, 0) * self.shape[0]
+        return piece_numel(p, self.shape[0])
 
     @property
     def world(self) -> int:
@@ -176,7 +201,7 @@ class MatrixLayout:
     def holders(self) -> int:
         """Number of ranks holding at least one element."""
         m = self.shape[0]
-        return sum(1 for p in self.pieces if (p.hi > p.lo if isinstance(p, FlatPiece) else p.c1 > p.c0 and m > 0))
+        return sum(1 for p in self.pieces if piece_numel(p, m) > 0)
 
     # ------------------------------------------------------------------ reduction plan
     def _touch_counts(self, axis: int) -> torch.Tensor:
