@@ -2,8 +2,8 @@
 step on the whole global batch.
 
 DeepSpeed (``gradient_accumulation_steps = ACCUM``; ZeRO-1, ZeRO-2, ZeRO-3) averages the micro-batches' losses
-itself; FSDP2 runs ``set_requires_gradient_sync(False)`` on all but the last micro-batch and scales each loss by
-``1 / ACCUM``. Each rank sees ``GLOBAL // world`` samples per step in ``ACCUM`` micro-batches; the reference
+itself; FSDP2 runs ``set_requires_gradient_sync(False)`` and DDP ``no_sync()`` on all but the last micro-batch,
+each loss scaled by ``1 / ACCUM``. Each rank sees ``GLOBAL // world`` samples per step in ``ACCUM`` micro-batches; the reference
 trains one process on the same ``GLOBAL`` samples per step. Rank 0 writes one record per case.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from toy_models import batch, loss_fn, make_model  # noqa: E402
 ACCUM = 4
 GLOBAL = 48  # divisible by ACCUM x world size for world sizes 1-4
 STEPS = 3
-ENGINES = ("zero1", "zero2", "zero3", "fsdp2")
+ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "ddp")
 #: the issue's optimizers; the whole-matrix ones under each of their strategies that move data differently
 CASES = [("scale", None), ("racs", None), ("sumo", "gather"), ("sumo", "distributed"), ("alice", "team"),
          ("alice", "distributed"), ("asgo", "gather"), ("asgo", "distributed"), ("muon", None)]
@@ -95,6 +95,23 @@ def run_fsdp2(opt_name: str, strategy: str | None) -> dict[str, torch.Tensor]:
     return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
 
 
+def run_ddp(opt_name: str, strategy: str | None) -> dict[str, torch.Tensor]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = make_model()
+    ddp = DDP(model)
+    opt = shardopt.create_optimizer(model, opt_name, **options(opt_name, strategy))
+    for s in range(STEPS):
+        opt.zero_grad()
+        parts = micro_batches(s)
+        for j, x in enumerate(parts):
+            ctx = ddp.no_sync() if j < len(parts) - 1 else contextlib.nullcontext()
+            with ctx:
+                (loss_fn(ddp, x) / ACCUM).backward()
+        opt.step()
+    return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -108,8 +125,8 @@ def main() -> None:
             rec = {"optimizer": opt_name, "strategy": strategy, "engine": engine, "world_size": dist.get_world_size()}
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
-                    got = run_fsdp2(opt_name, strategy) if engine == "fsdp2" else \
-                        run_zero(opt_name, strategy, int(engine[-1]))
+                    got = run_fsdp2(opt_name, strategy) if engine == "fsdp2" else run_ddp(opt_name, strategy) \
+                        if engine == "ddp" else run_zero(opt_name, strategy, int(engine[-1]))
                 rec["max_abs_diff"] = max((got[n].float() - want[n]).abs().max().item() for n in want)
             except Exception:
                 rec["error"] = traceback.format_exc()

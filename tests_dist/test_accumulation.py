@@ -1,5 +1,5 @@
-"""Gradient accumulation (issue 28): DeepSpeed ``gradient_accumulation_steps = 4`` (ZeRO-1, 2, 3) and FSDP2 with
-``set_requires_gradient_sync(False)`` on all but the last of 4 micro-batches: after 3 steps every parameter is
+"""Gradient accumulation (issue 28): DeepSpeed ``gradient_accumulation_steps = 4`` (ZeRO-1, 2, 3), FSDP2 with
+``set_requires_gradient_sync(False)`` and DDP with ``no_sync()`` on all but the last of 4 micro-batches: after 3 steps every parameter is
 within 1e-5 of the single-process run on the whole global batches (``accumulation_worker.py``; observed at
 most 6.6e-7, Alice's switches)."""
 from __future__ import annotations

@@ -130,9 +130,42 @@ def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition
                           rank, group)
 
 
+def refuse_unsupported(model: nn.Module | None) -> None:
+    """One clear error for the DeepSpeed parallelism the adapter cannot express yet, raised on every rank alike
+    (it reads only the model) before any collective: pipeline stages (``deepspeed.pipe.PipelineModule``) and
+    expert parallelism (``deepspeed.moe.layer.MoE``) hand the optimizer process groups other than the data
+    parallel world's, over which its statistics would be reduced wrongly."""
+    if model is None:
+        return
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:  # pragma: no cover - deepspeed without its pipe package
+        PipelineModule = None
+    if PipelineModule is not None and isinstance(model, PipelineModule):
+        raise NotImplementedError(
+            "deepspeed.pipe.PipelineModule: pipeline parallelism is not supported by shardopt yet (each stage's "
+            "statistics would be reduced over ranks of other stages); train the model without pipeline stages "
+            "(ZeRO-1/2/3), or use FSDP2 x tensor parallelism where one rank cannot hold a replica")
+    try:
+        from deepspeed.moe.layer import MoE
+    except ImportError:  # pragma: no cover
+        MoE = None
+    if MoE is not None:
+        experts = [name for name, m in model.named_modules() if isinstance(m, MoE)]
+        if experts:
+            raise NotImplementedError(
+                f"deepspeed.moe.layer.MoE at {experts[0]!r}" + (f" (and {len(experts) - 1} more)" if len(experts) > 1
+                                                                 else "")
+                + ": expert parallelism is not supported by shardopt yet (expert weights live on some ranks only "
+                "and reduce over the expert data-parallel group, which the adapter does not read); train MoE models "
+                "with a torch optimizer for now, or without MoE layers")
+
+
 def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:
     """Tell ``opt`` which matrices each flat fp32 tensor of DeepSpeed's wrapper holds."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+
+    refuse_unsupported(getattr(engine, "module", None))
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
@@ -205,6 +238,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     for key in ("optimizer", "model_parameters"):
         if key in kwargs:
             raise TypeError(f"shardopt.deepspeed.initialize builds {key!r} itself; do not pass it")
+    refuse_unsupported(model)
     cfg = load_config(config)
     section, hp = parse_section(cfg)
     cfg["zero_allow_untested_optimizer"] = True

@@ -1,0 +1,71 @@
+"""Refusals (issue 28): what the DeepSpeed adapter cannot express yet fails with one clear error on every rank,
+before any collective: a ``deepspeed.pipe.PipelineModule`` (2 stages) and a model with a ``deepspeed.moe.layer.MoE``
+layer (expert-parallel size 2). Rank 0 writes, per case, the error type and message every rank saw."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(__file__))
+from launch import finish_worker  # noqa: E402
+import shardopt  # noqa: E402
+
+CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
+          "zero_optimization": {"stage": 1}, "shardopt": {"optimizer": "scale"}}
+
+
+def pipeline() -> nn.Module:
+    from deepspeed.pipe import PipelineModule
+
+    return PipelineModule([nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)], num_stages=2,
+                          loss_fn=lambda out, y: (out - y).square().mean())
+
+
+def moe() -> nn.Module:
+    from deepspeed.moe.layer import MoE
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(8, 8)
+            self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2)
+
+        def forward(self, x):
+            return self.moe(self.inp(x))[0]
+
+    return Model()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule reads DeepSpeed's process topology
+    records = []
+    for case, build in (("pipeline", pipeline), ("moe", moe)):
+        rec = {"case": case}
+        try:
+            shardopt.deepspeed.initialize(model=build(), config=dict(CONFIG))
+            rec["error"] = None
+        except Exception as err:  # what every rank saw
+            rec["error"] = f"{type(err).__name__}: {err}"
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, rec["error"])
+        rec["every_rank"] = seen
+        records.append(rec)
+    finish_worker(records, args.out)
+
+
+if __name__ == "__main__":
+    main()

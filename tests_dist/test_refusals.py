@@ -1,0 +1,34 @@
+"""What shardopt does not support yet fails with one clear error on every rank (issue 28): DeepSpeed pipeline
+parallelism and MoE expert parallelism (``refusal_worker.py``, world size 2)."""
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+
+from launch import torchrun
+
+_cache: dict = {}
+
+
+def records() -> dict:
+    if "recs" not in _cache:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            proc = torchrun("refusal_worker.py", 2, ["--out", out.name], timeout=300)
+            if proc.returncode != 0:
+                pytest.fail(f"refusal worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            _cache["recs"] = {r["case"]: r for r in json.load(open(out.name))}
+    return _cache["recs"]
+
+
+@pytest.mark.parametrize("case, words", [
+    ("pipeline", ["NotImplementedError", "deepspeed.pipe.PipelineModule", "pipeline parallelism", "without pipeline stages"]),
+    ("moe", ["NotImplementedError", "deepspeed.moe.layer.MoE at 'moe'", "expert parallelism", "torch optimizer"]),
+])
+def test_unsupported_parallelism_is_refused_on_every_rank(case: str, words: list[str]) -> None:
+    rec = records()[case]
+    print(f"{case}: {rec['error']}")
+    assert rec["error"] is not None
+    assert all(w in rec["error"] for w in words), rec["error"]
+    assert len(set(rec["every_rank"])) == 1  # the same error on every rank
