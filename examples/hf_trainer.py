@@ -63,6 +63,11 @@ def main() -> None:
         opt = shardopt.integrations.accelerate.unwrap_optimizer(trainer.optimizer)
         print(f"trained to step {trainer.state.global_step} with {type(opt).__name__} under ZeRO-{args.stage} on "
               f"{trainer.args.world_size} ranks; loss {trainer.state.log_history[-2]['loss']:.4f}")
+    # An orderly shutdown: ranks leave together and gloo's threads are joined before the interpreter exits (left
+    # to exit handlers, a rank can abort with "terminate called without an active exception" after its work is done).
+    trainer.accelerator.end_training()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
