@@ -274,17 +274,15 @@ def _state_spec(rank: int, rows: int, cols: int) -> dict:
 def _limit_growth_stacked(O: torch.Tensor, prev_norm: torch.Tensor,
                           gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
     """``limit_growth`` of a stack ``O`` (``B x k x l``; scaled in place) with one previous norm each (``B``),
-    and the norms of the result. One host read decides whether any matrix is limited (rarely: ``|O|`` is the
-    square root of the moment's rank); if none is, the norms are those already computed."""
+    and the norms of the result. No host read: every matrix is scaled (by exactly 1.0 where it is not limited,
+    which leaves it bit for bit) and the norm is recomputed only where it was, all selected on the device."""
     onorm = torch.linalg.vector_norm(O, dim=(-2, -1))
     if gamma is None:
         return O, onorm
     bound = gamma * prev_norm
     limited = (prev_norm > 0) & (onorm > bound)
-    if not bool(limited.any()):
-        return O, onorm
     O.mul_(torch.where(limited, bound / onorm, 1.0)[:, None, None])
-    return O, torch.linalg.vector_norm(O, dim=(-2, -1))
+    return O, torch.where(limited, torch.linalg.vector_norm(O, dim=(-2, -1)), onorm)
 
 
 def _whole_block(plan, grad: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""Host synchronizations inside ``step()``, counted on a CPU (issue 29, item 2).
+
+A GPU step stalls whenever the host reads a value computed on the device (``.item()``, ``bool(t)``, ``int(t)``,
+``.tolist()``, a boolean mask) and whenever a ``torch.linalg`` factorization checks its error codes on the host
+(``eigh``, ``svd``, ``cholesky``, ...: the non-``_ex`` calls do so on CUDA). On a CPU these cost nothing, so
+the test counts the *calls* under a ``TorchFunctionMode``: a proxy that needs no GPU and names each site.
+
+Reads of the step counters are not syncs: like ``torch.optim``'s (``capturable=False``) they live on the host.
+The rules that do need a read are documented (README "Host synchronizations"): the non-finite check of
+``on_nonfinite="skip"`` / ``"raise"`` (one read per step, as ``torch.amp.GradScaler``'s) and the factorizations
+of ASGO, SUMO and Alice (float64 on the device today).
+"""
+from __future__ import annotations
+
+import collections
+import traceback
+
+import pytest
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+import shardopt
+
+READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__,
+         torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.nonzero, torch.Tensor.nonzero,
+         torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique}
+CHECKED_LINALG = {torch.linalg.eigh, torch.linalg.eigvalsh, torch.linalg.svd, torch.linalg.svdvals,
+                  torch.linalg.cholesky, torch.linalg.inv, torch.linalg.solve, torch.linalg.pinv,
+                  torch.linalg.lstsq, torch.linalg.eig, torch.linalg.matrix_rank}
+HOST_COUNTERS = {"_step_counts", "_step_adamw"}  # reads of the host-resident step counters
+
+
+class SyncCounter(TorchFunctionMode):
+    """Counts device-value reads and error-checked factorizations by the shardopt line that made them."""
+
+    def __init__(self):
+        super().__init__()
+        self.sites: collections.Counter = collections.Counter()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kind = "read" if func in READS else "linalg" if func in CHECKED_LINALG else None
+        if kind is None and func is torch.Tensor.__getitem__ and len(args) > 1:
+            index = args[1] if isinstance(args[1], tuple) else (args[1],)
+            if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
+                kind = "read"  # a boolean mask: its true count sizes the result
+        if kind is not None:
+            frames = [f for f in traceback.extract_stack()[:-1]
+                      if "/shardopt/" in f.filename and not f.name.startswith("<")]  # comprehensions: their def
+            if frames and frames[-1].name not in HOST_COUNTERS:
+                self.sites[(kind, f"{frames[-1].filename.rsplit('/shardopt/', 1)[-1]}:{frames[-1].name}")] += 1
+        return func(*args, **(kwargs or {}))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.up = nn.Linear(32, 48)
+        self.down = nn.Linear(48, 32)
+        self.norm = nn.LayerNorm(32)
+        self.lm_head = nn.Linear(32, 64, bias=False)
+
+    def forward(self, x):
+        return self.lm_head(self.norm(self.down(torch.relu(self.up(self.embed(x))))))
+
+
+def syncs_per_step(name: str, steps: int = 4, **kw) -> list[collections.Counter]:
+    torch.manual_seed(0)
+    model = Model()
+    opt = shardopt.create_optimizer(model, name, **kw)
+    x = torch.randint(0, 64, (4, 16), generator=torch.Generator().manual_seed(1))
+    out = []
+    for _ in range(steps):
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten())
+        opt.zero_grad()
+        loss.backward()
+        with SyncCounter() as counter:
+            opt.step()
+        out.append(counter.sites)
+    return out
+
+
+SYNC_FREE = ["scale", "sinkgd", "racs", "dasgo", "muon", "swan"]
+
+
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_elementwise_and_newton_schulz_steps_never_wait_for_the_device(name):
+    for step, sites in enumerate(syncs_per_step(name, on_nonfinite="ignore")):
+        assert not sites, f"{name} step {step + 1}: host syncs at {dict(sites)}"
+
+
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_the_nonfinite_check_is_one_read_per_step(name):
+    for step, sites in enumerate(syncs_per_step(name)):
+        assert dict(sites) == {("read", "optim/base.py:_nonfinite_grads"): 1}, (name, step + 1, dict(sites))
+
+
+def test_sumo_between_refreshes_reads_only_for_its_checked_polar_factor():
+    """SUMO's limiter decides on the device (it used to read ``limited.any()`` every step); what is left
+    between refreshes is the float64 polar factor: its eigendecomposition and the check that picks the SVD
+    for the matrices whose Gram spectrum does not settle the cutoff (``matfun.polar_factor``)."""
+    steps = syncs_per_step("sumo", steps=3, on_nonfinite="ignore", refresh_interval=10, rank=8)
+    for sites in steps[1:]:
+        assert all(where.startswith("sharding/matfun.py") for _, where in sites), dict(sites)
+        assert not any(where.startswith("optim/sumo.py") for _, where in sites), dict(sites)
+
+
+@pytest.mark.parametrize("name", ["asgo", "sumo", "alice", "alice0"])
+def test_factorizing_optimizers_sync_only_in_factorizations_and_schedules(name):
+    """The record of what is left for the GPU path (issue 29, item 1): every site is a factorization, its
+    fallback check, or a refresh/switch schedule's counter (read once per refresh, not per step)."""
+    allowed = ("sharding/matfun.py", "sharding/subspace.py", "optim/alice.py:_switch", "optim/sumo.py:_refresh",
+               "optim/asgo.py", "sharding/owner.py")
+    low_rank = {"rank": 8, **({"leading": 4} if name.startswith("alice") else {})} if name != "asgo" else {}
+    for step, sites in enumerate(syncs_per_step(name, on_nonfinite="ignore", **low_rank)):
+        for _, where in sites:
+            assert where.startswith(allowed), (name, step + 1, where)
