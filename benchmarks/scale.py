@@ -403,8 +403,9 @@ def largest_owned_bytes(opt: Any, rank: int) -> int:
 
 
 def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, name: str, strategy: str | None,
-             single_bytes: int, n_params: int, samples: int, profile: str = "gpu") -> dict[str, Any]:
-    kw = {"matrix_ops": {"strategy": strategy, "profile": profile}} if strategy else {}
+             single_bytes: int, n_params: int, samples: int, profile: str = "gpu",
+             hyperparameters: dict[str, Any] | None = None) -> dict[str, Any]:
+    kw = {**(hyperparameters or {}), **({"matrix_ops": {"strategy": strategy, "profile": profile}} if strategy else {})}
     opt, plan_s, adamw = build(layout, model, name, kw, world)
     state = per_rank_state(opt, world)
     total = 4 * (state["elements"] + state["vectors"] + state["matrix"])
@@ -418,7 +419,7 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
     fwd_bwd = fwd_bwd_seconds(n_params, world)
     rec = {
         "model": model_size, "layout": layout, "world_size": world, "optimizer": name, "strategy": strategy or "-",
-        "params": n_params, "single_bytes": single_bytes,
+        **({"hyperparameters": hyperparameters} if hyperparameters else {}), "params": n_params, "single_bytes": single_bytes,
         "busiest_bytes": int(total[busiest]), "busiest_rank": busiest, "mean_bytes": float(total.double().mean()),
         "rank0_bytes": int(total[0]), "min_bytes": int(total.min()), "sum_over_single": float(total.sum()) / single_bytes,
         "busiest_by_kind": {k: 4 * int(v[busiest]) for k, v in state.items()},
@@ -439,10 +440,10 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
     return rec
 
 
-def single_state(model: torch.nn.Module, name: str) -> int:
+def single_state(model: torch.nn.Module, name: str, hyperparameters: dict[str, Any] | None = None) -> int:
     import shardopt
 
-    opt = shardopt.create_optimizer(model, name)
+    opt = shardopt.create_optimizer(model, name, **(hyperparameters or {}))
     return 4 * sum(opt.planned_state_elements().values())
 
 
@@ -464,7 +465,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         plain = meta_model(size)
         n_params = sum(p.numel() for p in plain.parameters())
         init_world(1)
-        singles = {name: single_state(plain, name) for name in names}
+        singles = {name: single_state(plain, name, args.hyperparameters.get(name)) for name in names}
         worlds = args.worlds_7b if size == "7b" and args.worlds_7b else args.worlds
         if size == "7b" and not args.worlds_7b and args.worlds == WORLDS:
             worlds = WORLDS + ",4096"
@@ -476,7 +477,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                     t0 = time.perf_counter()
                     try:
                         rec = run_case(size, layout, world, model, name, strategy, singles[name], n_params,
-                                       args.check_ranks, args.profile)
+                                       args.check_ranks, args.profile, args.hyperparameters.get(name))
                     except Exception as err:  # a failing case is reported, the others still run
                         import traceback
 
@@ -498,7 +499,28 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 # ---------------------------------------------------------------------------------------------- tables
 def _label(r: dict) -> str:
-    return r["optimizer"] if r["strategy"] == "-" else f"{r['optimizer']} ({r['strategy']})"
+    hp = ",".join(f"{k}={v}" for k, v in r.get("hyperparameters", {}).items())
+    name = f"{r['optimizer']}[{hp}]" if hp else r["optimizer"]
+    return name if r["strategy"] == "-" else f"{name} ({r['strategy']})"
+
+
+def parse_hyperparameters(items: list[str]) -> dict[str, dict[str, Any]]:
+    """``--set swan:whitening=svd`` (repeatable) -> ``{"swan": {"whitening": "svd"}}``; values are JSON where
+    they parse as JSON (numbers, booleans), else strings."""
+    import json
+
+    out: dict[str, dict[str, Any]] = {}
+    for item in items:
+        name, sep, assignment = item.partition(":")
+        key, eq, value = assignment.partition("=")
+        if not (sep and eq and name and key):
+            raise SystemExit(f"--set {item!r}: expected OPTIMIZER:KEY=VALUE, e.g. swan:whitening=svd")
+        try:
+            parsed = json.loads(value)
+        except json.JSONDecodeError:
+            parsed = value
+        out.setdefault(name.strip().lower(), {})[key.strip()] = parsed
+    return out
 
 
 def to_markdown(records: list[dict[str, Any]]) -> str:
@@ -622,8 +644,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--check-ranks", type=int, default=4,
                     help="random ranks (beyond 0, the busiest and the last) checked against planned_state_elements")
     ap.add_argument("--profile", default="gpu", help="matrix_ops.profile of the modeled seconds (gpu, cpu)")
+    ap.add_argument("--set", action="append", default=[], metavar="OPTIMIZER:KEY=VALUE",
+                    help="a hyperparameter of one optimizer (repeatable), e.g. swan:whitening=svd; labelled in the tables")
     ap.add_argument("--out", default="scale", help="result file stem")
     args = parse_args(ap, argv, dict(models="1b", worlds="8,64", optimizers="scale,muon,sumo,alice"))
+    args.hyperparameters = parse_hyperparameters(args.set)
     for lay in args.layouts.split(","):
         if lay not in LAYOUTS:
             raise SystemExit(f"--layouts: unknown {lay!r}; choose from {LAYOUTS}")
