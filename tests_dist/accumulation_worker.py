@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import io
 import logging
 import os
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 import shardopt  # noqa: E402
 from parity_worker import OPTIMIZERS, options  # noqa: E402
 from toy_models import batch, loss_fn, make_model  # noqa: E402
@@ -123,15 +121,9 @@ def main() -> None:
         want = reference(opt_name, strategy)
         for engine in ENGINES:
             rec = {"optimizer": opt_name, "strategy": strategy, "engine": engine, "world_size": dist.get_world_size()}
-            try:
-                with contextlib.redirect_stdout(io.StringIO()):
-                    got = run_fsdp2(opt_name, strategy) if engine == "fsdp2" else run_ddp(opt_name, strategy) \
-                        if engine == "ddp" else run_zero(opt_name, strategy, int(engine[-1]))
-                rec["max_abs_diff"] = max((got[n].float() - want[n]).abs().max().item() for n in want)
-            except Exception:
-                rec["error"] = traceback.format_exc()
-            records.append(rec)
-            dist.barrier()
+            record_case(records, rec, lambda: {"max_abs_diff": max_abs_diff(
+                run_fsdp2(opt_name, strategy) if engine == "fsdp2" else run_ddp(opt_name, strategy)
+                if engine == "ddp" else run_zero(opt_name, strategy, int(engine[-1])), want)})
     finish_worker(records, args.out)
 
 

@@ -10,12 +10,9 @@ parameter compared with the single-process run; rank 0 writes one record per cas
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import logging
 import os
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -23,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 import shardopt  # noqa: E402
 
 GLOBAL = 12  # samples per step, below the subspace rank (16); divisible by world sizes 1-4
@@ -128,14 +125,7 @@ def main() -> None:
             for strategy in STRATEGIES if engine != "ddp" else ("gather",):
                 rec = {"optimizer": name, "engine": engine, "strategy": strategy,
                        "world_size": dist.get_world_size()}
-                try:
-                    with contextlib.redirect_stdout(io.StringIO()):
-                        got = run(name, engine, strategy)
-                    rec["max_abs_diff"] = max((got[n] - want[n]).abs().max().item() for n in want)
-                except Exception:
-                    rec["error"] = traceback.format_exc()
-                records.append(rec)
-                dist.barrier()
+                record_case(records, rec, lambda: {"max_abs_diff": max_abs_diff(run(name, engine, strategy), want)})
     finish_worker(records, args.out)
 
 

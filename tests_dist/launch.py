@@ -48,3 +48,27 @@ def finish_worker(records: list, out: str) -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+def record_case(records: list, rec: dict, body) -> None:
+    """One case of a worker: the fields ``body()`` returns go into ``rec`` (its prints swallowed), or its
+    traceback under ``"error"`` (every rank raises alike, so the cases after it still run); then all ranks
+    meet before the next case."""
+    import contextlib
+    import io
+    import traceback
+
+    import torch.distributed as dist
+
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            rec.update(body())
+    except Exception:
+        rec["error"] = traceback.format_exc()
+    records.append(rec)
+    dist.barrier()
+
+
+def max_abs_diff(got: dict, want: dict) -> float:
+    """Largest elementwise difference over the parameters of ``want`` (``got``'s compared in fp32)."""
+    return max((got[n].float() - want[n]).abs().max().item() for n in want)

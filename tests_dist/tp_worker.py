@@ -11,12 +11,9 @@ parameter compared with the single-process run on the whole batch; rank 0 writes
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import logging
 import os
 import sys
-import traceback
 from datetime import timedelta
 
 import torch
@@ -24,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 import shardopt  # noqa: E402
 
 GLOBAL = 8
@@ -234,13 +231,7 @@ def main() -> None:
             for how in (LEAN_RESUME[name],) if args.lean else ("dcp", "shardopt"):
                 rec = {"optimizer": name, "strategy": strategy, "layout": layout, "resume": how,
                        "world_size": dist.get_world_size()}
-                try:
-                    with contextlib.redirect_stdout(io.StringIO()):
-                        rec["max_abs_diff"] = resume(name, strategy, layout, root, how)
-                except Exception:
-                    rec["error"] = traceback.format_exc()
-                records.append(rec)
-                dist.barrier()
+                record_case(records, rec, lambda: {"max_abs_diff": resume(name, strategy, layout, root, how)})
     for name in OPTIMIZERS:
         for strategy in (STRATEGIES if name in WHOLE else (None,)):
             if args.lean and (name, strategy) not in RESUME:
@@ -248,14 +239,7 @@ def main() -> None:
             want = reference(name, strategy)
             for layout in args.layouts.split(","):
                 rec = {"optimizer": name, "strategy": strategy, "layout": layout, "world_size": dist.get_world_size()}
-                try:
-                    with contextlib.redirect_stdout(io.StringIO()):
-                        got = run(name, strategy, layout)
-                    rec["max_abs_diff"] = max((got[n] - want[n]).abs().max().item() for n in want)
-                except Exception:
-                    rec["error"] = traceback.format_exc()
-                records.append(rec)
-                dist.barrier()
+                record_case(records, rec, lambda: {"max_abs_diff": max_abs_diff(run(name, strategy, layout), want)})
     finish_worker(records, args.out)
 
 
