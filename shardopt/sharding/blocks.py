@@ -294,10 +294,51 @@ class RowPlan:
         return {d: self.moved(me, d) for d in self.destinations(me)}
 
     # ------------------------------------------------------------------ packing
+    @cached_property
+    def _flat(self) -> tuple[list[tuple[int, int]], int] | None:
+        """``(intervals by rank, k)`` where every piece is one interval of ``A``'s row-major elements and ``A``
+        is ``G`` itself (flat pieces: FSDP2 ``Shard(0)``, ZeRO partitions): then what moves between two ranks
+        is one slice of each side's storage, in the order the block-wise cuts would give, and a contiguous
+        block is filled by one copy per source instead of one per cut."""
+        spans = None if self.transpose else _element_spans(self.layout, False)
+        return spans
+
+    def _overlap(self, src: int, dst: int) -> tuple[int, int]:
+        """``[x, y)``: the elements of ``A`` that ``src``'s interval and ``dst``'s rows share (``_flat`` only);
+        static, so kept for the pairs this rank packs and unpacks every step."""
+        cache = self.__dict__.setdefault("_overlap_cache", {})
+        found = cache.get((src, dst))
+        if found is None:
+            ivals, k = self._flat  # type: ignore[misc]
+            a, b = ivals[src]
+            d0, d1 = self.rows(dst)
+            found = cache[(src, dst)] = (max(a, d0 * k), min(b, d1 * k))
+        return found
+
+    @cached_property
+    def block_covered(self) -> bool:
+        """Whether the pieces fill every element of this rank's block (so it needs no zero fill first)."""
+        a0, a1 = self.rows()
+        if a1 <= a0:
+            return True
+        me = self.layout.rank
+        return self.moved(me, me) + sum(self._received.values()) == (a1 - a0) * self.a_shape[1]
+
+    @cached_property
+    def piece_covered(self) -> bool:
+        """Whether the blocks of the rows some rank holds fill every element of this rank's piece."""
+        me = self.layout.rank
+        return self.moved(me, me) + sum(self._sends.values()) == self.layout.local_numel
+
     def pack_piece(self, piece: torch.Tensor, dst: int) -> list[torch.Tensor]:
         """This rank's elements that ``dst``'s block needs, flattened in plan order."""
+        me = self.layout.rank
+        if self._flat is not None:
+            x, y = self._overlap(me, dst)
+            lo = self._flat[0][me][0]
+            return [piece[x - lo: y - lo]] if y > x else []
         out = []
-        for b, (i0, i1), (j0, j1) in self._cuts(self.layout.rank, dst):
+        for b, (i0, i1), (j0, j1) in self._cuts(me, dst):
             view = piece[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
             out.append(view[i0 - b.row: i1 - b.row, j0 - b.col: j1 - b.col].reshape(-1))
         return out
@@ -305,6 +346,11 @@ class RowPlan:
     def unpack_into_block(self, block: torch.Tensor, src: int, flat: torch.Tensor) -> None:
         """Write the elements received from ``src`` (``pack_piece`` order) into this rank's block."""
         a0 = self.rows()[0]
+        if self._flat is not None and block.is_contiguous():
+            x, y = self._overlap(src, self.layout.rank)
+            base = a0 * self._flat[1]
+            block.view(-1)[x - base: y - base].copy_(flat)
+            return
         pos = 0
         for _, (i0, i1), (j0, j1) in self._cuts(src, self.layout.rank):
             h, w = i1 - i0, j1 - j0
@@ -318,6 +364,10 @@ class RowPlan:
     def pack_block(self, block: torch.Tensor, dst: int) -> list[torch.Tensor]:
         """The parts of this rank's block that belong to ``dst``'s piece, in ``dst``'s block order."""
         a0 = self.rows()[0]
+        if self._flat is not None and block.is_contiguous():
+            x, y = self._overlap(dst, self.layout.rank)
+            base = a0 * self._flat[1]
+            return [block.view(-1)[x - base: y - base]] if y > x else []
         out = []
         for _, (i0, i1), (j0, j1) in self._cuts(dst, self.layout.rank):
             part = block[j0 - a0: j1 - a0, i0:i1].T if self.transpose else block[i0 - a0: i1 - a0, j0:j1]
@@ -326,8 +376,14 @@ class RowPlan:
 
     def unpack_into_piece(self, piece: torch.Tensor, src: int, flat: torch.Tensor) -> None:
         """Write the elements received from ``src`` (``pack_block`` order) into this rank's piece."""
+        me = self.layout.rank
+        if self._flat is not None:
+            x, y = self._overlap(me, src)
+            lo = self._flat[0][me][0]
+            piece[x - lo: y - lo].copy_(flat)
+            return
         pos = 0
-        for b, (i0, i1), (j0, j1) in self._cuts(self.layout.rank, src):
+        for b, (i0, i1), (j0, j1) in self._cuts(me, src):
             h, w = i1 - i0, j1 - j0
             view = piece[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
             view[i0 - b.row: i1 - b.row, j0 - b.col: j1 - b.col] = flat[pos: pos + h * w].view(h, w)
@@ -492,10 +548,11 @@ def to_blocks(plans: Sequence[RowPlan], pieces: Sequence[torch.Tensor], tags: Se
         if held == "none":
             blocks.append(piece.new_zeros(0, plan.a_shape[1]))
             continue
-        block = torch.zeros(a1 - a0, plan.a_shape[1], dtype=piece.dtype, device=piece.device)
+        alloc = torch.empty if plan.block_covered else torch.zeros
+        block = alloc(a1 - a0, plan.a_shape[1], dtype=piece.dtype, device=piece.device)
         parts = plan.pack_piece(piece, plan.layout.rank)
         if parts:
-            plan.unpack_into_block(block, plan.layout.rank, torch.cat(parts))
+            plan.unpack_into_block(block, plan.layout.rank, parts[0] if len(parts) == 1 else torch.cat(parts))
         blocks.append(block)
     if pieces:
         _exchange_groups(plans, lambda e, d: plans[e].pack_piece(pieces[e], d),
@@ -521,10 +578,11 @@ def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None],
         if held == "none":
             pieces.append(block.new_zeros(0))
             continue
-        piece = torch.zeros(plan.layout.local_numel, dtype=block.dtype, device=block.device)
+        alloc = torch.empty if plan.piece_covered else torch.zeros
+        piece = alloc(plan.layout.local_numel, dtype=block.dtype, device=block.device)
         parts = plan.pack_block(block, plan.layout.rank)
         if parts:
-            plan.unpack_into_piece(piece, plan.layout.rank, torch.cat(parts))
+            plan.unpack_into_piece(piece, plan.layout.rank, parts[0] if len(parts) == 1 else torch.cat(parts))
         pieces.append(piece)
     if pieces:
         _exchange_groups(plans, lambda e, d: plans[e].pack_block(blocks[e], d),
