@@ -1,6 +1,8 @@
 """Refusals (issue 28): what the DeepSpeed adapter cannot express yet fails with one clear error on every rank,
-before any collective: a ``deepspeed.pipe.PipelineModule`` (2 stages) and a model with a ``deepspeed.moe.layer.MoE``
-layer (expert-parallel size 2). Rank 0 writes, per case, the error type and message every rank saw."""
+before DeepSpeed builds its engine: pipeline stages that would form different numbers of param groups (the
+second stage's only matrix routed to AdamW), a routing pattern that matches on no stage, and a model with a
+``deepspeed.moe.layer.MoE`` layer (expert-parallel size 2). Rank 0 writes, per case, the error type and message
+every rank saw."""
 from __future__ import annotations
 
 import argparse
@@ -28,6 +30,10 @@ def pipeline() -> nn.Module:
                           loss_fn=lambda out, y: (out - y).square().mean())
 
 
+#: the routing of each case (None: the config's)
+ROUTING = {"pipeline_groups": {"2.weight": "adamw"}, "pipeline_routing": {"9.*": "matrix"}}
+
+
 def moe() -> nn.Module:
     from deepspeed.moe.layer import MoE
 
@@ -53,10 +59,11 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule reads DeepSpeed's process topology
     records = []
-    for case, build in (("pipeline", pipeline), ("moe", moe)):
+    for case, build in (("pipeline_groups", pipeline), ("pipeline_routing", pipeline), ("moe", moe)):
         rec = {"case": case}
+        config = dict(CONFIG, shardopt={"optimizer": "scale", "routing": ROUTING.get(case, {})})
         try:
-            shardopt.deepspeed.initialize(model=build(), config=dict(CONFIG))
+            shardopt.deepspeed.initialize(model=build(), config=config)
             rec["error"] = None
         except Exception as err:  # what every rank saw
             rec["error"] = f"{type(err).__name__}: {err}"

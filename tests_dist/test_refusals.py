@@ -1,5 +1,7 @@
 """What shardopt does not support yet fails with one clear error on every rank (issue 28): DeepSpeed pipeline
-parallelism and MoE expert parallelism (``refusal_worker.py``, world size 2)."""
+stages that would hand DeepSpeed different numbers of param groups, a routing pattern no stage matches, and
+MoE expert parallelism (``refusal_worker.py``, world size 2). Pipelines themselves are exact
+(``test_pipeline.py``)."""
 from __future__ import annotations
 
 import json
@@ -23,7 +25,12 @@ def records() -> dict:
 
 
 @pytest.mark.parametrize("case, words", [
-    ("pipeline", ["NotImplementedError", "deepspeed.pipe.PipelineModule", "pipeline parallelism", "without pipeline stages"]),
+    ("pipeline_groups", ["NotImplementedError", "pipeline stages form different numbers of shardopt param groups",
+                         "stage 0: ['scale(matrix, 1 tensors)', 'adamw(vector, 1 tensors)']",
+                         "stage 1: ['adamw(adamw+vector, 2 tensors)']", "one gradient norm per param group",
+                         "shardopt.routing"]),
+    ("pipeline_routing", ["ConfigError", "shardopt.routing: patterns ['9.*'] match no trainable parameter on any "
+                          "pipeline stage"]),
     ("moe", ["NotImplementedError", "deepspeed.moe.layer.MoE at 'moe'", "expert parallelism", "torch optimizer"]),
 ])
 def test_unsupported_parallelism_is_refused_on_every_rank(case: str, words: list[str]) -> None:

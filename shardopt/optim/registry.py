@@ -57,12 +57,12 @@ def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], wher
 
 
 def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: OptimizerConfig,
-                       routing: Mapping[str, str] | None = None) -> list[dict]:
+                       routing: Mapping[str, str] | None = None, unused: list[str] | None = None) -> list[dict]:
     """Param groups routed by ``cfg.roles()``; AdamW groups carry every hyperparameter explicitly (wrappers that
     fill missing group keys from their own defaults, like ZeroRedundancyOptimizer and fairscale OSS, would
-    otherwise give them the matrix rule's values)."""
+    otherwise give them the matrix rule's values). ``unused``: see ``routing.route``."""
     cls = optimizer_class(name)
-    groups = route(model, cfg.roles(), routing, optimizer_name=name)
+    groups = route(model, cfg.roles(), routing, optimizer_name=name, unused=unused)
     for g in groups:
         if g["treatment"] == "adamw":
             g.update(cfg.adamw_group(), eps_mode=cls.adamw_defaults["eps_mode"])

@@ -261,8 +261,12 @@ def route(
     role_table: Mapping[str, dict],
     overrides: Mapping[str, str] | None = None,
     optimizer_name: str = "optimizer",
+    unused: list[str] | None = None,
 ) -> list[dict]:
     """Param groups (one per distinct option set, in a fixed order) for ``model``'s trainable parameters.
+
+    ``unused``: a list that receives the routing patterns no parameter matched, instead of the error (a
+    pipeline stage holds part of the model: a pattern must match on some stage, not on each).
 
     ``model`` is a module, or what torch.optim takes: ``model.named_parameters()`` (roles from names; groups
     keep torch's ``param_names``) or a flat list of tensors (2-D -> ``matrix``, else ``vector``).
@@ -312,9 +316,11 @@ def route(
         if source == "torch":
             group.setdefault("param_names", []).append(name)
         record_role(p, role)  # for describe(): the role that chose this parameter's rule
-    unused = [p for p in overrides if p not in used]
-    if unused:
-        raise RoutingError(f"routing patterns {unused} match no trainable parameter of the model")
+    missing = [p for p in overrides if p not in used]
+    if unused is not None:
+        unused.extend(missing)
+    elif missing:
+        raise RoutingError(f"routing patterns {missing} match no trainable parameter of the model")
     return list(groups.values())
 
 

@@ -132,20 +132,11 @@ def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition
 
 def refuse_unsupported(model: nn.Module | None) -> None:
     """One clear error for the DeepSpeed parallelism the adapter cannot express yet, raised on every rank alike
-    (it reads only the model) before any collective: pipeline stages (``deepspeed.pipe.PipelineModule``) and
-    expert parallelism (``deepspeed.moe.layer.MoE``) hand the optimizer process groups other than the data
-    parallel world's, over which its statistics would be reduced wrongly."""
+    (it reads only the model) before any collective: expert parallelism (``deepspeed.moe.layer.MoE``) hands the
+    optimizer process groups other than the data-parallel group, over which its statistics would be reduced
+    wrongly. Pipeline stages are supported (``check_pipeline_stages``)."""
     if model is None:
         return
-    try:
-        from deepspeed.pipe import PipelineModule
-    except ImportError:  # pragma: no cover - deepspeed without its pipe package
-        PipelineModule = None
-    if PipelineModule is not None and isinstance(model, PipelineModule):
-        raise NotImplementedError(
-            "deepspeed.pipe.PipelineModule: pipeline parallelism is not supported by shardopt yet (each stage's "
-            "statistics would be reduced over ranks of other stages); train the model without pipeline stages "
-            "(ZeRO-1/2/3), or use FSDP2 x tensor parallelism where one rank cannot hold a replica")
     try:
         from deepspeed.moe.layer import MoE
     except ImportError:  # pragma: no cover
@@ -159,6 +150,45 @@ def refuse_unsupported(model: nn.Module | None) -> None:
                 + ": expert parallelism is not supported by shardopt yet (expert weights live on some ranks only "
                 "and reduce over the expert data-parallel group, which the adapter does not read); train MoE models "
                 "with a torch optimizer for now, or without MoE layers")
+
+
+def pipeline_stage(model: nn.Module | None) -> int | None:
+    """The pipeline stage of this rank when ``model`` is a ``deepspeed.pipe.PipelineModule``, else None."""
+    try:
+        from deepspeed.pipe import PipelineModule
+    except ImportError:  # pragma: no cover - deepspeed without its pipe package
+        return None
+    return int(model.stage_id) if isinstance(model, PipelineModule) else None
+
+
+def check_pipeline_stages(stage: int, groups: list[dict], unused: list[str]) -> None:
+    """Pipeline parallelism (``deepspeed.pipe.PipelineModule``): each stage's optimizer holds that stage's
+    parameters only, and its ZeRO partitions reduce over the stage's data-parallel group, so every statistic
+    and owner stays inside the stage. Two things must agree across the stages, checked here on every rank at
+    once (one ``all_gather_object`` over the world): a routing pattern must match a parameter on some stage,
+    and every stage must form the same number of param groups, because DeepSpeed's ZeRO all-reduces one
+    gradient norm per group over the stages (different counts would hang its step)."""
+    mine = {"stage": stage, "groups": [_group_label(g) for g in groups], "unused": sorted(unused)}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    never = sorted(set.intersection(*(set(e["unused"]) for e in everyone)))
+    if never:
+        from ..optim.registry import ConfigError
+
+        raise ConfigError(f"shardopt.routing: patterns {never} match no trainable parameter on any pipeline stage")
+    by_stage = {e["stage"]: e["groups"] for e in everyone}
+    if len({len(g) for g in by_stage.values()}) > 1:
+        listed = "; ".join(f"stage {s}: {g}" for s, g in sorted(by_stage.items()))
+        raise NotImplementedError(
+            f"pipeline stages form different numbers of shardopt param groups ({listed}); DeepSpeed's ZeRO "
+            "all-reduces one gradient norm per param group across the stages, so every stage needs as many: route "
+            "the parameters whose rule exists on one stage only to a rule that every stage has (shardopt.routing, "
+            "e.g. {'<name>': 'matrix'} or {'<name>': 'adamw'})")
+
+
+def _group_label(group: dict) -> str:
+    roles = "+".join(str(r) for r in group.get("roles", [])) or "-"
+    return f"{group['treatment']}({roles}, {len(group['params'])} tensors)"
 
 
 def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:
@@ -243,7 +273,11 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     section, hp = parse_section(cfg)
     cfg["zero_allow_untested_optimizer"] = True
     names = {id(p): n for n, p in model.named_parameters()}
-    groups = build_param_groups(model, section.optimizer, hp, section.routing)
+    stage = pipeline_stage(model)
+    unused: list[str] | None = None if stage is None else []
+    groups = build_param_groups(model, section.optimizer, hp, section.routing, unused=unused)
+    if stage is not None:
+        check_pipeline_stages(stage, groups, unused)
     cls = optimizer_class(section.optimizer)
     built: dict[str, ShardedOptimizer] = {}
 
