@@ -173,8 +173,6 @@ def check_pipeline_stages(stage: int, groups: list[dict], unused: list[str]) -> 
     dist.all_gather_object(everyone, mine)
     never = sorted(set.intersection(*(set(e["unused"]) for e in everyone)))
     if never:
-        from ..optim.registry import ConfigError
-
         raise ConfigError(f"shardopt.routing: patterns {never} match no trainable parameter on any pipeline stage")
     by_stage = {e["stage"]: e["groups"] for e in everyone}
     if len({len(g) for g in by_stage.values()}) > 1:

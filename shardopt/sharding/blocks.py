@@ -300,8 +300,7 @@ class RowPlan:
         is ``G`` itself (flat pieces: FSDP2 ``Shard(0)``, ZeRO partitions): then what moves between two ranks
         is one slice of each side's storage, in the order the block-wise cuts would give, and a contiguous
         block is filled by one copy per source instead of one per cut."""
-        spans = None if self.transpose else _element_spans(self.layout, False)
-        return spans
+        return None if self.transpose else _element_spans(self.layout, False)
 
     def _overlap(self, src: int, dst: int) -> tuple[int, int]:
         """``[x, y)``: the elements of ``A`` that ``src``'s interval and ``dst``'s rows share (``_flat`` only);
