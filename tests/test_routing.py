@@ -53,3 +53,50 @@ def test_sinkgd_and_racs_keep_embedding_and_head_on_adamw():
         assert g["wte.weight"]["treatment"] == g["out.weight"]["treatment"] == "adamw"
         g = groups_by_name(shardopt.create_optimizer(LM(), name, routing={"out.weight": "matrix"}))
         assert g["out.weight"]["treatment"] == name
+
+
+class TopKGate(nn.Module):
+    """Shaped like DeepSpeed's ``deepspeed.moe.sharded_moe.TopKGate``: the expert scores are its ``wg`` Linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.wg = nn.Linear(8, 4, bias=False)
+
+
+class SparseMoeBlock(nn.Module):
+    """Shaped like Mixtral's ``MixtralSparseMoeBlock``: a ``gate`` Linear beside the experts."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.experts = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+
+
+class MoELM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(50, 8)
+        self.router_block = TopKGate()
+        self.block_sparse_moe = SparseMoeBlock()
+        self.gate_proj = nn.Linear(8, 8)  # a gated MLP's projection is a matrix, not a router
+        self.lm_head = nn.Linear(8, 50, bias=False)
+
+
+def test_mixture_of_experts_routers_default_to_adamw():
+    """A router scores experts; like the other small routing weights it stays on AdamW by default (issue 28),
+    found from the module types and, without the model, from the names; the experts get the matrix rule."""
+    model = MoELM()
+    roles = param_roles(model)
+    assert roles["router_block.wg.weight"] == roles["block_sparse_moe.gate.weight"] == "router"
+    assert roles["gate_proj.weight"] == roles["block_sparse_moe.experts.0.weight"] == "matrix"
+    by_name = shardopt.optim.routing.roles_from_names(list(model.named_parameters()))
+    assert {n: r for n, r in by_name.items() if r == "router"} == {"block_sparse_moe.gate.weight": "router"}
+    deepspeed_name = "moe.deepspeed_moe.gate.wg.weight"
+    assert shardopt.optim.routing.roles_from_names([(deepspeed_name, model.router_block.wg.weight)]) == \
+        {deepspeed_name: "router"}
+    for name in ("scale", "sumo", "alice"):
+        g = groups_by_name(shardopt.create_optimizer(model, name))
+        assert g["router_block.wg.weight"]["treatment"] == g["block_sparse_moe.gate.weight"]["treatment"] == "adamw"
+        assert g["block_sparse_moe.experts.0.weight"]["treatment"] == name
+    g = groups_by_name(shardopt.create_optimizer(model, "sumo", routing={"*.gate.weight": "matrix"}))
+    assert g["block_sparse_moe.gate.weight"]["treatment"] == "sumo"  # a routing pattern overrides the default

@@ -1,8 +1,8 @@
 """Refusals (issue 28): what the DeepSpeed adapter cannot express yet fails with one clear error on every rank,
 before DeepSpeed builds its engine: pipeline stages that would form different numbers of param groups (the
-second stage's only matrix routed to AdamW), a routing pattern that matches on no stage, and a model with a
-``deepspeed.moe.layer.MoE`` layer (expert-parallel size 2). Rank 0 writes, per case, the error type and message
-every rank saw."""
+second stage's only matrix routed to AdamW), a routing pattern that matches on no stage, and a
+``deepspeed.moe.layer.MoE`` layer whose experts are split by tensor parallelism. Rank 0 writes, per case, the
+error type and message every rank saw."""
 from __future__ import annotations
 
 import argparse
@@ -41,7 +41,8 @@ def moe() -> nn.Module:
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(8, 8)
-            self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2)
+            self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2,
+                           enable_expert_tensor_parallelism=True)
 
         def forward(self, x):
             return self.moe(self.inp(x))[0]
@@ -59,7 +60,7 @@ def main() -> None:
 
     deepspeed.init_distributed(dist_backend="gloo")  # PipelineModule reads DeepSpeed's process topology
     records = []
-    for case, build in (("pipeline_groups", pipeline), ("pipeline_routing", pipeline), ("moe", moe)):
+    for case, build in (("pipeline_groups", pipeline), ("pipeline_routing", pipeline), ("moe_expert_tp", moe)):
         rec = {"case": case}
         config = dict(CONFIG, shardopt={"optimizer": "scale", "routing": ROUTING.get(case, {})})
         try:

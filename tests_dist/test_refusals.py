@@ -1,7 +1,7 @@
 """What shardopt does not support yet fails with one clear error on every rank (issue 28): DeepSpeed pipeline
 stages that would hand DeepSpeed different numbers of param groups, a routing pattern no stage matches, and
-MoE expert parallelism (``refusal_worker.py``, world size 2). Pipelines themselves are exact
-(``test_pipeline.py``)."""
+MoE experts split by tensor parallelism (``refusal_worker.py``, world size 2). Pipelines and expert parallelism
+themselves are exact (``test_pipeline.py``, ``test_moe.py``)."""
 from __future__ import annotations
 
 import json
@@ -31,7 +31,8 @@ def records() -> dict:
                          "shardopt.routing"]),
     ("pipeline_routing", ["ConfigError", "shardopt.routing: patterns ['9.*'] match no trainable parameter on any "
                           "pipeline stage"]),
-    ("moe", ["NotImplementedError", "deepspeed.moe.layer.MoE at 'moe'", "expert parallelism", "torch optimizer"]),
+    ("moe_expert_tp", ["NotImplementedError", "deepspeed.moe.layer.MoE at 'moe'", "enable_expert_tensor_parallelism",
+                       "enable_expert_tensor_parallelism=False"]),
 ])
 def test_unsupported_parallelism_is_refused_on_every_rank(case: str, words: list[str]) -> None:
     rec = records()[case]

@@ -209,7 +209,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
     role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
-                                   "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+                                   "lm_head": {"treatment": "adamw"}, "router": {"treatment": "adamw"},
+                                   "vector": {"treatment": "adamw"}}
     #: the hyperparameter model (defaults, ranges, docs, roles); each algorithm module defines its own
     Config: type[OptimizerConfig] = OptimizerConfig
 

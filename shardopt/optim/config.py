@@ -198,7 +198,7 @@ class OptimizerConfig(_Strict):
         rule only when that rule is symmetric under transposition (``routing.TRANSPOSE_SYMMETRIC``), else it has
         no entry and routing refuses such a weight unless it is routed explicitly."""
         out = {"matrix": {"treatment": self.treatment}, "embedding": {"treatment": "adamw"},
-               "lm_head": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+               "lm_head": {"treatment": "adamw"}, "router": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
         if self.treatment in TRANSPOSE_SYMMETRIC:  # a weight stored in x out (GPT-2's Conv1D) needs nothing special
             out["matrix_transposed"] = {"treatment": self.treatment}
         return out

@@ -2,6 +2,8 @@
 
 Roles: ``embedding`` (``nn.Embedding`` weights), ``lm_head`` (the output projection: a Linear whose weight
 is tied to an embedding, or the last Linear whose ``out_features`` equals an embedding's vocabulary size),
+``router`` (the Linear that scores experts in a mixture-of-experts layer: DeepSpeed's ``TopKGate.wg``, the
+``gate`` / ``router`` Linear of a Hugging Face MoE block; AdamW by default, like the other small routing weights),
 ``matrix`` (every other 2-D Linear weight), ``matrix_transposed`` (a 2-D weight stored ``in x out``, as
 ``transformers.pytorch_utils.Conv1D`` in GPT-2: each rule either knows that orientation or refuses it),
 ``vector`` (everything else: norms, biases, >2-D tensors, and 2-D weights of module types routing does not know,
@@ -38,7 +40,7 @@ class RoutingError(ConfigError):
 #: stored in x out needs nothing special (tests/test_hf_roles.py checks it); the others refuse such weights
 TRANSPOSE_SYMMETRIC = ("asgo", "sumo", "swan", "alice", "alice0")
 
-ROLES = ("embedding", "lm_head", "matrix", "matrix_transposed", "vector", "adamw")
+ROLES = ("embedding", "lm_head", "router", "matrix", "matrix_transposed", "vector", "adamw")
 
 # Roles kept beside the tensors, never on them (no ``_shardopt_*`` attributes; tests/test_import_graph.py): maps
 # keyed by tensor identity that do not keep a tensor alive.
@@ -105,6 +107,21 @@ def unknown_matrices(model: nn.Module) -> dict[str, str]:
     return out
 
 
+def _routers(model: nn.Module) -> set[int]:
+    """Ids of the expert-scoring Linear weights of mixture-of-experts layers: a Linear held by a module whose type
+    is a gate or router (DeepSpeed's ``TopKGate.wg``), or a Linear attribute named ``gate`` / ``router`` of a
+    module whose type names an MoE block (Mixtral's ``MixtralSparseMoeBlock.gate``)."""
+    out: set[int] = set()
+    for parent in model.modules():
+        kind = type(parent).__name__
+        for attr, child in parent.named_children():
+            if not _is_linear(child):
+                continue
+            if kind.endswith(("Gate", "Router")) or (attr in ("gate", "router") and "moe" in kind.lower()):
+                out.add(id(child.weight))
+    return out
+
+
 def _out_features(m: nn.Module) -> int | None:
     return getattr(m, "out_features", getattr(m, "output_size", None))
 
@@ -126,9 +143,10 @@ def param_roles(model: nn.Module) -> dict[str, str]:
         head = candidates[-1] if candidates else None
     for m in embeddings:
         roles[names[id(m.weight)]] = "embedding"
+    routers = _routers(model)
     for m in linears:
         if id(m.weight) in names and names[id(m.weight)] not in roles:
-            roles[names[id(m.weight)]] = "matrix"
+            roles[names[id(m.weight)]] = "router" if id(m.weight) in routers else "matrix"
     for m in model.modules():
         if _is_conv1d(m) and id(m.weight) in names and names[id(m.weight)] not in roles:
             roles[names[id(m.weight)]] = "matrix_transposed"
@@ -149,6 +167,17 @@ def _module_words(name: str) -> set[str]:
     return set(re.split(r"[_\-]", module.lower()))
 
 
+def _is_router_name(name: str) -> bool:
+    """A router's weight by name: ``...router.weight``, DeepSpeed's ``...gate.wg.weight``, or ``...gate.weight``
+    inside a module path that names an MoE block (``block_sparse_moe.gate.weight``)."""
+    parts = name.split(".")
+    if len(parts) < 2:
+        return False
+    module = parts[-2]
+    return module == "router" or (module == "wg" and parts[-3:-2] == ["gate"]) or (
+        module == "gate" and any("moe" in part.lower() for part in parts[:-2]))
+
+
 def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
     """Default roles from parameter names and shapes alone (``model.named_parameters()`` without the model).
 
@@ -165,6 +194,9 @@ def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str
         if p.dim() == 2 and _module_words(name) & _EMBEDDING_WORDS:
             roles[name] = "embedding"
             vocab.add(p.shape[0])
+    for name, p in named:
+        if p.dim() == 2 and _is_router_name(name):
+            roles[name] = "router"
     matrices = [(name, p) for name, p in named if p.dim() == 2 and name not in roles]
     heads = [name for name, _ in matrices if "lm_head" in name.split(".")[-2:-1]]
     if not heads:

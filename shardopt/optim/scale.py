@@ -76,6 +76,7 @@ class SCALEConfig(OptimizerConfig):
             "matrix_transposed": {"treatment": "scale", "norm_dim": 1 - self.norm_dim, "momentum": self.matrix_momentum},
             "embedding": {"treatment": "scale", "norm_dim": 0, "momentum": self.embedding_momentum},
             "lm_head": {"treatment": "scale", "norm_dim": self.norm_dim, "momentum": self.momentum},
+            "router": {"treatment": "adamw"},
             "vector": {"treatment": "adamw"},
         }
 

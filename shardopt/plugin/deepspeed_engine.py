@@ -130,26 +130,70 @@ def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition
                           rank, group)
 
 
-def refuse_unsupported(model: nn.Module | None) -> None:
-    """One clear error for the DeepSpeed parallelism the adapter cannot express yet, raised on every rank alike
-    (it reads only the model) before any collective: expert parallelism (``deepspeed.moe.layer.MoE``) hands the
-    optimizer process groups other than the data-parallel group, over which its statistics would be reduced
-    wrongly. Pipeline stages are supported (``check_pipeline_stages``)."""
-    if model is None:
-        return
+def expert_layers(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
+    """The ``deepspeed.moe.layer.MoE`` layers of ``model``, with their module names."""
     try:
         from deepspeed.moe.layer import MoE
-    except ImportError:  # pragma: no cover
-        MoE = None
-    if MoE is not None:
-        experts = [name for name, m in model.named_modules() if isinstance(m, MoE)]
-        if experts:
+    except ImportError:  # pragma: no cover - deepspeed without its moe package
+        return []
+    return [] if model is None else [(n, m) for n, m in model.named_modules() if isinstance(m, MoE)]
+
+
+def refuse_unsupported(model: nn.Module | None) -> None:
+    """One clear error for the DeepSpeed parallelism the adapter cannot express yet, raised on every rank alike
+    (it reads only the model) before any collective. Expert parallelism is supported
+    (``split_expert_groups``); its tensor-parallel experts are not."""
+    for name, layer in expert_layers(model):
+        if getattr(layer, "enable_expert_tensor_parallelism", False):
             raise NotImplementedError(
-                f"deepspeed.moe.layer.MoE at {experts[0]!r}" + (f" (and {len(experts) - 1} more)" if len(experts) > 1
-                                                                 else "")
-                + ": expert parallelism is not supported by shardopt yet (expert weights live on some ranks only "
-                "and reduce over the expert data-parallel group, which the adapter does not read); train MoE models "
-                "with a torch optimizer for now, or without MoE layers")
+                f"deepspeed.moe.layer.MoE at {name!r}: enable_expert_tensor_parallelism=True splits each expert "
+                "over the tensor-parallel group, which shardopt's DeepSpeed adapter does not map; build the MoE "
+                "layer with enable_expert_tensor_parallelism=False")
+
+
+def global_expert_names(model: nn.Module, names: dict[int, str]) -> None:
+    """Name each expert's parameters by its global expert index, in place (``names``: id -> name).
+
+    DeepSpeed numbers a rank's experts ``0 .. num_local_experts - 1``, so the same name means different experts on
+    the ranks of an expert-parallel group. shardopt keys state, seeded draws and checkpoints by name, so it uses
+    the global index ``ep_rank * num_local_experts + local`` (as DeepSpeed's own expert checkpoint files do):
+    ranks holding the same expert share its name, and a checkpoint reloads at another expert-parallel size."""
+    from deepspeed.utils import groups as ds_groups
+
+    for layer_name, layer in expert_layers(model):
+        ep_rank = ds_groups._get_expert_parallel_rank(layer.expert_group_name)
+        prefix = f"{layer_name}.deepspeed_moe.experts.deepspeed_experts" if layer_name else \
+            "deepspeed_moe.experts.deepspeed_experts"
+        for local, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
+            index = ep_rank * layer.num_local_experts + local
+            for pname, p in expert.named_parameters():
+                names[id(p)] = f"{prefix}.{index}.{pname}"
+
+
+def split_expert_groups(groups: list[dict]) -> list[dict]:
+    """Param groups with expert parameters in groups of their own, as DeepSpeed's ZeRO requires of MoE models:
+    each rule's group splits into its dense parameters and one group per expert group name (``moe: True``,
+    ``name``: the expert-parallel group). ZeRO then partitions and reduces an expert group over its expert
+    data-parallel group (``real_dp_process_group``), which the adapter reads like any other group, so every
+    statistic, owner and team of an expert matrix stays inside the ranks that hold that expert. Empty groups
+    are left out (DeepSpeed drops them, and an empty group hangs ZeRO's step)."""
+    from deepspeed.moe.utils import is_moe_param
+
+    out: list[dict] = []
+    for g in groups:
+        names = g.get("names") or [None] * len(g["params"])
+        dense = [(p, n) for p, n in zip(g["params"], names) if not is_moe_param(p)]
+        experts: dict[str, list] = {}
+        for p, n in zip(g["params"], names):
+            if is_moe_param(p):
+                experts.setdefault(p.group_name, []).append((p, n))
+        for extra, members in [({}, dense)] + [({"moe": True, "name": k}, v) for k, v in experts.items()]:
+            if members:
+                part = {**g, **extra, "params": [p for p, _ in members]}
+                if "names" in g:
+                    part["names"] = [n for _, n in members]
+                out.append(part)
+    return out
 
 
 def pipeline_stage(model: nn.Module | None) -> int | None:
@@ -280,6 +324,9 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     built: dict[str, ShardedOptimizer] = {}
 
     def factory(params: Any) -> ShardedOptimizer:
+        if expert_layers(model):  # DeepSpeed has created the expert groups by now
+            global_expert_names(model, names)
+            params = split_expert_groups([{**g, "names": [names[id(p)] for p in g["params"]]} for g in params])
         built["opt"] = cls.from_config(params, hp)
         return built["opt"]
 
