@@ -7,7 +7,9 @@ Before precision-aware cutoffs the directions such gradients leave (rounding noi
 summation order) got full weight: SUMO ended 8e-3 and Alice 1e-2 away. Now SUMO and Alice-0 agree to 1e-7.
 Alice with its tracking state (b3 > 0) still moves by up to 3e-5 here: the complement it samples at a switch
 comes from the complete QR of all its Ritz vectors, whose basis (not span) turns with rounding where Ritz
-values lie close together; marked as an expected failure until that draw depends on the span alone."""
+values lie close together; marked as an expected failure. Taking that QR of a basis that depends on the span
+alone (``u1 polar(u1^T X)``, ``X`` a seeded draw) was tried and made it worse (8.7e-4 at world size 4, and
+Alice-0 1e-6), so the basis of the complement is not the whole cause."""
 from __future__ import annotations
 
 import json
