@@ -28,7 +28,8 @@ def _spd(batch: int, k: int, dtype: torch.dtype, device: torch.device, gen: torc
 
 
 def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], Callable[[], Any]]]:
-    from shardopt.sharding.matfun import coupled_inverse_sqrt
+    from shardopt.sharding.iterative import inverse_sqrt_checked, polar_from_gram_checked
+    from shardopt.sharding.matfun import coupled_inverse_sqrt, inverse_root, polar_factor
 
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -43,6 +44,10 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
             out.append((f"coupled NS root fp32, {steps} steps", (batch, k, k),
                         lambda a=a32, s=steps: coupled_inverse_sqrt(a, s, 1e-30)))
         out.append(("one fp32 product", (batch, k, k), lambda a=a32: a @ a))
+        a64 = a32.double()
+        out.append(("one fp64 product", (batch, k, k), lambda a=a64: a @ a))
+        out.append(("checked fp64 NS root (iterative)", (batch, k, k), lambda a=a64: inverse_sqrt_checked(a, 1e-6)))
+        out.append(("ASGO root, auto route", (batch, k, k), lambda a=a32: inverse_root(a, 1e-6, "auto")))
     for batch, r, m in ((84 // scale, 128 // scale, 2048 // scale), (168 // scale, 256 // scale, 2736 // scale)):
         for dtype in (torch.float64, torch.float32):
             tag = "fp64" if dtype == torch.float64 else "fp32"
@@ -52,6 +57,11 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
             out.append((f"svd r x m {tag}", (batch, r, m), lambda x=x: torch.linalg.svd(x.mT, full_matrices=False)))
             out.append((f"qr m x r {tag}", (batch, m, r), lambda x=x: torch.linalg.qr(x)))
             out.append((f"cholesky r x r {tag}", (batch, r, r), lambda s=s: torch.linalg.cholesky_ex(s)))
+        moment = torch.randn(batch, r, m, generator=gen).to(device)
+        tol = m * torch.finfo(torch.float32).eps
+        out.append(("checked fp64 polar (iterative)", (batch, r, m),
+                    lambda x=moment.double(), t=tol: polar_from_gram_checked(x, t)))
+        out.append(("SUMO polar, auto route", (batch, r, m), lambda x=moment, t=tol: polar_factor(x, rtol=t)))
     return out
 
 

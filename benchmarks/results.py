@@ -34,6 +34,10 @@ def _cpu_model() -> str:
 
 
 def _git_commit() -> str:
+    """The checkout's commit; ``SHARDOPT_COMMIT`` names it where the tree was copied without its history (a
+    lent GPU machine)."""
+    if os.environ.get("SHARDOPT_COMMIT"):
+        return os.environ["SHARDOPT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"

@@ -110,9 +110,22 @@ def test_sumo_between_refreshes_reads_only_for_its_checked_polar_factor():
 def test_factorizing_optimizers_sync_only_in_factorizations_and_schedules(name):
     """The record of what is left for the GPU path (issue 29, item 1): every site is a factorization, its
     fallback check, or a refresh/switch schedule's counter (read once per refresh, not per step)."""
-    allowed = ("sharding/matfun.py", "sharding/subspace.py", "optim/alice.py:_switch", "optim/sumo.py:_refresh",
+    allowed = ("sharding/matfun.py", "sharding/iterative.py", "sharding/subspace.py", "optim/alice.py:_switch", "optim/sumo.py:_refresh",
                "optim/asgo.py", "sharding/owner.py")
     low_rank = {"rank": 8, **({"leading": 4} if name.startswith("alice") else {})} if name != "asgo" else {}
     for step, sites in enumerate(syncs_per_step(name, on_nonfinite="ignore", **low_rank)):
         for _, where in sites:
             assert where.startswith(allowed), (name, step + 1, where)
+
+
+def test_asgo_on_the_iterative_route_reads_twice_per_root_shape():
+    """ASGO's roots as batched products (the CUDA route, forced here): per stack of same-size roots one read sets
+    the step count, one finds the matrices that need the eigendecomposition; no error-checked factorization
+    (eigh on CUDA syncs once per matrix, inside cuSOLVER)."""
+    from shardopt.sharding import iterative
+
+    with iterative.forced(True):
+        steps = syncs_per_step("asgo", steps=3, on_nonfinite="ignore")
+    for sites in steps:
+        assert dict(sites) == {("read", "sharding/iterative.py:inverse_sqrt_checked"): 1,
+                               ("read", "sharding/matfun.py:inverse_root"): 1}, dict(sites)

@@ -5,7 +5,7 @@ state keys are the symbols ``V`` and ``P`` (``M`` is ``exp_avg``, element-wise l
 
     M = b1 M + (1 - b1) G                          (EMA, no bias correction)
     V = b2 V + (1 - b2) G^T G   (right, k = n)   or  G G^T (left, k = m)   (from M with statistic="momentum")
-    every tau steps:  P = (V + eps I)^{-1/2}       (eigh in float64; eps = 0 is a pseudo-inverse root)
+    every tau steps:  P = (V + eps I)^{-1/2}       (float64 eigh, or its batched iteration on CUDA; eps = 0: pseudo-inverse)
     W = W (1 - lr wd) - lr * (M P  or  P M)        (optionally grafted to RMS ``update_rms``: ``graft_to_rms``)
 
 Written on ``MatrixOps`` with ``A = G`` (right) or ``A = G^T`` (left): the statistic is the Gram ``A^T A``, a
@@ -61,7 +61,9 @@ class ASGOConfig(WholeMatrixConfig):
     refresh_interval: int = pydantic.Field(1, ge=1, description="tau: steps between root recomputations")
     side: Literal["auto", "left", "right"] = pydantic.Field(
         "auto", description="the preconditioned side (auto: the smaller dimension; ties precondition the inputs)")
-    root: Literal["eigh", "newton_schulz"] = "eigh"
+    root: Literal["auto", "eigh", "newton_schulz"] = pydantic.Field(
+        "auto", description="auto: the eigh root, as batched float64 products with a residual check on CUDA "
+                            "(matfun.inverse_root); eigh: always the float64 eigendecomposition")
     ns_steps: int = pydantic.Field(50, ge=1, le=200, description="coupled Newton-Schulz steps of the root")
     statistic: Literal["gradient", "momentum"] = pydantic.Field(
         "gradient", description="V from the gradient (Alg. 2) or the momentum (the Muon-equivalent eq. 4)")
@@ -196,8 +198,9 @@ class _MomentumMixin:
 
 class ASGO(_MomentumMixin, ShardedOptimizer):
     """ASGO (``treatment="asgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.95), ``eps`` (1e-6, inside the
-    root), ``refresh_interval`` tau (1), ``side`` ("auto" | "left" | "right"), ``root`` ("eigh" |
-    "newton_schulz": the eigh root wherever the fp32 iteration is unstable, see ``matfun.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
+    root), ``refresh_interval`` tau (1), ``side`` ("auto" | "left" | "right"), ``root`` ("auto": the eigh root,
+    batched float64 products with a residual check on CUDA | "eigh" | "newton_schulz": the eigh root wherever the
+    fp32 iteration is unstable; see ``matfun.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
     released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (M, m x n, like the
     parameter), ``V`` (EMA Gram) and ``P`` (its inverse root), k x k (docs/algorithms/asgo.md)."""
 
@@ -222,7 +225,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2,
-                          None if group["root"] == "eigh" else group["ns_steps"], group["update_rms"] is not None)
+                          group["ns_steps"] if group["root"] == "newton_schulz" else None,
+                          group["update_rms"] is not None)
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]
@@ -384,7 +388,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             return {groups[g][j]: r[t] for g, (rs, r) in enumerate(zip(rows, roots)) if rs for t, j in enumerate(rs)}
 
         done = compute_once({i: vstacks[g][j] for i, (g, j) in where.items()}, compute,
-                            symmetric=group["root"] == "eigh")
+                            symmetric=group["root"] != "newton_schulz")
         return [torch.stack([done[idx[j]] for j in rows]) if rows else None for idx, rows in zip(groups, refresh)]
 
     @staticmethod

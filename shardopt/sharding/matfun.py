@@ -14,6 +14,7 @@ from typing import Callable, Generator
 
 import torch
 
+from .iterative import inverse_sqrt_checked, iterative_device, polar_from_gram_checked
 from .stacking import same_shape
 
 __all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "muon_gram_products", "complete_locally",
@@ -141,6 +142,8 @@ def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
     matrices (SUMO's ``r x n`` moments at small widths) thus pay one eigendecomposition, about half an SVD.
     """
     tol = max(g.shape[-2:]) * torch.finfo(torch.float64).eps if rtol is None else rtol
+    if tol >= GRAM_RTOL and g.numel() and g.dim() == 3 and iterative_device(g.device):
+        return _polar_iterative(g.double(), tol).float()
     if tol >= GRAM_RTOL and g.numel():
         return _polar_from_gram(g.double(), tol).float()
     if g.numel() and tol >= 2 * _gram_floor(g.shape):
@@ -149,6 +152,17 @@ def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
 
 
 GRAM_RTOL = 1e-5
+
+
+def _polar_iterative(g: torch.Tensor, tol: float) -> torch.Tensor:
+    """The Gram route of ``polar_factor`` as batched products (``iterative.polar_from_gram_checked``, float64 in
+    and out) where a device runs eigendecompositions one by one; the matrices it cannot settle (a direction near
+    or below the cutoff, rank-deficient, zero) take the eigendecomposition. One host read: whether any did."""
+    out, ok = polar_from_gram_checked(g, tol)
+    bad = ~ok
+    if bool(bad.any()):
+        out[bad] = _polar_from_gram(g[bad], tol)
+    return out
 
 
 def _polar_from_gram(g: torch.Tensor, tol: float, checked: bool = False) -> torch.Tensor:
@@ -197,10 +211,13 @@ def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: 
     return coupled_inverse_sqrt(gram.float(), steps, eps)
 
 
-def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: int = 50) -> torch.Tensor:
+def inverse_root(v: torch.Tensor, eps: float, method: str = "auto", ns_steps: int = 50) -> torch.Tensor:
     """``(V + eps I)^{-1/2}`` of symmetric PSD ``k x k`` matrices (batched over leading dims), in fp32.
 
-    ``eigh`` (default, exact): float64 eigendecomposition of the symmetrized matrix, eigenvalues clamped at 0;
+    ``auto`` (default): ``eigh`` results, computed where a device runs eigendecompositions one by one (CUDA)
+    as batched float64 Newton-Schulz products with a residual check (``iterative.inverse_sqrt_checked``; the
+    matrices that fail it take ``eigh``), elsewhere by ``eigh``; ``eps == 0`` always takes ``eigh``.
+    ``eigh`` (exact): float64 eigendecomposition of the symmetrized matrix, eigenvalues clamped at 0;
     with ``eps == 0`` a pseudo-inverse root that ignores eigenvalues below ``k * 1.2e-7 * lambda_max``
     (docs/algorithms/asgo.md). ``newton_schulz``: the coupled iteration of docs/algorithms/asgo.md
     (``Y0 = A/s, Z0 = I``, ``T = (3I - ZY)/2``), in fp32, for comparison with the paper's damping study.
@@ -218,8 +235,14 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "eigh", ns_steps: in
     a = torch.add(vd, vd.mT).mul_(0.5).add_(torch.eye(k, dtype=torch.float64, device=v.device), alpha=eps)
     if method == "newton_schulz" and eps > 0:
         return _stable_or_eigh(coupled_inverse_sqrt(a.float(), ns_steps, 1e-30), a)
-    if method not in ("eigh", "newton_schulz"):
-        raise ValueError(f"root method must be 'eigh' or 'newton_schulz', got {method!r}")
+    if method not in ("auto", "eigh", "newton_schulz"):
+        raise ValueError(f"root method must be 'auto', 'eigh' or 'newton_schulz', got {method!r}")
+    if method == "auto" and eps > 0 and a.dim() == 3 and a.numel() and iterative_device(a.device):
+        root, ok = inverse_sqrt_checked(a, eps)
+        bad = ~ok
+        if bool(bad.any()):
+            root[bad] = _eigh_inverse_root(a[bad], pseudo_inverse=False).double()
+        return root.float()
     return _eigh_inverse_root(a, pseudo_inverse=eps == 0)
 
 

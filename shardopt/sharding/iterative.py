@@ -1,0 +1,129 @@
+"""Small factorizations as batched matrix products, for devices whose eigensolvers run one matrix at a time.
+
+On a GPU, ``torch.linalg.eigh`` of a stack of ``k x k`` matrices is a loop of cuSOLVER calls with host
+synchronizations inside: 7.9 ms per 768 x 768 matrix on an H100, in float32 and float64 alike
+(``benchmarks/results/factorizations_cuda.md``), which made ASGO's step 110-140x AdamW's and SUMO's 30-38x
+(issue 29). The same results come from the coupled Newton-Schulz iteration, a few dozen batched products for all
+matrices of a shape at once.
+
+Both routines here run it in **float64**. A float32 iteration is not as good as the float64 eigendecomposition:
+the damped statistic ``V + eps I`` of ASGO, held in float32, cannot represent eigenvalues near ``eps`` when
+``eps < eps32 |V|`` (a low-rank statistic: 4e-2 relative error at condition 1.2e6), and nothing computed from the
+float32 copy can recover them. Datacenter GPUs multiply float64 at their float32 (non-tensor-core) rate (H100,
+A100), so float64 costs nothing there; on GPUs with slow float64, ``root="eigh"`` keeps the old route.
+
+Each routine fixes its step count in advance from a lower bound on the spectrum (no data-dependent loop), then
+checks its result: ``|I - Z Y|_F``, the iteration's own residual, must be below ``RESIDUAL_TOL``, i.e. every
+eigendirection converged to float32 rounding. The caller recomputes the matrices that fail by the exact
+eigendecomposition, so a result is always the float64 one to float32 rounding; deciding which failed is the one
+host read these routines cost.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Iterator
+
+import torch
+
+__all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "inverse_sqrt_checked", "polar_from_gram_checked",
+           "iterative_device", "forced"]
+
+#: the iteration's residual ``|I - Z Y|_F`` a result must reach: each eigendirection's scale within 1e-7
+#: relative, float32 rounding of the result
+RESIDUAL_TOL = 1e-7
+#: no more steps than this: a spectrum that needs more goes to the eigendecomposition directly
+MAX_STEPS = 64
+
+
+@functools.lru_cache(maxsize=256)
+def steps_to_converge(y0: float, tol: float = 1e-10) -> int:
+    """Steps of the coupled iteration after which an eigenvalue ``y0`` of ``A / s`` (the smallest, ``0 < y0 <= 1``)
+    has converged: the scalar map ``w <- w ((3 - w) / 2)^2`` (``w = z y``) taken until ``|1 - w| <= tol``; the
+    larger eigenvalues converge sooner. ``MAX_STEPS + 1`` where it takes longer than ``MAX_STEPS``."""
+    w, steps = min(max(y0, 0.0), 1.0), 0
+    while abs(1.0 - w) > tol:
+        if steps > MAX_STEPS or w <= 0.0:
+            return MAX_STEPS + 1
+        w *= ((3.0 - w) / 2.0) ** 2
+        steps += 1
+    return steps
+
+
+def _coupled(a: torch.Tensor, s: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a / s)^{-1/2}`` by ``steps`` coupled Newton-Schulz steps on a ``(B, k, k)`` stack (``s``: ``(B,)``
+    scales, every eigenvalue of ``a / s`` in (0, 1]), and each matrix's residual ``|I - Z Y|_F``."""
+    k = a.size(-1)
+    eye = torch.eye(k, dtype=a.dtype, device=a.device)
+    half3 = (1.5 * eye).expand_as(a)
+    y = a / s[:, None, None]
+    z = eye.expand_as(a)
+    if steps >= 1:
+        t = half3 - 0.5 * y  # Z0 = I: Z Y = Y, T Z = T
+        y, z = y @ t, t
+        for _ in range(steps - 1):
+            t = torch.baddbmm(half3, z, y, alpha=-0.5)
+            y, z = y @ t, t @ z
+    residual = torch.linalg.matrix_norm(torch.baddbmm(eye.expand_as(a), z, y, alpha=-1.0))
+    return z, residual
+
+
+def inverse_sqrt_checked(a: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``a^{-1/2}`` of a ``(B, k, k)`` float64 stack of symmetric positive definite matrices whose smallest
+    eigenvalue is at least ``floor`` (ASGO's damping ``eps``), and a mask of the matrices where it holds to float32
+    rounding (the rest need the eigendecomposition). The result is symmetrized, so sharing it as a triangle
+    changes nothing. One host read: the largest scale, which sets the step count."""
+    s = torch.linalg.matrix_norm(a)  # >= lambda_max: every eigenvalue of a / s in (0, 1]
+    top = float(s.max()) if s.numel() else 0.0
+    steps = steps_to_converge(floor / top) if top > 0 and floor > 0 else MAX_STEPS + 1
+    if steps > MAX_STEPS:
+        return torch.zeros_like(a), torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
+    z, residual = _coupled(a, s, steps)
+    z = z / s.sqrt()[:, None, None]
+    return (z + z.mT) * 0.5, torch.isfinite(residual) & (residual <= RESIDUAL_TOL)
+
+
+def polar_from_gram_checked(g: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The polar factor ``U V^T`` of a ``(B, m, n)`` float64 stack where no singular value falls below ``tol``
+    times the largest, and a mask of the matrices where that holds and the result is exact to float32 rounding.
+
+    The factor is ``(a a^T)^{-1/2} a`` on the wide orientation ``a`` (``k x l``, ``k <= l``). A Cholesky test
+    decides, with no host read, that every direction is kept with a margin: ``S - 4 tol^2 |S|_F I`` positive
+    definite (``S = a a^T``) means ``sigma_min^2 > 4 tol^2 |S|_F >= 4 tol^2 sigma_1^2``, so the cutoff drops
+    nothing and the eigenvalues of ``S / |S|_F`` lie in ``(4 tol^2, 1]``: a step count known in advance. Matrices
+    that fail the test (rank-deficient, a direction near the cutoff, zero) are left to the caller's exact route."""
+    wide = g.size(-2) <= g.size(-1)
+    a = g if wide else g.mT
+    gram = a @ a.mT
+    s = torch.linalg.matrix_norm(gram)
+    k = gram.size(-1)
+    eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
+    margin = 4.0 * tol * tol
+    _, info = torch.linalg.cholesky_ex(gram - (margin * s)[:, None, None] * eye)
+    steps = steps_to_converge(margin)
+    z, residual = _coupled(gram, s.clamp(min=torch.finfo(gram.dtype).tiny), min(steps, MAX_STEPS))
+    out = (z / s.sqrt()[:, None, None]) @ a
+    ok = (info == 0) & torch.isfinite(residual) & (residual <= RESIDUAL_TOL) & (steps <= MAX_STEPS)
+    return (out if wide else out.mT), ok
+
+
+_FORCED: bool | None = None
+
+
+def iterative_device(device: torch.device) -> bool:
+    """Whether the iterative routes are the default on ``device``: where eigh runs one matrix at a time with
+    host syncs (CUDA). On a CPU, LAPACK's eigendecomposition of a small matrix is cheaper than the iteration's
+    dozens of products, and stays the route (``forced`` overrides this, for tests of the GPU route on a CPU)."""
+    return device.type == "cuda" if _FORCED is None else _FORCED
+
+
+@contextlib.contextmanager
+def forced(value: bool = True) -> Iterator[None]:
+    """Within the block, take the iterative routes (``True``) or never (``False``) whatever the device."""
+    global _FORCED
+    old, _FORCED = _FORCED, value
+    try:
+        yield
+    finally:
+        _FORCED = old
+
