@@ -1,20 +1,31 @@
 #!/usr/bin/env bash
-# The GPU checks in one run, for a machine with a CUDA device (none is needed anywhere else):
+# The GPU checks and figures in one bounded run, for a machine with a CUDA device (none is needed anywhere else):
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]
-# tests/test_cuda.py (every optimizer on CUDA vs the CPU, bf16 state, zero gradients, DeepSpeed fp16 loss
-# scaling), the single-process tests on that machine, then the host-overhead and step-time benchmarks with
-# --device cuda. Results (and logs) go to OUT_DIR (default benchmarks/results).
+# tests/test_cuda.py (every optimizer on CUDA vs the CPU, bf16 state, zero gradients, DeepSpeed fp16 loss scaling
+# where DeepSpeed is installed) and tests/test_iterative.py, then the factorization, step-time, training-throughput
+# and step-profile benchmarks with --device cuda (130M and 350M). Each phase has a time limit, so the whole run
+# fits a short GPU lease (about 8 minutes on an H100); results and logs go to OUT_DIR (default benchmarks/results).
 set -uo pipefail
 out="${1:-benchmarks/results}"
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS="${OMP_NUM_THREADS:-4}"
 unset DS_ACCELERATOR
 py="${PYTHON:-python3}"
 status=0
 xdist=$("$py" -c "import xdist" 2>/dev/null && echo "-n 8")
 "$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, torch.cuda.get_device_name())" || exit 2
-"$py" -m pytest tests/test_cuda.py -q -p no:cacheprovider $xdist 2>&1 | tee "$out/test_cuda.log" | tail -3 || status=1
-"$py" -m pytest tests -q -p no:cacheprovider $xdist --timeout 300 2>&1 | tee "$out/tests_on_gpu_machine.log" | tail -3 || status=1
-"$py" -m benchmarks.overhead --device cuda --results-dir "$out" 2>&1 | tail -20 || status=1
-"$py" -m benchmarks.step_time --device cuda --results-dir "$out" 2>&1 | tail -28 || status=1
+phase() {  # phase SECONDS LOG COMMAND...: run with a time limit, keep the log, show its tail
+    local limit=$1 log=$2; shift 2
+    echo "== $* (limit ${limit} s)"
+    timeout "$limit" "$@" > "$out/$log" 2>&1 || { echo "   exit $?"; status=1; }
+    grep -v -E "USDT|UserWarning|_warn_once|real_accelerator" "$out/$log" | tail -n 30
+}
+phase 100 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py -q -p no:cacheprovider $xdist --timeout 90
+phase 50 factorizations.log "$py" -m benchmarks.factorizations --device cuda --repeats 2 --results-dir "$out"
+phase 180 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
+    --results-dir "$out"
+phase 140 throughput.log "$py" -m benchmarks.throughput --device cuda --sizes 130m,350m --iters 6 --warmup 2 \
+    --results-dir "$out"
+phase 50 step_profile.log "$py" -m benchmarks.step_profile --device cuda --sizes 130m \
+    --optimizers sinkgd,racs,asgo,sumo,alice --results-dir "$out"
 exit $status
