@@ -5,8 +5,8 @@
 
 Single process, random gradients (as ``benchmarks.step_time``). After warm-up steps, ``torch.profiler`` records
 ``--steps`` steps; per optimizer the record holds the wall time per step, kernel launches and device-to-host
-synchronizations per step (``cudaStreamSynchronize``/``cudaDeviceSynchronize``/``cudaMemcpy*`` runtime calls on
-CUDA), and the operators with the most self device time (self CPU time on a CPU). What it is for: deciding what
+synchronizations per step (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` runtime calls on CUDA; ``cudaMemcpy*`` calls
+are counted apart, since device-to-device copies do not wait), and the operators with the most self device time (self CPU time on a CPU). What it is for: deciding what
 to change next in the GPU step (issue 29), with the figures recorded beside the code that produced them.
 """
 from __future__ import annotations
@@ -26,8 +26,10 @@ from .results import fmt, markdown_table, write_results
 from .timing import sync
 
 #: CUDA runtime calls that make the host wait for the device
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaMemcpy", "cudaMemcpyAsync",
-              "cudaEventSynchronize")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+#: copies: device-to-host ones wait for the device, device-to-device ones (``unbind_copy`` into state tensors)
+#: do not; the profiler's runtime events do not say which, so they are counted apart
+MEMCPY_CALLS = ("cudaMemcpy", "cudaMemcpyAsync")
 LAUNCH_CALLS = ("cudaLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernel", "cuLaunchKernelEx")
 
 
@@ -57,6 +59,7 @@ def profile_steps(name: str, model: torch.nn.Module, device: torch.device, args:
     events = prof.key_averages()
     per = 1.0 / args.steps
     rec["syncs_per_step"] = sum(e.count for e in events if e.key in SYNC_CALLS) * per
+    rec["memcpy_per_step"] = sum(e.count for e in events if e.key in MEMCPY_CALLS) * per
     rec["launches_per_step"] = sum(e.count for e in events if e.key in LAUNCH_CALLS) * per
     on_device = device.type == "cuda"
     key = _device_time_us if on_device else (lambda e: float(e.self_cpu_time_total))
@@ -75,10 +78,12 @@ def to_markdown(records: list[dict[str, Any]], device: str) -> str:
     for size in dict.fromkeys(r["size"] for r in records):
         rows = [[r["optimizer"], r.get("error") or fmt(r["step_ms"], ".2f"), fmt(r.get("busy_ms"), ".2f"),
                  fmt(r.get("launches_per_step"), ".0f"), fmt(r.get("syncs_per_step"), ".0f"),
+                 fmt(r.get("memcpy_per_step"), ".0f"),
                  "; ".join(f"{t['op']} {t['ms_per_step']:.2f}" for t in r.get("top", [])[:3])]
                 for r in records if r["size"] == size]
         out.append(f"\n## {size}\n\n" + markdown_table(
-            ["optimizer", "wall ms / step", busy, "launches / step", "syncs / step", "top 3 ops (ms / step)"], rows))
+            ["optimizer", "wall ms / step", busy, "launches / step", "syncs / step", "memcpy / step",
+             "top 3 ops (ms / step)"], rows))
     return "".join(out)
 
 
@@ -113,15 +118,17 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"  {name:8s} {rec['error']}", flush=True)
                 continue
             print(f"  {name:8s} {rec['step_ms']:9.2f} ms  busy {rec['busy_ms']:8.2f} ms  "
-                  f"launches {rec['launches_per_step']:6.0f}  syncs {rec['syncs_per_step']:4.0f}", flush=True)
+                  f"launches {rec['launches_per_step']:6.0f}  syncs {rec['syncs_per_step']:4.0f}  "
+                  f"memcpy {rec['memcpy_per_step']:4.0f}", flush=True)
             for t in rec["top"][:6]:
                 print(f"      {t['ms_per_step']:8.2f} ms {t['share']:5.1%} x{t['calls_per_step']:5.0f}  {t['op']}",
                       flush=True)
         del model
         gc.collect()
     stem = args.out or ("step_profile" if args.device == "cpu" else "step_profile_cuda")
-    notes = ["Per step, averaged over the profiled steps. 'syncs': CUDA runtime calls that block the host "
-             "(stream/device/event synchronize, memcpy); 'launches': kernel launches. Device-busy time sums the "
+    notes = ["Per step, averaged over the profiled steps. 'syncs': stream/device/event synchronize calls; "
+             "'memcpy': cudaMemcpy(Async) calls, device-to-host (a wait) and device-to-device (no wait) alike; "
+             "'launches': kernel launches. Device-busy time sums the "
              "operators' self device time (overlap counted once per operator)."]
     path = write_results(stem, vars(args), records, to_markdown(records, args.device), notes, device=args.device,
                          out_dir=args.results_dir)
