@@ -49,6 +49,14 @@ def refresh_interval(group: Mapping[str, Any]) -> tuple[str, int] | None:
     return found[0], int(found[1])
 
 
+def interval_of(opt: Any) -> tuple[str, int] | None:
+    """The largest refresh interval over an optimizer's matrix groups (None: every step costs the same; AdamW's
+    groups have none)."""
+    found = [refresh_interval(g) for g in opt.param_groups if g.get("treatment", "adamw") != "adamw"]
+    found = [f for f in found if f is not None and f[1] > 1]
+    return max(found, key=lambda f: f[1]) if found else None
+
+
 def _ranked(rule: Callable[[int, int, int], float]) -> Rule:
     """A low-rank formula at r = min(rank, m, n): a rank above the smaller side cannot exist."""
     def apply(m: int, n: int, hp: Mapping[str, Any]) -> float | None:

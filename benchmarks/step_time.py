@@ -42,13 +42,6 @@ def step_floor(name: str, opt: torch.optim.Optimizer) -> tuple[float | None, flo
     return traffic, flops
 
 
-def interval_of(opt: torch.optim.Optimizer) -> tuple[str, int] | None:
-    """The largest refresh interval over the matrix groups (None: every step costs the same)."""
-    found = [costmodel.refresh_interval(g) for g in opt.param_groups if g.get("treatment", "adamw") != "adamw"]
-    found = [f for f in found if f is not None and f[1] > 1]
-    return max(found, key=lambda f: f[1]) if found else None
-
-
 def _paired(fn, reference, device: torch.device, args: argparse.Namespace, per_round: int = 1,
             warmup: int = 0) -> dict[str, Any]:
     """Rounds of (one AdamW foreach step, ``per_round`` steps of ``fn``): medians and the median round ratio."""
@@ -69,7 +62,7 @@ def time_steps(name: str, model: torch.nn.Module, reference: torch.optim.Optimiz
     except (RuntimeError, ValueError, TypeError) as exc:
         return {**rec, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
     warmup = 0 if first > args.max_seconds / 4 else 1  # a second warm-up only where it is cheap
-    interval = interval_of(opt)
+    interval = costmodel.interval_of(opt)
     if interval is None:
         rec.update(method="per step", **_paired(opt.step, reference.step, device, args, warmup=warmup))
     else:

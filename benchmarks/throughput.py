@@ -38,7 +38,7 @@ from . import costmodel, optimizers
 from .cli import parse_args
 from .models import GALORE_VOCAB, build_llama, describe
 from .results import fmt, markdown_table, write_results
-from .timing import sync
+from .timing import repeat_timing, sync
 
 #: training throughput the papers report (tokens/s, optimizer / Adam), for the README's side-by-side table
 PAPER_RATIOS = {"scale": ("44.7k vs Adam 45.0k tokens/s at 1B (arXiv:2506.16659)", 44.7 / 45.0),
@@ -55,7 +55,6 @@ class _Timer:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.device = device
 
     def mark(self) -> Any:
         if self.cuda:
@@ -78,17 +77,22 @@ def _batches(vocab: int, batch: int, seq: int, device: torch.device, count: int,
         yield tokens[:, :-1], tokens[:, 1:]
 
 
+def _autocast(device: torch.device, args: argparse.Namespace):
+    """bf16 autocast on CUDA (unless ``--fp32``); fp32 on a CPU."""
+    if device.type == "cuda" and not args.fp32:
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
 def train_iterations(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace,
                      device: torch.device, count: int) -> tuple[list[float], list[float], float]:
     """(iteration seconds, step seconds, last loss) over ``count`` iterations."""
     timer = _Timer(device)
-    autocast = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and not args.fp32
-                else contextlib.nullcontext())
     marks = []
     loss = torch.zeros(())
     for x, y in _batches(model.config.vocab_size, args.batch, args.seq, device, count):
         start = timer.mark()
-        with autocast:
+        with _autocast(device, args):
             loss = model(x, y)
         loss.backward()
         before_step = timer.mark()
@@ -104,14 +108,7 @@ def train_iterations(model: torch.nn.Module, opt: torch.optim.Optimizer, args: a
 def refresh_step_seconds(name: str, model: torch.nn.Module, key: str, device: torch.device, repeats: int = 3) -> float:
     """Median seconds of an optimizer step that refreshes (``key = 1``), on the model's current gradients."""
     opt = optimizers.build(name, model, **{key: 1})
-    opt.step()  # allocates state
-    times = []
-    for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        opt.step()
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    times = repeat_timing(opt.step, device, repeats, warmup=1)  # the warm-up step allocates state
     del opt
     return statistics.median(times)
 
@@ -131,11 +128,7 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
         return {**rec, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
     it, st = statistics.median(iters), statistics.median(steps)
     rec.update(iteration_s=it, step_s=st, loss=loss, iteration_times_s=iters, step_times_s=steps)
-    interval = None
-    if not name.startswith("adamw"):
-        found = [costmodel.refresh_interval(g) for g in opt.param_groups if g.get("treatment", "adamw") != "adamw"]
-        found = [f for f in found if f is not None and f[1] > 1]
-        interval = max(found, key=lambda f: f[1]) if found else None
+    interval = costmodel.interval_of(opt)
     if device.type == "cuda":
         rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
     del opt
@@ -143,8 +136,7 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
         key, k = interval
         # gradients for the refresh timing: one more backward on the trained model
         x, y = next(_batches(model.config.vocab_size, args.batch, args.seq, device, 1, seed=1))
-        with (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" and not args.fp32
-              else contextlib.nullcontext()):
+        with _autocast(device, args):
             model(x, y).backward()
         refresh = refresh_step_seconds(name, model, key, device)
         rec.update(interval={"key": key, "steps": k}, refresh_step_s=refresh)

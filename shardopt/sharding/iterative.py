@@ -26,7 +26,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "inverse_sqrt_checked", "polar_from_gram_checked",
+__all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "coupled_iteration", "inverse_sqrt_checked", "polar_from_gram_checked",
            "iterative_device", "forced"]
 
 #: the iteration's residual ``|I - Z Y|_F`` a result must reach: each eigendirection's scale within 1e-7
@@ -50,22 +50,34 @@ def steps_to_converge(y0: float, tol: float = 1e-10) -> int:
     return steps
 
 
-def _coupled(a: torch.Tensor, s: torch.Tensor, steps: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a / s)^{-1/2}`` by ``steps`` coupled Newton-Schulz steps on a ``(B, k, k)`` stack (``s``: ``(B,)``
-    scales, every eigenvalue of ``a / s`` in (0, 1]), and each matrix's residual ``|I - Z Y|_F``."""
+def coupled_iteration(a: torch.Tensor, s: torch.Tensor, steps: int,
+                      residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``steps`` of the coupled Newton-Schulz iteration on ``a / s`` (symmetric PSD, any leading dimensions; ``s``:
+    one scale per matrix, shape ``a.shape[:-2]``): ``Y0 = a/s, Z0 = I``, ``T = (3I - Z Y)/2``, ``Y <- Y T``,
+    ``Z <- T Z``. Returns ``Z``, which tends to ``(a/s)^{-1/2}`` where every eigenvalue of ``a / s`` lies in
+    (0, 1], and with ``residual`` each matrix's ``|I - Z Y|_F``. The one implementation behind SWAN's whitening,
+    ASGO's roots and SUMO's polar factors (``matfun.coupled_inverse_sqrt`` and the checked routes here).
+
+    ``T`` is one fused product ``1.5 I - 0.5 Z Y`` (the same numbers: the halving is exact), and the first
+    step, where ``Z = I``, skips its products with the identity."""
     k = a.size(-1)
     eye = torch.eye(k, dtype=a.dtype, device=a.device)
-    half3 = (1.5 * eye).expand_as(a)
-    y = a / s[:, None, None]
-    z = eye.expand_as(a)
+    y = a / s[..., None, None]
+    if a.dim() > 3:  # one batch dimension for baddbmm
+        y = y.reshape(-1, k, k)
+    addmm = torch.addmm if y.dim() == 2 else torch.baddbmm
+    half3 = (1.5 * eye).expand_as(y)
+    z = eye.expand_as(y)
     if steps >= 1:
         t = half3 - 0.5 * y  # Z0 = I: Z Y = Y, T Z = T
         y, z = y @ t, t
         for _ in range(steps - 1):
-            t = torch.baddbmm(half3, z, y, alpha=-0.5)
+            t = addmm(half3, z, y, alpha=-0.5)
             y, z = y @ t, t @ z
-    residual = torch.linalg.matrix_norm(torch.baddbmm(eye.expand_as(a), z, y, alpha=-1.0))
-    return z, residual
+    res = None
+    if residual:
+        res = torch.linalg.matrix_norm(addmm(eye.expand_as(y), z, y, alpha=-1.0)).reshape(a.shape[:-2])
+    return z.reshape(a.shape), res
 
 
 def inverse_sqrt_checked(a: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,7 +90,7 @@ def inverse_sqrt_checked(a: torch.Tensor, floor: float) -> tuple[torch.Tensor, t
     steps = steps_to_converge(floor / top) if top > 0 and floor > 0 else MAX_STEPS + 1
     if steps > MAX_STEPS:
         return torch.zeros_like(a), torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
-    z, residual = _coupled(a, s, steps)
+    z, residual = coupled_iteration(a, s, steps, residual=True)
     z = z / s.sqrt()[:, None, None]
     return (z + z.mT) * 0.5, torch.isfinite(residual) & (residual <= RESIDUAL_TOL)
 
@@ -101,7 +113,8 @@ def polar_from_gram_checked(g: torch.Tensor, tol: float) -> tuple[torch.Tensor, 
     margin = 4.0 * tol * tol
     _, info = torch.linalg.cholesky_ex(gram - (margin * s)[:, None, None] * eye)
     steps = steps_to_converge(margin)
-    z, residual = _coupled(gram, s.clamp(min=torch.finfo(gram.dtype).tiny), min(steps, MAX_STEPS))
+    z, residual = coupled_iteration(gram, s.clamp(min=torch.finfo(gram.dtype).tiny), min(steps, MAX_STEPS),
+                                    residual=True)
     out = (z / s.sqrt()[:, None, None]) @ a
     ok = (info == 0) & torch.isfinite(residual) & (residual <= RESIDUAL_TOL) & (steps <= MAX_STEPS)
     return (out if wide else out.mT), ok

@@ -4,8 +4,9 @@ symmetric matrices (eigh or the coupled Newton-Schulz iteration), and a per-shap
 Each iteration is written once. ``newton_schulz_iteration`` is the quintic loop as a generator that yields its
 partial sums (the Frobenius norm, then each step's Gram matrix) and takes them back completed: a whole matrix
 completes them itself (``newton_schulz``), a matrix whose columns are spread over ranks has them all-reduced
-by its driver (``shardopt.optim.muon``). ``coupled_inverse_sqrt`` is the one coupled iteration behind SWAN's
-whitening and ASGO's Newton-Schulz root.
+by its driver (``shardopt.optim.muon``). The coupled inverse-root iteration is written once,
+``iterative.coupled_iteration``: behind SWAN's whitening and ASGO's Newton-Schulz root
+(``coupled_inverse_sqrt``) and the checked roots and polar factors of the GPU path.
 """
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from typing import Callable, Generator
 
 import torch
 
-from .iterative import inverse_sqrt_checked, iterative_device, polar_from_gram_checked
+from .iterative import coupled_iteration, inverse_sqrt_checked, iterative_device, polar_from_gram_checked
 from .stacking import same_shape
 
 __all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "muon_gram_products", "complete_locally",
@@ -105,23 +106,10 @@ def coupled_inverse_sqrt(a: torch.Tensor, steps: int, floor: float) -> torch.Ten
     inverse root, or with few steps stops short in the smallest eigendirections (a damped root).
 
     ``T`` is one fused product ``1.5 I - 0.5 Z Y`` (the same numbers: the halving is exact), and the first
-    step, where ``Z = I``, skips its products with the identity."""
-    s = torch.linalg.matrix_norm(a).clamp(min=floor)[..., None, None]
-    eye = torch.eye(a.size(-1), dtype=a.dtype, device=a.device)
-    y = a / s
-    if steps < 1:
-        return eye.expand_as(a) / s.sqrt()
-    lead = a.shape[:-2]
-    if len(lead) > 1:  # one batch dimension for baddbmm
-        y = y.reshape(-1, *a.shape[-2:])
-    addmm = torch.addmm if y.dim() == 2 else torch.baddbmm
-    half3 = (1.5 * eye).expand_as(y)
-    t = half3 - 0.5 * y  # Z0 = I: Z Y = Y, T Z = T
-    y, z = y @ t, t
-    for _ in range(steps - 1):
-        t = addmm(half3, z, y, alpha=-0.5)
-        y, z = y @ t, t @ z
-    return z.reshape(a.shape) / s.sqrt()
+    step, where ``Z = I``, skips its products with the identity (``iterative.coupled_iteration``)."""
+    s = torch.linalg.matrix_norm(a).clamp(min=floor)
+    z, _ = coupled_iteration(a, s, steps)
+    return z / s.sqrt()[..., None, None]
 
 
 def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
