@@ -26,6 +26,7 @@ from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
 import shardopt.checkpoint as sckpt  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch, reference  # noqa: E402
+from tiers import optimizers  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
 
 ENGINES = ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
@@ -129,7 +130,7 @@ def max_diff(a: dict, b: dict) -> float:
 
 
 def phase_save(root: str, records: list) -> None:
-    for opt_name in OPTIMIZERS:
+    for opt_name in optimizers(OPTIMIZERS):
         for engine in ENGINES:
             rec = {"phase": "save", "optimizer": opt_name, "engine": engine, "world_size": dist.get_world_size()}
             try:
@@ -162,7 +163,7 @@ def convert_sources(root: str) -> None:
     from shardopt.cli import main as cli
 
     if dist.get_rank() == 0:
-        for opt_name in OPTIMIZERS:
+        for opt_name in optimizers(OPTIMIZERS):
             base = os.path.join(root, opt_name)
             for src, dst, to in (("zero2", "conv_dcp", "dcp"), ("fsdp2/dcp", "conv_ds", "deepspeed")):
                 if not os.path.exists(os.path.join(base, dst)):
@@ -174,7 +175,7 @@ def convert_sources(root: str) -> None:
 def phase_resume(root: str, records: list) -> None:
     with contextlib.redirect_stdout(io.StringIO()):
         convert_sources(root)
-    for opt_name in OPTIMIZERS:
+    for opt_name in optimizers(OPTIMIZERS):
         want, _ = reference(opt_name, TOTAL)
         for source, engine in RESHARD:
             rec = {"phase": "resume", "optimizer": opt_name, "source": source, "engine": engine,
@@ -207,4 +208,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from launch import settle_heap
+
+    settle_heap()
     main()

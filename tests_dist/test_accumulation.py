@@ -10,8 +10,9 @@ import tempfile
 
 import pytest
 
-from accumulation_worker import CASES, ENGINES
+from accumulation_worker import CASES, CI_CASES, ENGINES
 from launch import torchrun
+from tiers import tiered, world_sizes
 
 TOL = 1e-5
 _results: dict[int, list[dict]] = {}
@@ -27,9 +28,9 @@ def results(ws: int) -> list[dict]:
     return _results[ws]
 
 
-@pytest.mark.parametrize("ws", (2, 4))
+@pytest.mark.parametrize("ws", world_sizes((2, 4), ci=(2,)))
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("opt,strategy", CASES)
+@pytest.mark.parametrize("opt,strategy", tiered(CASES, CI_CASES, f"{CI_CASES}"))
 def test_accumulated_step_and_resume_equal_the_whole_batch_step(opt: str, strategy: str | None, engine: str, ws: int) -> None:
     rec = next(r for r in results(ws) if (r["optimizer"], r["strategy"], r["engine"]) == (opt, strategy, engine))
     assert "error" not in rec, rec["error"]

@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, free_port
+from launch import ROOT, free_port, run_bounded
 
 TIMEOUT = 300
 
@@ -56,7 +56,7 @@ def _config(tmp, name: str, engine: dict, steps: int, every: int) -> str:
 def train(config: str, *extra: str) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", "-m", "shardopt.train", "--config", config, *extra]
-    proc = subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    proc = run_bounded(cmd, env=_env(), timeout=TIMEOUT)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     return proc

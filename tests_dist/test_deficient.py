@@ -19,6 +19,7 @@ import pytest
 
 from deficient_worker import ENGINES, OPTIMIZERS_ALL, STRATEGIES
 from launch import torchrun
+from tiers import world_sizes
 
 TOL = 1e-5
 _results: dict[int, list[dict]] = {}
@@ -35,7 +36,7 @@ def results(ws: int) -> list[dict]:
     return _results[ws]
 
 
-@pytest.mark.parametrize("ws", (2, 3, 4))
+@pytest.mark.parametrize("ws", world_sizes((2, 3, 4), ci=(3,)))
 @pytest.mark.parametrize("opt,engine,strategy", CASES)
 def test_rank_deficient_gradients_agree_with_one_process(opt: str, engine: str, strategy: str, ws: int,
                                                          request) -> None:

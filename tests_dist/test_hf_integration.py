@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from launch import ROOT, torchrun
+from tiers import full_only
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -59,10 +60,16 @@ def reference(steps: int = 1) -> dict:
     return run("reference", ["--optimizer", OPTIMIZERS, "--steps", str(steps)])
 
 
-@pytest.mark.parametrize("api,engine", [("trainer", "zero1"), ("trainer", "zero2"), ("trainer", "zero3"),
-                                        ("trainer", "fsdp2"), ("accelerate", "zero2"), ("accelerate", "zero3"),
-                                        ("accelerate", "zero2-plain"), ("accelerate", "fsdp2"),
-                                        ("accelerate", "fsdp2-plain")])
+#: CI runs each API on each engine family once and both formerly wrong plain paths; the full tier every pair
+_CI_ONE_STEP = {("trainer", "zero2"), ("trainer", "fsdp2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"),
+                ("accelerate", "fsdp2-plain")}
+
+
+@pytest.mark.parametrize("api,engine", [
+    pair if pair in _CI_ONE_STEP else pytest.param(*pair, marks=full_only(f"{sorted(_CI_ONE_STEP)}"))
+    for pair in [("trainer", "zero1"), ("trainer", "zero2"), ("trainer", "zero3"), ("trainer", "fsdp2"),
+                 ("accelerate", "zero2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"),
+                 ("accelerate", "fsdp2"), ("accelerate", "fsdp2-plain")]])
 def test_one_step_matches_single_process(api: str, engine: str) -> None:
     """(``-plain``: a plain ``accelerator.prepare(model, opt)``, formerly silently wrong under DeepSpeed (ZeRO's
     flat partitions stepped as (N, 1) matrices): the partitions are mapped at the first step; under FSDP2 the
@@ -84,7 +91,8 @@ def test_one_step_matches_single_process(api: str, engine: str) -> None:
             assert meta["dtensor_params"] > 0
 
 
-@pytest.mark.parametrize("engine,resume_on", [("zero2", ((2, 2), (1, 4))), ("fsdp2", ((2, 2),))])
+@pytest.mark.parametrize("engine,resume_on", [("zero2", ((2, 2), (1, 4))), pytest.param(
+    "fsdp2", ((2, 2),), marks=full_only("ZeRO-2, resumed at world sizes 2 and 1; FSDP2 resumes by DCP in test_checkpoint_dist.py"))])
 def test_trainer_resume_exact(engine: str, resume_on: tuple) -> None:
     """Save at step 2 (``save_steps``), 5 steps in all: resuming at world size 2 (3 more steps) equals the
     uninterrupted run; under ZeRO-2 so does resuming the world-size-2 checkpoint at world size 1 with the same
@@ -112,7 +120,7 @@ def test_trainer_resume_exact(engine: str, resume_on: tuple) -> None:
                 assert diff <= TOL
 
 
-@pytest.mark.parametrize("auto", (False, True))
+@pytest.mark.parametrize("auto", (pytest.param(False, marks=full_only("the plain prepare (auto=True), which saves and loads the same way")), True))
 def test_accelerate_save_load_state(auto: bool) -> None:
     """accelerate + ZeRO-2: ``save_state`` at step 2, ``load_state`` in a new job, 3 more steps: equal to the
     uninterrupted run; with ``auto`` the user called plain ``accelerator.prepare`` (mapped at the first step)."""
@@ -136,7 +144,8 @@ def test_accelerate_save_load_state(auto: bool) -> None:
 SCENARIOS = "trainer_cls_kwargs,trainer_subclass,accelerate_section,trainer_optimizers_arg"
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS.split(",") + ["trainer_cls_kwargs_ddp"])
+@pytest.mark.parametrize("scenario", SCENARIOS.split(",") + [pytest.param(
+    "trainer_cls_kwargs_ddp", marks=full_only("the DeepSpeed scenarios; this one needs a launch of its own"))])
 def test_formerly_silent_paths(scenario: str) -> None:
     """Issue 17's table, each row: ``optimizer_cls_and_kwargs=(SCALE, ...)`` with DeepSpeed and without (HF's
     unnamed decay groups), a ``Trainer.create_optimizer`` override, a ``"shardopt"`` section given to

@@ -10,12 +10,13 @@ import tempfile
 import pytest
 
 from launch import torchrun
+from tiers import world_sizes
 
 FP32_TOL = 1e-6
 BF16_TOL = 0.05  # bf16 Newton-Schulz: partial Grams rounded to bf16 before the fp32 all-reduce
 
 
-@pytest.mark.parametrize("ws", [2, 3])
+@pytest.mark.parametrize("ws", world_sizes((2, 3), ci=(3,)))
 def test_muon_strategies_match_single_process(ws: int) -> None:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         proc = torchrun("muon_strategy_worker.py", ws, ["--out", out.name], timeout=600)

@@ -18,11 +18,13 @@ import tempfile
 import pytest
 
 from launch import torchrun
+from tiers import world_sizes
 from parity_worker import BF16_LAYOUTS, LAYOUTS, OPTIMIZERS, STRATEGIES, TEAM_SIZE, TEAM_WORLD
 
 FP32_TOL = 1e-5
 BF16_TOL = 0.1
-WORLD_SIZES = (1, 2, 3, 4)
+#: CI runs world size 3 (uneven shards, teams as subgroups of the group); the full tier every size
+WORLD_SIZES = world_sizes((1, 2, 3, 4), ci=(3,))
 _results: dict[int, list[dict]] = {}
 
 
@@ -62,7 +64,7 @@ def test_fp32_parity(opt: str, strategy: str | None, layout: str, ws: int) -> No
     assert rec["max_abs_diff"] <= FP32_TOL
 
 
-@pytest.mark.parametrize("ws", (2, 3, 4))
+@pytest.mark.parametrize("ws", world_sizes((2, 3, 4), ci=(3,)))
 @pytest.mark.parametrize("layout", ["zero1", "zero2", "zero2_rr", "zero3"])
 @pytest.mark.parametrize("opt", [o for o, s in STRATEGIES.items() if "distributed" in s])
 def test_distributed_strategy_never_gathers_a_matrix_on_flat_zero_ranges(opt: str, layout: str, ws: int) -> None:
@@ -98,7 +100,7 @@ def test_bf16_trains_and_agrees(opt: str, layout: str, ws: int) -> None:
     assert rec["max_abs_diff"] <= BF16_TOL
 
 
-@pytest.mark.parametrize("ws", (2, 3))
+@pytest.mark.parametrize("ws", world_sizes((2, 3), ci=(3,)))
 @pytest.mark.parametrize("opt", list(OPTIMIZERS))
 def test_collective_count_independent_of_matrix_count(opt: str, ws: int) -> None:
     for layout in ("fsdp2_rows", "fsdp2_cols", "zero2"):
@@ -114,7 +116,7 @@ def test_collective_count_independent_of_matrix_count(opt: str, ws: int) -> None
             assert len(set(few["collective_calls"][i] for i in REFRESHING[opt])) == 1
 
 
-@pytest.mark.parametrize("ws", (2,))
+@pytest.mark.parametrize("ws", world_sizes((2, 3), ci=(3,)))
 def test_shipped_deepspeed_json_runs_scale_on_zero2(ws: int) -> None:
     rec = find(ws, kind="config_file")
     assert "error" not in rec, rec.get("error")

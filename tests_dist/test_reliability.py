@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
 import pytest
 import torch
 
-from launch import ROOT, free_port, torchrun
+from launch import ROOT, free_port, run_bounded, torchrun
 from parity_worker import OPTIMIZERS
 
 _cache: dict = {}
@@ -63,7 +62,7 @@ def test_crash_and_resume_under_torchrun():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
                "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
                str(ROOT / "tests_dist" / "crash_worker.py"), "--dir", tmp, "--optimizer", "racs"]
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        proc = run_bounded(cmd, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         result = json.load(open(os.path.join(tmp, "result.json")))
     assert result["attempt"] == 1 and result["resumed_from"] == 4, result["attempt"]

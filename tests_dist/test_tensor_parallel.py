@@ -19,6 +19,7 @@ import tempfile
 import pytest
 
 from launch import torchrun
+from tiers import world_sizes
 from tp_worker import LEAN_RESUME, OPTIMIZERS, RESUME, STRATEGIES, WHOLE
 
 TOL = 1e-5
@@ -49,7 +50,8 @@ def _find(ws: int, **match) -> dict:
     return rec
 
 
-LAYOUTS = [(ws, lay) for ws, lays in RUNS.items() for lay in lays.split(",")]
+#: CI runs the 2 x 2 FSDP2 x TP mesh and TP alone on 4 ranks; the full tier also 2 ranks (TP, sequence parallel) and 8
+LAYOUTS = world_sizes([(ws, lay) for ws, lays in RUNS.items() for lay in lays.split(",")], ci=(4,))
 
 
 @pytest.mark.parametrize("ws,layout", LAYOUTS)

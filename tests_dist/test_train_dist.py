@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from launch import ROOT, free_port
+from launch import ROOT, free_port, run_bounded
 
 TIMEOUT = 240
 SHORT = ["--set", "eval.every=0", "--set", "eval.max_sequences=32", "--set", "train.log_every=2",
@@ -46,7 +46,7 @@ def _check(proc: subprocess.CompletedProcess | tuple, what: str) -> None:
 def run_single_node(nproc: int, config: str, run_dir, extra: list[str]) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
            f"--master_port={free_port()}", *_trainer_args(config, run_dir, extra)]
-    return subprocess.run(cmd, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=TIMEOUT)
+    return run_bounded(cmd, env=_env(), timeout=TIMEOUT)
 
 
 def run_two_nodes(config: str, run_dir, extra: list[str]) -> tuple[subprocess.CompletedProcess, ...]:

@@ -244,4 +244,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from launch import settle_heap
+
+    settle_heap()
     main()
