@@ -8,8 +8,12 @@ STAMP := $(VENV)/.shardopt-installed
 export DS_ACCELERATOR := cpu
 export OMP_NUM_THREADS := 1
 # DeepSpeed JIT-compiles its CPU shared-memory comm op at its first process group (3 minutes on a slow 2-core
-# machine); a cache per checkout keeps clones from rebuilding each other's, and setup builds it once up front
+# machine); a cache per checkout keeps clones from rebuilding each other's, and setup builds it once up front.
 export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
+# one ninja for every build of it: the venv's (pip's ninja 1.13, which DeepSpeed installs) and the system's 1.11 hash
+# commands differently, so a build by one looks changed to the other and is redone (seen in CI: built at setup,
+# rebuilt inside a test)
+export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 
 .PHONY: setup test test-full test-fast demo bench clean
 
