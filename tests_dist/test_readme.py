@@ -40,6 +40,7 @@ from pathlib import Path
 import pytest
 
 from launch import ROOT, free_port
+from tiers import full_only
 
 README = ROOT / "README.md"
 BLOCK_TIMEOUT = 600
@@ -231,6 +232,8 @@ def _env() -> dict[str, str]:
     return env
 
 
+@full_only("the README's blocks checked statically above (make -n, bash -n, the examples they name); running them "
+           "all takes 10-20 minutes on 2 cores")
 @pytest.mark.timeout(1800)
 def test_every_readme_block_runs_as_written(tmp_path):
     cwd = _scratch(tmp_path)
