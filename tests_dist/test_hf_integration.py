@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from launch import ROOT, torchrun
-from tiers import full_only
+from tiers import full_only, tiered
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -60,16 +60,15 @@ def reference(steps: int = 1) -> dict:
     return run("reference", ["--optimizer", OPTIMIZERS, "--steps", str(steps)])
 
 
+ONE_STEP = [("trainer", "zero1"), ("trainer", "zero2"), ("trainer", "zero3"), ("trainer", "fsdp2"),
+            ("accelerate", "zero2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"), ("accelerate", "fsdp2"),
+            ("accelerate", "fsdp2-plain")]
 #: CI runs each API on each engine family once and both formerly wrong plain paths; the full tier every pair
-_CI_ONE_STEP = {("trainer", "zero2"), ("trainer", "fsdp2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"),
-                ("accelerate", "fsdp2-plain")}
+CI_ONE_STEP = [("trainer", "zero2"), ("trainer", "fsdp2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"),
+               ("accelerate", "fsdp2-plain")]
 
 
-@pytest.mark.parametrize("api,engine", [
-    pair if pair in _CI_ONE_STEP else pytest.param(*pair, marks=full_only(f"{sorted(_CI_ONE_STEP)}"))
-    for pair in [("trainer", "zero1"), ("trainer", "zero2"), ("trainer", "zero3"), ("trainer", "fsdp2"),
-                 ("accelerate", "zero2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"),
-                 ("accelerate", "fsdp2"), ("accelerate", "fsdp2-plain")]])
+@pytest.mark.parametrize("api,engine", tiered(ONE_STEP, CI_ONE_STEP, f"{CI_ONE_STEP}"))
 def test_one_step_matches_single_process(api: str, engine: str) -> None:
     """(``-plain``: a plain ``accelerator.prepare(model, opt)``, formerly silently wrong under DeepSpeed (ZeRO's
     flat partitions stepped as (N, 1) matrices): the partitions are mapped at the first step; under FSDP2 the

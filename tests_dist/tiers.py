@@ -36,6 +36,7 @@ def selected(values: Iterable, ci: Iterable, key=lambda v: v) -> list:
 def tiered(values: Iterable, ci: Iterable, what: str, key=lambda v: v) -> list:
     """``values`` as parametrize values; those whose ``key`` is not in ``ci`` are skipped unless the full tier
     runs (``what`` names what CI runs instead). Tuples are unpacked, as parametrize takes them."""
+    values = list(values)
     keep = selected(values, ci, key)
     marks = full_only(what)
     return [v if v in keep else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=marks) for v in values]
