@@ -38,8 +38,8 @@ from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
 from ..sharding.matfun import by_shape
 from ..sharding.matrix_ops import MatrixOps, OpCost
-from ..sharding.subspace import (complete_basis, fill_draw, fp32_floor, range_basis, signal_directions,
-                                 signal_range)
+from ..sharding.subspace import (complete_basis, determined_floor, fill_draw, fp32_floor, range_basis,
+                                 signal_directions, signal_range)
 from ..sharding.stacking import group_indices, stack
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
@@ -436,9 +436,12 @@ class Alice(ShardedOptimizer):
         h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3)
                   for i in later}
         sketches = ops.assemble(h_rows)
-        u_tilde: dict[int, torch.Tensor] = {}  # one batched SVD per shape; directions below fp32 rounding left out
+        # one batched SVD per shape; directions that rounding leaves undetermined (below determined_floor: the
+        # complement drawn below depends on the whole span) are left out and completed from a seeded draw
+        u_tilde: dict[int, torch.Tensor] = {}
         for idx in group_indices(later, lambda i: (tuple(sketches[i].shape), ops.plans[i].a_shape)):
-            basis = signal_range(torch.stack([sketches[i] for i in idx]), ops.plans[idx[0]].a_shape)
+            shape = ops.plans[idx[0]].a_shape
+            basis = signal_range(torch.stack([sketches[i] for i in idx]), shape, determined_floor(shape))
             u_tilde.update(zip(idx, basis.unbind(0)))
         atut = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_tilde[i]) for i in later})
         by_shapes: dict[tuple, list[int]] = {}  # one batched eigh per shape

@@ -13,7 +13,8 @@ import torch
 from .draws import seeded_normal
 from .matrix_ops import MatrixOps
 
-__all__ = ["range_basis", "orthonormal", "signal_range", "signal_directions", "fp32_floor", "complete_basis", "fill_draw"]
+__all__ = ["range_basis", "orthonormal", "signal_range", "signal_directions", "fp32_floor", "determined_floor",
+           "complete_basis", "fill_draw"]
 
 
 def orthonormal(x: torch.Tensor) -> torch.Tensor:
@@ -21,14 +22,15 @@ def orthonormal(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.qr(x.double()).Q.float()
 
 
-def signal_range(x: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def signal_range(x: torch.Tensor, shape: tuple[int, int], floor: float | None = None) -> torch.Tensor:
     """Orthonormal columns spanning the part of ``x`` (``(..., rows, k)``, computed from fp32 data of an ``m x n``
     matrix ``shape``) above fp32 rounding, in fp32: the left singular vectors whose singular values
-    ``signal_directions`` keeps, the others as zero columns. Where ``x`` is rank-deficient a QR would fill the
-    missing columns from rounding noise, which differs between a sharded run and a single process; callers
-    that need the full width complete the zero columns from a seeded draw (``complete_basis``)."""
+    ``signal_directions`` keeps (above ``floor`` times the largest: by default ``fp32_floor``), the others as
+    zero columns. Where ``x`` is rank-deficient a QR would fill the missing columns from rounding noise, which
+    differs between a sharded run and a single process; callers that need the full width complete the zero
+    columns from a seeded draw (``complete_basis``)."""
     svd = torch.linalg.svd(x.double(), full_matrices=False)
-    return (svd.U * signal_directions(svd.S, shape).unsqueeze(-2)).float()
+    return (svd.U * signal_directions(svd.S, shape, floor).unsqueeze(-2)).float()
 
 
 def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int, int], seed: int,
@@ -107,14 +109,28 @@ def complete_basis(basis: torch.Tensor, keep: torch.Tensor, draw: torch.Tensor) 
     return torch.where(keep.unsqueeze(-2) > 0, basis.double(), fill).float()
 
 
-def signal_directions(sigma: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def signal_directions(sigma: torch.Tensor, shape: tuple[int, int], floor: float | None = None) -> torch.Tensor:
     """Per singular value of a small matrix computed from fp32 data of an ``m x n`` matrix: 1.0 where it is
     above fp32 rounding (``sigma > max(m, n) eps32 sigma_1``), else 0.0. A rank-deficient gradient (a batch
     smaller than the subspace rank, frozen rows, padding) leaves directions whose singular values are
     rounding noise; their vectors depend on summation order, so a sharded run and a single process would
     pick different ones and, where an algorithm weighs every direction alike (an orthogonalization, Adam's
-    normalization), drift apart (issue 28). Bases replace them by seeded directions (``complete_basis``)."""
-    return (sigma > sigma[..., :1] * fp32_floor(shape)).to(sigma.dtype)
+    normalization), drift apart (issue 28). Bases replace them by seeded directions (``complete_basis``).
+    ``floor``: another relative cutoff (``determined_floor``)."""
+    return (sigma > sigma[..., :1] * (fp32_floor(shape) if floor is None else floor)).to(sigma.dtype)
+
+
+def determined_floor(shape: tuple[int, int]) -> float:
+    """Relative singular value below which a direction of a sketch computed from fp32 data of an ``m x n`` matrix
+    is known to fewer than half of the digits that rounding leaves (``sqrt(fp32_floor)``, 2.8e-3 at 64 x 32).
+
+    Rounding perturbs the sketch by about ``fp32_floor`` times its largest singular value ``s_1``, which turns
+    the span of the directions down to ``s_k`` by about ``fp32_floor s_1 / s_k``. Such a direction is signal, not
+    noise, but its vector is a different one in every summation order. Where an algorithm weighs directions
+    alike, or builds on the span's complement (Alice's switch draws from it), a sketch direction at
+    ``s_k = 1e-4 s_1`` moved a sharded run 3e-5 away from the single-process one after 3 steps (issue 28);
+    below this floor the direction is left out and completed from a seeded draw like a noise one."""
+    return fp32_floor(shape) ** 0.5
 
 
 def fp32_floor(shape: tuple[int, int]) -> float:
