@@ -1,7 +1,8 @@
 """Host synchronizations inside ``step()``, counted on a CPU (issue 29, item 2).
 
 A GPU step stalls whenever the host reads a value computed on the device (``.item()``, ``bool(t)``, ``int(t)``,
-``.tolist()``, a boolean mask) and whenever a ``torch.linalg`` factorization checks its error codes on the host
+``.tolist()``, a boolean mask), whenever it copies host data to the device (``torch.tensor(x, device=...)``: a copy
+from pageable memory waits for the device), and whenever a ``torch.linalg`` factorization checks its error codes on the host
 (``eigh``, ``svd``, ``cholesky``, ...: the non-``_ex`` calls do so on CUDA). On a CPU these cost nothing, so
 the test counts the *calls* under a ``TorchFunctionMode``: a proxy that needs no GPU and names each site.
 
@@ -29,6 +30,7 @@ CHECKED_LINALG = {torch.linalg.eigh, torch.linalg.eigvalsh, torch.linalg.svd, to
                   torch.linalg.cholesky, torch.linalg.inv, torch.linalg.solve, torch.linalg.pinv,
                   torch.linalg.lstsq, torch.linalg.eig, torch.linalg.matrix_rank}
 HOST_COUNTERS = {"_step_counts", "_step_adamw"}  # reads of the host-resident step counters
+FROM_HOST = {torch.tensor, torch.as_tensor}  # with a device: host data copied there (on CUDA, a synchronizing copy)
 
 
 class SyncCounter(TorchFunctionMode):
@@ -40,6 +42,8 @@ class SyncCounter(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kind = "read" if func in READS else "linalg" if func in CHECKED_LINALG else None
+        if func in FROM_HOST and (kwargs or {}).get("device") is not None:
+            kind = "copy"  # host data to the device: a copy from pageable memory waits for the device on CUDA
         if kind is None and func is torch.Tensor.__getitem__ and len(args) > 1:
             index = args[1] if isinstance(args[1], tuple) else (args[1],)
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):

@@ -87,6 +87,8 @@ def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step: int, *, lr: float,
         eps = eps / math.sqrt(1 - betas[1] ** step)
     elif eps_mode != "torch":
         raise ValueError(f"eps_mode must be 'torch' or 'outside', got {eps_mode!r}")
-    steps = [torch.tensor(float(step), device=params[0].device)] * len(params)
+    # the count on the device by a fill kernel: torch.tensor(step, device=...) would be a copy from pageable host
+    # memory, which waits for the device on CUDA (issue 29: one sync per step in every rule's AdamW part)
+    steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)] * len(params)
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=betas[0],
                         beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
