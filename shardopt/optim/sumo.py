@@ -31,7 +31,7 @@ from ..sharding.matfun import polar_factor
 from ..sharding.orientation import stored_transposed
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis
-from ..sharding.stacking import group_indices
+from ..sharding.stacking import group_indices, unstack_into
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig
 
@@ -214,9 +214,9 @@ class SUMO(ShardedOptimizer):
             prevs = [states[i]["prev_onorm"] for i in idx]
             o, norms = _limit_growth_stacked(o, torch.stack(prevs), group["gamma"])
             if stepped:  # the new moments, and |O| of the (limited) factor for the next step's limiter
-                if whole:  # unbind_copy into the state tensors: no Python view per matrix
-                    torch.unbind_copy(mom, 0, out=moments)
-                    torch.unbind_copy(norms, 0, out=prevs)
+                if whole:
+                    unstack_into(mom, moments)
+                    unstack_into(norms, prevs)
                 else:
                     targets = [moments[j] for j in stepped] + [prevs[j] for j in stepped]
                     torch._foreach_copy_(targets, [mom[j] for j in stepped] + [norms[j] for j in stepped])
@@ -256,7 +256,7 @@ class SUMO(ShardedOptimizer):
             q_new = [new[i] for i in idx]
             qs, ms = [states[i]["Q"] for i in idx], [states[i]["M"] for i in idx]
             carried = carry_moment(torch.stack(q_new), torch.stack(qs), torch.stack(ms))
-            torch.unbind_copy(carried, 0, out=ms)
+            unstack_into(carried, ms)
             torch._foreach_copy_(qs, q_new)
         torch._foreach_add_([states[i]["refreshes"] for i in refresh], 1)
 
