@@ -1,5 +1,6 @@
 """The GPU path: every optimizer on CUDA against the same steps on the CPU, bf16 and zero-gradient steps on CUDA,
-and DeepSpeed fp16 with dynamic loss scaling (which the CPU accelerator refuses).
+synchronizing calls inside a step (torch's sync debug mode; ``tests/test_host_syncs.py`` is the CPU proxy), and
+DeepSpeed fp16 with dynamic loss scaling (which the CPU accelerator refuses).
 
 Skipped without a CUDA device, so CI (CPU only) skips them; run them where a GPU is lent:
 ``python -m pytest tests/test_cuda.py``.
@@ -11,6 +12,7 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -100,6 +102,38 @@ def test_cuda_zero_gradients_stay_finite(name: str) -> None:
             p.grad = torch.zeros_like(p)
         opt.step()
     assert all(torch.isfinite(p).all() for p in model.parameters()), f"{name}: zero gradients produced NaN/inf"
+
+
+#: the rules whose steps read nothing from the device (as in tests/test_host_syncs.py)
+SYNC_FREE = ("scale", "sinkgd", "racs", "dasgo", "muon", "swan")
+
+
+def _synchronizing_calls(opt) -> int:
+    """The synchronizing CUDA calls of one ``opt.step()``, as torch's sync debug mode reports them (a read of a
+    device value, a copy from pageable host memory, an explicit synchronize)."""
+    old = torch.cuda.get_sync_debug_mode()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            opt.step()
+        finally:
+            torch.cuda.set_sync_debug_mode(old)
+    return sum("synchroniz" in str(w.message).lower() for w in caught)
+
+
+@pytest.mark.parametrize("on_nonfinite,allowed", [("ignore", 0), ("skip", 1)])
+@pytest.mark.parametrize("name", SYNC_FREE)
+def test_cuda_steps_do_not_wait_for_the_device(name: str, on_nonfinite: str, allowed: int) -> None:
+    """After the first step (which builds the plans and their index tensors), a step of these rules issues no
+    synchronizing call; the default non-finite check reads its one flag (README "Host synchronizations")."""
+    model = _model("cuda")
+    opt = shardopt.create_optimizer(model, name, on_nonfinite=on_nonfinite)
+    counts = []
+    for step in range(3):
+        _grads(model, step)
+        counts.append(_synchronizing_calls(opt))
+    assert all(c <= allowed for c in counts[1:]), f"{name}: synchronizing calls per step {counts}, at most {allowed}"
 
 
 def _free_port() -> int:
