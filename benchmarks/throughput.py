@@ -162,7 +162,8 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                 f">= {target}: {'met' if r['vs_adamw_fused'] >= target else 'missed'}")
             global_rate = r.get("global_tokens_per_s")
             paper = PAPER_RATIOS.get(r["optimizer"], ("", None))[0]
-            rows.append([r["optimizer"], fmt(r["tokens_per_s"] / 1e3, ".1f"), fmt(r.get("vs_adamw_fused"), ".3f"),
+            label = r["optimizer"] + (" (again, last)" if r.get("repeat") else "")
+            rows.append([label, fmt(r["tokens_per_s"] / 1e3, ".1f"), fmt(r.get("vs_adamw_fused"), ".3f"),
                          fmt(r["amortized_step_s"] * 1e3, ".2f"), fmt(r["step_share"] * 100, ".1f"),
                          fmt(r.get("peak_memory_gib"), ".2f"), verdict,
                          fmt(global_rate / 1e3 if global_rate else None, ".1f"), fmt(r.get("vs_adamw_fused_global"), ".3f"),
@@ -202,27 +203,39 @@ def main(argv: list[str] | None = None) -> None:
         size = size.strip()
         probe = build_llama(size, args.vocab, "meta")
         print(f"[{size}] {describe(probe)}; {args.batch} x {args.seq} tokens per iteration", flush=True)
-        base = base_global = None
-        for name in names:
+        size_records = []
+        # the baseline first and again last: the ratios are against the mean of both, so a drift of the
+        # device's speed over the run (clocks, temperature) cancels to first order instead of landing on the
+        # optimizers timed last; the two baseline rates are recorded
+        for k, name in enumerate(names + names[:1]):
             rec = run_optimizer(name, size, args, device)
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            if name == names[0]:
-                base, base_global = rec.get("tokens_per_s"), rec.get("global_tokens_per_s")
-            if base and "tokens_per_s" in rec:
-                rec["vs_adamw_fused"] = rec["tokens_per_s"] / base
-                rec["vs_adamw_fused_global"] = rec["global_tokens_per_s"] / base_global
-            records.append(rec)
+            if k == len(names):
+                rec["repeat"] = "baseline again, last"
+            size_records.append(rec)
             print(f"  {name:12s} " + (rec.get("error") or
-                  f"{rec['tokens_per_s'] / 1e3:9.1f} k tokens/s  {rec.get('vs_adamw_fused', 0):.3f}x  step "
+                  f"{rec['tokens_per_s'] / 1e3:9.1f} k tokens/s  step "
                   f"{rec['amortized_step_s'] * 1e3:8.2f} ms ({rec['step_share']:.1%})  iteration "
                   f"{rec['amortized_iteration_s'] * 1e3:8.2f} ms  peak {rec.get('peak_memory_gib', 0):.2f} GiB  "
                   f"loss {rec['loss']:.3f}"), flush=True)
+        bases = [r for r in (size_records[0], size_records[-1]) if "tokens_per_s" in r]
+        if bases:
+            base = statistics.fmean(r["tokens_per_s"] for r in bases)
+            base_global = statistics.fmean(r["global_tokens_per_s"] for r in bases)
+            for rec in size_records:
+                if "tokens_per_s" in rec:
+                    rec["vs_adamw_fused"] = rec["tokens_per_s"] / base
+                    rec["vs_adamw_fused_global"] = rec["global_tokens_per_s"] / base_global
+            drift = size_records[-1].get("tokens_per_s", base) / size_records[0].get("tokens_per_s", base) - 1
+            print(f"  baseline drift over the run: {drift:+.1%}; ratios against the mean of both", flush=True)
+        records += size_records
     notes = [f"global batch: {args.global_batch} sequences per optimizer step, derived (module docstring).",
              "tokens/s = tokens per iteration / median iteration time, amortized over the refresh interval where "
-             "an optimizer has one (see the module docstring); '/ AdamW fused': against the first row of the same "
-             "size and run (foreach AdamW on a CPU, which has no fused kernel).",
+             "an optimizer has one (see the module docstring); '/ AdamW fused': against the mean of the baseline's "
+             "two runs of the same size, the first and the last row (foreach AdamW on a CPU, which has no fused "
+             "kernel), so that drift over the run cancels; their difference is the run's drift.",
              "step %: the optimizer step's share of the iteration (device events around step() and zero_grad).",
              "paper: the throughput the optimizer's paper reports, on its own hardware and model."]
     stem = args.out or ("throughput" if args.device == "cpu" else "throughput_cuda")
