@@ -34,43 +34,25 @@ def run_bounded(cmd: list[str], env: dict, timeout: float) -> subprocess.Complet
     ``subprocess.run`` kills only its child, and the ranks ``torch.distributed.run`` started keep the output
     pipes open, so the call then waits for them however long they run. Killing the child's process group is
     not enough either: the launcher starts every rank in a session of its own (a Megatron launch ran 19
-    minutes past its 900 s that way). On a timeout every descendant of the child is killed, found through
-    ``/proc`` before any of them dies, then the child's group.
+    minutes past its 900 s that way). On a timeout every descendant of the child is killed (``psutil``, which
+    DeepSpeed already requires, lists them before any of them dies), then the child's group.
     """
     with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            for pid in descendants(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+            import psutil
+
+            with contextlib.suppress(psutil.NoSuchProcess):
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    with contextlib.suppress(psutil.NoSuchProcess):
+                        child.kill()
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def descendants(root: int) -> list[int]:
-    """Every process below ``root`` (children, theirs, ...), from the parent ids in ``/proc`` (Linux)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (name) state"
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [root]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.append(child)
-            todo.append(child)
-    return out
 
 
 def finish_worker(records: list, out: str) -> None:
