@@ -116,3 +116,39 @@ def test_zero_partitions_split_into_here_elsewhere_and_shared(rank: int, strateg
     assert held.data_ptr() == pieces[whole[0]].data_ptr()  # a view: no copy of the gradient
     assert torch.equal(held, pieces[whole[0]].view(layouts[whole[0]].shape))
     assert blocks[1].shape[0] == 0
+
+
+@pytest.mark.parametrize("kind", ["flat", "rows_uneven"])
+def test_an_owner_of_g_transposed_assembles_g_and_returns_slices_of_it(kind: str) -> None:
+    """A = G^T on an owner with flat pieces: the owner's block is the transposed view of G assembled whole
+    (one contiguous copy per piece), each rank's piece goes back as one slice of G, and a rank whose piece
+    the owner computes entirely takes it as it arrives (``piece_source``)."""
+    m, n, world, owner = 7, 10, 3, 2
+    if kind == "flat":
+        bounds = [0, 13, 14, 70]
+        layouts = [MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], r, object())
+                   for r in range(world)]
+    else:
+        layouts = [MatrixLayout.row_chunks((m, n), world, r, object()) for r in range(world)]
+    full = torch.arange(m * n, dtype=torch.float32).view(m, n)
+    pieces = []
+    for lay in layouts:
+        piece = torch.empty(lay.local_numel)
+        for b, view in lay.views(piece):
+            view.copy_(full[b.row: b.row + b.height, b.col: b.col + b.width])
+        pieces.append(piece)
+    plans = [RowPlan.owner(lay, True, owner) for lay in layouts]
+    assert plans[owner]._assembles_g(owner) and not plans[0]._assembles_g(0)
+    block = torch.zeros(m, n).T  # what to_blocks allocates on the owner
+    for s in range(world):
+        parts = plans[s].pack_piece(pieces[s], owner)
+        if parts:
+            plans[owner].unpack_into_block(block, s, torch.cat(parts))
+    assert torch.equal(block, full.T) and block.mT.is_contiguous()
+    for d in range(world):
+        parts = plans[owner].pack_block(block, d)
+        got = torch.cat(parts) if parts else torch.empty(0)
+        assert torch.equal(got, pieces[d])
+        if d != owner and pieces[d].numel():
+            assert plans[d].piece_source == owner
+    assert plans[owner].piece_source is None

@@ -342,6 +342,19 @@ class RowPlan:
         return self.moved(me, me) + sum(self._received.values()) == (a1 - a0) * self.a_shape[1]
 
     @cached_property
+    def piece_source(self) -> int | None:
+        """The one other rank that computes every element of this rank's piece and sends it whole, in the
+        piece's order (a gather owner, with pieces that are intervals of ``G``): ``from_blocks`` then returns
+        the piece as a view of what arrives instead of copying it into a new one. None otherwise. Static."""
+        me = self.layout.rank
+        if self.held != "some" or self.moved(me, me) or len(self._sends) != 1:
+            return None
+        (src, k), = self._sends.items()
+        if k != self.layout.local_numel or not (self._flat is not None or self._assembles_g(src)):
+            return None
+        return src
+
+    @cached_property
     def piece_covered(self) -> bool:
         """Whether the blocks of the rows some rank holds fill every element of this rank's piece."""
         me = self.layout.rank
@@ -606,7 +619,7 @@ def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None],
     # algorithm already wrote it in G's layout) instead of one per piece
     blocks = [b.mT.contiguous().mT if p.held == "some" and p._assembles_g(p.layout.rank) else b
               for p, b in zip(plans, blocks)]
-    pieces: list[torch.Tensor] = []
+    pieces: list[torch.Tensor | None] = []
     for plan, block in zip(plans, blocks):
         held = plan.held
         if held == "all":
@@ -615,15 +628,26 @@ def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None],
         if held == "none":
             pieces.append(block.new_zeros(0))
             continue
+        if plan.piece_source is not None:
+            pieces.append(None)  # what arrives from the one rank that computes it
+            continue
         alloc = torch.empty if plan.piece_covered else torch.zeros
         piece = alloc(plan.layout.local_numel, dtype=block.dtype, device=block.device)
         parts = plan.pack_block(block, plan.layout.rank)
         if parts:
             plan.unpack_into_piece(piece, plan.layout.rank, parts[0] if len(parts) == 1 else torch.cat(parts))
         pieces.append(piece)
+
+    def receive(e: int, src: int, flat: torch.Tensor) -> None:
+        if pieces[e] is None:
+            pieces[e] = flat
+        else:
+            plans[e].unpack_into_piece(pieces[e], src, flat)
+
     if pieces:
         _exchange_groups(plans, lambda e, d: plans[e].pack_block(blocks[e], d),
-                         lambda p: p._received, lambda p: p._sends,
-                         lambda e, s, flat: plans[e].unpack_into_piece(pieces[e], s, flat),
-                         tags, pieces[0].dtype, pieces[0].device)
-    return pieces
+                         lambda p: p._received, lambda p: p._sends, receive,
+                         tags, blocks[0].dtype, blocks[0].device)
+    if any(p is None for p in pieces):
+        raise RuntimeError("from_blocks: the rank computing a piece sent nothing (plans differ across ranks)")
+    return pieces  # type: ignore[return-value]
