@@ -36,16 +36,35 @@ def test_across_the_grain_is_an_even_all_to_all() -> None:
         assert sum(plan.moved(s, d) for s in range(4) if s != d) < 12 * 30 // 2
 
 
-def _roundtrip(layouts: list[MatrixLayout], transpose: bool, owner: int | None) -> None:
-    """Fill every rank's block from all pieces, then cut every piece back out of the blocks."""
-    m, n = layouts[0].shape
-    full = torch.arange(m * n, dtype=torch.float32).view(m, n)
+def _pieces(layouts: list[MatrixLayout], full: torch.Tensor) -> list[torch.Tensor]:
+    """Each rank's 1-D piece of ``full`` in its layout."""
     pieces = []
     for lay in layouts:
         piece = torch.empty(lay.local_numel)
         for b, view in lay.views(piece):
             view.copy_(full[b.row: b.row + b.height, b.col: b.col + b.width])
         pieces.append(piece)
+    return pieces
+
+
+def _layouts(kind: str, m: int, n: int, world: int) -> list[MatrixLayout]:
+    """Every rank's layout of an ``m x n`` matrix over 3 ranks: flat ranges (one rank's is a single element),
+    column pieces, or uneven row chunks."""
+    if kind == "flat":
+        bounds = [0, 13, 14, m * n]
+        return [MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], r, object())
+                for r in range(world)]
+    if kind == "cols":
+        return [MatrixLayout((m, n), [ColPiece(0, 4), ColPiece(4, 8), ColPiece(8, 10)], r, object())
+                for r in range(world)]
+    return [MatrixLayout.row_chunks((m, n), world, r, object()) for r in range(world)]
+
+
+def _roundtrip(layouts: list[MatrixLayout], transpose: bool, owner: int | None) -> None:
+    """Fill every rank's block from all pieces, then cut every piece back out of the blocks."""
+    m, n = layouts[0].shape
+    full = torch.arange(m * n, dtype=torch.float32).view(m, n)
+    pieces = _pieces(layouts, full)
     plans = [RowPlan.owner(lay, transpose, owner) if owner is not None else RowPlan.aligned(lay, transpose)
              for lay in layouts]
     a = full.T if transpose else full
@@ -72,17 +91,7 @@ def _roundtrip(layouts: list[MatrixLayout], transpose: bool, owner: int | None) 
 @pytest.mark.parametrize("owner", [None, 2])
 @pytest.mark.parametrize("kind", ["flat", "cols", "rows_uneven"])
 def test_pieces_to_blocks_and_back_is_exact(kind: str, owner: int | None, transpose: bool) -> None:
-    m, n, world = 7, 10, 3
-    if kind == "flat":
-        bounds = [0, 13, 14, 70]
-        layouts = [MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], r, object())
-                   for r in range(world)]
-    elif kind == "cols":
-        layouts = [MatrixLayout((m, n), [ColPiece(0, 4), ColPiece(4, 8), ColPiece(8, 10)], r, object())
-                   for r in range(world)]
-    else:
-        layouts = [MatrixLayout.row_chunks((m, n), world, r, object()) for r in range(world)]
-    _roundtrip(layouts, transpose, owner)
+    _roundtrip(_layouts(kind, 7, 10, 3), transpose, owner)
 
 
 @pytest.mark.parametrize("rank", [0, 1])
@@ -124,19 +133,9 @@ def test_an_owner_of_g_transposed_assembles_g_and_returns_slices_of_it(kind: str
     (one contiguous copy per piece), each rank's piece goes back as one slice of G, and a rank whose piece
     the owner computes entirely takes it as it arrives (``piece_source``)."""
     m, n, world, owner = 7, 10, 3, 2
-    if kind == "flat":
-        bounds = [0, 13, 14, 70]
-        layouts = [MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], r, object())
-                   for r in range(world)]
-    else:
-        layouts = [MatrixLayout.row_chunks((m, n), world, r, object()) for r in range(world)]
+    layouts = _layouts(kind, m, n, world)
     full = torch.arange(m * n, dtype=torch.float32).view(m, n)
-    pieces = []
-    for lay in layouts:
-        piece = torch.empty(lay.local_numel)
-        for b, view in lay.views(piece):
-            view.copy_(full[b.row: b.row + b.height, b.col: b.col + b.width])
-        pieces.append(piece)
+    pieces = _pieces(layouts, full)
     plans = [RowPlan.owner(lay, True, owner) for lay in layouts]
     assert plans[owner]._assembles_g(owner) and not plans[0]._assembles_g(0)
     block = torch.zeros(m, n).T  # what to_blocks allocates on the owner
