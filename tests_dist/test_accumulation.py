@@ -11,7 +11,7 @@ import tempfile
 import pytest
 
 from accumulation_worker import CASES, CI_CASES, ENGINES
-from launch import torchrun
+from launch import run_ranks
 from tiers import tiered, world_sizes
 
 TOL = 1e-5
@@ -21,7 +21,7 @@ _results: dict[int, list[dict]] = {}
 def results(ws: int) -> list[dict]:
     if ws not in _results:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("accumulation_worker.py", ws, ["--out", out.name], timeout=900)
+            proc = run_ranks("accumulation_worker.py", ws, ["--out", out.name], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"accumulation worker at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _results[ws] = json.load(open(out.name))

@@ -19,7 +19,7 @@ import tempfile
 import pytest
 
 from checkpoint_worker import ENGINES, RESHARD
-from launch import ROOT, torchrun
+from launch import ROOT, run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import optimizers, world_sizes
 
@@ -32,7 +32,7 @@ def checkpoint_root() -> str:
     if "root" not in _state:
         root = tempfile.mkdtemp(prefix="shardopt-ckpt-")
         out = os.path.join(root, "save.json")
-        proc = torchrun("checkpoint_worker.py", 2, ["--phase", "save", "--dir", root, "--out", out], timeout=900)
+        proc = run_ranks("checkpoint_worker.py", 2, ["--phase", "save", "--dir", root, "--out", out], timeout=900)
         if proc.returncode != 0:
             pytest.fail(f"checkpoint save phase failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         _state["root"], _state["save"] = root, json.load(open(out))
@@ -44,7 +44,7 @@ def resume(ws: int) -> list[dict]:
     if key not in _state:
         root = checkpoint_root()
         out = os.path.join(root, f"resume{ws}.json")
-        proc = torchrun("checkpoint_worker.py", ws, ["--phase", "resume", "--dir", root, "--out", out], timeout=900)
+        proc = run_ranks("checkpoint_worker.py", ws, ["--phase", "resume", "--dir", root, "--out", out], timeout=900)
         if proc.returncode != 0:
             pytest.fail(f"resume at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         _state[key] = json.load(open(out))

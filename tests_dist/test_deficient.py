@@ -18,7 +18,7 @@ import tempfile
 import pytest
 
 from deficient_worker import ENGINES, OPTIMIZERS_ALL, STRATEGIES
-from launch import torchrun
+from launch import run_ranks
 from tiers import world_sizes
 
 TOL = 1e-5
@@ -29,7 +29,7 @@ CASES = [(o, e, s) for o in OPTIMIZERS_ALL for e in ENGINES for s in (STRATEGIES
 def results(ws: int) -> list[dict]:
     if ws not in _results:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("deficient_worker.py", ws, ["--out", out.name], timeout=900)
+            proc = run_ranks("deficient_worker.py", ws, ["--out", out.name], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"deficient worker at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _results[ws] = json.load(open(out.name))

@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import full_only, world_sizes
 
@@ -21,7 +21,7 @@ def run(ws: int, megatron: bool) -> list:
     if key not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             # Megatron-core's 4 ranks (full tier only) ran 19 minutes on a 2-core machine
-            proc = torchrun("engines_worker.py", ws, ["--out", out.name] + (["--megatron"] if megatron else []),
+            proc = run_ranks("engines_worker.py", ws, ["--out", out.name] + (["--megatron"] if megatron else []),
                             timeout=1800 if megatron else 900)
             if proc.returncode != 0:
                 pytest.fail(f"engines worker failed (ws {ws}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from launch import ROOT, torchrun
+from launch import ROOT, run_ranks
 from tiers import full_only, tiered
 
 pytest.importorskip("transformers")
@@ -43,7 +43,7 @@ def run(api: str, args: list[str], nproc: int = 2) -> dict:
                 proc = subprocess.run([sys.executable, str(ROOT / "tests_dist" / "hf_worker.py"), *cmd], cwd=ROOT,
                                       env=env, capture_output=True, text=True, timeout=300)
             else:
-                proc = torchrun("hf_worker.py", nproc, cmd, timeout=420)
+                proc = run_ranks("hf_worker.py", nproc, cmd, timeout=420)
             if proc.returncode != 0:
                 pytest.fail(f"hf_worker {api} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
             _cache[key] = torch.load(out)
@@ -99,13 +99,13 @@ def test_trainer_resume_exact(engine: str, resume_on: tuple) -> None:
     with tempfile.TemporaryDirectory(prefix="wt17_hf_resume_") as tmp:
         common = ["--engine", engine, "--optimizer", "racs,sumo", "--steps", "5"]
         out = Path(tmp) / "whole.pt"
-        proc = torchrun("hf_worker.py", 2, ["--api", "trainer", *common, "--save-steps", "2", "--dir", tmp,
+        proc = run_ranks("hf_worker.py", 2, ["--api", "trainer", *common, "--save-steps", "2", "--dir", tmp,
                                             "--out", str(out)], timeout=420)
         assert proc.returncode == 0, proc.stderr[-4000:]
         whole = torch.load(out)
         for nproc, batch in resume_on:
             out = Path(tmp) / f"resumed{nproc}.pt"
-            proc = torchrun("hf_worker.py", nproc, [
+            proc = run_ranks("hf_worker.py", nproc, [
                 "--api", "trainer", *common, "--batch", str(batch), "--resume", f"{tmp}/{{opt}}/checkpoint-2",
                 "--dir", f"{tmp}/r{nproc}", "--out", str(out)], timeout=420)
             assert proc.returncode == 0, proc.stderr[-4000:]
@@ -126,10 +126,10 @@ def test_accelerate_save_load_state(auto: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="wt17_hf_acc_") as tmp:
         common = ["--api", "accelerate", "--engine", "zero2", "--optimizer", "racs,sumo", "--steps", "5"]
         common += ["--auto"] if auto else []
-        proc = torchrun("hf_worker.py", 2, [*common, "--save-steps", "2", "--dir", tmp, "--out", f"{tmp}/a.pt"],
+        proc = run_ranks("hf_worker.py", 2, [*common, "--save-steps", "2", "--dir", tmp, "--out", f"{tmp}/a.pt"],
                         timeout=420)
         assert proc.returncode == 0, proc.stderr[-4000:]
-        proc = torchrun("hf_worker.py", 2, [*common, "--resume", f"{tmp}/{{opt}}/state", "--dir", f"{tmp}/b",
+        proc = run_ranks("hf_worker.py", 2, [*common, "--resume", f"{tmp}/{{opt}}/state", "--dir", f"{tmp}/b",
                                             "--out", f"{tmp}/b.pt"], timeout=420)
         assert proc.returncode == 0, proc.stderr[-4000:]
         whole, resumed = torch.load(f"{tmp}/a.pt"), torch.load(f"{tmp}/b.pt")

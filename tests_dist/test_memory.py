@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 
 _cache: dict = {}
 
@@ -20,7 +20,7 @@ _cache: dict = {}
 def records() -> list:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("memory_worker.py", 4, ["--out", out.name], timeout=900)
+            proc = run_ranks("memory_worker.py", 4, ["--out", out.name], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"memory worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = json.load(open(out.name))

@@ -11,7 +11,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 from moe_worker import CASES
 
 TOL = 1e-5
@@ -22,7 +22,7 @@ _cache: dict = {}
 def records() -> list:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("moe_worker.py", 4, ["--out", out.name], timeout=600)
+            proc = run_ranks("moe_worker.py", 4, ["--out", out.name], timeout=600)
             if proc.returncode != 0:
                 pytest.fail(f"moe worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = json.load(open(out.name))

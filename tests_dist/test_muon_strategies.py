@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 from tiers import world_sizes
 
 FP32_TOL = 1e-6
@@ -19,7 +19,7 @@ BF16_TOL = 0.05  # bf16 Newton-Schulz: partial Grams rounded to bf16 before the 
 @pytest.mark.parametrize("ws", world_sizes((2, 3), ci=(3,)))
 def test_muon_strategies_match_single_process(ws: int) -> None:
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        proc = torchrun("muon_strategy_worker.py", ws, ["--out", out.name], timeout=600)
+        proc = run_ranks("muon_strategy_worker.py", ws, ["--out", out.name], timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         records = json.load(open(out.name))
     assert len(records) == 12

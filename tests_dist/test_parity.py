@@ -1,7 +1,7 @@
 """Sharded vs single-process parity: every optimizer x 8 layouts x world sizes 1-4 (whole-matrix optimizers
 under the gather, team (teams of two ranks) and distributed strategies; Muon under its default and teams).
 
-One ``torchrun`` launch per world size runs every case inside one gloo process group
+One launch per world size (``launch.run_ranks``) runs every case inside one gloo process group
 (``parity_worker.py``); each case trains the toy model 6 steps and compares every parameter with a
 single-process run on the same global batches.
 
@@ -17,7 +17,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 from tiers import world_sizes
 from parity_worker import BF16_LAYOUTS, LAYOUTS, OPTIMIZERS, STRATEGIES, TEAM_SIZE, TEAM_WORLD
 
@@ -31,7 +31,7 @@ _results: dict[int, list[dict]] = {}
 def results(ws: int) -> list[dict]:
     if ws not in _results:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("parity_worker.py", ws, ["--out", out.name], timeout=900)
+            proc = run_ranks("parity_worker.py", ws, ["--out", out.name], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"parity worker at world size {ws} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
             _results[ws] = json.load(open(out.name))

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 from pipeline_worker import CASES
 
 TOL = 1e-5
@@ -19,7 +19,7 @@ _cache: dict = {}
 def records() -> list:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("pipeline_worker.py", 4, ["--out", out.name], timeout=600)
+            proc = run_ranks("pipeline_worker.py", 4, ["--out", out.name], timeout=600)
             if proc.returncode != 0:
                 pytest.fail(f"pipeline worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = json.load(open(out.name))

@@ -9,7 +9,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 
 _cache: dict = {}
 
@@ -17,7 +17,7 @@ _cache: dict = {}
 def records() -> dict:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("refusal_worker.py", 2, ["--out", out.name], timeout=300)
+            proc = run_ranks("refusal_worker.py", 2, ["--out", out.name], timeout=300)
             if proc.returncode != 0:
                 pytest.fail(f"refusal worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = {r["case"]: r for r in json.load(open(out.name))}

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 import torch
 
-from launch import ROOT, free_port, run_bounded, torchrun
+from launch import ROOT, free_port, run_bounded, run_ranks
 from parity_worker import OPTIMIZERS
 
 _cache: dict = {}
@@ -19,7 +19,7 @@ _cache: dict = {}
 def records() -> list:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("reliability_worker.py", 2, ["--out", out.name], timeout=600)
+            proc = run_ranks("reliability_worker.py", 2, ["--out", out.name], timeout=600)
             if proc.returncode != 0:
                 pytest.fail(f"reliability worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = json.load(open(out.name))

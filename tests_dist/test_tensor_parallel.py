@@ -18,7 +18,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 from tiers import world_sizes
 from tp_worker import LEAN_RESUME, OPTIMIZERS, RESUME, STRATEGIES, WHOLE
 
@@ -37,7 +37,7 @@ def results(ws: int) -> list[dict]:
     if ws not in _results:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             extra = ["--lean"] if ws in LEAN else []
-            proc = torchrun("tp_worker.py", ws, ["--out", out.name, "--layouts", RUNS[ws], *extra], timeout=900)
+            proc = run_ranks("tp_worker.py", ws, ["--out", out.name, "--layouts", RUNS[ws], *extra], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"tp worker at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _results[ws] = json.load(open(out.name))

@@ -20,7 +20,7 @@ import tempfile
 
 import pytest
 
-from launch import torchrun
+from launch import run_ranks
 from time_model_worker import OPTIMIZERS, STRATEGIES, TAGS
 
 WORLD = 4
@@ -34,7 +34,7 @@ _cache: dict = {}
 def records() -> list:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = torchrun("time_model_worker.py", WORLD, ["--out", out.name], timeout=900)
+            proc = run_ranks("time_model_worker.py", WORLD, ["--out", out.name], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"time-model worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = json.load(open(out.name))

@@ -3,8 +3,8 @@
 ``make test`` (CI) runs every suite, each at the world sizes that carry its claim (3 ranks for uneven shards
 and teams that are subgroups, 2 where a suite needs only a second rank), and leaves the rest of the world-size
 cross product skipped with the reason below. ``make test-full`` (``SHARDOPT_TESTS=full``) runs every world
-size. Each skipped world size is one more ``torchrun`` launch of the same worker: on a 2-core machine that is
-minutes each (the imports alone are 10-20 s a rank), which is what took CI past its limit.
+size. Each skipped world size is one more launch of the same worker: on a 2-core machine that is minutes each
+(the work itself; the imports are paid once per session by ``rank_server.py``), which took CI past its limit.
 """
 from __future__ import annotations
 
