@@ -30,7 +30,10 @@ identically, so this one process knows every rank's plan.
   realign = rows moved to fill the distributed strategy's row blocks and back (2 x 4 B x sum of
   ``RowPlan.sent``); allreduce = the reduced partial sums (a ring all-reduce: 2 (P-1) x 4 B x reduced
   elements); state = the split small state of distributed matrices all-gathered for the step ((P-1) x 4 B x
-  its elements). The per-row/column statistics of SCALE/SinkGD/RACS/DASGO are not estimated here (``comm``).
+  its elements; SUMO's and Alice's bases rest with their rows and are not gathered: ``state_split.ROWS``).
+  These are a step between refreshes; "at a refresh" is what a refresh step adds (SUMO's range finder and
+  ``Q_new^T Q``, Alice's switch: ``OpCost.refresh_reduced``, a ring all-reduce where the rows are split).
+  The per-row/column statistics of SCALE/SinkGD/RACS/DASGO are not estimated here (``comm``).
 * FLOPs (whole-matrix work, per step): a rank computes ``row_flops`` x its share of A's rows for every
   distributed matrix and ``small_flops`` for those whose factorization it owns (or for every one, where the
   optimizer repeats it on every rank), and everything for the matrices it owns under gather.
@@ -47,6 +50,7 @@ import time
 from typing import Any
 
 import torch
+from shardopt.sharding.state_split import rows_aligned
 
 from . import optimizers
 from .cli import parse_args
@@ -174,7 +178,7 @@ def piece_numels(lay: Any) -> torch.Tensor:
 
 def share_numels(place: Any, spec: dict, world: int) -> torch.Tensor:
     """``state_split.share_numel(place, spec, r)`` for every rank r at once (the same integer arithmetic:
-    whole on the owner under gather, ``torch.chunk`` cuts otherwise)."""
+    whole on the owner under gather, the row plan's cut for ``ROWS`` state, ``torch.chunk`` cuts otherwise)."""
     out = torch.zeros(world, dtype=torch.int64)
     ranks = torch.arange(world, dtype=torch.int64)
     for shape, dim in spec.values():
@@ -185,6 +189,9 @@ def share_numels(place: Any, spec: dict, world: int) -> torch.Tensor:
         length = shape[dim]
         if place.owner is not None:
             out[place.owner] += length * other
+            continue
+        if rows_aligned(dim) and place.row_starts is not None and place.row_starts[-1] == length:
+            out += torch.tensor(place.row_starts, dtype=torch.int64).diff() * other  # with the rows (ROWS)
             continue
         if place.members is not None:  # a team: even over its members
             g = len(place.members)
@@ -235,8 +242,10 @@ def check_ranks(opt: Any, state: dict[str, torch.Tensor], world: int, busiest: i
 
 
 def traffic_and_flops(opt: Any, world: int) -> tuple[dict[str, float], torch.Tensor, dict[str, int]]:
-    """Per-step traffic (fp32 elements summed over ranks, by kind), whole-matrix FLOPs per rank, strategies."""
-    traffic = {"gather": 0.0, "realign": 0.0, "allreduce": 0.0, "state": 0.0}
+    """Traffic of a step between refreshes (fp32 elements summed over ranks, by kind) and, under ``refresh``,
+    what a refresh step adds (SUMO's new bases, Alice's switches: ``OpCost.refresh_reduced`` all-reduced where
+    the rows are split); whole-matrix FLOPs per rank; strategies."""
+    traffic = {"gather": 0.0, "realign": 0.0, "allreduce": 0.0, "state": 0.0, "refresh": 0.0}
     flops = torch.zeros(world, dtype=torch.float64)
     kinds: dict[str, int] = {}
     groups = _groups(opt)
@@ -266,8 +275,9 @@ def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Ten
             g = len(ops.teams[i])
             traffic["gather"] += 2 * sent
             traffic["allreduce"] += 2 * (g - 1) * (c.reduced + c.shared)
+            traffic["refresh"] += 2 * (g - 1) * c.refresh_reduced
             spec = spec_of(plan)
-            traffic["state"] += (g - 1) * sum(math.prod(s) for s, d in spec.values() if d is not None)
+            traffic["state"] += (g - 1) * _moving(spec)
             starts = torch.tensor(plan.starts, dtype=torch.float64)
             flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1)
             if c.shared:
@@ -277,14 +287,20 @@ def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Ten
             continue
         traffic["realign"] += 2 * sent
         traffic["allreduce"] += 2 * (world - 1) * c.reduced
+        traffic["refresh"] += 2 * (world - 1) * c.refresh_reduced
         spec = spec_of(plan)
-        traffic["state"] += (world - 1) * sum(math.prod(s) for s, d in spec.values() if d is not None)
+        traffic["state"] += (world - 1) * _moving(spec)
         starts = torch.tensor(plan.starts, dtype=torch.float64)
         flops += work[0] * (starts[1:] - starts[:-1]) / max(plan.a_shape[0], 1)
         if c.shared:  # computed once, by its factorization owner (MatrixOps.compute_once)
             flops[factor_owner] += work[1]
         else:
             flops += work[1]
+
+
+def _moving(spec: dict) -> int:
+    """Elements of one matrix's split state that a step with split rows gathers (all but ``ROWS`` state)."""
+    return sum(math.prod(s) for s, d in spec.values() if d is not None and not rows_aligned(d))
 
 
 #: the issue-27 reference step: forward+backward at 40% MFU of 989 TFLOP/s on max(4096, 4M / P) tokens per rank
@@ -412,6 +428,7 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
     busiest = int(total.argmax())
     checked = check_ranks(opt, state, world, busiest, samples)
     traffic, flops, kinds = traffic_and_flops(opt, world)
+    per_step = sum(v for k, v in traffic.items() if k != "refresh")
     transient = busiest_transient(opt, world)
     owned = largest_owned_bytes(opt, busiest)
     bound = BOUND_FACTOR * single_bytes / world + owned + BOUND_SLACK
@@ -427,9 +444,10 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
         "bound_bytes": bound, "within_bound": int(total[busiest]) <= bound,
         "bound_applies": strategy in (None, "auto", "distributed", "team"),
         "plan_s": plan_s, "strategies": kinds,
-        "traffic_bytes": {k: 4 * v for k, v in traffic.items()},
-        "traffic_per_rank_bytes": 4 * sum(traffic.values()) / world,
-        "traffic_vs_grad": (4 * sum(traffic.values()) / world) / (4 * n_params),
+        "traffic_bytes": {k: 4 * v for k, v in traffic.items() if k != "refresh"},
+        "traffic_per_rank_bytes": 4 * per_step / world,
+        "traffic_vs_grad": (4 * per_step / world) / (4 * n_params),
+        "refresh_extra_bytes": 4 * traffic["refresh"],
         "busiest_flops": float(flops.max()), "mean_flops": float(flops.mean()),
         "transient_busiest_bytes": 4 * transient if transient is not None else None,
         "checked_ranks": len(checked), "largest_owned_bytes": owned,
@@ -566,8 +584,9 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
             rows.append(row)
         out.append(markdown_table(["optimizer (strategy)", *[f"P={w}" for w in worlds]], rows))
         out.append(f"\n## {size}: every case\n\nMiB per rank; AdamW = torch AdamW's busiest rank in the same layout; "
-                   "traffic = estimated bytes sent per step per rank (sum over ranks / P) by kind, and their sum over "
-                   "the fp32 gradient; FLOPs = busiest rank's whole-matrix work per step; transient = busiest rank's "
+                   "traffic = estimated bytes sent per step between refreshes per rank (sum over ranks / P) by kind, "
+                   "and their sum over the fp32 gradient; at a refresh = what a refresh step adds (SUMO's new bases, "
+                   "Alice's switches: reductions where the rows are split; every K steps); FLOPs = busiest rank's whole-matrix work per step; transient = busiest rank's "
                    "largest bucket of whole-matrix transients.\n\n")
         rows = []
         for r in rs:
@@ -580,6 +599,7 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                          fmt(r["plan_s"], ".2f") + (f" (+{r['step_plan_s']:.2f}/step)" if r.get("step_plan_s") else ""),
                          " / ".join(fmt(t[k] / r["world_size"] / MIB, ".1f") for k in ("gather", "realign", "allreduce",
                                                                                          "state")),
+                         fmt(r.get("refresh_extra_bytes", 0.0) / r["world_size"] / MIB, ".1f"),
                          fmt(r["traffic_vs_grad"], ".2f"), fmt(r["traffic_busiest_bytes"] / MIB, ".1f"),
                          fmt(1e3 * r["modeled_s"], ".2f"), fmt(r["time_ratio"], ".3f"),
                          fmt(r["busiest_flops"] / 1e9, ".1f"),
@@ -587,7 +607,8 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                              ".0f")])
         out.append(markdown_table(["layout", "P", "optimizer (strategy)", "busiest", "mean", "rank 0", "AdamW",
                                    "busiest / AdamW", "single / P", "bound", "within", "plan s",
-                                   "traffic MiB/rank: gather / realign / allreduce / state", "traffic / grad",
+                                   "traffic MiB/rank: gather / realign / allreduce / state",
+                                   "at a refresh: + MiB/rank", "traffic / grad",
                                    "busiest rank MiB sent+received", "modeled ms", "/ fwd+bwd",
                                    "GFLOP busiest", "transient MiB"], rows))
     errors = [r for r in records if "error" in r]
@@ -632,6 +653,36 @@ def notes_for(records: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def merge_records(records: list[dict[str, Any]], out: str, results_dir: Any) -> tuple[list[dict[str, Any]], str]:
+    """``records`` in place of the same optimizers' records of ``<out>.json`` (the others kept, in their order;
+    each keeps the commit it was measured at), and a note saying which are which."""
+    from .results import environment, read_results
+
+    old = read_results(out, results_dir)
+    if old is None:
+        raise SystemExit(f"--merge: no {out}.json in {results_dir} to merge into")
+    commit = environment("cpu")["commit"]
+    for r in records:
+        r.setdefault("commit", commit)
+    def case(r: dict) -> tuple:
+        return r["model"], r["layout"], r["world_size"], r["optimizer"]
+
+    new = {case(r) for r in records}
+    kept = [r for r in old["records"] if case(r) not in new]
+    for r in kept:
+        r.setdefault("commit", old["environment"]["commit"])
+    by_case: dict[tuple, list] = {}
+    for r in kept + records:
+        by_case.setdefault(case(r), []).append(r)
+    merged = [r for c in dict.fromkeys([case(r) for r in old["records"]] + [case(r) for r in records])
+              for r in by_case[c]]
+    names = sorted({r["optimizer"] for r in records})
+    commits = sorted({r["commit"] for r in kept} - {commit})
+    return merged, (f"merged (--merge): {len(records)} records of {', '.join(names)} measured at commit {commit}; "
+                    f"the other {len(kept)} kept from {out}.json (commit {', '.join(commits) or commit}), whose plans "
+                    "the change did not move")
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="1b,7b", help="model presets (shardopt.train.model.PRESETS)")
@@ -647,6 +698,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--set", action="append", default=[], metavar="OPTIMIZER:KEY=VALUE",
                     help="a hyperparameter of one optimizer (repeatable), e.g. swan:whitening=svd; labelled in the tables")
     ap.add_argument("--out", default="scale", help="result file stem")
+    ap.add_argument("--merge", action="store_true",
+                    help="keep the other optimizers' records of an existing <out>.json and replace only those run "
+                         "now (after a change that moves only their plans; the notes say which records are new)")
     args = parse_args(ap, argv, dict(models="1b", worlds="8,64", optimizers="scale,muon,sumo,alice"))
     args.hyperparameters = parse_hyperparameters(args.set)
     for lay in args.layouts.split(","):
@@ -655,7 +709,11 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     records = run(args)
-    notes = notes_for(records) + [f"whole run: {time.perf_counter() - t0:.0f} s"]
+    notes = [f"whole run: {time.perf_counter() - t0:.0f} s"]
+    if args.merge:
+        records, merged = merge_records(records, args.out, args.results_dir)
+        notes.insert(0, merged)
+    notes = notes_for(records) + notes
     path = write_results(args.out, dict(vars(args)), records, to_markdown(records), notes, out_dir=args.results_dir)
     print("\n".join(notes))
     print(f"wrote {path} and {path.with_suffix('.md')}")

@@ -12,7 +12,7 @@ from torch import nn
 import shardopt
 from shardopt.sharding import FlatPiece, MatrixLayout
 from shardopt.sharding.blocks import RowPlan
-from shardopt.sharding.state_split import Placement, share, share_numel, share_shape
+from shardopt.sharding.state_split import ROWS, Placement, keep_share, moving_numel, share, share_numel, share_shape
 from shardopt.optim.registry import OPTIMIZERS
 from tiny_model import Tiny
 
@@ -50,6 +50,35 @@ def test_shares_partition_every_dimension_evenly_and_owners_keep_everything(seed
         for place in (even, gathered):
             total = sum(share_numel(place, spec, r) for r in range(world))
             assert total == 3 * plan.a_shape[0] + 3 * plan.a_shape[1] + world  # 0-d entries: one per rank
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_rows_state_rests_with_the_rows_each_rank_computes_on(seed):
+    """``ROWS`` state (SUMO's Q, Alice's U) is cut like the row plan (uneven where engines cut flat ranges),
+    partitions its rows, is whole on a gather owner, and is left out of what a step gathers."""
+    rng = random.Random(seed)
+    shape, world = (rng.randint(1, 40), rng.randint(1, 40)), rng.randint(2, 6)
+    r = rng.randint(1, 5)
+    for rank in range(world):
+        lay = flat_layout(shape, world, rank, random.Random(seed))
+        for transpose in (False, True):
+            plan = RowPlan.aligned(lay, transpose)
+            rows, cols = plan.a_shape
+            place = Placement.of(plan, None)
+            spans = [share(place, rows, q, ROWS) for q in range(world)]
+            assert spans == [plan.rows(q) for q in range(world)]
+            assert share_shape(place, (rows, r), ROWS) == (plan.rows()[1] - plan.rows()[0], r)
+            assert share(place, rows, rank, 0) == share(place, rows, rank)  # a plain dim 0 stays even
+            full = torch.arange(rows * r, dtype=torch.float32).view(rows, r)
+            a0, a1 = plan.rows()
+            assert torch.equal(keep_share(place, full, ROWS), full[a0:a1])
+            spec = {"Q": ((rows, r), ROWS), "M": ((r, cols), 1), "n": ((), None)}
+            assert sum(share_numel(place, spec, q) for q in range(world)) == r * (rows + cols) + world
+            assert moving_numel(place, spec, rank) == share_numel(place, {"M": spec["M"]}, rank)
+            owner = rng.randrange(world)
+            gathered = Placement.of(RowPlan.owner(lay, transpose, owner), owner)
+            assert share_shape(gathered, (rows, r), ROWS, owner) == (rows, r)
+            assert share_shape(gathered, (rows, r), ROWS, (owner + 1) % world) == (0, r)
 
 
 def train(name, steps=3, **kw):

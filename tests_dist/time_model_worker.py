@@ -8,7 +8,7 @@ at this world size. Per rank and step: the bytes shardopt's collectives really h
 spent inside whole-matrix work (``whole_matrix_cpu_s``) beside the single-process run's. The model is a
 SmallLM whose matrices (256 x 256 and 704 x 256, 4 blocks) make whole-matrix work, not Python, the bulk of
 a step. SUMO and Alice refresh at the first step only (interval 100): the compared steps are those between
-refreshes; the refresh step's bytes are recorded beside them.
+refreshes; the refresh step's bytes are recorded beside them with the plans' prediction for a refresh step.
 """
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch import finish_worker  # noqa: E402
 import toy_models  # noqa: E402
 import shardopt  # noqa: E402
-from shardopt.sharding.state_split import share_numel  # noqa: E402
+from shardopt.sharding.state_split import moving_numel  # noqa: E402
 
 LM = toy_models.LMSetup(256, 256, 704, 4, 8, 4)  # vocab, dim, ffn, blocks, seq, batch
 BATCH = LM.batch_size
@@ -44,8 +44,10 @@ STRATEGIES = ("auto", "distributed", "team")
 MEASURED_STEPS = 5
 
 
-def predicted(opt) -> dict[str, float]:
-    """The plans' bytes per tag for this rank (each matrix's resting state cut as the optimizer cuts it)."""
+def predicted(opt, refresh: bool = False) -> dict[str, float]:
+    """The plans' bytes per tag for this rank (each matrix's resting state cut as the optimizer cuts it; of it a
+    step gathers all but the ``ROWS`` state, which stays with its rows); ``refresh``: at a step where every
+    matrix refreshes."""
     out = dict.fromkeys(TAGS, 0.0)
     groups = opt._groups()
     for g in range(len(groups)):
@@ -54,9 +56,9 @@ def predicted(opt) -> dict[str, float]:
             continue
 
         def state_share(i: int, rank: int, ops=ops, group=groups[g]) -> float:
-            return share_numel(ops.placements[i], opt.matrix_state_spec(group, ops.plans[i].a_shape), rank)
+            return moving_numel(ops.placements[i], opt.matrix_state_spec(group, ops.plans[i].a_shape), rank)
 
-        for tag, b in ops.modeled_payload(state_share=state_share).items():
+        for tag, b in ops.modeled_payload(state_share=state_share, refresh=refresh).items():
             out[tag] += b
     return out
 
@@ -108,6 +110,7 @@ def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
         rec["bytes"].append(measured(opt))
     rec["cpu_s"] = sorted(per_step)[len(per_step) // 2]  # the median step: 4 processes share 2 cores
     rec["predicted"] = predicted(opt)
+    rec["predicted_refresh"] = predicted(opt, refresh=True)
     rec["kinds"] = sorted({k for g in range(len(opt._groups())) if opt.matrix_plan(g) is not None
                            for k in opt.matrix_plan(g).kinds})
     return rec

@@ -125,7 +125,7 @@ def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Re
                         continue
                     plan, (shape, dim) = found[0], spec
                     view, piece_type = _matrix_view(shape, dim)
-                    lo, hi = share(plan, shape[dim])
+                    lo, hi = share(plan, shape[dim], None, dim)
                     if hi > lo and value.numel():
                         w = view[1] if dim == 0 else 1
                         piece = FlatPiece(lo * w, hi * w) if piece_type is FlatPiece else ColPiece(lo, hi)
@@ -326,7 +326,7 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
             raise CheckpointError(f"{k}: checkpoint shape {shape} does not match {tuple(want)} (another rank or "
                                   "matrix_ops setting changes no shape; another model or hyperparameters do)")
         view, piece_type = _matrix_view(shape, dim)
-        lo, hi = share(plan, shape[dim])
+        lo, hi = share(plan, shape[dim], None, dim)
         local_shape = share_shape(plan, shape, dim)
         buf = torch.zeros(math.prod(local_shape), dtype=torch.float32)
         if hi > lo and tuple(source.index[k]["view"]) != tuple(view) and piece_type is ColPiece:

@@ -41,6 +41,7 @@ from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.subspace import (complete_basis, determined_floor, fill_draw, fp32_floor, range_basis,
                                  signal_directions, signal_range)
 from ..sharding.stacking import group_indices, stack
+from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .racs import norm_growth_eta
@@ -271,12 +272,14 @@ class Alice(ShardedOptimizer):
         r = min(group["rank"], rows, cols)
         return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r,
                       reduced=r * cols + cols + 1,
-                      state=rows * r + 2 * r * cols + cols + (r * r if group["tracking"] else 0))
+                      state=rows * r + 2 * r * cols + cols + (r * r if group["tracking"] else 0), row_state=rows * r,
+                      # a switch after the first: U assembled, A^T U, the sketch assembled, A^T U~ (rows or cols x r)
+                      refresh_reduced=2 * (rows + cols) * r, refresh_every=group["refresh_interval"])
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
-        spec = {"U": ((rows, r), 0), "M": ((r, cols), 1), "V": ((r, cols), 1),
+        spec = {"U": ((rows, r), ROWS), "M": ((r, cols), 1), "V": ((r, cols), 1),
                 "p": ((cols,), 0), "phi": ((), None), "switches": ((), None)}
         if group["tracking"]:
             spec["Q_tilde"] = ((r, r), 1)
@@ -337,8 +340,7 @@ class Alice(ShardedOptimizer):
                 a = g[0] if len(g) == 1 else torch.cat(g)
             else:
                 a = stack([blocks[i] for i in s.idx])
-            u = stack([ops.my_rows(i, items[i].state["U"]) for i in s.idx] if s.distributed
-                       else [items[i].state["U"] for i in s.idx])
+            u = stack([items[i].state["U"] for i in s.idx])  # this rank's rows where they are split (ROWS)
             sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
             if s.distributed:
                 part = torch.cat([sigma.flatten(1), energy], 1)
@@ -430,7 +432,8 @@ class Alice(ShardedOptimizer):
         ritz = range_basis(ops, {i: blocks[i] for i in first}, ranks, group["seed"],
                            {i: (items[i].frag.name, "init") for i in first}, group["oversample"],
                            group["power_iters"])
-        u_old = {i: items[i].state["U"] for i in later}
+        # the whole old bases: each rank holds its rows of a split one (ROWS), assembled only at a switch
+        u_old = ops.assemble({i: items[i].state["U"] for i in later})
         qt = {i: items[i].state["Q_tilde"] if group["tracking"] else None for i in later}
         atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_old[i]) for i in later})
         h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3)
@@ -464,8 +467,8 @@ class Alice(ShardedOptimizer):
                 if l < r else None
             new = switched_basis(ritz[i], l, pick)
             if group["tracking"] and group["reproject"] and int(st["switches"]) > 0:
-                reproject_tracking(st["Q_tilde"], new, st["U"])
-            st["U"].copy_(new)
+                reproject_tracking(st["Q_tilde"], new, u_old[i])
+            st["U"].copy_(ops.my_rows(i, new) if ops.split(i) else new)
             st["switches"] += 1
 
 

@@ -32,8 +32,8 @@ from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.time_model import resolve_profile
 from ..sharding.plan import check_same_plan
 from ..sharding.teams import create_team_groups
-from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, share_numel, share_shape,
-                                   shares_to_dtensors)
+from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, rows_aligned,
+                                   share_numel, share_shape, shares_to_dtensors)
 from .adamw import adamw_step
 from .checks import check_hyperparameters
 from .config import OptimizerConfig
@@ -889,7 +889,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                               body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
         """Run ``body(items, ops)`` bucket by bucket: the small state of each bucket's distributed matrices is
         gathered whole for the step (one all-gather per group, on every step, the first included: the state is
-        created from ``matrix_state_spec`` as zeros before it) and cut back to this rank's share after it."""
+        created from ``matrix_state_spec`` as zeros before it) and cut back to this rank's share after it;
+        ``ROWS`` state is not: the body reads and writes this rank's rows of it in place."""
         plan = self.matrix_plan(self._group_index(group))
         if plan is None or not items:
             return
@@ -911,7 +912,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     continue  # owner / local: the computing rank already holds all of it; a team's others none
                 for key in sorted(spec):
                     shape, dim = spec[key]
-                    if dim is not None:
+                    if dim is not None and not rows_aligned(dim):  # ROWS state already is this rank's rows
                         entries.append((sub.placements[i], it.state[key], shape, dim, it.frag.name))
                         where.append((it, key))
             for (it, key), full in zip(where, gather_full(entries)):
@@ -926,7 +927,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 if not (sub.split(i) and sub.active(i)):
                     continue  # the state already is this rank's share (all of it, or none)
                 for key, (shape, dim) in spec.items():
-                    if dim is not None and key in it.state:
+                    if dim is not None and not rows_aligned(dim) and key in it.state:
                         it.state[key] = keep_share(sub.placements[i], it.state[key], dim)
 
     def sync_state(self) -> None:

@@ -30,8 +30,9 @@ import torch
 from ..sharding.matfun import polar_factor
 from ..sharding.orientation import stored_transposed
 from ..sharding.matrix_ops import OpCost
-from ..sharding.subspace import range_basis
+from ..sharding.subspace import range_basis, refresh_reduced
 from ..sharding.stacking import group_indices, unstack_into
+from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer, apply_items
 from .config import CommonOptions, WholeMatrixConfig
 
@@ -124,10 +125,12 @@ class SUMO(ShardedOptimizer):
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
         # the moment's polar factor from its r x r Gram: products (Gram and O, 4 cols r^2 + 2 r^3) and a float64
-        # eigendecomposition
+        # eigendecomposition; a refresh adds the range finder's reductions and Q_new^T Q (r x r)
         return OpCost(row_flops=4.0 * rows * cols * r, small_matmul=4.0 * cols * r * r + 2.0 * r ** 3,
                       small_flops=8.0 * r ** 3,
-                      reduced=r * cols, state=(rows + cols) * r)
+                      reduced=r * cols, state=(rows + cols) * r, row_state=rows * r,
+                      refresh_reduced=refresh_reduced(group, rows, cols, r) + r * r,
+                      refresh_every=group["refresh_interval"])
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         return _state_spec(group["rank"], *a_shape)
@@ -156,7 +159,8 @@ class SUMO(ShardedOptimizer):
             if "Q" not in st:  # normally created from matrix_state_spec by _run_whole_matrix
                 rows, cols = plans[i].a_shape
                 r = effective_rank(group["rank"], (rows, cols), it.frag.name, "SUMO")
-                st["Q"] = it.grad.new_zeros(rows, r)
+                a0, a1 = ops.rows(i) if not local and ops.split(i) else (0, rows)
+                st["Q"] = it.grad.new_zeros(a1 - a0, r)
                 st["M"] = it.grad.new_zeros(r, cols)
                 st["prev_onorm"] = it.grad.new_zeros(())
                 st["refreshes"] = it.grad.new_zeros(())
@@ -183,7 +187,7 @@ class SUMO(ShardedOptimizer):
                 q = torch.stack([states[i]["Q"] for i in idx])
             else:
                 a = torch.stack([blocks[i] for i in idx])
-                q = torch.stack([ops.my_rows(i, states[i]["Q"]) if ops.split(i) else states[i]["Q"] for i in idx])
+                q = torch.stack([states[i]["Q"] for i in idx])  # this rank's rows where they are split (ROWS)
             stacked_q.append(q)
             projections.append(q.mT @ a)
             if not local:
@@ -252,12 +256,15 @@ class SUMO(ShardedOptimizer):
                           group["oversample"], group["power_iters"])
         if not refresh:
             return
+        # carry_moment on rows: Q_new^T Q is a sum over the rows of A, so where they are split each rank adds
+        # its rows' part of it (its rows of Q rest with it, ROWS) and one bucketed all-reduce of r x r completes it
+        mine = {i: ops.my_rows(i, new[i]) if ops.split(i) else new[i] for i in refresh}
+        overlap = ops.allreduce({i: mine[i].mT @ states[i]["Q"] for i in refresh})
         for idx in group_indices(refresh, lambda i: (states[i]["Q"].shape, states[i]["M"].shape)):
-            q_new = [new[i] for i in idx]
             qs, ms = [states[i]["Q"] for i in idx], [states[i]["M"] for i in idx]
-            carried = carry_moment(torch.stack(q_new), torch.stack(qs), torch.stack(ms))
+            carried = torch.stack([overlap[i] for i in idx]) @ torch.stack(ms)
             unstack_into(carried, ms)
-            torch._foreach_copy_(qs, q_new)
+            torch._foreach_copy_(qs, [mine[i] for i in idx])
         torch._foreach_add_([states[i]["refreshes"] for i in refresh], 1)
 
 
@@ -268,7 +275,7 @@ _EPS32 = torch.finfo(torch.float32).eps
 def _state_spec(rank: int, rows: int, cols: int) -> dict:
     """SUMO's per-matrix state on ``A`` (rows x cols); cached: the step asks for it per matrix (treat as read-only)."""
     r = min(rank, rows, cols)
-    return {"Q": ((rows, r), 0), "M": ((r, cols), 1), "prev_onorm": ((), None), "refreshes": ((), None)}
+    return {"Q": ((rows, r), ROWS), "M": ((r, cols), 1), "prev_onorm": ((), None), "refreshes": ((), None)}
 
 
 def _limit_growth_stacked(O: torch.Tensor, prev_norm: torch.Tensor,

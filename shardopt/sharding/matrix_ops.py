@@ -100,11 +100,28 @@ class OpCost:
     #: collective rounds of reductions per step when the rows are split (Muon: one per Newton-Schulz step
     #: and the norm); the row moves, a shared result and the resting state add theirs (``split_rounds``)
     rounds: float = 1.0
+    #: elements of ``state`` with one row per row of ``A`` that rest with the rows a rank computes on
+    #: (``state_split.ROWS``: SUMO's ``Q``, Alice's ``U``): a step with split rows does not gather them
+    row_state: float = 0.0
+    #: fp32 elements all-reduced at a refresh step (a new basis, a switch) beyond a regular step's, when the
+    #: rows are split; every ``refresh_every`` steps (0: the optimizer never refreshes)
+    refresh_reduced: float = 0.0
+    refresh_every: float = 0.0
+
+    @property
+    def refresh_per_step(self) -> float:
+        """``refresh_reduced`` spread over the steps between refreshes (what the time model charges a step)."""
+        return self.refresh_reduced / self.refresh_every if self.refresh_every else 0.0
+
+    @property
+    def moving_state(self) -> float:
+        """Elements of the resting state that a step with split rows gathers."""
+        return self.state - self.row_state
 
     def split_rounds(self) -> float:
         """Collective rounds per step of a matrix whose rows are split: the rows in and out, the reductions,
         a shared factorization, the resting state gathered."""
-        return 2.0 + self.rounds + (1.0 if self.shared else 0.0) + (1.0 if self.state else 0.0)
+        return 2.0 + self.rounds + (1.0 if self.shared else 0.0) + (1.0 if self.moving_state else 0.0)
 
 
 def _packed(k: int) -> int:
@@ -377,8 +394,8 @@ class MatrixOps:
             rows = max((b - a for a, b in zip(plan.starts, plan.starts[1:])), default=0)
             share, moved = rows / max(self.a_shapes[i][0], 1), max(plan.sent)
         ring = 2.0 * (world - 1) / world  # a ring all-reduce sends (and receives) 2 (P-1)/P of the buffer
-        state = c.state * (world - 1) / world  # the resting state all-gathered for the step
-        net = _B * ((c.channels + 1) * moved + ring * (c.reduced + c.shared) + state)
+        state = c.moving_state * (world - 1) / world  # the resting state all-gathered for the step
+        net = _B * ((c.channels + 1) * moved + ring * (c.reduced + c.shared + c.refresh_per_step) + state)
         mine = not c.shared or owner  # where the small work runs: every rank, or the factorization owner
         return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
                         factor=c.small_flops if mine else 0.0, sent=net, received=net, rounds=c.split_rounds())
@@ -412,7 +429,7 @@ class MatrixOps:
             received, sent = c.channels * block + piece, block + c.channels * piece
         if not member:  # a holder outside the team: its piece out, its results back
             return StepCost(sent=_B * sent, received=_B * received, rounds=2.0)
-        coll = 2.0 * (g - 1) / g * (c.reduced + c.shared) + c.state * (g - 1) / g
+        coll = 2.0 * (g - 1) / g * (c.reduced + c.shared + c.refresh_per_step) + c.moving_state * (g - 1) / g
         mine = not c.shared or factor
         return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
                         factor=c.small_flops if mine else 0.0, sent=_B * (sent + coll), received=_B * (received + coll),
@@ -658,13 +675,15 @@ class MatrixOps:
         return {"matmul_flops": total.matmul, "factor_flops": total.factor, "sent_bytes": total.sent,
                 "received_bytes": total.received, "rounds": total.rounds, "seconds": total.seconds(self.profile)}
 
-    def modeled_payload(self, rank: int | None = None, state_share=None) -> dict[str, float]:
+    def modeled_payload(self, rank: int | None = None, state_share=None, refresh: bool = False) -> dict[str, float]:
         """Bytes ``rank`` hands to collectives per step by ``collective_counter`` tag (what ``comm_stats``
         records: the send buffer of each call), as the plan predicts them: ``gather`` (pieces to owners or
         teams and results back), ``realign`` (rows to the distributed row blocks and back), ``distributed``
         (reduced small matrices and shared factorizations), ``state`` (this rank's share of distributed and
         team matrices' resting state, all-gathered). ``state_share(i, rank)``: elements of matrix ``i``'s state
-        the rank keeps (default: an even cut of ``OpCost.state`` over the ranks that keep it)."""
+        the rank keeps and a step gathers (``state_split.moving_numel``; default: an even cut of
+        ``OpCost.moving_state`` over the ranks that keep it). ``refresh``: a step at which every matrix
+        refreshes (its ``refresh_reduced`` added to ``distributed``) instead of one between refreshes."""
         out = {"gather": 0.0, "realign": 0.0, "distributed": 0.0, "state": 0.0}
         for i, kind in enumerate(self.kinds):
             lay, c = self._layouts[i], self.cost_of(i)
@@ -680,15 +699,15 @@ class MatrixOps:
                 back = (a1 - a0) * plan.a_shape[1] - (plan.moved(r, r) if a1 > a0 else 0)
                 out["gather"] += _B * (c.channels * plan.sent[r] + back)
                 if r in self.teams[i]:
-                    out["distributed"] += _B * (c.reduced + c.shared)
+                    out["distributed"] += _B * (c.reduced + c.shared + (c.refresh_reduced if refresh else 0.0))
                     out["state"] += _B * (state_share(i, r) if state_share is not None else
-                                          c.state / len(self.teams[i]))
+                                          c.moving_state / len(self.teams[i]))
             elif kind == "distributed":
                 plan = RowPlan.aligned(lay, self._transposes[i])
                 back = sum(plan.moved(q, r) for q in range(lay.world) if q != r)
                 out["realign"] += _B * (c.channels * plan.sent[r] + back)
-                out["distributed"] += _B * (c.reduced + c.shared)
-                out["state"] += _B * (state_share(i, r) if state_share is not None else c.state / lay.world)
+                out["distributed"] += _B * (c.reduced + c.shared + (c.refresh_reduced if refresh else 0.0))
+                out["state"] += _B * (state_share(i, r) if state_share is not None else c.moving_state / lay.world)
         return out
 
     def describe(self) -> str:

@@ -17,6 +17,13 @@ dimension is cut over the ranks of the matrix's process group:
 ``gather_full`` assembles the whole tensors of one bucket of distributed matrices on every rank of their
 group (one ``all_gather`` per process group), the algorithm runs on them unchanged, and ``keep_share`` cuts
 this rank's share back out, so the transient is one bucket, never the model.
+
+State with one row per row of ``A`` that a step reads only at those rows (SUMO's basis ``Q``, Alice's ``U``)
+declares its split dimension as ``ROWS``: under the distributed strategy and on a team it rests cut like the
+rows each rank computes on (the row plan's ``starts``) and is never gathered for a step; the algorithm
+reads it in place, and a refresh that needs more than a rank's rows reduces or assembles what it needs then
+(issue 27: no per-step traffic for resting state a step does not need). Where the row plan is even (FSDP2,
+teams) that cut is the even one, so checkpoints and memory plans see the same shares.
 """
 from __future__ import annotations
 
@@ -29,11 +36,34 @@ import torch
 from .blocks import RowPlan
 from .comm import collective_counter
 
-__all__ = ["StateSpec", "Placement", "share", "share_shape", "share_numel", "gather_full", "keep_share", "StateShapeError",
-           "shares_to_dtensors", "dtensors_to_shares"]
+__all__ = ["StateSpec", "Placement", "ROWS", "rows_aligned", "share", "share_shape", "share_numel", "moving_numel",
+           "gather_full", "keep_share", "StateShapeError", "shares_to_dtensors", "dtensors_to_shares"]
 
 #: ``{key: (logical shape, split dim or None)}`` of one matrix's small state
 StateSpec = dict[str, tuple[tuple[int, ...], "int | None"]]
+
+
+class _RowsDim(int):
+    """Split dimension 0, cut like the rows of ``A`` the ranks compute on (an ``int`` equal to 0 everywhere
+    else: shapes, ``narrow``, indexing)."""
+
+    def __new__(cls) -> "_RowsDim":
+        return super().__new__(cls, 0)
+
+    def __repr__(self) -> str:
+        return "ROWS"
+
+    def __reduce__(self):
+        return (_RowsDim, ())
+
+
+#: the split dimension of state with one row per row of ``A`` that rests with those rows (module docstring)
+ROWS = _RowsDim()
+
+
+def rows_aligned(dim: "int | None") -> bool:
+    """Whether a state spec's split dimension is ``ROWS``."""
+    return isinstance(dim, _RowsDim)
 
 
 class StateShapeError(RuntimeError):
@@ -53,6 +83,9 @@ class Placement:
     group: Any = None
     #: a team: the group ranks (ascending) over which the state is cut evenly; the others keep none of it
     members: tuple[int, ...] | None = None
+    #: where the rows are split (distributed, team): the rows of ``A`` each group rank computes on
+    #: (``RowPlan.starts``), which cut ``ROWS`` state
+    row_starts: tuple[int, ...] | None = None
 
     @classmethod
     def of(cls, plan: RowPlan, owner: int | None, members: tuple[int, ...] | None = None) -> "Placement":
@@ -60,15 +93,20 @@ class Placement:
         if lay.group is None:
             return cls(lay.world, lay.rank, None, None)
         if members is not None:
-            return cls(lay.world, lay.rank, None, lay.group, tuple(members))
-        return cls(lay.world, lay.rank, owner if owner is not None and owner >= 0 else None, lay.group)
+            return cls(lay.world, lay.rank, None, lay.group, tuple(members), tuple(plan.starts))
+        if owner is not None and owner >= 0:
+            return cls(lay.world, lay.rank, owner, lay.group)
+        return cls(lay.world, lay.rank, None, lay.group, None, tuple(plan.starts))
 
 
-def share(place: Placement, length: int, rank: int | None = None) -> tuple[int, int]:
-    """``[lo, hi)`` of a dimension of ``length`` that ``rank`` (default: this rank) keeps."""
+def share(place: Placement, length: int, rank: int | None = None, dim: "int | None" = None) -> tuple[int, int]:
+    """``[lo, hi)`` of a dimension of ``length`` that ``rank`` (default: this rank) keeps; ``dim`` is the
+    spec's split dimension (``ROWS`` state follows the row plan where the rows are split)."""
     r = place.rank if rank is None else rank
     if place.owner is not None:
         return (0, length) if r == place.owner else (0, 0)
+    if rows_aligned(dim) and place.row_starts is not None and place.row_starts[-1] == length:
+        return place.row_starts[r], place.row_starts[r + 1]
     if place.members is not None:
         return _even(length, len(place.members), place.members.index(r)) if r in place.members else (0, 0)
     return _even(length, place.world, r)
@@ -78,7 +116,7 @@ def share_shape(plan: Placement, shape: tuple[int, ...], dim: int | None, rank: 
     """Shape of ``rank``'s share of a state tensor of logical ``shape`` split along ``dim``."""
     if dim is None:
         return tuple(shape)
-    lo, hi = share(plan, shape[dim], rank)
+    lo, hi = share(plan, shape[dim], rank, dim)
     return tuple(hi - lo if d == dim else s for d, s in enumerate(shape))
 
 
@@ -87,11 +125,18 @@ def share_numel(plan: Placement, spec: StateSpec, rank: int | None = None) -> in
     return sum(math.prod(share_shape(plan, shape, dim, rank)) for shape, dim in spec.values())
 
 
+def moving_numel(plan: Placement, spec: StateSpec, rank: int | None = None) -> int:
+    """Elements of ``rank``'s share that a step of a distributed or team matrix gathers: the split entries but
+    ``ROWS`` ones, which stay with their rows."""
+    return sum(math.prod(share_shape(plan, shape, dim, rank)) for shape, dim in spec.values()
+               if dim is not None and not rows_aligned(dim))
+
+
 def keep_share(plan: Placement, full: torch.Tensor, dim: int | None) -> torch.Tensor:
     """This rank's share of a whole state tensor (the tensor itself when the share is all of it)."""
     if dim is None:
         return full
-    lo, hi = share(plan, full.shape[dim])
+    lo, hi = share(plan, full.shape[dim], None, dim)
     if lo == 0 and hi == full.shape[dim]:
         return full
     return full.narrow(dim, lo, hi - lo).clone()
@@ -155,7 +200,7 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
                 part_shape = share_shape(plan, shape, dim, r)
                 numel = sizes[j][k]
                 if numel:
-                    lo, hi = share(plan, shape[dim], r)
+                    lo, hi = share(plan, shape[dim], r, dim)
                     full.narrow(dim, lo, hi - lo).copy_(recv[j][offsets[j]: offsets[j] + numel].view(part_shape))
                 offsets[j] += numel
             out[e] = full
@@ -178,11 +223,11 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
         plan0 = entries[idx[0]][0]
         world, me = plan0.world, plan0.rank
 
-        def src(plan, length, q):
-            return share(plan, length, q) if to_even else _even(length, world, q)
+        def src(plan, length, q, dim):
+            return share(plan, length, q, dim) if to_even else _even(length, world, q)
 
-        def dst(plan, length, q):
-            return _even(length, world, q) if to_even else share(plan, length, q)
+        def dst(plan, length, q, dim):
+            return _even(length, world, q) if to_even else share(plan, length, q, dim)
 
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
         recv_sizes = [0] * world
@@ -190,17 +235,17 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
         for e in idx:
             plan, local, shape, dim = entries[e]
             length = shape[dim]
-            lo, hi = src(plan, length, me)
-            mine = dst(plan, length, me)
+            lo, hi = src(plan, length, me, dim)
+            mine = dst(plan, length, me, dim)
             result = torch.empty(tuple(mine[1] - mine[0] if d == dim else n for d, n in enumerate(shape)),
                                  dtype=local.dtype, device=local.device)
             results.append(result)
             inner = math.prod(shape) // length if length else 0
             for q in range(world):
-                a, b = max(lo, dst(plan, length, q)[0]), min(hi, dst(plan, length, q)[1])
+                a, b = max(lo, dst(plan, length, q, dim)[0]), min(hi, dst(plan, length, q, dim)[1])
                 if b > a:
                     sends[q].append(local.narrow(dim, a - lo, b - a).contiguous().reshape(-1))
-                qa, qb = src(plan, length, q)
+                qa, qb = src(plan, length, q, dim)
                 a, b = max(qa, mine[0]), min(qb, mine[1])
                 recv_sizes[q] += max(b - a, 0) * inner
             spans.append((lo, hi, mine, length))
@@ -209,7 +254,7 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
         send = torch.cat(flat)
         recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
         collective_counter.record(send, "state")
-        if all(src(entries[e][0], entries[e][2][entries[e][3]], q) == dst(entries[e][0], entries[e][2][entries[e][3]], q)
+        if all(src(entries[e][0], entries[e][2][entries[e][3]], q, entries[e][3]) == dst(entries[e][0], entries[e][2][entries[e][3]], q, entries[e][3])
                for e in idx for q in range(world)):
             out_local = [entries[e][1] for e in idx]  # even shares are already DTensor chunks: nothing moves
             for e, t in zip(idx, out_local):
@@ -221,7 +266,7 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
             plan, _, shape, dim = entries[e]
             _, _, mine, length = spans[k]
             for q in range(world):
-                qa, qb = src(plan, length, q)
+                qa, qb = src(plan, length, q, dim)
                 a, b = max(qa, mine[0]), min(qb, mine[1])
                 if b > a:
                     part_shape = tuple(b - a if d == dim else n for d, n in enumerate(shape))

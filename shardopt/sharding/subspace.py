@@ -13,7 +13,7 @@ import torch
 from .draws import seeded_normal
 from .matrix_ops import MatrixOps
 
-__all__ = ["range_basis", "orthonormal", "signal_range", "signal_directions", "fp32_floor", "determined_floor",
+__all__ = ["range_basis", "refresh_reduced", "orthonormal", "signal_range", "signal_directions", "fp32_floor", "determined_floor",
            "complete_basis", "fill_draw"]
 
 
@@ -81,6 +81,15 @@ def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int
         fill = torch.stack([fill_draw(rows, r, seed, keys[i][-1], basis.device) for i in g])
         out.update(zip(g, complete_basis(basis, keep, fill).unbind(0)))
     return out
+
+
+def refresh_reduced(group: dict, rows: int, cols: int, r: int) -> int:
+    """fp32 elements ``range_basis`` all-reduces for one ``rows x cols`` matrix of ``group`` (its ``oversample``
+    and ``power_iters``) whose rows are split: the sketch ``Y`` assembled (``rows x w``) once and after each
+    power iteration, ``A^T Y`` (``cols x w``) at each, and ``Y^T A`` (``w x cols``) once."""
+    w = min(r + group["oversample"], rows, cols)
+    p = group["power_iters"]
+    return (1 + p) * (rows + cols) * w
 
 
 def fill_draw(rows: int, r: int, seed: int, count: object, device: torch.device | str) -> torch.Tensor:
