@@ -92,9 +92,7 @@ def _launcher(req: dict) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit(code)
 
 
 def _wait(ranks: dict[int, int]) -> int:
@@ -169,9 +167,15 @@ def _rank(req: dict, rank: int, n: int) -> None:
     except BaseException:
         traceback.print_exc()
     finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+        _exit(code)
+
+
+def _exit(code: int) -> None:
+    """End a forked process with ``code`` once its output is written, without unwinding into the server's
+    loop above the fork."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
