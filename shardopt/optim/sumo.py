@@ -49,7 +49,8 @@ def step_scale(rule: str, shape: tuple[int, int]) -> float:
 
 
 def carry_moment(Q_new: torch.Tensor, Q: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
-    """The moment expressed in the new basis: ``(Q_new^T Q) M``."""
+    """The moment expressed in the new basis: ``(Q_new^T Q) M``, with both bases whole. ``SUMO._refresh`` computes
+    the same product from rows (``Q_new^T Q`` summed over the ranks' rows of ``Q``, which rest with them)."""
     return (Q_new.mT @ Q) @ M
 
 
