@@ -9,7 +9,7 @@ from .scale import SCALE
 from .sinkgd import SinkGD
 from .sumo import SUMO
 from .swan import SWAN
-from .wrapped import param_groups
+from .sharder_groups import param_groups
 
 __all__ = ["ShardedOptimizer", "SCALE", "SinkGD", "RACS", "SWAN", "ASGO", "DASGO", "SUMO", "Alice", "Alice0", "Muon",
            "OPTIMIZERS", "ConfigError", "create_optimizer", "param_groups", "validate_hyperparameters"]

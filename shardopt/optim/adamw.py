@@ -6,10 +6,13 @@ or a DeepSpeed flat partition) and is exact under any sharding.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
-__all__ = ["adamw_step"]
+from ..sharding.fragment import local_flat
+
+__all__ = ["adamw_step", "adamw_group_step"]
 
 
 def adamw_step(
@@ -92,3 +95,42 @@ def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step: int, *, lr: float,
     steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)] * len(params)
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=betas[0],
                         beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+
+
+def adamw_group_step(opt: Any, group: dict) -> None:
+    """AdamW on every tensor of ``group`` (of ``opt``, a ``ShardedOptimizer``) that has a gradient (others get no
+    state and keep their step count, as in ``torch.optim.AdamW``); one fused call per distinct step count."""
+    by_step: dict[int, tuple[list, list, list, list]] = {}
+    stepped = [p for p in group["params"] if p.grad is not None]
+    states = [opt.state[p] for p in stepped]
+    for p, st in zip(stepped, states):
+        if "exp_avg" not in st:
+            st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        if not isinstance(st.get("step"), torch.Tensor):  # new, or a number from an older state dict
+            st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
+    counts = [st["step"] for st in states]
+    if counts:  # _step_count(p, only_with_grad=True) of every tensor with a gradient: one kernel, one read
+        # the tensor-list overload: the scalar one converts the scalar once per tensor on a CPU
+        torch._foreach_add_(counts, [counts[0].new_ones(())] * len(counts))
+        counts = [int(c) for c in torch.stack(counts).tolist()]
+    for p, st, count in zip(stepped, states, counts):
+        params, grads, ms, vs = by_step.setdefault(count, ([], [], [], []))
+        if hasattr(p, "to_local"):
+            params.append(local_flat(p))
+            grads.append(local_flat(p.grad))
+            ms.append(local_flat(st["exp_avg"]))
+            vs.append(local_flat(st["exp_avg_sq"]))
+        else:  # plain tensors, contiguous for the step (contiguous_steps; state is created contiguous):
+            # element-wise kernels take them as they are; a view only where a loaded state is shaped otherwise
+            m, v = st["exp_avg"], st["exp_avg_sq"]
+            params.append(p)
+            grads.append(p.grad)
+            ms.append(m if m.shape == p.shape else m.view(p.shape))
+            vs.append(v if v.shape == p.shape else v.view(p.shape))
+    for step, (params, grads, ms, vs) in by_step.items():
+        adamw_step(
+            params, grads, ms, vs, step,
+            lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
+            weight_decay=group["weight_decay"], eps_mode=group["eps_mode"],
+        )

@@ -36,13 +36,13 @@ import torch
 
 from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
-from ..sharding.matfun import by_shape
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.subspace import (complete_basis, determined_floor, fill_draw, fp32_floor, range_basis,
                                  signal_directions, signal_range)
 from ..sharding.stacking import group_indices, stack
 from ..sharding.state_split import ROWS
-from .base import ShardedOptimizer, apply_items
+from .base import ShardedOptimizer
+from .items import apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .racs import norm_growth_eta
 from .sumo import effective_rank

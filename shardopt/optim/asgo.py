@@ -30,9 +30,11 @@ from ..sharding import Round, collective_counter, masked_rsqrt
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
 from ..sharding.stacking import stack
-from .base import ShardedOptimizer, apply_items
+from .base import ShardedOptimizer
+from .items import apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
-from .grouped import _local, _plan, grouped_step
+from ..sharding.fragment import local_tensor as _local
+from .grouped import _plan, grouped_step
 
 __all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
 

@@ -16,7 +16,6 @@ import contextlib
 import copy
 import os
 import time
-import warnings
 from collections import defaultdict
 from itertools import chain
 from typing import Any, Callable, Iterable, Iterator, Sequence
@@ -25,128 +24,29 @@ import torch
 
 from ..sharding.discover import complete_partial_grads, global_shape, layout_of, shard_mesh
 from ..sharding.fragment import Fragment, local_flat
-from ..sharding.primitives import scale_into
 from ..sharding.layout import MatrixLayout
-from ..sharding.comm import Round, collective_counter, world_group_allreduce_max
+from ..sharding.comm import Round, collective_counter
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
 from ..sharding.time_model import resolve_profile
 from ..sharding.plan import check_same_plan
 from ..sharding.teams import create_team_groups
-from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, gather_full, keep_share, rows_aligned,
-                                   share_numel, share_shape, shares_to_dtensors)
-from .adamw import adamw_step
+from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, keep_share, share_numel, share_shape,
+                                   shares_to_dtensors)
+from .adamw import adamw_group_step
 from .checks import check_hyperparameters
 from .config import OptimizerConfig
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
 from .hooks import apply_param_sources, run_pre_step_checks
+from .items import MatrixItem, apply_items
+from .nonfinite import nonfinite_grads
 from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups
+from .whole_matrix import run_buckets
 
 __all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver", "apply_items"]
 
 #: the layout of a stepped tensor that is one parameter (default: ``sharding.discover.layout_of``)
 LayoutResolver = Callable[[torch.Tensor], MatrixLayout]
-
-
-class MatrixItem:
-    """One matrix of a step: its fragment, the stepped tensor, fp32 local gradient and per-matrix state."""
-
-    __slots__ = ("frag", "tensor", "grad", "state", "has_grad", "work")
-
-    def __init__(self, frag: Fragment, tensor: torch.Tensor, grad: torch.Tensor, state: dict, has_grad: bool):
-        self.frag = frag
-        self.tensor = tensor
-        self.grad = grad
-        self.state = state
-        self.has_grad = has_grad
-        self.work: dict[str, Any] = {}
-
-    @property
-    def layout(self) -> MatrixLayout:
-        return self.frag.layout
-
-    def param(self) -> torch.Tensor:
-        """This matrix's local elements of the stepped tensor (a writable view)."""
-        return self.frag.local(self.tensor)
-
-    def apply(self, update: torch.Tensor, lr: float | torch.Tensor, weight_decay: float = 0.0) -> None:
-        """``W <- W * (1 - lr * wd) - lr * update`` on the local piece (skipped when the grad is missing)."""
-        if not self.has_grad or self.frag.numel == 0:
-            return
-        w = self.param()
-        if weight_decay:
-            w.mul_(1 - lr * weight_decay)
-        if isinstance(lr, torch.Tensor):
-            if w.dtype == update.dtype:
-                w.addcmul_(update, lr.to(w.dtype), value=-1)  # one pass, no scaled copy
-            else:
-                w.sub_((update * lr).to(w.dtype))
-        else:
-            w.add_(update.to(w.dtype), alpha=-lr)
-
-
-    def apply_scaled(self, x: torch.Tensor, lr: float, weight_decay: float = 0.0,
-                     row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None) -> None:
-        """``W <- W (1 - lr wd) - lr diag(row_scale) x diag(col_scale)`` without materializing the update: one
-        fused multiply-add per block (a read of ``x`` and a read-write of ``W``) for fp32 parameters."""
-        if not self.has_grad or self.frag.numel == 0:
-            return
-        w = self.param()
-        if w.dtype != torch.float32 or (row_scale is not None and col_scale is not None):
-            self.apply(scale_into(self.layout, torch.empty_like(x), x, row_scale, col_scale), lr, weight_decay)
-            return
-        if weight_decay:
-            w.mul_(1 - lr * weight_decay)
-        for (b, xb), (_, wb) in zip(self.layout.views(x), self.layout.views(w)):
-            if row_scale is not None:
-                wb.addcmul_(xb, row_scale[b.row: b.row + b.height, None], value=-lr)
-            elif col_scale is not None:
-                wb.addcmul_(xb, col_scale[None, b.col: b.col + b.width], value=-lr)
-            else:
-                wb.add_(xb, alpha=-lr)
-
-
-def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr: float | Sequence[float],
-                weight_decay: float = 0.0) -> None:
-    """``MatrixItem.apply`` for many matrices at once: ``W <- W (1 - lr wd) - lr U`` with ``torch._foreach_*``
-    kernels, one call per distinct ``lr`` (a float, or one per item: e.g. a shape-dependent lr) instead of one
-    per matrix. Items without a gradient or without local elements are skipped, as ``apply`` does. An update is
-    the item's 1-D local piece, or, for a plain tensor that is the whole matrix, may have the tensor's shape
-    (then it is added to the tensor itself)."""
-    lrs = [lr] * len(items) if isinstance(lr, (int, float)) else list(lr)
-    by_lr: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    for it, u, r in zip(items, updates, lrs):
-        if it.has_grad and it.frag.numel:
-            views, ups = by_lr.setdefault(float(r), ([], []))
-            t = it.tensor
-            if u.dim() > 1 and u.shape == t.shape and it.frag.offset == 0 and not hasattr(t, "to_local"):
-                w = t  # a tensor that is this whole matrix, updated by a same-shaped update: no flat view of it
-            else:
-                w = it.param()
-                u = u.reshape(-1) if u.dim() > 1 else u
-            views.append(w)
-            ups.append(u if u.dtype == w.dtype else u.to(w.dtype))
-    for r, (views, ups) in by_lr.items():
-        if weight_decay:  # on a CPU a 0-d fp32 factor: as w.mul_(float) also for bf16 weights, and faster there
-            factor = 1 - r * weight_decay
-            torch._foreach_mul_(views, torch.tensor(factor) if views[0].device.type == "cpu" else factor)
-        torch._foreach_add_(views, ups, alpha=-r)
-
-
-#: below this many gradient elements a CPU step is launch-bound and the non-finite check takes the fused AMP
-#: kernel; above it, l2 norms (read-only: about 20% less time per element). GPUs take a multi-tensor max-abs.
-FUSED_CHECK_ELEMENTS = 1 << 22
-
-
-_FUSED_CHECK_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-def _fused_check_applies(grads: list[torch.Tensor], total: int) -> bool:
-    """Whether the fused AMP check kernel takes ``grads`` (``total`` elements): on a CPU, small in total, float
-    dtypes it supports (its CUDA version refuses bf16, and the GPU path is one multi-tensor kernel already)."""
-    if not hasattr(torch, "_amp_foreach_non_finite_check_and_unscale_"):
-        return False
-    return total < FUSED_CHECK_ELEMENTS and all(g.is_cpu and g.dtype in _FUSED_CHECK_DTYPES for g in grads)
 
 
 def _float_lr(group: dict) -> dict:
@@ -168,12 +68,6 @@ def _state_for_param(value: Any, device: torch.device, key: Any = None) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_state_for_param(v, device) for v in value)
     return value
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself (any strides)."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -887,48 +781,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _whole_matrix_buckets(self, group: dict, items: list["MatrixItem"],
                               body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
-        """Run ``body(items, ops)`` bucket by bucket: the small state of each bucket's distributed matrices is
-        gathered whole for the step (one all-gather per group, on every step, the first included: the state is
-        created from ``matrix_state_spec`` as zeros before it) and cut back to this rank's share after it;
-        ``ROWS`` state is not: the body reads and writes this rank's rows of it in place."""
-        plan = self.matrix_plan(self._group_index(group))
-        if plan is None or not items:
-            return
-        positions = plan.positions
-        order = [positions[it.frag.name] for it in items]
-        ops = plan if order == list(range(len(plan))) else plan.subset(order)
-        for idx in ops.buckets(self.matrix_bucket_elements):
-            sub, its = ops.subset(idx), [items[i] for i in idx]
-            by_shape: dict[tuple[int, int], StateSpec] = {}
-            specs = [by_shape[p.a_shape] if p.a_shape in by_shape else
-                     by_shape.setdefault(p.a_shape, self.matrix_state_spec(group, p.a_shape)) for p in sub.plans]
-            entries, where = [], []
-            for i, (it, spec) in enumerate(zip(its, specs)):
-                for key, (shape, dim) in spec.items():  # state starts as zeros, created here from its spec
-                    if key not in it.state:
-                        it.state[key] = torch.zeros(share_shape(sub.placements[i], shape, dim), dtype=torch.float32,
-                                                    device=it.grad.device)
-                if not (sub.split(i) and sub.active(i)):
-                    continue  # owner / local: the computing rank already holds all of it; a team's others none
-                for key in sorted(spec):
-                    shape, dim = spec[key]
-                    if dim is not None and not rows_aligned(dim):  # ROWS state already is this rank's rows
-                        entries.append((sub.placements[i], it.state[key], shape, dim, it.frag.name))
-                        where.append((it, key))
-            for (it, key), full in zip(where, gather_full(entries)):
-                it.state[key] = full
-            if sub.all_here:
-                body(its, sub)
-            else:  # matrices this rank holds whole (ZeRO) take the stacked paths, those held elsewhere are skipped
-                for part in sub.here_and_shared():
-                    if part:
-                        body([its[j] for j in part], sub.subset(part))
-            for i, (it, spec) in enumerate(zip(its, specs)):
-                if not (sub.split(i) and sub.active(i)):
-                    continue  # the state already is this rank's share (all of it, or none)
-                for key, (shape, dim) in spec.items():
-                    if dim is not None and not rows_aligned(dim) and key in it.state:
-                        it.state[key] = keep_share(sub.placements[i], it.state[key], dim)
+        """``body(items, ops)`` bucket by bucket, with the buckets' split state gathered (``whole_matrix.run_buckets``)."""
+        run_buckets(self, group, items, body)
 
     def sync_state(self) -> None:
         """Make every 0-d "matrix"-kind entry (counters, limiter norms) identical on all ranks: under the gather
@@ -950,90 +804,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         rnd.run()
 
     def _nonfinite_grads(self) -> bool:
-        """Whether any rank has a non-finite gradient in this step (one 1-element all-reduce when distributed).
-
-        A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
-        over all gradients; on CPUs (where that kernel is slow) l2 norms (one foreach call), which are non-finite
-        whenever an element is, and are confirmed element-wise only then (a finite overflow is not a skip)."""
-        grads, total = [], 0
-        for group in self.param_groups:
-            for p in group["params"]:
-                g = p.grad
-                if g is not None:
-                    if hasattr(g, "to_local"):
-                        g = g.to_local()
-                    k = g.numel()
-                    if k:
-                        grads.append(g)
-                        total += k
-        if grads:
-            if _fused_check_applies(grads, total):
-                # one kernel for every gradient where the step is launch-bound: torch's AMP check, which also
-                # multiplies by its scale (1.0 here: every element is left as it was)
-                flag = torch.zeros(1)
-                torch._amp_foreach_non_finite_check_and_unscale_(grads, flag, torch.ones(1))
-            elif grads[0].device.type == "cpu":
-                # one foreach kernel: an l2 norm is non-finite whenever an element is; confirmed element-wise
-                # only then (a finite overflow of the norm is not a skip)
-                norms = torch._foreach_norm(grads, 2.0)
-                bad = not bool(torch.isfinite(torch.stack([n.float() for n in norms]) if len({n.dtype for n in norms}) > 1
-                                              else torch.stack(norms)).all()) \
-                    and not all(bool(torch.isfinite(g).all()) for g in grads)
-                flag = torch.tensor([float(bad)])
-            else:
-                norms = torch._foreach_norm(grads, float("inf"))
-                flag = (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float().reshape(1)
-        else:  # on the parameters' device: NCCL cannot reduce a CPU tensor
-            devices = [local_flat(p).device for g in self.param_groups for p in g["params"]]
-            flag = torch.zeros(1, device=devices[0] if devices else "cpu")
-        world_group_allreduce_max(flag)
-        if flag.item() == 0:
-            return False
-        named = [(p, _local(p.grad)) for g in self.param_groups for p in g["params"] if p.grad is not None]
-        bad_local = [self.param_names.get(id(p), "?") for p, g in named if g.numel() and not torch.isfinite(g).all()]
-        if self.on_nonfinite == "raise":
-            raise FloatingPointError(
-                f"non-finite gradients in this step (on this rank: {bad_local or 'none, on another rank'}); "
-                "set on_nonfinite='skip' to skip such steps")
-        self.skipped_steps += 1
-        warnings.warn(f"shardopt: skipped step with non-finite gradients ({self.skipped_steps} so far; "
-                      f"on this rank: {bad_local or 'none, on another rank'})", RuntimeWarning, stacklevel=3)
-        return True
+        """Whether any rank has a non-finite gradient in this step (``nonfinite.nonfinite_grads``)."""
+        return nonfinite_grads(self)
 
     def _step_adamw(self, group: dict) -> None:
-        """AdamW on every tensor of the group that has a gradient (others get no state and keep their step
-        count, as in ``torch.optim.AdamW``); one fused call per distinct step count."""
-        by_step: dict[int, tuple[list, list, list, list]] = {}
-        stepped = [p for p in group["params"] if p.grad is not None]
-        states = [self.state[p] for p in stepped]
-        for p, st in zip(stepped, states):
-            if "exp_avg" not in st:
-                st["exp_avg"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-                st["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
-            if not isinstance(st.get("step"), torch.Tensor):  # new, or a number from an older state dict
-                st["step"] = torch.tensor(float(st.get("step", 0)), dtype=torch.float32)
-        counts = [st["step"] for st in states]
-        if counts:  # _step_count(p, only_with_grad=True) of every tensor with a gradient: one kernel, one read
-            # the tensor-list overload: the scalar one converts the scalar once per tensor on a CPU
-            torch._foreach_add_(counts, [counts[0].new_ones(())] * len(counts))
-            counts = [int(c) for c in torch.stack(counts).tolist()]
-        for p, st, count in zip(stepped, states, counts):
-            params, grads, ms, vs = by_step.setdefault(count, ([], [], [], []))
-            if hasattr(p, "to_local"):
-                params.append(local_flat(p))
-                grads.append(local_flat(p.grad))
-                ms.append(local_flat(st["exp_avg"]))
-                vs.append(local_flat(st["exp_avg_sq"]))
-            else:  # plain tensors, contiguous for the step (contiguous_steps; state is created contiguous):
-                # element-wise kernels take them as they are; a view only where a loaded state is shaped otherwise
-                m, v = st["exp_avg"], st["exp_avg_sq"]
-                params.append(p)
-                grads.append(p.grad)
-                ms.append(m if m.shape == p.shape else m.view(p.shape))
-                vs.append(v if v.shape == p.shape else v.view(p.shape))
-        for step, (params, grads, ms, vs) in by_step.items():
-            adamw_step(
-                params, grads, ms, vs, step,
-                lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-                weight_decay=group["weight_decay"], eps_mode=group["eps_mode"],
-            )
+        """AdamW on the group's tensors that have a gradient (``adamw.adamw_group_step``)."""
+        adamw_group_step(self, group)

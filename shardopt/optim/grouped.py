@@ -1,4 +1,4 @@
-"""A param group's matrices as one grouped step (``shardopt.sharding.grouped``), for the step drivers.
+"""A param group's matrices as one grouped step (``shardopt.sharding.block_groups``), for the step drivers.
 
 ``grouped_step(opt, group)`` lists the same matrices as ``ShardedOptimizer._matrix_items``, in the same order,
 but hands a driver their gradients as ``(B, h, w)`` stacks per block shape, their state dicts, and an
@@ -17,15 +17,10 @@ from typing import Callable
 
 import torch
 
-from ..sharding.fragment import Fragment, local_flat
-from ..sharding.grouped import BlockGroups, blocks_of
+from ..sharding.fragment import Fragment, local_flat, local_tensor as _local
+from ..sharding.block_groups import BlockGroups, blocks_of
 
 __all__ = ["GroupedStep", "grouped_step"]
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(t, "to_local", None)
-    return to_local() if to_local is not None else t
 
 
 class _Plan:

@@ -26,7 +26,9 @@ import torch
 from ..sharding.matfun import MUON_COEFFICIENTS, muon_gram_products, newton_schulz, newton_schulz_iteration
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.stacking import group_indices, same_shape
-from .base import MatrixItem, ShardedOptimizer, _local
+from ..sharding.fragment import local_tensor as _local
+from .base import ShardedOptimizer
+from .items import MatrixItem
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
 __all__ = ["Muon", "MuonConfig", "adjusted_lr"]

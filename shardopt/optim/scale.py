@@ -17,7 +17,6 @@ is the math on the completed sums.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Iterable, Literal, Unpack
 
 import pydantic

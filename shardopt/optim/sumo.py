@@ -33,7 +33,8 @@ from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis, refresh_reduced
 from ..sharding.stacking import group_indices, unstack_into
 from ..sharding.state_split import ROWS
-from .base import ShardedOptimizer, apply_items
+from .base import ShardedOptimizer
+from .items import apply_items
 from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth", "SUMOConfig"]
@@ -152,7 +153,7 @@ class SUMO(ShardedOptimizer):
         gradients themselves, so a group's stack is read from them and its updates are returned as views of
         one tensor, with no per-matrix block mapping."""
         n = len(items)
-        kinds, plans = ops.kinds, ops.plans
+        plans = ops.plans
         local = ops.all_here  # every matrix held whole by this rank (one process, DDP, a ZeRO rank's own)
         blocks = None if local else [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         states = [it.state for it in items]

@@ -27,7 +27,8 @@ from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
 from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from ..sharding.stacking import group_indices, same_shape
-from .base import ShardedOptimizer, apply_items
+from .base import ShardedOptimizer
+from .items import apply_items
 from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SWAN", "line_scale", "whiten", "SWANConfig"]

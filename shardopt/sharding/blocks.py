@@ -24,7 +24,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 

@@ -13,13 +13,18 @@ import torch
 
 from .layout import MatrixLayout
 
-__all__ = ["Fragment", "local_flat"]
+__all__ = ["Fragment", "local_flat", "local_tensor"]
+
+
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself (any strides)."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if to_local is not None else t
 
 
 def local_flat(t: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``t`` as a 1-D view (a DTensor's local shard, or the tensor itself)."""
-    to_local = getattr(t, "to_local", None)
-    local = to_local() if to_local is not None else t
+    local = local_tensor(t)
     if not local.is_contiguous():
         raise RuntimeError(f"shardopt needs a flat view of this tensor's local elements, but it is a non-contiguous "
                            f"view (shape {tuple(local.shape)}, strides {local.stride()}); optimizer.step() handles "

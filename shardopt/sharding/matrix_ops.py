@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import heapq
 import inspect
-import math
 from dataclasses import dataclass
 from typing import Callable, Literal, Sequence
 

@@ -1,4 +1,4 @@
-"""Grouped steps (``shardopt.sharding.grouped``): the block-shape groups compute what the per-matrix
+"""Grouped steps (``shardopt.sharding.block_groups``): the block-shape groups compute what the per-matrix
 primitives compute, for whole matrices, ZeRO flat ranges that start and end mid-row, and column shards,
 with stacked groups and with the per-block lists of large CPU blocks."""
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-import shardopt.sharding.grouped as grouped
+import shardopt.sharding.block_groups as grouped
 from shardopt.sharding import col_sums, row_sums, scale_into
-from shardopt.sharding.grouped import BlockGroups, blocks_of
+from shardopt.sharding.block_groups import BlockGroups, blocks_of
 from shardopt.sharding.layout import ColPiece, FlatPiece, MatrixLayout
 
 
@@ -141,7 +141,7 @@ def test_apply_items_takes_whole_tensor_shaped_updates():
     """``apply_items`` adds an update shaped like a plain whole-matrix tensor to the tensor itself, and a 1-D or
     otherwise shaped one to the matrix's flat piece: both give ``W - lr U``."""
     import shardopt
-    from shardopt.optim.base import apply_items
+    from shardopt.optim.items import apply_items
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3, bias=False), torch.nn.Linear(3, 5, bias=False))
     for p in model.parameters():
