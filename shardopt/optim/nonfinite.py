@@ -41,8 +41,7 @@ def nonfinite_grads(opt: Any) -> bool:
         for p in group["params"]:
             g = p.grad
             if g is not None:
-                if hasattr(g, "to_local"):
-                    g = g.to_local()
+                g = local_tensor(g)
                 k = g.numel()
                 if k:
                     grads.append(g)
