@@ -34,8 +34,11 @@ def select(arg: str | None, available: Sequence[str]) -> list[str]:
     return names
 
 
-def build(name: str, model: torch.nn.Module, **hyperparameters: Any) -> torch.optim.Optimizer:
-    """``adamw`` / ``adamw_foreach`` / ``adamw_fused`` (torch, over every parameter) or a shardopt optimizer.
+def build(name: str, model: torch.nn.Module, on_nonfinite: str | None = None,
+          **hyperparameters: Any) -> torch.optim.Optimizer:
+    """``adamw`` / ``adamw_foreach`` / ``adamw_fused`` (torch, over every parameter) or a shardopt optimizer;
+    ``on_nonfinite`` (None: the optimizer's default) goes to shardopt's optimizers only (torch's AdamW checks
+    nothing).
 
     Raises ``RuntimeError`` when a fused AdamW does not exist for the device (the caller reports it)."""
     if name.startswith("adamw"):
@@ -47,6 +50,8 @@ def build(name: str, model: torch.nn.Module, **hyperparameters: Any) -> torch.op
         return torch.optim.AdamW(model.parameters(), **kw)
     import shardopt
 
+    if on_nonfinite is not None:
+        hyperparameters["on_nonfinite"] = on_nonfinite
     return shardopt.create_optimizer(model, name, **hyperparameters)
 
 

@@ -57,7 +57,7 @@ def time_steps(name: str, model: torch.nn.Module, reference: torch.optim.Optimiz
     """Build ``name`` on ``model``, time its steps in rounds paired with ``reference`` steps, return one record."""
     rec: dict[str, Any] = {"optimizer": name}
     try:
-        opt = optimizers.build(name, model)
+        opt = optimizers.build(name, model, on_nonfinite=args.on_nonfinite)
         first = time_call(opt.step, device)  # allocates state, builds plans; never timed
     except (RuntimeError, ValueError, TypeError) as exc:
         return {**rec, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
@@ -169,6 +169,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--vocab", type=int, default=GALORE_VOCAB)
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
+    ap.add_argument("--on-nonfinite", default=None, choices=["skip", "raise", "ignore"],
+                    help="shardopt's non-finite check (default: the optimizer's, skip); 'ignore' reads no device "
+                         "value per step, as torch's AdamW")
     ap.add_argument("--out", default=None,
                     help="result file stem under benchmarks/results/ (default step_time, or step_time_cuda)")
     args = parse_args(ap, argv, dict(sizes="tiny", vocab=4096, repeats=3, max_seconds=2.0, max_interval=5))

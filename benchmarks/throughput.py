@@ -118,7 +118,7 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
     tokens = args.batch * args.seq
     rec: dict[str, Any] = {"size": size, "optimizer": name, "tokens_per_iteration": tokens}
     try:
-        opt = optimizers.build(name, model)
+        opt = optimizers.build(name, model, on_nonfinite=args.on_nonfinite)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         train_iterations(model, opt, args, device, args.warmup)
@@ -188,6 +188,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--vocab", type=int, default=GALORE_VOCAB)
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
+    ap.add_argument("--on-nonfinite", default=None, choices=["skip", "raise", "ignore"],
+                    help="shardopt's non-finite check (default: the optimizer's, skip); 'ignore' reads no device "
+                         "value per step, as torch's AdamW")
     ap.add_argument("--out", default=None, help="result stem (default throughput or throughput_cuda)")
     args = parse_args(ap, argv, dict(sizes="tiny", vocab=4096, batch=4, seq=64, iters=3, warmup=1,
                                                  global_batch=32))
