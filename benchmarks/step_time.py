@@ -191,7 +191,9 @@ def main(argv: list[str] | None = None) -> None:
              "parameter of the same model, timed back to back in the same round), so drifting machine load cancels; "
              "the adamw_foreach row is AdamW against itself (the noise floor). '/ AdamW fused': against the fused "
              "AdamW's median in this run.",
-             "Refresh-based optimizers: time per step over a whole refresh interval (see 'method' in the JSON)."]
+             "Refresh-based optimizers: time per step over a whole refresh interval (see 'method' in the JSON).",
+             f"shardopt's non-finite check: on_nonfinite={args.on_nonfinite or 'skip'}"
+             + (" (the default: one host read of a device flag per step)" if args.on_nonfinite in (None, "skip") else "")]
     config = {k: v for k, v in vars(args).items()} | {"roofline": roofline}
     stem = args.out or ("step_time" if args.device == "cpu" else "step_time_cuda")
     path = write_results(stem, config, records, to_markdown(records, roofline), notes, device=args.device,

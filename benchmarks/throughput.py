@@ -240,7 +240,9 @@ def main(argv: list[str] | None = None) -> None:
              "two runs of the same size, the first and the last row (foreach AdamW on a CPU, which has no fused "
              "kernel), so that drift over the run cancels; their difference is the run's drift.",
              "step %: the optimizer step's share of the iteration (device events around step() and zero_grad).",
-             "paper: the throughput the optimizer's paper reports, on its own hardware and model."]
+             "paper: the throughput the optimizer's paper reports, on its own hardware and model.",
+             f"shardopt's non-finite check: on_nonfinite={args.on_nonfinite or 'skip'}"
+             + (" (the default: one host read of a device flag per step)" if args.on_nonfinite in (None, "skip") else "")]
     stem = args.out or ("throughput" if args.device == "cpu" else "throughput_cuda")
     path = write_results(stem, vars(args), records, to_markdown(records), notes, device=args.device,
                          out_dir=args.results_dir)
