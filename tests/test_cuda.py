@@ -106,6 +106,9 @@ def test_cuda_zero_gradients_stay_finite(name: str) -> None:
 
 #: the rules whose steps read nothing from the device (as in tests/test_host_syncs.py)
 SYNC_FREE = ("scale", "sinkgd", "racs", "dasgo", "muon", "swan")
+#: rules that gate their writes on the device, so the default non-finite check reads nothing either
+#: (``ShardedOptimizer.skips_on_device``, ``nonfinite.gate_step``)
+DEVICE_SKIP = ("scale",)
 
 
 def _synchronizing_calls(opt) -> int:
@@ -126,7 +129,9 @@ def _synchronizing_calls(opt) -> int:
 @pytest.mark.parametrize("name", SYNC_FREE)
 def test_cuda_steps_do_not_wait_for_the_device(name: str, on_nonfinite: str, allowed: int) -> None:
     """After the first step (which builds the plans and their index tensors), a step of these rules issues no
-    synchronizing call; the default non-finite check reads its one flag (README "Host synchronizations")."""
+    synchronizing call; the default non-finite check reads its one flag (README "Host synchronizations"), none
+    where the rule skips on the device."""
+    allowed = 0 if name in DEVICE_SKIP else allowed
     model = _model("cuda")
     opt = shardopt.create_optimizer(model, name, on_nonfinite=on_nonfinite)
     counts = []
@@ -134,6 +139,33 @@ def test_cuda_steps_do_not_wait_for_the_device(name: str, on_nonfinite: str, all
         _grads(model, step)
         counts.append(_synchronizing_calls(opt))
     assert all(c <= allowed for c in counts[1:]), f"{name}: synchronizing calls per step {counts}, at most {allowed}"
+
+
+@pytest.mark.parametrize("name", DEVICE_SKIP)
+def test_cuda_device_skip_equals_host_check(name: str) -> None:
+    """A step with a NaN gradient skipped on the device leaves what the host check leaves, and so do the steps
+    around it (bit for bit); the skip is counted at the next step."""
+    runs = []
+    for on_device in (False, True):
+        model = _model("cuda")
+        opt = shardopt.create_optimizer(model, name, weight_decay=0.1)
+        opt.nonfinite_on_device = on_device
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            for step in range(5):
+                _grads(model, step)
+                if step == 2:
+                    next(model.parameters()).grad.view(-1)[3] = float("nan")
+                opt.step()
+            assert opt.skipped_steps == 1
+        runs.append((model, opt))
+    (hm, ho), (dm, do) = runs
+    for (n, a), b in zip(hm.named_parameters(), dm.parameters()):
+        assert torch.equal(a, b), n
+    for a, b in zip(ho.state_dict()["state"].values(), do.state_dict()["state"].values()):
+        for k in a:
+            if isinstance(a[k], torch.Tensor):
+                assert torch.equal(a[k].cpu(), b[k].cpu()), k
 
 
 def _free_port() -> int:

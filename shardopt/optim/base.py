@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..sharding.discover import complete_partial_grads, global_shape, layout_of, shard_mesh
-from ..sharding.fragment import Fragment, local_flat
+from ..sharding.fragment import Fragment, local_flat, local_tensor
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
@@ -32,14 +32,14 @@ from ..sharding.plan import check_same_plan
 from ..sharding.teams import create_team_groups
 from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, keep_share, share_numel, share_shape,
                                    shares_to_dtensors)
-from .adamw import adamw_group_step
+from .adamw import adamw_gates_on_device, adamw_group_step
 from .checks import check_hyperparameters
 from .config import OptimizerConfig
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
 from .hooks import apply_param_sources, run_pre_step_checks
 from .items import MatrixItem, apply_items
-from .nonfinite import nonfinite_grads
+from .nonfinite import end_gate, gate_step, nonfinite_grads, settle_device_skip
 from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups
 from .whole_matrix import run_buckets
 
@@ -99,6 +99,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: set by an engine adapter whose engine skips steps with non-finite gradients on every rank before it
     #: calls ``step`` (DeepSpeed's overflow / global-norm check): then ``on_nonfinite`` has nothing left to check
     engine_skips_nonfinite: bool = False
+    #: where ``on_nonfinite="skip"`` decides a step's skip: "auto" (on the device for CUDA gradients when every
+    #: group's rule gates its writes, ``skips_on_device``; else one host read of the flag), True (on the device
+    #: wherever the rules allow, any device: tests), False (always the host read). See ``nonfinite.gate_step``.
+    nonfinite_on_device: bool | str = "auto"
+    _step_gate: torch.Tensor | None = None
+    _step_found_inf: torch.Tensor | None = None
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
@@ -153,7 +159,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: "skip" (default): a step whose gradients hold inf/NaN on any rank changes nothing, on every rank;
         #: "raise": FloatingPointError on every rank; "ignore": no check (and no collective for it).
         self.on_nonfinite = on_nonfinite
-        self.skipped_steps = 0
+        self._skipped_steps = 0
         #: check every step that all ranks hold the same step plan (also with SHARDOPT_DEBUG_PLAN=1)
         self.debug_plan = bool(int(os.environ.get("SHARDOPT_DEBUG_PLAN", "0"))) if debug_plan is None else debug_plan
         #: whole-matrix strategy: "auto" | "gather" | "distributed" | "team" (shardopt.sharding.matrix_ops)
@@ -310,6 +316,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def __getstate__(self) -> dict[str, Any]:
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an
         optimizer that steps identically."""
+        settle_device_skip(self)  # a device-decided skip is on the host before anything is copied
         state = {k: v for k, v in self.__dict__.items()
                  if not k.startswith("_optimizer_") and k != "_zero_grad_profile_name"}
         tensors = {id(t): t for t in chain((p for g in self.param_groups for p in g["params"]),
@@ -340,6 +347,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         Alice) go on with the saved names; a state dict without names keeps this optimizer's names (torch's
         rule), so its later draws follow those.
         """
+        settle_device_skip(self)  # the last step's host counters as they are, before they are replaced
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -430,6 +438,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         the owner-counted values makes them truly identical on all ranks, so DCP (which takes plain tensors
         as replicated) and any later world size see the whole vector. Call it on every rank together.
         """
+        settle_device_skip(self)  # step counts of a step skipped on the device are taken back first
         self.sync_state()
         sd = super().state_dict()
         rnd = Round()
@@ -596,6 +605,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        settle_device_skip(self)  # the last step's skip, if the device decided it
         run_pre_step_checks(self)  # hooks.pre_step_checks: a wrapper's flat partitions mapped (DeepSpeed) or refused
         params = [p for g in self.param_groups for p in g["params"]]
         complete_partial_grads(params)  # sequence-parallel norms: DTensor leaves their gradients partial
@@ -603,11 +613,43 @@ class ShardedOptimizer(torch.optim.Optimizer):
             if self.debug_plan:
                 check_same_plan(self)
             self._make_team_groups()
-            if self.on_nonfinite != "ignore" and not self.engine_skips_nonfinite and self._nonfinite_grads():
-                return loss
-            for group in self.param_groups:
-                getattr(self, f"_step_{group['treatment']}")(_float_lr(group))
+            if self.on_nonfinite != "ignore" and not self.engine_skips_nonfinite:
+                if self._gates_on_device():
+                    gate_step(self)
+                elif self._nonfinite_grads():
+                    return loss
+            try:
+                for group in self.param_groups:
+                    getattr(self, f"_step_{group['treatment']}")(_float_lr(group))
+            finally:
+                end_gate(self)
         return loss
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients (a skip decided on the device is counted from here on)."""
+        settle_device_skip(self)
+        return self._skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_steps = value
+
+    def skips_on_device(self, group: dict) -> bool:
+        """Whether ``group``'s rule gates every write of its step by ``self._step_gate`` / ``_step_found_inf``
+        (a skipped step then writes nothing with no host read; ``nonfinite.gate_step``). AdamW does with its fused
+        kernel; a matrix rule says so by overriding this."""
+        return group.get("treatment", "adamw") == "adamw" and adamw_gates_on_device(group)
+
+    def _gates_on_device(self) -> bool:
+        """Whether this step's skip is decided on the device (``nonfinite_on_device``)."""
+        mode = self.nonfinite_on_device
+        if self.on_nonfinite != "skip" or mode is False:
+            return False
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not grads or (mode == "auto" and not local_tensor(grads[0]).is_cuda):
+            return False
+        return all(self.skips_on_device(g) for g in self.param_groups)
 
     def comm_stats(self, reset: bool = False) -> dict[str, dict[str, float]]:
         """This rank's collectives since the last reset, by kind: ``{"stats" | "gather" | "realign" |

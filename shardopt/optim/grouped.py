@@ -157,7 +157,7 @@ class GroupedStep:
                 torch._foreach_sub_(views, self._cast(scaled, views))
             else:
                 if weight_decay:
-                    torch._foreach_mul_(views, 1 - lr * weight_decay)
+                    torch._foreach_mul_(views, self._decay(lr, weight_decay))
                 torch._foreach_add_(views, self._cast(blocks_of(u), views), alpha=-lr)
 
     def apply_scaled(self, xs: list, lr: float, weight_decay: float = 0.0,
@@ -195,7 +195,7 @@ class GroupedStep:
                 plain += views
                 plain_u += x
         if weight_decay and all_views:
-            torch._foreach_mul_(all_views, 1 - lr * weight_decay)
+            torch._foreach_mul_(all_views, self._decay(lr, weight_decay))
         if fused:
             torch._foreach_addcmul_(fused, fused_x, fused_s, value=-lr)
         if plain:
@@ -221,8 +221,26 @@ class GroupedStep:
         if not views:  # no matrix of this group on this rank (e.g. ZeroRedundancyOptimizer's share)
             return
         if weight_decay:
-            torch._foreach_mul_(views, 1 - lr * weight_decay)
+            torch._foreach_mul_(views, self._decay(lr, weight_decay))
         torch._foreach_addcmul_(views, x_all, scales, value=-lr)
+
+    def _decay(self, lr: float, weight_decay: float) -> float | torch.Tensor:
+        """The weight-decay factor ``1 - lr wd``; 1 on the device where the step's skip is decided there."""
+        factor = 1 - lr * weight_decay
+        gate = self._opt._step_gate
+        return factor if gate is None else torch.where(gate > 0, factor, 1.0)
+
+    def sanitize(self) -> None:
+        """The gradients' non-finite elements read as 0, for a step whose skip is decided on the device: a skipped
+        step multiplies its update by 0, which an inf or NaN would survive. Stacks made for this step are cleaned
+        in place, views of the gradients (a group of one block) as copies, so the user's gradients stay as they
+        were. A pass over the gradients; it replaces the host's read of the flag (``nonfinite.gate_step``)."""
+        def clean(x: torch.Tensor) -> torch.Tensor:
+            if x._base is None:  # made by stack() for this step
+                return x.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+            return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+
+        self.grads = [[clean(b) for b in x] if isinstance(x, list) else clean(x) for x in self.grads]
 
     @staticmethod
     def _cast(u: list[torch.Tensor], views: list[torch.Tensor]) -> list[torch.Tensor]:

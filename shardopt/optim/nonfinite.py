@@ -11,7 +11,8 @@ import torch
 from ..sharding.comm import world_group_allreduce_max
 from ..sharding.fragment import local_flat, local_tensor
 
-__all__ = ["nonfinite_grads", "fused_check_applies", "FUSED_CHECK_ELEMENTS"]
+__all__ = ["nonfinite_grads", "fused_check_applies", "FUSED_CHECK_ELEMENTS", "gate_step", "end_gate",
+           "settle_device_skip"]
 
 #: below this many gradient elements a CPU step is launch-bound and the non-finite check takes the fused AMP
 #: kernel; above it, l2 norms (read-only: about 20% less time per element). GPUs take a multi-tensor max-abs.
@@ -29,13 +30,8 @@ def fused_check_applies(grads: list[torch.Tensor], total: int) -> bool:
     return total < FUSED_CHECK_ELEMENTS and all(g.is_cpu and g.dtype in _FUSED_CHECK_DTYPES for g in grads)
 
 
-def nonfinite_grads(opt: Any) -> bool:
-    """Whether any rank has a non-finite gradient in ``opt``'s step (a ``ShardedOptimizer``; one 1-element all-reduce
-    when distributed).
-
-    A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
-    over all gradients; on CPUs (where that kernel is slow) l2 norms (one foreach call), which are non-finite
-    whenever an element is, and are confirmed element-wise only then (a finite overflow is not a skip)."""
+def _local_grads(opt: Any) -> tuple[list[torch.Tensor], int]:
+    """Every non-empty local gradient of ``opt``'s step, and their element count."""
     grads, total = [], 0
     for group in opt.param_groups:
         for p in group["params"]:
@@ -46,6 +42,30 @@ def nonfinite_grads(opt: Any) -> bool:
                 if k:
                     grads.append(g)
                     total += k
+    return grads, total
+
+
+def _max_abs_flag(grads: list[torch.Tensor]) -> torch.Tensor:
+    """``[1.]`` where an element of ``grads`` is inf/NaN, else ``[0.]``, on their device, read by no one: one
+    multi-tensor max-abs and a reduction of its results."""
+    norms = torch._foreach_norm(grads, float("inf"))
+    return (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float().reshape(1)
+
+
+def _empty_flag(opt: Any) -> torch.Tensor:
+    """``[0.]`` on the parameters' device (NCCL cannot reduce a CPU tensor), for a rank without gradients."""
+    devices = [local_flat(p).device for g in opt.param_groups for p in g["params"]]
+    return torch.zeros(1, device=devices[0] if devices else "cpu")
+
+
+def nonfinite_grads(opt: Any) -> bool:
+    """Whether any rank has a non-finite gradient in ``opt``'s step (a ``ShardedOptimizer``; one 1-element all-reduce
+    when distributed).
+
+    A healthy step costs one cheap reduction per gradient and a single host sync: on GPUs a fused max-abs
+    over all gradients; on CPUs (where that kernel is slow) l2 norms (one foreach call), which are non-finite
+    whenever an element is, and are confirmed element-wise only then (a finite overflow is not a skip)."""
+    grads, total = _local_grads(opt)
     if grads:
         if fused_check_applies(grads, total):
             # one kernel for every gradient where the step is launch-bound: torch's AMP check, which also
@@ -61,11 +81,9 @@ def nonfinite_grads(opt: Any) -> bool:
                 and not all(bool(torch.isfinite(g).all()) for g in grads)
             flag = torch.tensor([float(bad)])
         else:
-            norms = torch._foreach_norm(grads, float("inf"))
-            flag = (~torch.isfinite(torch.stack([n.float() for n in norms]))).any().float().reshape(1)
-    else:  # on the parameters' device: NCCL cannot reduce a CPU tensor
-        devices = [local_flat(p).device for g in opt.param_groups for p in g["params"]]
-        flag = torch.zeros(1, device=devices[0] if devices else "cpu")
+            flag = _max_abs_flag(grads)
+    else:
+        flag = _empty_flag(opt)
     world_group_allreduce_max(flag)
     if flag.item() == 0:
         return False
@@ -75,7 +93,71 @@ def nonfinite_grads(opt: Any) -> bool:
         raise FloatingPointError(
             f"non-finite gradients in this step (on this rank: {bad_local or 'none, on another rank'}); "
             "set on_nonfinite='skip' to skip such steps")
-    opt.skipped_steps += 1
-    warnings.warn(f"shardopt: skipped step with non-finite gradients ({opt.skipped_steps} so far; "
+    opt._skipped_steps += 1
+    warnings.warn(f"shardopt: skipped step with non-finite gradients ({opt._skipped_steps} so far; "
                   f"on this rank: {bad_local or 'none, on another rank'})", RuntimeWarning, stacklevel=4)
     return True
+
+
+# ---------------------------------------------------------------------------------------------- on the device
+# A GPU step that reads the flag above waits for the backward pass to finish before it issues a single kernel,
+# and its few hundred launches then run with the GPU idle between them (issue 29: 2-4 ms per step at 350M).
+# Where every rule of a step gates its own writes (``ShardedOptimizer.skips_on_device``), the skip is decided
+# on the device instead: the step runs with ``opt._step_gate`` (0-d, 1. or 0.) and ``opt._step_found_inf``
+# (``[0.]`` or ``[1.]``), and a skipped step writes nothing (lr 0, betas 1, non-finite gradient elements read as
+# 0, fused AdamW told ``found_inf``). The host learns of the skip one step later, from a copy made without
+# waiting: ``settle_device_skip`` then takes back the host step counts the skipped step advanced and counts and
+# warns about it, before anything reads them (the next step, ``state_dict``, ``skipped_steps``).
+
+
+class _PendingSkip:
+    """A step's flag on its way to the host, and the host counters that step advanced."""
+
+    __slots__ = ("host", "event", "counts")
+
+    def __init__(self, host: torch.Tensor, event: Any) -> None:
+        self.host = host
+        self.event = event
+        self.counts: list[torch.Tensor] = []
+
+
+def gate_step(opt: Any) -> None:
+    """Compute the step's flag (all ranks agree: one all-reduce, as the host check) without reading it, and set the
+    gate the rules' writes multiply by."""
+    grads, _ = _local_grads(opt)
+    flag = _max_abs_flag(grads) if grads else _empty_flag(opt)
+    world_group_allreduce_max(flag)
+    if flag.is_cuda:
+        host = torch.empty(1, pin_memory=True)
+        host.copy_(flag, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+    else:
+        host, event = flag.clone(), None
+    opt._step_found_inf = flag
+    opt._step_gate = 1 - flag[0]
+    opt._pending_skip = _PendingSkip(host, event)
+
+
+def end_gate(opt: Any) -> None:
+    """The gate belongs to one step: nothing outside it sees it."""
+    opt._step_gate = None
+    opt._step_found_inf = None
+
+
+def settle_device_skip(opt: Any) -> None:
+    """Bring the host up to date with the last device-decided step: if it was skipped, its host step counts go back
+    and it is counted and reported as the host check does. Waits only for the flag's copy, long done."""
+    pending = opt.__dict__.pop("_pending_skip", None)
+    if pending is None:
+        return
+    if pending.event is not None and not pending.event.query():  # done long ago as a rule: no wait
+        pending.event.synchronize()
+    if float(pending.host[0]) == 0.0:
+        return
+    if pending.counts:
+        torch._foreach_sub_(pending.counts, [pending.counts[0].new_ones(())] * len(pending.counts))
+    opt._skipped_steps += 1
+    if opt.on_nonfinite == "skip":
+        warnings.warn(f"shardopt: skipped step with non-finite gradients ({opt._skipped_steps} so far; decided on "
+                      "the device, reported at the next step)", RuntimeWarning, stacklevel=4)

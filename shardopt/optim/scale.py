@@ -109,8 +109,14 @@ class SCALE(ShardedOptimizer):
             return 2
         return 1 if group["momentum"] else 0
 
+    def skips_on_device(self, group: dict) -> bool:
+        """SCALE gates every write (``_step_scale``): a scale of 0, a decay factor of 1 and an EMA weight of 0 when
+        the device skips the step, on gradients whose non-finite elements read as 0."""
+        return group.get("treatment") == "scale" or super().skips_on_device(group)
+
     def _step_scale(self, group: dict) -> None:
         beta = group["momentum"]
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (nonfinite.gate_step)
 
         def source(p: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
             if not beta:
@@ -120,10 +126,16 @@ class SCALE(ShardedOptimizer):
                 st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
                                                          memory_format=torch.contiguous_format)
             buf = st["momentum_buffer"]
-            buf.lerp_(grad.to(buf.dtype), 1 - beta)
+            if gate is None:
+                buf.lerp_(grad.to(buf.dtype), 1 - beta)
+            else:
+                buf.lerp_(torch.nan_to_num(grad.to(buf.dtype), nan=0.0, posinf=0.0, neginf=0.0),
+                          torch.where(gate > 0, 1 - beta, 0.0))
             return buf
 
         step = grouped_step(self, group, source)
+        if gate is not None:
+            step.sanitize()
         blocks = step.blocks
         axis = 0 if group["norm_dim"] == 1 else 1  # stats per row when reducing over dim 1
         rnd = Round()
@@ -133,5 +145,7 @@ class SCALE(ShardedOptimizer):
         # each row's count is its matrix's n (per-row stats), each column's its m
         inv = inverse_rms(stats, blocks.row_length if axis == 0 else blocks.col_length, group["eps"], group["norm"],
                           out=blocks.line_buffer("inverse_rms", axis))  # its per-matrix slices made once
+        if gate is not None:
+            inv.mul_(gate)  # a skipped step adds 0 x (finite) gradient
         step.apply_scaled(step.grads, group["lr"], group["weight_decay"],
                           row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)

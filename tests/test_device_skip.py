@@ -1,0 +1,126 @@
+"""A non-finite step skipped on the device (``nonfinite.gate_step``): the same steps as the host check's, with no
+read of the flag in ``step()``; the host's counters catch up at the next step, ``state_dict`` or ``skipped_steps``.
+
+CUDA takes this path by itself (``nonfinite_on_device="auto"``); here the CPU is made to (``True``)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from tiny_model import Tiny
+
+import shardopt
+
+
+def _pair(name: str = "scale", **options):
+    """Two identical models and optimizers: the host check's and the device's."""
+    out = []
+    for on_device in (False, True):
+        torch.manual_seed(0)
+        model = Tiny()
+        opt = shardopt.create_optimizer(model, name, **options)
+        opt.nonfinite_on_device = on_device
+        out.append((model, opt))
+    return out
+
+
+def _step(model, opt, seed: int, poison: str | None = None, value: float = float("nan")) -> None:
+    x = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(seed))
+    opt.zero_grad()
+    nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+    if poison is not None:
+        dict(model.named_parameters())[poison].grad.view(-1)[1] = value
+    opt.step()
+
+
+def _snapshot(model, opt):
+    params = {n: p.detach().clone() for n, p in model.named_parameters()}
+    state = {opt.param_names[id(p)]: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+             for p, st in opt.state.items()}
+    return params, state
+
+
+def _assert_same(a, b) -> None:
+    for n in a[0]:
+        assert torch.equal(a[0][n], b[0][n]), n
+    assert a[1].keys() == b[1].keys()
+    for n in a[1]:
+        for k in a[1][n]:
+            assert torch.equal(a[1][n][k], b[1][n][k]), (n, k)
+
+
+@pytest.mark.parametrize("bad", ["proj.weight", "embed.weight", "lm_head.weight", "norm.bias"])
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+def test_device_skip_equals_host_skip(bad: str, value: float) -> None:
+    """SCALE with weight decay, momentum on every matrix, AdamW on the vectors: every step, the skipped one
+    included, leaves what the host check's run leaves, bit for bit."""
+    (hm, ho), (dm, do) = _pair(weight_decay=0.1, momentum=0.9, embedding_momentum=0.5)
+    for seed in range(2):
+        _step(hm, ho, seed)
+        _step(dm, do, seed)
+    before = _snapshot(dm, do)
+    with pytest.warns(RuntimeWarning, match="skipped step"):
+        _step(hm, ho, 2, bad, value)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # nothing is reported inside the device's step
+        _step(dm, do, 2, bad, value)
+    with pytest.warns(RuntimeWarning, match="decided on the device"):
+        assert do.skipped_steps == 1
+    assert ho.skipped_steps == 1
+    _assert_same(before, _snapshot(dm, do))  # untouched, host counts taken back
+    _assert_same(_snapshot(hm, ho), _snapshot(dm, do))
+    for seed in range(3, 6):
+        _step(hm, ho, seed)
+        _step(dm, do, seed)
+        _assert_same(_snapshot(hm, ho), _snapshot(dm, do))
+    assert ho.state_dict()["state"].keys() == do.state_dict()["state"].keys()
+
+
+def test_device_skip_settles_at_the_next_step_and_in_state_dict() -> None:
+    """The skip is counted when the next step starts, and a state dict taken right after it has the counts of
+    the steps that ran."""
+    (hm, ho), (dm, do) = _pair()
+    for seed in range(2):
+        _step(hm, ho, seed)
+        _step(dm, do, seed)
+    with pytest.warns(RuntimeWarning):
+        _step(hm, ho, 2, "norm.weight")
+    _step(dm, do, 2, "norm.weight")
+    with pytest.warns(RuntimeWarning, match="decided on the device"):
+        sd = do.state_dict()
+    steps = lambda sd: sorted(float(st["step"]) for st in sd["state"].values() if "step" in st)  # noqa: E731
+    assert steps(sd) == steps(ho.state_dict()) == [2.0, 2.0, 2.0]
+    assert do._skipped_steps == 1
+
+
+def test_the_step_reads_no_flag_where_every_rule_gates(monkeypatch) -> None:
+    (_, _), (model, opt) = _pair()
+    monkeypatch.setattr(opt, "_nonfinite_grads", lambda: pytest.fail("the host check ran"))
+    _step(model, opt, 0)
+    _step(model, opt, 1)
+    assert opt.skipped_steps == 0
+
+
+@pytest.mark.parametrize("name", ["sinkgd", "sumo"])
+def test_rules_that_do_not_gate_keep_the_host_check(name: str) -> None:
+    (hm, ho), (dm, do) = _pair(name)
+    _step(dm, do, 0)
+    with pytest.warns(RuntimeWarning, match="on this rank"):  # the host check's own report, in the step
+        _step(dm, do, 1, "proj.weight")
+    assert do.skipped_steps == 1
+
+
+def test_bf16_vectors_keep_the_host_check() -> None:
+    """AdamW skips on the device only through its fused kernel (fp32 tensors); bf16 ones go to the host check."""
+    torch.manual_seed(0)
+    model = Tiny().to(torch.bfloat16)
+    opt = shardopt.create_optimizer(model, "scale")
+    opt.nonfinite_on_device = True
+    _step(model, opt, 0)
+    assert not opt._gates_on_device()
+    with pytest.warns(RuntimeWarning, match="on this rank"):
+        _step(model, opt, 1, "norm.bias")
+    assert opt.skipped_steps == 1
