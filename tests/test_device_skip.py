@@ -124,3 +124,15 @@ def test_bf16_vectors_keep_the_host_check() -> None:
     with pytest.warns(RuntimeWarning, match="on this rank"):
         _step(model, opt, 1, "norm.bias")
     assert opt.skipped_steps == 1
+
+
+def test_a_copy_after_a_device_skip_has_settled_counts() -> None:
+    import copy
+
+    (_, _), (model, opt) = _pair()
+    _step(model, opt, 0)
+    _step(model, opt, 1, "proj.weight")
+    with pytest.warns(RuntimeWarning, match="decided on the device"):
+        twin = copy.deepcopy(opt)
+    assert twin.skipped_steps == opt.skipped_steps == 1
+    assert "_pending_skip" not in twin.__dict__

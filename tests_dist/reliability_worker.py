@@ -39,8 +39,9 @@ def local_params(model):
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def nonfinite_on_one_rank(opt_name: str, engine: str) -> dict:
-    """Rank 1 alone sees a NaN gradient: every rank must skip the step, leaving parameters untouched."""
+def nonfinite_on_one_rank(opt_name: str, engine: str, on_device: bool = False) -> dict:
+    """Rank 1 alone sees a NaN gradient: every rank must skip the step, leaving parameters untouched
+    (``on_device``: the skip decided on the device, ``nonfinite.gate_step``, as CUDA does)."""
     model = make_model()
     kw = dict(OPTIMIZERS[opt_name])
     if engine == "zero2":
@@ -57,6 +58,7 @@ def nonfinite_on_one_rank(opt_name: str, engine: str) -> dict:
         else:
             run = fsdp2(model)
         opt = shardopt.create_optimizer(model, opt_name, **kw)
+        opt.nonfinite_on_device = on_device
     mod = eng.module if engine == "zero2" else model
     for s in range(2):
         loss = loss_fn(run, local_batch(s))
@@ -76,8 +78,9 @@ def nonfinite_on_one_rank(opt_name: str, engine: str) -> dict:
     after = local_params(mod)
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     finite = all(torch.isfinite(v).all().item() for v in after.values())
+    gated = opt._gates_on_device() if engine != "zero2" else None  # the gradients of the skipped step are still there
     return {"changed_on_skipped_step": changed, "finite": finite,
-            "skipped": getattr(opt, "skipped_steps", None)}
+            "skipped": getattr(opt, "skipped_steps", None), "gated": gated}
 
 
 def frozen_and_missing_grads(opt_name: str) -> dict:
@@ -122,13 +125,14 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     records = []
     cases = [("nonfinite", o, e) for o in OPTIMIZERS for e in ("ddp", "fsdp2", "zero2")]
+    cases += [("nonfinite_on_device", "scale", e) for e in ("ddp", "fsdp2")]
     cases += [("frozen_missing", o, "fsdp2") for o in OPTIMIZERS] + [("plan_mismatch", "sinkgd", "ddp")]
     for kind, opt_name, engine in cases:
         rec = {"kind": kind, "optimizer": opt_name, "engine": engine, "world_size": dist.get_world_size()}
         try:
             with contextlib.redirect_stdout(io.StringIO()):
-                if kind == "nonfinite":
-                    rec.update(nonfinite_on_one_rank(opt_name, engine))
+                if kind.startswith("nonfinite"):
+                    rec.update(nonfinite_on_one_rank(opt_name, engine, on_device=kind == "nonfinite_on_device"))
                 elif kind == "frozen_missing":
                     rec.update(frozen_and_missing_grads(opt_name))
                 else:

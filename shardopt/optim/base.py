@@ -331,6 +331,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         state = dict(state)
+        if "skipped_steps" in state:  # pickled before it became a property (nonfinite.settle_device_skip)
+            state["_skipped_steps"] = state.pop("skipped_steps")
         for key in self._BY_TENSOR_ID:
             if isinstance(state.get(key), list):
                 state[key] = {id(t): v for t, v in state[key]}
