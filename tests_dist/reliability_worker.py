@@ -125,7 +125,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     records = []
     cases = [("nonfinite", o, e) for o in OPTIMIZERS for e in ("ddp", "fsdp2", "zero2")]
-    cases += [("nonfinite_on_device", "scale", e) for e in ("ddp", "fsdp2")]
+    cases += [("nonfinite_on_device", o, e) for o in ("scale", "sinkgd") for e in ("ddp", "fsdp2")]
     cases += [("frozen_missing", o, "fsdp2") for o in OPTIMIZERS] + [("plan_mismatch", "sinkgd", "ddp")]
     for kind, opt_name, engine in cases:
         rec = {"kind": kind, "optimizer": opt_name, "engine": engine, "world_size": dist.get_world_size()}

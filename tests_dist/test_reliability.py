@@ -38,10 +38,11 @@ def test_nonfinite_on_one_rank_is_skipped_on_every_rank():
 
 
 def test_nonfinite_skip_decided_on_the_device_on_every_rank():
-    """SCALE's skip decided on the device (as on CUDA; here the CPU is made to): the flag all-reduced and never
-    read in the step, the skipped step leaving every rank's shard untouched, counted at ``skipped_steps``."""
+    """SCALE's and SinkGD's skip decided on the device (as on CUDA; here the CPU is made to): the flag all-reduced
+    and never read in the step, the skipped step leaving every rank's shard untouched, counted at
+    ``skipped_steps``."""
     cases = [ranks for ranks in records() if ranks[0]["kind"] == "nonfinite_on_device"]
-    assert len(cases) == 2
+    assert len(cases) == 4
     for ranks in cases:
         for rec in ranks:
             assert "error" not in rec, rec.get("error")

@@ -80,11 +80,19 @@ class SinkGD(ShardedOptimizer):
         self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
             lr=lr, lr_scale=lr_scale, iterations=iterations, weight_decay=weight_decay), options))
 
+    def skips_on_device(self, group: dict) -> bool:
+        """SinkGD keeps no state: a skipped step is a row scale of 0 and a decay factor of 1 (``_step_sinkgd``), on
+        gradients whose non-finite elements read as 0."""
+        return group.get("treatment") == "sinkgd" or super().skips_on_device(group)
+
     def _step_sinkgd(self, group: dict) -> None:
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (nonfinite.gate_step)
         step = grouped_step(self, group)
         blocks = step.blocks
         if not blocks.n_items:
             return
+        if gate is not None:
+            step.sanitize()
         grads = step.grads
         a = blocks.square(grads)  # A = G * G, per block shape
         rnd = Round()
@@ -99,4 +107,5 @@ class SinkGD(ShardedOptimizer):
             rnd.run()
             v = masked_reciprocal(c, blocks.col_length)
         lr = group["lr"] * group["lr_scale"]
-        step.apply(blocks.scale(grads, u.sqrt(), v.sqrt(), out=a), lr, group["weight_decay"])  # A no longer needed
+        row = u.sqrt() if gate is None else u.sqrt().mul_(gate)  # a skipped step adds 0 x (finite) gradient
+        step.apply(blocks.scale(grads, row, v.sqrt(), out=a), lr, group["weight_decay"])  # A no longer needed
