@@ -19,6 +19,7 @@ import torch
 
 from ..sharding.fragment import Fragment, local_flat, local_tensor as _local
 from ..sharding.block_groups import BlockGroups, blocks_of
+from .nonfinite import gated, zero_nonfinite
 
 __all__ = ["GroupedStep", "grouped_step"]
 
@@ -228,7 +229,7 @@ class GroupedStep:
         """The weight-decay factor ``1 - lr wd``; 1 on the device where the step's skip is decided there."""
         factor = 1 - lr * weight_decay
         gate = self._opt._step_gate
-        return factor if gate is None else torch.where(gate > 0, factor, 1.0)
+        return factor if gate is None else gated(gate, factor, 1.0)
 
     def sanitize(self) -> None:
         """The gradients' non-finite elements read as 0, for a step whose skip is decided on the device: a skipped
@@ -236,9 +237,7 @@ class GroupedStep:
         in place, views of the gradients (a group of one block) as copies, so the user's gradients stay as they
         were. A pass over the gradients; it replaces the host's read of the flag (``nonfinite.gate_step``)."""
         def clean(x: torch.Tensor) -> torch.Tensor:
-            if x._base is None:  # made by stack() for this step
-                return x.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-            return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+            return zero_nonfinite(x, in_place=x._base is None)  # in place: a stack made by stack() for this step
 
         self.grads = [[clean(b) for b in x] if isinstance(x, list) else clean(x) for x in self.grads]
 

@@ -12,7 +12,7 @@ from ..sharding.comm import world_group_allreduce_max
 from ..sharding.fragment import local_flat, local_tensor
 
 __all__ = ["nonfinite_grads", "fused_check_applies", "FUSED_CHECK_ELEMENTS", "gate_step", "end_gate",
-           "settle_device_skip"]
+           "settle_device_skip", "gated", "zero_nonfinite"]
 
 #: below this many gradient elements a CPU step is launch-bound and the non-finite check takes the fused AMP
 #: kernel; above it, l2 norms (read-only: about 20% less time per element). GPUs take a multi-tensor max-abs.
@@ -137,6 +137,16 @@ def gate_step(opt: Any) -> None:
     opt._step_found_inf = flag
     opt._step_gate = 1 - flag[0]
     opt._pending_skip = _PendingSkip(host, event)
+
+
+def gated(gate: torch.Tensor, value: float, skipped: float) -> torch.Tensor:
+    """``value`` where the step runs, ``skipped`` where the device skips it (a 0-d tensor beside ``gate``)."""
+    return torch.where(gate > 0, value, skipped)
+
+
+def zero_nonfinite(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``x`` with its inf/NaN elements as 0, so that a gate of 0 cancels it."""
+    return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=x if in_place else None)
 
 
 def end_gate(opt: Any) -> None:

@@ -26,6 +26,7 @@ from ..sharding import Round
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
 from .grouped import grouped_step
+from .nonfinite import gated, zero_nonfinite
 
 __all__ = ["SCALE", "inverse_rms", "SCALEConfig"]
 
@@ -129,8 +130,7 @@ class SCALE(ShardedOptimizer):
             if gate is None:
                 buf.lerp_(grad.to(buf.dtype), 1 - beta)
             else:
-                buf.lerp_(torch.nan_to_num(grad.to(buf.dtype), nan=0.0, posinf=0.0, neginf=0.0),
-                          torch.where(gate > 0, 1 - beta, 0.0))
+                buf.lerp_(zero_nonfinite(grad.to(buf.dtype)), gated(gate, 1 - beta, 0.0))
             return buf
 
         step = grouped_step(self, group, source)
