@@ -39,6 +39,10 @@ def local_params(model):
     return {n: (p.to_local() if hasattr(p, "to_local") else p).detach().clone() for n, p in model.named_parameters()}
 
 
+#: the rules whose writes are gated by a skip decided on the device (``ShardedOptimizer.skips_on_device``)
+DEVICE_GATED = ("scale", "sinkgd", "dasgo", "racs")
+
+
 def nonfinite_on_one_rank(opt_name: str, engine: str, on_device: bool = False) -> dict:
     """Rank 1 alone sees a NaN gradient: every rank must skip the step, leaving parameters untouched
     (``on_device``: the skip decided on the device, ``nonfinite.gate_step``, as CUDA does)."""
@@ -125,7 +129,7 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     records = []
     cases = [("nonfinite", o, e) for o in OPTIMIZERS for e in ("ddp", "fsdp2", "zero2")]
-    cases += [("nonfinite_on_device", o, e) for o in ("scale", "sinkgd") for e in ("ddp", "fsdp2")]
+    cases += [("nonfinite_on_device", o, e) for o in DEVICE_GATED for e in ("ddp", "fsdp2")]
     cases += [("frozen_missing", o, "fsdp2") for o in OPTIMIZERS] + [("plan_mismatch", "sinkgd", "ddp")]
     for kind, opt_name, engine in cases:
         rec = {"kind": kind, "optimizer": opt_name, "engine": engine, "world_size": dist.get_world_size()}

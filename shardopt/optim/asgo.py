@@ -35,6 +35,7 @@ from .items import apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
 from ..sharding.fragment import local_tensor as _local
 from .grouped import _plan, grouped_step
+from .nonfinite import gated, zero_nonfinite
 
 __all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
 
@@ -165,7 +166,7 @@ class _MomentumMixin:
         ``counts`` (one read of all of them), else None."""
         params = group["params"]
         state = self.state  # type: ignore[attr-defined]
-        steps, ms, gs = [], [], []
+        steps, ms, gs, raw = [], [], [], []
         for p in params:  # one pass: state created where missing, the lists of the foreach kernels
             st = state[p]
             m = st.get("exp_avg")
@@ -179,14 +180,21 @@ class _MomentumMixin:
             if g is not None:
                 g = _local(g)
                 ms.append(_local(m))
+                raw.append(g)
                 gs.append(g if g.dtype == torch.float32 else g.float())
         if not steps:
             return {} if counts else None
         # matrix rules count every step (ShardedOptimizer._step_count); a list of one 0-d tensor, not the scalar
         # overload, which costs a scalar-to-tensor conversion per tensor on a CPU
         torch._foreach_add_(steps, [steps[0].new_ones(())] * len(steps))
-        if ms:
+        gate = self._step_gate  # type: ignore[attr-defined]  # None, or the step's skip decided on the device
+        if gate is not None:  # the counts go back if the device skips this step (nonfinite.settle_device_skip)
+            self._pending_skip.counts += steps  # type: ignore[attr-defined]
+        if ms and gate is None:
             torch._foreach_lerp_(ms, gs, 1 - beta1)
+        elif ms:  # a skipped step: weight 0 on gradients whose non-finite elements read as 0, so M stays M
+            torch._foreach_lerp_(ms, [zero_nonfinite(g, in_place=g is not p_g) for g, p_g in zip(gs, raw)],
+                                 [gated(gate, 1 - beta1, 0.0)] * len(ms))
         if not counts:
             return None
         return {id(p): int(c) for p, c in zip(params, torch.stack(steps).tolist())}
@@ -428,8 +436,14 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return shape[1] if group.get("treatment", "adamw") != "adamw" else 0
 
+    def skips_on_device(self, group: dict) -> bool:
+        """DASGO gates every write (``_step_dasgo``): the momentum's EMA weight 0 on gradients whose non-finite
+        elements read as 0, ``v``'s decay 1 and its new energy 0, a column scale of 0 and a decay factor of 1."""
+        return group.get("treatment") == "dasgo" or super().skips_on_device(group)
+
     def _step_dasgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (nonfinite.gate_step)
         self._update_momentum(group, b1, counts=False)
         step = grouped_step(self, group)
         blocks = step.blocks
@@ -437,6 +451,9 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         sums = blocks.col_sums(step.grads, square=True)
         blocks.add_axis(rnd, sums, 1)
         rnd.run()
+        decay = b2
+        if gate is not None:  # a skipped step adds no energy (its sums may be inf or NaN) and decays by 1
+            sums, decay = gated(gate, sums, 0.0), gated(gate, b2, 1.0)
         mstates = step.states
         for st, lay in zip(mstates, step.layouts):
             if "v" not in st:
@@ -445,16 +462,18 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         v = torch.cat(vs, out=blocks.line_buffer("v", 1)) if vs else sums
         if step.all_have_grad:  # the EMA on the concatenation, written back with one foreach copy
             if vs:
-                v.mul_(b2).add_(sums, alpha=1 - b2)
+                v.mul_(decay).add_(sums, alpha=1 - b2)
                 torch._foreach_copy_(vs, blocks.segments(v, 1))
         else:
             with_grad_items = [k for k, ok in enumerate(step.has_grad) if ok]
             if with_grad_items:
                 parts = blocks.segments(sums, 1)
-                torch._foreach_mul_([vs[k] for k in with_grad_items], b2)
+                torch._foreach_mul_([vs[k] for k in with_grad_items], decay)
                 torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
                 v = torch.cat(vs)
         moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
         momentum = [blocks.block_views(moms, g, persistent="state") for g in blocks.groups]  # the momentum's blocks, not a copy
-        step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=masked_rsqrt(
-            v + group["eps"], out=blocks.line_buffer("col_scale", 1)))
+        col_scale = masked_rsqrt(v + group["eps"], out=blocks.line_buffer("col_scale", 1))
+        if gate is not None:
+            col_scale.mul_(gate)  # a skipped step adds 0 x (finite) momentum
+        step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=col_scale)

@@ -27,6 +27,7 @@ from ..sharding import Round, masked_reciprocal, masked_rsqrt
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
 from .grouped import grouped_step
+from .nonfinite import gated
 
 __all__ = ["RACS", "rescale", "ema_scales", "inverse_sqrt_scales", "norm_growth_eta", "RACSConfig"]
 
@@ -92,11 +93,20 @@ class RACS(ShardedOptimizer):
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return shape[0] + shape[1] + 1 if group.get("treatment", "adamw") != "adamw" else 0
 
+    def skips_on_device(self, group: dict) -> bool:
+        """RACS gates every write (``_step_racs``): on gradients whose non-finite elements read as 0, a skipped
+        step's fresh scales are 0 and their EMA decays by 1, ``phi`` keeps its value and ``eta`` (the step's
+        lr factor, weight decay included) is 0."""
+        return group.get("treatment") == "racs" or super().skips_on_device(group)
+
     def _step_racs(self, group: dict) -> None:
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (nonfinite.gate_step)
         step = grouped_step(self, group)
         blocks = step.blocks
         if not blocks.n_items:
             return
+        if gate is not None:
+            step.sanitize()
         grads = step.grads
         p2 = blocks.square(grads)  # P = G * G, per block shape
         rnd = Round()
@@ -115,7 +125,9 @@ class RACS(ShardedOptimizer):
             s_norm2 = blocks.axis_sums(s_hat * s_hat, 1, rnd)
             rnd.run()
             rescale(q_hat, s_norm2[blocks.item_of_row])
-        beta = group["beta"]
+        beta = decay = group["beta"]
+        if gate is not None:  # a skipped step: q = 1 q + (1 - beta) 0, s likewise
+            q_hat, s_hat, decay = gated(gate, q_hat, 0.0), gated(gate, s_hat, 0.0), gated(gate, beta, 1.0)
         states = step.states
         for st, (m, n) in zip(states, (lay.shape for lay in step.layouts)):
             if "q" not in st:
@@ -126,9 +138,9 @@ class RACS(ShardedOptimizer):
         if with_grad:
             q_parts, s_parts = blocks.segments(q_hat, 0), blocks.segments(s_hat, 1)
             qs, ss = [states[k]["q"] for k in with_grad], [states[k]["s"] for k in with_grad]
-            torch._foreach_mul_(qs, beta)  # ema_scales for every matrix with a gradient
+            torch._foreach_mul_(qs, decay)  # ema_scales for every matrix with a gradient
             torch._foreach_add_(qs, [q_parts[k] for k in with_grad], alpha=1 - beta)
-            torch._foreach_mul_(ss, beta)
+            torch._foreach_mul_(ss, decay)
             torch._foreach_add_(ss, [s_parts[k] for k in with_grad], alpha=1 - beta)
         q_inv, s_inv = inverse_sqrt_scales(torch.cat([st["q"] for st in states]), torch.cat([st["s"] for st in states]))
         # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
@@ -139,7 +151,10 @@ class RACS(ShardedOptimizer):
         phi = torch.stack([st["phi"] for st in states])
         norm = norm2.sqrt()
         eta = norm_growth_eta(norm, phi, group["gamma"])
+        new_phi = eta * norm
+        if gate is not None:  # a skipped step keeps phi and moves nothing
+            new_phi, eta = gated(gate, new_phi, phi), gated(gate, eta, 0.0)
         if with_grad:
-            new_phi = (eta * norm).unbind(0)
+            new_phi = new_phi.unbind(0)
             torch._foreach_copy_([states[k]["phi"] for k in with_grad], [new_phi[k] for k in with_grad])
         step.apply(gt, group["lr"] * group["alpha"] * eta, group["weight_decay"])
