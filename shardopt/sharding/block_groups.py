@@ -121,6 +121,8 @@ class BlockGroups:
         idx = torch.arange(self.n_items)
         self.item_of_row = torch.repeat_interleave(idx, torch.tensor(ms, dtype=torch.int64)).to(dev)
         self.item_of_col = torch.repeat_interleave(idx, torch.tensor(ns, dtype=torch.int64)).to(dev)
+        #: each matrix's number of rows and of columns: the segments of the concatenated line vectors
+        self._line_counts = (torch.tensor(ms, dtype=torch.int64).to(dev), torch.tensor(ns, dtype=torch.int64).to(dev))
         #: length of each row (n of its matrix) and of each column (m), as fp32 line vectors
         #: m of each matrix, fp32
         self.item_rows = torch.tensor(ms, dtype=torch.float32).to(dev)
@@ -216,9 +218,10 @@ class BlockGroups:
         return list((vector.unsqueeze(1) if column else vector).split(self.ms if axis == 0 else self.ns))
 
     def item_sums(self, values: torch.Tensor, axis: int) -> torch.Tensor:
-        """Per-matrix sums of a line vector (rows for axis 0, columns for axis 1)."""
-        where = self.item_of_row if axis == 0 else self.item_of_col
-        return values.new_zeros(self.n_items).index_add_(0, where, values)
+        """Per-matrix sums of a line vector (rows for axis 0, columns for axis 1): a segmented sum, whose order is
+        fixed, so a CUDA step is reproducible bit for bit (an ``index_add_`` adds with atomics there, in whatever
+        order the threads come). ``unsafe``: the counts are ours and right, and checking them reads the device."""
+        return torch.segment_reduce(values, "sum", lengths=self._line_counts[axis], unsafe=True)
 
     # ------------------------------------------------------------------ data
     # A group's data is a ``(B, h, w)`` stack, or, for blocks of ``CPU_BLOCK_LIMIT`` elements or more on a CPU,
