@@ -168,6 +168,26 @@ def test_cuda_device_skip_equals_host_check(name: str) -> None:
                 assert torch.equal(a[k].cpu(), b[k].cpu()), k
 
 
+@pytest.mark.parametrize("weight", [0.1, 0.01])
+def test_cuda_skippable_lerp_is_lerp(weight: float) -> None:
+    """The fused SGD kernel that ``nonfinite.skippable_lerp_`` borrows writes what ``_foreach_lerp_`` writes on
+    CUDA too (the same formula, rounded the same way), and nothing when ``found_inf`` is 1."""
+    from shardopt.optim.nonfinite import skippable_lerp_
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    targets = [torch.randn(1024, 1000, device="cuda", generator=g), torch.randn(4099, device="cuda", generator=g)]
+    sources = [torch.randn_like(t) * 3 for t in targets]
+    expected = [t.clone() for t in targets]
+    torch._foreach_lerp_(expected, sources, weight)
+    ran = [t.clone() for t in targets]
+    skippable_lerp_(ran, sources, weight, torch.zeros(1, device="cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(ran, expected))
+    sources[0][3, 1] = float("nan")
+    skipped = [t.clone() for t in targets]
+    skippable_lerp_(skipped, sources, weight, torch.ones(1, device="cuda"))
+    assert all(torch.equal(a, b) for a, b in zip(skipped, targets))
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -177,3 +177,25 @@ def test_a_copy_after_a_device_skip_has_settled_counts() -> None:
         twin = copy.deepcopy(opt)
     assert twin.skipped_steps == opt.skipped_steps == 1
     assert "_pending_skip" not in twin.__dict__
+
+
+@pytest.mark.parametrize("weight", [0.0, 0.1, 0.3, 0.5, 0.8])
+def test_skippable_lerp_is_lerp_and_skips(weight: float) -> None:
+    """``nonfinite.skippable_lerp_`` writes what ``torch._foreach_lerp_`` writes, bit for bit, on a step that runs;
+    on a skipped one (``found_inf`` 1, sources with inf and NaN) it writes nothing; the sources stay as they were."""
+    from shardopt.optim.nonfinite import skippable_lerp_
+
+    g = torch.Generator().manual_seed(0)
+    targets = [torch.randn(37, 5, generator=g), torch.randn(8, generator=g)]
+    sources = [torch.randn(37, 5, generator=g) * 3, torch.randn(8, generator=g)]
+    expected = [t.clone() for t in targets]
+    torch._foreach_lerp_(expected, sources, weight)
+    ran = [t.clone() for t in targets]
+    kept = [s.clone() for s in sources]
+    skippable_lerp_(ran, sources, weight, torch.zeros(1))
+    assert all(torch.equal(a, b) for a, b in zip(ran, expected))
+    assert all(torch.equal(a, b) for a, b in zip(sources, kept))
+    sources[0][3, 1], sources[1][2] = float("nan"), float("inf")
+    skipped = [t.clone() for t in targets]
+    skippable_lerp_(skipped, sources, weight, torch.ones(1))
+    assert all(torch.equal(a, b) for a, b in zip(skipped, targets))

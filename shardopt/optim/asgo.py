@@ -35,7 +35,7 @@ from .items import apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
 from ..sharding.fragment import local_tensor as _local
 from .grouped import _plan, grouped_step
-from .nonfinite import gated, zero_nonfinite
+from .nonfinite import gated, skippable_lerp_
 
 __all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
 
@@ -166,7 +166,7 @@ class _MomentumMixin:
         ``counts`` (one read of all of them), else None."""
         params = group["params"]
         state = self.state  # type: ignore[attr-defined]
-        steps, ms, gs, raw = [], [], [], []
+        steps, ms, gs = [], [], []
         for p in params:  # one pass: state created where missing, the lists of the foreach kernels
             st = state[p]
             m = st.get("exp_avg")
@@ -180,21 +180,18 @@ class _MomentumMixin:
             if g is not None:
                 g = _local(g)
                 ms.append(_local(m))
-                raw.append(g)
                 gs.append(g if g.dtype == torch.float32 else g.float())
         if not steps:
             return {} if counts else None
         # matrix rules count every step (ShardedOptimizer._step_count); a list of one 0-d tensor, not the scalar
         # overload, which costs a scalar-to-tensor conversion per tensor on a CPU
         torch._foreach_add_(steps, [steps[0].new_ones(())] * len(steps))
-        gate = self._step_gate  # type: ignore[attr-defined]  # None, or the step's skip decided on the device
-        if gate is not None:  # the counts go back if the device skips this step (nonfinite.settle_device_skip)
+        found_inf = self._step_found_inf  # type: ignore[attr-defined]  # None, or the device's skip flag
+        if found_inf is not None:  # the counts go back if the device skips this step (nonfinite.settle_device_skip)
             self._pending_skip.counts += steps  # type: ignore[attr-defined]
-        if ms and gate is None:
+            skippable_lerp_(ms, gs, 1 - beta1, found_inf)
+        elif ms:
             torch._foreach_lerp_(ms, gs, 1 - beta1)
-        elif ms:  # a skipped step: weight 0 on gradients whose non-finite elements read as 0, so M stays M
-            torch._foreach_lerp_(ms, [zero_nonfinite(g, in_place=g is not p_g) for g, p_g in zip(gs, raw)],
-                                 [gated(gate, 1 - beta1, 0.0)] * len(ms))
         if not counts:
             return None
         return {id(p): int(c) for p, c in zip(params, torch.stack(steps).tolist())}
@@ -437,8 +434,9 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         return shape[1] if group.get("treatment", "adamw") != "adamw" else 0
 
     def skips_on_device(self, group: dict) -> bool:
-        """DASGO gates every write (``_step_dasgo``): the momentum's EMA weight 0 on gradients whose non-finite
-        elements read as 0, ``v``'s decay 1 and its new energy 0, a column scale of 0 and a decay factor of 1."""
+        """DASGO gates every write (``_step_dasgo``): the momentum's EMA skipped by its kernel
+        (``nonfinite.skippable_lerp_``), ``v``'s decay 1 and its new energy 0, a column scale of 0 and a decay
+        factor of 1."""
         return group.get("treatment") == "dasgo" or super().skips_on_device(group)
 
     def _step_dasgo(self, group: dict) -> None:

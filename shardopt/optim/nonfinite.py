@@ -12,7 +12,7 @@ from ..sharding.comm import world_group_allreduce_max
 from ..sharding.fragment import local_flat, local_tensor
 
 __all__ = ["nonfinite_grads", "fused_check_applies", "FUSED_CHECK_ELEMENTS", "gate_step", "end_gate",
-           "settle_device_skip", "gated", "zero_nonfinite"]
+           "settle_device_skip", "gated", "zero_nonfinite", "skippable_lerp_"]
 
 #: below this many gradient elements a CPU step is launch-bound and the non-finite check takes the fused AMP
 #: kernel; above it, l2 norms (read-only: about 20% less time per element). GPUs take a multi-tensor max-abs.
@@ -147,6 +147,25 @@ def gated(gate: torch.Tensor, value: float, skipped: float) -> torch.Tensor:
 def zero_nonfinite(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``x`` with its inf/NaN elements as 0, so that a gate of 0 cancels it."""
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=x if in_place else None)
+
+
+def skippable_lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], weight: float,
+                    found_inf: torch.Tensor) -> None:
+    """``t = lerp(t, s, weight)`` for every pair, nothing written where ``found_inf`` is ``[1.]``, with no
+    cleaning of ``sources`` (which may hold inf/NaN on such a step) and no per-tensor kernel.
+
+    torch's fused SGD kernel skips on ``found_inf`` by itself, and with weight decay -1 and lr ``-weight`` it
+    computes ``t - lr (s + wd t) = t + weight (s - t)``: lerp's own formula for a weight below 0.5, rounded the
+    same way, so a step that runs equals ``torch._foreach_lerp_`` bit for bit (``tests/test_device_skip.py``, and
+    on CUDA ``tests/test_cuda.py``). A larger weight takes lerp with its weight gated on cleaned sources."""
+    if not targets:
+        return
+    if 0 <= weight < 0.5:
+        torch._fused_sgd_(targets, sources, [], weight_decay=-1.0, momentum=0.0, lr=-weight, dampening=0.0,
+                          nesterov=False, maximize=False, is_first_step=False, found_inf=found_inf)
+        return
+    gate = 1 - found_inf[0]
+    torch._foreach_lerp_(targets, [zero_nonfinite(x) for x in sources], [gated(gate, weight, 0.0)] * len(targets))
 
 
 def end_gate(opt: Any) -> None:

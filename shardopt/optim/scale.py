@@ -26,7 +26,7 @@ from ..sharding import Round
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
 from .grouped import grouped_step
-from .nonfinite import gated, zero_nonfinite
+from .nonfinite import skippable_lerp_
 
 __all__ = ["SCALE", "inverse_rms", "SCALEConfig"]
 
@@ -111,8 +111,9 @@ class SCALE(ShardedOptimizer):
         return 1 if group["momentum"] else 0
 
     def skips_on_device(self, group: dict) -> bool:
-        """SCALE gates every write (``_step_scale``): a scale of 0, a decay factor of 1 and an EMA weight of 0 when
-        the device skips the step, on gradients whose non-finite elements read as 0."""
+        """SCALE gates every write (``_step_scale``): where the device skips the step, the momentum's EMA is
+        skipped by its kernel (``nonfinite.skippable_lerp_``) and the update has a scale of 0 and a decay factor
+        of 1, on gradients whose non-finite elements read as 0."""
         return group.get("treatment") == "scale" or super().skips_on_device(group)
 
     def _step_scale(self, group: dict) -> None:
@@ -129,8 +130,8 @@ class SCALE(ShardedOptimizer):
             buf = st["momentum_buffer"]
             if gate is None:
                 buf.lerp_(grad.to(buf.dtype), 1 - beta)
-            else:
-                buf.lerp_(zero_nonfinite(grad.to(buf.dtype)), gated(gate, 1 - beta, 0.0))
+            else:  # nothing written on a skipped step, one kernel
+                skippable_lerp_([buf], [grad.to(buf.dtype)], 1 - beta, self._step_found_inf)
             return buf
 
         step = grouped_step(self, group, source)
