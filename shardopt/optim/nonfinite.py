@@ -160,6 +160,7 @@ def skippable_lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], we
     on CUDA ``tests/test_cuda.py``). A larger weight takes lerp with its weight gated on cleaned sources."""
     if not targets:
         return
+    targets, sources = [local_tensor(t) for t in targets], [local_tensor(x) for x in sources]  # FSDP2: the shards
     if 0 <= weight < 0.5:
         torch._fused_sgd_(targets, sources, [], weight_decay=-1.0, momentum=0.0, lr=-weight, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=False, found_inf=found_inf)
