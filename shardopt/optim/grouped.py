@@ -137,9 +137,11 @@ class GroupedStep:
             return [x[k] for k in keep]
         return x[torch.tensor(keep, dtype=torch.int64, device=device)]
 
-    def apply(self, updates: list, lr: float | torch.Tensor, weight_decay: float = 0.0) -> None:
+    def apply(self, updates: list, lr: float | torch.Tensor, weight_decay: float = 0.0,
+              lr_in_updates: bool = False) -> None:
         """``W <- W (1 - lr wd) - lr U`` on every block (``MatrixItem.apply``); ``lr`` a float or one value per
-        matrix (a vector over the matrices)."""
+        matrix (a vector over the matrices). ``lr_in_updates``: ``U`` already carries each matrix's ``lr`` (folded
+        into a scale that made it), so only the decay uses ``lr`` and no scaled copy of ``U`` is written."""
         dev = self.blocks.device
         for g, u in zip(self.blocks.groups, updates):
             keep = self._keep(g)
@@ -151,7 +153,9 @@ class GroupedStep:
                 lr_b = self._pick(lr[g.item_tensor], keep, dev)
                 if weight_decay:
                     torch._foreach_mul_(views, list((1 - lr_b * weight_decay).unbind(0)))
-                if isinstance(u, list):
+                if lr_in_updates:
+                    scaled = blocks_of(u)
+                elif isinstance(u, list):
                     scaled = [ub * lb for ub, lb in zip(u, lr_b.unbind(0))]
                 else:
                     scaled = list((u * lr_b[:, None, None]).unbind(0))

@@ -145,7 +145,6 @@ class RACS(ShardedOptimizer):
         q_inv, s_inv = inverse_sqrt_scales(torch.cat([st["q"] for st in states]), torch.cat([st["s"] for st in states]))
         # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
         norm2 = blocks.item_sums(blocks.row_sums(p2, s_inv * s_inv) * (q_inv * q_inv), 0)
-        gt = blocks.scale(grads, q_inv, s_inv, out=p2)  # into P's memory, as scale_into did
         blocks.add_sums(rnd, norm2)
         rnd.run()
         phi = torch.stack([st["phi"] for st in states])
@@ -157,4 +156,6 @@ class RACS(ShardedOptimizer):
         if with_grad:
             new_phi = new_phi.unbind(0)
             torch._foreach_copy_([states[k]["phi"] for k in with_grad], [new_phi[k] for k in with_grad])
-        step.apply(gt, group["lr"] * group["alpha"] * eta, group["weight_decay"])
+        lr = group["lr"] * group["alpha"] * eta  # per matrix, folded into the row scale: the update is one pass
+        update = blocks.scale(grads, q_inv * lr[blocks.item_of_row], s_inv, out=p2)  # into P's memory
+        step.apply(update, lr, group["weight_decay"], lr_in_updates=True)
