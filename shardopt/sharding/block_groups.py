@@ -29,7 +29,7 @@ import torch
 
 from .comm import Round
 from .layout import MatrixLayout
-from .primitives import col_sumsq, scale_block
+from .primitives import col_sumsq, scale_block, stack_col_sumsq
 
 __all__ = ["BlockGroups", "Group", "blocks_of"]
 
@@ -319,7 +319,7 @@ class BlockGroups:
                 else:
                     part = torch.stack([wb @ b for b, wb in zip(x, row_weight[g.row_index])])
             elif square:
-                part = x.square().sum(1)
+                part = stack_col_sumsq(x)
             elif row_weight is None:
                 part = x.sum(1)
             else:

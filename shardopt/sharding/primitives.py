@@ -17,6 +17,7 @@ __all__ = [
     "row_sums",
     "col_sums",
     "col_sumsq",
+    "stack_col_sumsq",
     "local_sum",
     "axis_sum",
     "scale_into",
@@ -65,6 +66,15 @@ def col_sumsq(blk: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
         chunk = blk[r: r + rows_per_chunk]
         out.addmv_(chunk.square().T, ones[: chunk.shape[0]])
     return out
+
+
+def stack_col_sumsq(x: torch.Tensor) -> torch.Tensor:
+    """Column sums of squares of a ``(..., rows, cols)`` stack. On CUDA one reduction reads ``x`` once (the squared
+    column norms; a squared copy and its sum move three times the bytes); on a CPU the strided reduction over rows
+    ran 1.3-10x slower than squaring and summing (torch 2.13, stacks of 64 x 64 to 512 x 1376), so it keeps that."""
+    if x.is_cuda:
+        return torch.linalg.vector_norm(x, dim=-2).square_()
+    return x.square().sum(-2)
 
 
 def local_sum(a: torch.Tensor) -> torch.Tensor:
