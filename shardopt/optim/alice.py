@@ -335,11 +335,10 @@ class Alice(ShardedOptimizer):
         for s in plan.stacks:
             if s.local:  # the gradients themselves, viewed as A = G (the first n_plain) or A = G^T
                 n, b = s.n_plain, len(s.idx)
-                if n == 0:  # all transposed: a view of their stack
-                    a = stack([items[i].grad for i in s.idx]).view(b, s.cols, s.rows).mT
-                else:  # one copy, whatever the mix (a stack of each and their concatenation would copy twice)
-                    a = stack([items[i].grad.reshape(s.rows, s.cols) for i in s.idx[:n]]
-                              + [items[i].grad.reshape(s.cols, s.rows).mT for i in s.idx[n:]])
+                g = [stack([items[i].grad for i in s.idx[:n]]).view(n, s.rows, s.cols)] if n else []
+                if n < b:
+                    g.append(stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
+                a = g[0] if len(g) == 1 else torch.cat(g)
             else:
                 a = stack([blocks[i] for i in s.idx])
             u = stack([items[i].state["U"] for i in s.idx])  # this rank's rows where they are split (ROWS)
