@@ -36,7 +36,6 @@ import torch
 
 from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
-from ..sharding.primitives import stack_col_sumsq
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.subspace import (complete_basis, determined_floor, fill_draw, fp32_floor, range_basis,
                                  signal_directions, signal_range)
@@ -342,7 +341,7 @@ class Alice(ShardedOptimizer):
             else:
                 a = stack([blocks[i] for i in s.idx])
             u = stack([items[i].state["U"] for i in s.idx])  # this rank's rows where they are split (ROWS)
-            sigma, energy = torch.bmm(u.mT, a), stack_col_sumsq(a)  # colsum(A * A)
+            sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
             if s.distributed:
                 part = torch.cat([sigma.flatten(1), energy], 1)
                 parts.update(zip(s.idx, part.unbind(0)))
