@@ -65,7 +65,10 @@ def _assert_same(a, b) -> None:
 
 #: the rules that gate their writes, with options that exercise every gated write
 GATED = {"scale": dict(weight_decay=0.1, momentum=0.9, embedding_momentum=0.5), "sinkgd": dict(weight_decay=0.1),
-         "dasgo": dict(weight_decay=0.1), "racs": dict(weight_decay=0.1)}
+         "dasgo": dict(weight_decay=0.1), "racs": dict(weight_decay=0.1),
+         # a switch at steps 1 and 5: the skipped third step is one that switches nothing (skips_on_device)
+         "alice": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5),
+         "alice0": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5)}
 
 
 @pytest.mark.parametrize("name", sorted(GATED))
@@ -138,14 +141,27 @@ def test_device_skip_settles_at_the_next_step_and_in_state_dict() -> None:
 
 @pytest.mark.parametrize("name", sorted(GATED))
 def test_the_step_reads_no_flag_where_every_rule_gates(name: str, monkeypatch) -> None:
-    (_, _), (model, opt) = _pair(name)
-    monkeypatch.setattr(opt, "_nonfinite_grads", lambda: pytest.fail("the host check ran"))
+    """After the first step (Alice's first switch reads the device and keeps the host's check), no step reads
+    the flag."""
+    (_, _), (model, opt) = _pair(name, **GATED[name])
     _step(model, opt, 0)
+    monkeypatch.setattr(opt, "_nonfinite_grads", lambda: pytest.fail("the host check ran"))
     _step(model, opt, 1)
+    _step(model, opt, 2)
     assert opt.skipped_steps == 0
 
 
-@pytest.mark.parametrize("name", ["alice", "sumo"])
+def test_a_switch_step_keeps_the_host_check() -> None:
+    """Alice's step that switches a basis (steps 1 and K, 2K, ...) takes the host's check, the others the device's."""
+    (_, _), (model, opt) = _pair("alice", **GATED["alice"])
+    decided = []
+    for seed in range(6):
+        decided.append(opt._gates_on_device())
+        _step(model, opt, seed)
+    assert decided == [False, True, True, True, False, True]
+
+
+@pytest.mark.parametrize("name", ["sumo", "asgo"])
 def test_rules_that_do_not_gate_keep_the_host_check(name: str) -> None:
     (hm, ho), (dm, do) = _pair(name)
     _step(dm, do, 0)

@@ -40,7 +40,7 @@ def local_params(model):
 
 
 #: the rules whose writes are gated by a skip decided on the device (``ShardedOptimizer.skips_on_device``)
-DEVICE_GATED = ("scale", "sinkgd", "dasgo", "racs")
+DEVICE_GATED = ("scale", "sinkgd", "dasgo", "racs", "alice")
 
 
 def nonfinite_on_one_rank(opt_name: str, engine: str, on_device: bool = False) -> dict:
@@ -48,6 +48,8 @@ def nonfinite_on_one_rank(opt_name: str, engine: str, on_device: bool = False) -
     (``on_device``: the skip decided on the device, ``nonfinite.gate_step``, as CUDA does)."""
     model = make_model()
     kw = dict(OPTIMIZERS[opt_name])
+    if on_device and "refresh_interval" in kw:
+        kw["refresh_interval"] = 5  # the NaN step (2) switches no basis, so the device decides it (Alice)
     if engine == "zero2":
         config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
                   "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},

@@ -44,6 +44,7 @@ from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer
 from .items import apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
+from .nonfinite import zero_nonfinite
 from .racs import norm_growth_eta
 from .sumo import effective_rank
 
@@ -285,8 +286,24 @@ class Alice(ShardedOptimizer):
             spec["Q_tilde"] = ((r, r), 1)
         return spec
 
+    def skips_on_device(self, group: dict) -> bool:
+        """Alice gates every write of a step that switches no basis (``_alice_bucket``): on gradients whose
+        non-finite elements read as 0, a skipped step's new statistics are put back to the old ones (``lerp`` by
+        the gate, exact both ways), ``alpha`` and the limiter's ``eta`` are 0 and the decay factor is 1. A step
+        that switches a basis reads the device anyway (its factorizations), so it keeps the host's check."""
+        if group.get("treatment") not in self.matrix_treatments:
+            return super().skips_on_device(group)
+        interval = group["refresh_interval"]
+        for p in group["params"]:
+            upcoming = int(self.state[p].get("step", 0)) + 1  # the host's count, as _alice_bucket's schedule
+            if upcoming == 1 or upcoming % interval == 0:
+                return False
+        return True
+
     def _step_alice(self, group: dict) -> None:
         steps = self._step_counts(group["params"])
+        if self._step_gate is not None:  # taken back if the device skips this step (nonfinite.settle_device_skip)
+            self._pending_skip.counts += [self.state[p]["step"] for p in group["params"]]
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))
 
@@ -310,6 +327,7 @@ class Alice(ShardedOptimizer):
         copy, the updates applied by ``apply_items``. Collectives are those of the per-matrix form: ``to_blocks``
         / ``from_blocks`` of the sharded matrices in their order, one ``allreduce`` of the same partial sums."""
         plan = self._bucket_plan(group, items, ops)
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (skips_on_device)
         blocks: dict[int, torch.Tensor] = {}
         if plan.remote:  # sharded matrices: their rows of A move to the ranks that compute them
             sub = ops.subset(plan.remote)
@@ -340,6 +358,8 @@ class Alice(ShardedOptimizer):
                 a = g[0] if len(g) == 1 else torch.cat(g)
             else:
                 a = stack([blocks[i] for i in s.idx])
+            if gate is not None:  # a skipped step multiplies its update by 0, which an inf or NaN would survive
+                a = zero_nonfinite(a, in_place=a._base is None)  # in place: a stack made for this step
             u = stack([items[i].state["U"] for i in s.idx])  # this rank's rows where they are split (ROWS)
             sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
             if s.distributed:
@@ -372,7 +392,7 @@ class Alice(ShardedOptimizer):
             for i, piece in zip(plan.remote, sub.from_blocks([remote_updates.get(i) for i in plan.remote])):
                 pieces[i] = piece
         ops.account()
-        apply_items(items, pieces, group["lr"], group["weight_decay"])
+        apply_items(items, pieces, group["lr"], group["weight_decay"], gate=gate)
 
     def _stack_updates(self, group: dict, plan: "_BucketPlan", items: list, a_stacks: list, u_stacks: list,
                        sigmas: list, a_energy: list) -> list[torch.Tensor]:
@@ -381,9 +401,11 @@ class Alice(ShardedOptimizer):
         tracking = group["tracking"]
         b1, b2, b3 = group["betas"]
         alpha, eps = group["alpha"], group["eps"]
+        gate = self._step_gate  # None, or 0-d 1./0. (skips_on_device)
         keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
         states = [[items[i].state for i in s.idx] for s in plan.stacks]
         cur = [{key: s.gather(key, [st[key] for st in sts]) for key in keys} for s, sts in zip(plan.stacks, states)]
+        before = None if gate is None else [{key: c[key].clone() for key in keys} for c in cur]
         floors = [fp32_floor((s.rows, s.cols)) for s in plan.stacks]
         for sigma, energy, floor in zip(sigmas, a_energy, floors):
             drop_noise_directions(sigma, energy, floor)
@@ -393,6 +415,9 @@ class Alice(ShardedOptimizer):
             update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
                            [cur[k]["Q_tilde"] for k in moved] if tracking else None,
                            [sigmas[k] for k in moved], [energies[k] for k in moved], (b1, b2, b3))
+            if gate is not None:  # a skipped step: back to the old statistics (lerp by 0 or 1 is exact)
+                news = [cur[k][key] for k in moved for key in keys]
+                torch._foreach_lerp_(news, [before[k][key] for k in moved for key in keys], [1 - gate] * len(news))
         # the compensation where r < rows, with one limiter for all of them; at r = rows C = 0, so |C| = 0,
         # eta = 1 and phi <- 0
         comp = [k for k, s in enumerate(plan.stacks) if s.r < s.rows]
@@ -402,11 +427,15 @@ class Alice(ShardedOptimizer):
             scale, norm = zip(*(compensation_scale(cur[k]["p"], energies[k], plan.stacks[k].rows, plan.stacks[k].r,
                                                    eps) for k in comp))
             norm = torch.cat(norm)
-            eta = norm_growth_eta(norm, torch.stack([st["phi"] for k in comp for st in states[k]]), group["gamma"])
+            phi_old = torch.stack([st["phi"] for k in comp for st in states[k]])
+            eta = norm_growth_eta(norm, phi_old, group["gamma"])
+            new_phi = eta * norm
+            if gate is not None:  # a skipped step keeps phi and adds no compensation
+                new_phi, eta = new_phi.lerp_(phi_old, 1 - gate), eta * gate
             sizes = [len(plan.stacks[k].idx) for k in comp]
             for k, c, e in zip(comp, scale, eta.split(sizes)):
                 cols[k] = c * (e * (alpha * group["alpha_c"])).unsqueeze(-1)
-            for k, phi in zip(comp, (eta * norm).split(sizes)):
+            for k, phi in zip(comp, new_phi.split(sizes)):
                 if plan.stacks[k].has_grad:
                     dst += [st["phi"] for st in states[k]]
                     src += phi.unbind(0)
@@ -421,7 +450,7 @@ class Alice(ShardedOptimizer):
                 torch._foreach_zero_(full)
 
         return low_rank_step(a_stacks, u_stacks, sigmas, [c["M"] for c in cur], [c["V"] for c in cur], cols,
-                             alpha, eps)
+                             alpha if gate is None else alpha * gate, eps)
 
     def _switch(self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict,
                 group: dict) -> None:

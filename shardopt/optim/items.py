@@ -10,6 +10,7 @@ import torch
 from ..sharding.fragment import Fragment
 from ..sharding.layout import MatrixLayout
 from ..sharding.primitives import scale_into
+from .nonfinite import gated
 
 __all__ = ["MatrixItem", "apply_items"]
 
@@ -73,12 +74,13 @@ class MatrixItem:
 
 
 def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr: float | Sequence[float],
-                weight_decay: float = 0.0) -> None:
+                weight_decay: float = 0.0, gate: torch.Tensor | None = None) -> None:
     """``MatrixItem.apply`` for many matrices at once: ``W <- W (1 - lr wd) - lr U`` with ``torch._foreach_*``
     kernels, one call per distinct ``lr`` (a float, or one per item: e.g. a shape-dependent lr) instead of one
     per matrix. Items without a gradient or without local elements are skipped, as ``apply`` does. An update is
     the item's 1-D local piece, or, for a plain tensor that is the whole matrix, may have the tensor's shape
-    (then it is added to the tensor itself)."""
+    (then it is added to the tensor itself). ``gate`` (a step's skip decided on the device,
+    ``nonfinite.gate_step``): the decay factor is 1 where it is 0; the updates are the caller's to zero."""
     lrs = [lr] * len(items) if isinstance(lr, (int, float)) else list(lr)
     by_lr: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
     for it, u, r in zip(items, updates, lrs):
@@ -95,5 +97,8 @@ def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr
     for r, (views, ups) in by_lr.items():
         if weight_decay:  # on a CPU a 0-d fp32 factor: as w.mul_(float) also for bf16 weights, and faster there
             factor = 1 - r * weight_decay
-            torch._foreach_mul_(views, torch.tensor(factor) if views[0].device.type == "cpu" else factor)
+            if gate is not None:
+                factor = gated(gate, factor, 1.0)
+            torch._foreach_mul_(views, torch.tensor(factor) if views[0].device.type == "cpu" and gate is None
+                                else factor)
         torch._foreach_add_(views, ups, alpha=-r)
