@@ -2,9 +2,12 @@
 # The GPU checks and figures in one bounded run, for a machine with a CUDA device (none is needed anywhere else):
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]
 # tests/test_cuda.py (every optimizer on CUDA vs the CPU, bf16 state, zero gradients, DeepSpeed fp16 loss scaling
-# where DeepSpeed is installed) and tests/test_iterative.py, then the factorization, step-time, training-throughput
-# and step-profile benchmarks with --device cuda (130M and 350M). Each phase has a time limit, so the whole run
-# fits a short GPU lease (about 6 minutes on an H200); results and logs go to OUT_DIR (default benchmarks/results).
+# where DeepSpeed is installed, no synchronizing call, the skip decided on the device equal to the host check's),
+# tests/test_iterative.py and tests/test_device_skip.py, then the step-time, training-throughput (with the default
+# non-finite check and, for the rules that decide it on the device, without it) and step-profile benchmarks with
+# --device cuda (130M and 350M). Each phase has a time limit, so the whole run fits one call of a short GPU lease
+# (under 10 minutes on an H200); results and logs go to OUT_DIR (default benchmarks/results). The factorization
+# benchmark is apart: python -m benchmarks.factorizations --device cuda.
 set -uo pipefail
 out="${1:-benchmarks/results}"
 mkdir -p "$out"
@@ -20,11 +23,14 @@ phase() {  # phase SECONDS LOG COMMAND...: run with a time limit, keep the log, 
     timeout "$limit" "$@" > "$out/$log" 2>&1 || { echo "   exit $?"; status=1; }
     grep -v -E "USDT|UserWarning|_warn_once|real_accelerator" "$out/$log" | tail -n 30
 }
-phase 100 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py -q -p no:cacheprovider $xdist --timeout 90
-phase 90 factorizations.log "$py" -m benchmarks.factorizations --device cuda --repeats 1 --results-dir "$out"
-phase 180 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
+phase 120 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py tests/test_device_skip.py -q \
+    -p no:cacheprovider $xdist --timeout 100
+phase 150 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
     --results-dir "$out"
 phase 140 throughput.log "$py" -m benchmarks.throughput --device cuda --sizes 130m,350m --iters 6 --warmup 2 \
+    --results-dir "$out"
+phase 80 throughput_ignore.log "$py" -m benchmarks.throughput --device cuda --sizes 350m --iters 6 --warmup 2 \
+    --optimizers scale,sinkgd,dasgo,racs,alice,alice0 --on-nonfinite ignore --out throughput_cuda_ignore \
     --results-dir "$out"
 phase 50 step_profile.log "$py" -m benchmarks.step_profile --device cuda --sizes 130m \
     --optimizers sinkgd,racs,asgo,sumo,alice --results-dir "$out"
