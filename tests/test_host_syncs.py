@@ -29,7 +29,10 @@ READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Te
 CHECKED_LINALG = {torch.linalg.eigh, torch.linalg.eigvalsh, torch.linalg.svd, torch.linalg.svdvals,
                   torch.linalg.cholesky, torch.linalg.inv, torch.linalg.solve, torch.linalg.pinv,
                   torch.linalg.lstsq, torch.linalg.eig, torch.linalg.matrix_rank}
-HOST_COUNTERS = {"_step_counts", "adamw_group_step"}  # reads of the host-resident step counters
+#: reads of host tensors, not of the device: the host-resident step counters (read by the step and by Alice's
+#: switch schedule in ``skips_on_device``) and the device skip's flag, copied to pinned host memory without
+#: waiting and read at the next step once its event says the copy is done (``nonfinite.settle_device_skip``)
+HOST_COUNTERS = {"_step_counts", "adamw_group_step", "skips_on_device", "settle_device_skip"}
 FROM_HOST = {torch.tensor, torch.as_tensor}  # with a device: host data copied there (on CUDA, a synchronizing copy)
 
 
@@ -98,6 +101,17 @@ def test_elementwise_and_newton_schulz_steps_never_wait_for_the_device(name):
 def test_the_nonfinite_check_is_one_read_per_step(name):
     for step, sites in enumerate(syncs_per_step(name)):
         assert dict(sites) == {("read", "optim/nonfinite.py:nonfinite_grads"): 1}, (name, step + 1, dict(sites))
+
+
+@pytest.mark.parametrize("name", ["scale", "sinkgd", "dasgo", "racs", "alice", "alice0"])
+def test_a_skip_decided_on_the_device_reads_nothing(name, monkeypatch):
+    """The default check decided on the device (as CUDA does; the CPU is made to here): after the first step
+    (Alice's first switch reads, and so keeps the host's check) a step reads nothing from the device."""
+    monkeypatch.setattr(shardopt.ShardedOptimizer, "nonfinite_on_device", True)
+    low_rank = {"rank": 8, "leading": 4, "refresh_interval": 5} if name.startswith("alice") else {}
+    for step, sites in enumerate(syncs_per_step(name, **low_rank)):
+        if step:
+            assert not sites, f"{name} step {step + 1}: host syncs at {dict(sites)}"
 
 
 def test_sumo_between_refreshes_reads_only_for_its_checked_polar_factor():
