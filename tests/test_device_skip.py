@@ -66,6 +66,7 @@ def _assert_same(a, b) -> None:
 #: the rules that gate their writes, with options that exercise every gated write
 GATED = {"scale": dict(weight_decay=0.1, momentum=0.9, embedding_momentum=0.5), "sinkgd": dict(weight_decay=0.1),
          "dasgo": dict(weight_decay=0.1), "racs": dict(weight_decay=0.1),
+         "muon": dict(weight_decay=0.1), "swan": dict(weight_decay=0.1),
          # a switch at steps 1 and 5: the skipped third step is one that switches nothing (skips_on_device)
          "alice": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5),
          "alice0": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5)}

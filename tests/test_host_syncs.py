@@ -103,7 +103,7 @@ def test_the_nonfinite_check_is_one_read_per_step(name):
         assert dict(sites) == {("read", "optim/nonfinite.py:nonfinite_grads"): 1}, (name, step + 1, dict(sites))
 
 
-@pytest.mark.parametrize("name", ["scale", "sinkgd", "dasgo", "racs", "alice", "alice0"])
+@pytest.mark.parametrize("name", SYNC_FREE + ["alice", "alice0"])
 def test_a_skip_decided_on_the_device_reads_nothing(name, monkeypatch):
     """The default check decided on the device (as CUDA does; the CPU is made to here): after the first step
     (Alice's first switch reads, and so keeps the host's check) a step reads nothing from the device."""

@@ -29,6 +29,7 @@ from ..sharding.stacking import group_indices, same_shape
 from ..sharding.fragment import local_tensor as _local
 from .base import ShardedOptimizer
 from .items import MatrixItem
+from .nonfinite import gated, skippable_lerp_, zero_nonfinite
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 
 __all__ = ["Muon", "MuonConfig", "adjusted_lr"]
@@ -87,23 +88,29 @@ class Muon(ShardedOptimizer):
     def elementwise_state_copies(self, group: dict) -> int:
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
 
+    def skips_on_device(self, group: dict) -> bool:
+        """Muon gates every write (``_step_muon``): the momentum's EMA skipped by its kernel
+        (``nonfinite.skippable_lerp_``), the Nesterov blend made from gradients whose non-finite elements read as
+        0, the update times 0 and the decay factor 1."""
+        return group.get("treatment") == "muon" or super().skips_on_device(group)
+
     def _step_muon(self, group: dict) -> None:
         updates = self._momentum(group)
         items = self._matrix_items(group, lambda p, grad: updates[id(p)])
         self._run_whole_matrix(group, items, lambda its, ops: self._orthogonalize(its, ops, group))
         self._apply(items, group)
 
-    @staticmethod
-    def _apply(items: list[MatrixItem], group: dict) -> None:
+    def _apply(self, items: list[MatrixItem], group: dict) -> None:
         """``W <- W (1 - lr wd) - lr_adj O`` (decay at the unadjusted lr, as torch.optim.Muon) with foreach
         kernels: one decay for all matrices, one update per distinct adjusted lr (``base.apply_items``, whose
         decay would use the adjusted lr). Matrices without a gradient or local elements are skipped."""
         lr, wd = group["lr"], group["weight_decay"]
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device
         views, by_lr = [], {}
         for it in items:
             if it.has_grad and it.frag.numel:
                 w = it.param()
-                u = it.work["update"]
+                u = it.work["update"] if gate is None else it.work["update"] * gate
                 views.append(w)
                 ws, us = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape), ([], []))
                 ws.append(w)
@@ -113,7 +120,8 @@ class Muon(ShardedOptimizer):
             for w in views:
                 by_device.setdefault(w.device, []).append(w)
             for device, ws in by_device.items():
-                torch._foreach_mul_(ws, torch.full((), 1 - lr * wd, device=device))
+                factor = torch.full((), 1 - lr * wd, device=device)
+                torch._foreach_mul_(ws, factor if gate is None else gated(gate, factor, 1.0))
         for r, (ws, us) in by_lr.items():
             torch._foreach_add_(ws, us, alpha=-r)
 
@@ -135,7 +143,12 @@ class Muon(ShardedOptimizer):
             grads.append(g if g.dtype == buf.dtype else g.to(buf.dtype))
         if not params:
             return {}
-        torch._foreach_lerp_(bufs, grads, 1 - mu)
+        if self._step_found_inf is None:
+            torch._foreach_lerp_(bufs, grads, 1 - mu)
+        else:  # the skip decided on the device: nothing written, and a finite blend for a 0-weighted update
+            skippable_lerp_(bufs, grads, 1 - mu, self._step_found_inf)
+            if group["nesterov"]:
+                grads = [zero_nonfinite(g) for g in grads]
         out = torch._foreach_lerp(grads, bufs, mu) if group["nesterov"] else bufs
         return {id(p): u for p, u in zip(params, out)}
 

@@ -29,6 +29,7 @@ from ..sharding.matrix_ops import OpCost
 from ..sharding.stacking import group_indices, same_shape
 from .base import ShardedOptimizer
 from .items import apply_items
+from .nonfinite import zero_nonfinite
 from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SWAN", "line_scale", "whiten", "SWANConfig"]
@@ -83,12 +84,22 @@ class SWAN(ShardedOptimizer):
             lr=lr, lr_scale=lr_scale, iterations=iterations, center=center, whitening=whitening,
             ns_steps=ns_steps, weight_decay=weight_decay), options))
 
+    def skips_on_device(self, group: dict) -> bool:
+        """SWAN keeps no state: a skipped step whitens gradients whose non-finite elements read as 0 and applies
+        the result times 0 with a decay factor of 1 (``_step_swan``)."""
+        return group.get("treatment") == "swan" or super().skips_on_device(group)
+
     def _step_swan(self, group: dict) -> None:
         lr = group["lr"] * group["lr_scale"]
-        here, items = self._whole_here_items(group, self._matrix_items(group))
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (nonfinite.gate_step)
+        all_items = self._matrix_items(group)
+        if gate is not None:
+            for it in all_items:
+                it.grad = zero_nonfinite(it.grad)
+        here, items = self._whole_here_items(group, all_items)
         if here:  # matrices held whole by this rank (one process, DDP, a ZeRO rank's own): every sweep on stacks
             self._run_whole_matrix(group, here, lambda its, ops: self._local_bucket(its, ops, group))
-            apply_items(here, [it.work["x"] for it in here], lr, group["weight_decay"])
+            _apply_gated(here, lr, group["weight_decay"], gate)
         if not items:
             return
         # matrices split between ranks (the same ones on every rank): line norms reduced, whitening on MatrixOps
@@ -117,7 +128,7 @@ class SWAN(ShardedOptimizer):
                 scale_into(it.layout, it.work["x"], it.work["x"], inv if it.work["axis"] == 0 else None,
                            inv if it.work["axis"] == 1 else None)
             self._whiten(items, group)
-        apply_items(items, [it.work["x"] for it in items], lr, group["weight_decay"])
+        _apply_gated(items, lr, group["weight_decay"], gate)
 
     whole_matrix_work = True
 
@@ -180,6 +191,14 @@ class SWAN(ShardedOptimizer):
             g = a.mT if transposed else a
             for i, piece in zip(idx, g.reshape(len(idx), -1).unbind(0)):
                 items[i].work["x"] = piece
+
+
+def _apply_gated(items: list, lr: float, weight_decay: float, gate: torch.Tensor | None) -> None:
+    """``apply_items`` of the whitened updates ``work["x"]``, times the device's gate where it decides the skip."""
+    updates = [it.work["x"] for it in items]
+    if gate is not None:
+        updates = torch._foreach_mul(updates, gate)
+    apply_items(items, updates, lr, weight_decay, gate=gate)
 
 
 def _gram_roots(grams: dict[int, torch.Tensor], items: list, group: dict) -> dict[int, torch.Tensor]:
