@@ -108,8 +108,8 @@ def test_cuda_zero_gradients_stay_finite(name: str) -> None:
 SYNC_FREE = ("scale", "sinkgd", "racs", "dasgo", "muon", "swan")
 #: rules that gate their writes on the device, so the default non-finite check reads nothing either
 #: (``ShardedOptimizer.skips_on_device``, ``nonfinite.gate_step``)
-#: (Alice's, Muon's and SWAN's gates have not run on a GPU yet)
-DEVICE_SKIP = ("scale", "sinkgd", "dasgo", "racs", "alice", "alice0", "muon", "swan")
+#: (the gates of Alice, Muon, SWAN and SUMO have not run on a GPU yet)
+DEVICE_SKIP = ("scale", "sinkgd", "dasgo", "racs", "alice", "alice0", "muon", "swan", "sumo")
 
 
 def _synchronizing_calls(opt) -> int:

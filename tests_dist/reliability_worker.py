@@ -40,7 +40,7 @@ def local_params(model):
 
 
 #: the rules whose writes are gated by a skip decided on the device (``ShardedOptimizer.skips_on_device``)
-DEVICE_GATED = ("scale", "sinkgd", "dasgo", "racs", "alice", "muon", "swan")
+DEVICE_GATED = ("scale", "sinkgd", "dasgo", "racs", "alice", "muon", "swan", "sumo")
 
 
 def nonfinite_on_one_rank(opt_name: str, engine: str, on_device: bool = False) -> dict:

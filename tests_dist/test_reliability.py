@@ -39,9 +39,9 @@ def test_nonfinite_on_one_rank_is_skipped_on_every_rank():
 
 
 def test_nonfinite_skip_decided_on_the_device_on_every_rank():
-    """The skip decided on the device by SCALE, SinkGD, DASGO, RACS, Alice, Muon and SWAN (as on CUDA; here the
-    CPU is made to): the flag all-reduced and never read in the step, the skipped step leaving every rank's shard
-    untouched, counted at ``skipped_steps``."""
+    """The skip decided on the device by every rule but ASGO (as on CUDA; here the CPU is made to): the flag
+    all-reduced and never read in the step, the skipped step leaving every rank's shard untouched, counted at
+    ``skipped_steps``."""
     cases = [ranks for ranks in records() if ranks[0]["kind"] == "nonfinite_on_device"]
     assert len(cases) == 2 * len(DEVICE_GATED)
     for ranks in cases:

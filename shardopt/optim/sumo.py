@@ -35,6 +35,7 @@ from ..sharding.stacking import group_indices, unstack_into
 from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer
 from .items import apply_items
+from .nonfinite import zero_nonfinite
 from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth", "SUMOConfig"]
@@ -137,8 +138,19 @@ class SUMO(ShardedOptimizer):
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         return _state_spec(group["rank"], *a_shape)
 
+    def skips_on_device(self, group: dict) -> bool:
+        """SUMO gates every write of a step that refreshes no basis (``_sumo_bucket``): the projections' inf/NaN
+        read as 0, the new moments and limiter norms put back to the old ones (``lerp`` by the gate, exact both
+        ways), the update times the gate and a decay factor of 1. A refresh step keeps the host's check."""
+        if group.get("treatment") != "sumo":
+            return super().skips_on_device(group)
+        period = group["refresh_interval"]  # the upcoming count c (the host's count + 1) refreshes where (c - 1) % K == 0
+        return all(int(self.state[p].get("step", 0)) % period != 0 for p in group["params"])
+
     def _step_sumo(self, group: dict) -> None:
         steps = self._step_counts(group["params"])
+        if self._step_gate is not None:  # taken back if the device skips this step (nonfinite.settle_device_skip)
+            self._pending_skip.counts += [self.state[p]["step"] for p in group["params"]]
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))
 
@@ -154,6 +166,7 @@ class SUMO(ShardedOptimizer):
         one tensor, with no per-matrix block mapping."""
         n = len(items)
         plans = ops.plans
+        gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (skips_on_device)
         local = ops.all_here  # every matrix held whole by this rank (one process, DDP, a ZeRO rank's own)
         blocks = None if local else [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         states = [it.state for it in items]
@@ -191,7 +204,8 @@ class SUMO(ShardedOptimizer):
                 a = torch.stack([blocks[i] for i in idx])
                 q = torch.stack([states[i]["Q"] for i in idx])  # this rank's rows where they are split (ROWS)
             stacked_q.append(q)
-            projections.append(q.mT @ a)
+            # Q^T A is all the step reads of A: where the device decides the skip, its inf/NaN read as 0
+            projections.append(q.mT @ a if gate is None else zero_nonfinite(q.mT @ a, in_place=True))
             if not local:
                 parts.update((i, projections[-1][j]) for j, i in enumerate(idx) if ops.split(i))
         summed = ops.allreduce(parts)  # partial sums of distributed matrices; the others are complete
@@ -212,13 +226,18 @@ class SUMO(ShardedOptimizer):
             proj = projections[gs[0]] if len(gs) == 1 else torch.cat([projections[g] for g in gs])
             stepped = [j for j, i in enumerate(idx) if items[i].has_grad]
             whole = len(stepped) == len(idx)
+            before = None if gate is None else mom.clone()
             if whole:
                 mom.mul_(mu).add_(proj)
             elif stepped:  # a rank without this step's gradient keeps its moment
                 mom[stepped] = mom[stepped].mul_(mu).add_(proj[stepped])
             o = polar_factor(mom, rtol=max(mom.shape[-2:]) * _EPS32)
             prevs = [states[i]["prev_onorm"] for i in idx]
-            o, norms = _limit_growth_stacked(o, torch.stack(prevs), group["gamma"])
+            prev = torch.stack(prevs)
+            o, norms = _limit_growth_stacked(o, prev, group["gamma"])
+            if gate is not None:  # a skipped step: back to the old moments and norms (lerp by 0 or 1 is exact)
+                mom.lerp_(before, 1 - gate)
+                norms = norms.lerp(prev, 1 - gate)
             if stepped:  # the new moments, and |O| of the (limited) factor for the next step's limiter
                 if whole:
                     unstack_into(mom, moments)
@@ -236,7 +255,8 @@ class SUMO(ShardedOptimizer):
             first = idx[0]
             like_g = plans[first].transpose if local else stored_transposed(blocks[first])
             u = o.mT @ q.mT if like_g else q @ o
-            u.mul_(group["alpha"] * step_scale(group["step_scale"], items[first].layout.shape))
+            factor = group["alpha"] * step_scale(group["step_scale"], items[first].layout.shape)
+            u.mul_(factor if gate is None else factor * gate)
             if local:  # the G-shaped update of each matrix (apply_items takes it so for a whole tensor)
                 updates_g = u.unbind(0)
             else:
@@ -245,7 +265,7 @@ class SUMO(ShardedOptimizer):
                 updates[i] = ui
         pieces = updates if local else ops.from_blocks(updates)
         ops.account()
-        apply_items(items, pieces, group["lr"], group["weight_decay"])
+        apply_items(items, pieces, group["lr"], group["weight_decay"], gate=gate)
 
     def _refresh(self, group: dict, items: list, ops, blocks: list, due: list[int]) -> None:
         """New bases for the matrices ``due`` (every rank passes the same ones): the range finder on the
