@@ -124,6 +124,46 @@ def test_device_skip_with_a_matrix_without_gradient(name: str) -> None:
     assert do.skipped_steps == 1
 
 
+@pytest.mark.parametrize("name", sorted(GATED))
+@pytest.mark.parametrize("magnitude", [4e18, 7e18, 1e30])
+def test_device_skip_with_huge_finite_gradients(name: str, magnitude: float) -> None:
+    """A step skipped for an inf elsewhere while a matrix's gradient is finite but huge (its squares and norms
+    overflow): nothing of the overflow reaches the state or the weights, and the steps after it equal the host
+    check's (the restores are selects, not products by 0)."""
+    (hm, ho), (dm, do) = _pair(name, **GATED[name])
+    for seed, poison in ((0, False), (1, False), (2, True), (3, False)):
+        for model, opt in ((hm, ho), (dm, do)):
+            x = torch.randint(0, 11, (4, 6), generator=torch.Generator().manual_seed(seed))
+            opt.zero_grad()
+            nn.functional.cross_entropy(model(x).flatten(0, 1), x.flatten()).backward()
+            if poison:
+                model.norm.bias.grad[0] = float("inf")
+                grad = model.proj.weight.grad
+                grad.copy_(torch.where(grad < 0, -magnitude, magnitude))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)
+                opt.step()
+        assert ho.skipped_steps == do.skipped_steps
+        _assert_same(_snapshot(hm, ho), _snapshot(dm, do))
+
+
+def test_bf16_weights_keep_the_host_check() -> None:
+    """A gated decay factor is a device tensor, which a bf16 weight would round to its dtype: only fp32 weights
+    (mixed precision's master weights) take the device's skip."""
+    torch.manual_seed(0)
+    model = Tiny()
+    model.proj.to(torch.bfloat16)
+    opt = shardopt.create_optimizer(model, "scale")
+    opt.nonfinite_on_device = True
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    assert not opt._gates_on_device()
+    model.proj.float()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    assert opt._gates_on_device()
+
+
 def test_device_skip_settles_at_the_next_step_and_in_state_dict() -> None:
     """The skip is counted when the next step starts, and a state dict taken right after it has the counts of
     the steps that ran."""

@@ -44,7 +44,7 @@ from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer
 from .items import apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
-from .nonfinite import zero_nonfinite
+from .nonfinite import gated, keep_unless_gated, zero_nonfinite
 from .racs import norm_growth_eta
 from .sumo import effective_rank
 
@@ -415,9 +415,10 @@ class Alice(ShardedOptimizer):
             update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
                            [cur[k]["Q_tilde"] for k in moved] if tracking else None,
                            [sigmas[k] for k in moved], [energies[k] for k in moved], (b1, b2, b3))
-            if gate is not None:  # a skipped step: back to the old statistics (lerp by 0 or 1 is exact)
-                news = [cur[k][key] for k in moved for key in keys]
-                torch._foreach_lerp_(news, [before[k][key] for k in moved for key in keys], [1 - gate] * len(news))
+            if gate is not None:  # a skipped step: back to the old statistics (a select: the new may overflow)
+                for k in moved:
+                    for key in keys:
+                        keep_unless_gated(gate, cur[k][key], before[k][key])
         # the compensation where r < rows, with one limiter for all of them; at r = rows C = 0, so |C| = 0,
         # eta = 1 and phi <- 0
         comp = [k for k, s in enumerate(plan.stacks) if s.r < s.rows]
@@ -430,8 +431,8 @@ class Alice(ShardedOptimizer):
             phi_old = torch.stack([st["phi"] for k in comp for st in states[k]])
             eta = norm_growth_eta(norm, phi_old, group["gamma"])
             new_phi = eta * norm
-            if gate is not None:  # a skipped step keeps phi and adds no compensation
-                new_phi, eta = new_phi.lerp_(phi_old, 1 - gate), eta * gate
+            if gate is not None:  # a skipped step keeps phi and adds no compensation (selects: |C| may overflow)
+                new_phi, eta = gated(gate, new_phi, phi_old), gated(gate, eta, 0.0)
             sizes = [len(plan.stacks[k].idx) for k in comp]
             for k, c, e in zip(comp, scale, eta.split(sizes)):
                 cols[k] = c * (e * (alpha * group["alpha_c"])).unsqueeze(-1)

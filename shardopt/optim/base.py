@@ -648,8 +648,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         mode = self.nonfinite_on_device
         if self.on_nonfinite != "skip" or mode is False:
             return False
-        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if not grads or (mode == "auto" and not local_tensor(grads[0]).is_cuda):
+        stepped = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        if not stepped or (mode == "auto" and not local_tensor(stepped[0].grad).is_cuda):
+            return False
+        # fp32 weights only (mixed precision's master weights): a gated decay factor, a device tensor, would be
+        # rounded to a bf16 weight's dtype where the host's float is not
+        if any(p.dtype != torch.float32 for p in stepped):
             return False
         return all(self.skips_on_device(g) for g in self.param_groups)
 

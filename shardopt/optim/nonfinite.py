@@ -12,7 +12,7 @@ from ..sharding.comm import world_group_allreduce_max
 from ..sharding.fragment import local_flat, local_tensor
 
 __all__ = ["nonfinite_grads", "fused_check_applies", "FUSED_CHECK_ELEMENTS", "gate_step", "end_gate",
-           "settle_device_skip", "gated", "zero_nonfinite", "skippable_lerp_"]
+           "settle_device_skip", "gated", "keep_unless_gated", "zero_nonfinite", "skippable_lerp_"]
 
 #: below this many gradient elements a CPU step is launch-bound and the non-finite check takes the fused AMP
 #: kernel; above it, l2 norms (read-only: about 20% less time per element). GPUs take a multi-tensor max-abs.
@@ -146,6 +146,12 @@ def gated(gate: torch.Tensor, value: float, skipped: float) -> torch.Tensor:
     return torch.where(gate > 0, value, skipped)
 
 
+def keep_unless_gated(gate: torch.Tensor, new: torch.Tensor, old: torch.Tensor) -> None:
+    """``new`` back to ``old`` in place where the device skips the step: a select, so a new value that overflowed
+    (inf or NaN from finite gradients) cannot leak through as a product by 0 would let it."""
+    torch.where(gate > 0, new, old, out=new)
+
+
 def zero_nonfinite(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     """``x`` with its inf/NaN elements as 0, so that a gate of 0 cancels it."""
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=x if in_place else None)
@@ -162,7 +168,8 @@ def skippable_lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], we
     on CUDA ``tests/test_cuda.py``). A larger weight takes lerp with its weight gated on cleaned sources."""
     if not targets:
         return
-    targets, sources = [local_tensor(t) for t in targets], [local_tensor(x) for x in sources]  # FSDP2: the shards
+    # FSDP2: the shards; contiguous sources, as the fused kernel reads them (a CPU one ignores their strides)
+    targets, sources = [local_tensor(t) for t in targets], [local_tensor(x).contiguous() for x in sources]
     if 0 <= weight < 0.5:
         torch._fused_sgd_(targets, sources, [], weight_decay=-1.0, momentum=0.0, lr=-weight, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=False, found_inf=found_inf)

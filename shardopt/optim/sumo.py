@@ -35,7 +35,7 @@ from ..sharding.stacking import group_indices, unstack_into
 from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer
 from .items import apply_items
-from .nonfinite import zero_nonfinite
+from .nonfinite import gated, keep_unless_gated, zero_nonfinite
 from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth", "SUMOConfig"]
@@ -231,13 +231,14 @@ class SUMO(ShardedOptimizer):
                 mom.mul_(mu).add_(proj)
             elif stepped:  # a rank without this step's gradient keeps its moment
                 mom[stepped] = mom[stepped].mul_(mu).add_(proj[stepped])
+            if gate is not None:  # a skipped step: back to the old moments (a select: the new may overflow)
+                keep_unless_gated(gate, mom, before)
             o = polar_factor(mom, rtol=max(mom.shape[-2:]) * _EPS32)
             prevs = [states[i]["prev_onorm"] for i in idx]
             prev = torch.stack(prevs)
             o, norms = _limit_growth_stacked(o, prev, group["gamma"])
-            if gate is not None:  # a skipped step: back to the old moments and norms (lerp by 0 or 1 is exact)
-                mom.lerp_(before, 1 - gate)
-                norms = norms.lerp(prev, 1 - gate)
+            if gate is not None:  # and to the old limiter norms
+                norms = gated(gate, norms, prev)
             if stepped:  # the new moments, and |O| of the (limited) factor for the next step's limiter
                 if whole:
                     unstack_into(mom, moments)
