@@ -288,8 +288,8 @@ class Alice(ShardedOptimizer):
 
     def skips_on_device(self, group: dict) -> bool:
         """Alice gates every write of a step that switches no basis (``_alice_bucket``): on gradients whose
-        non-finite elements read as 0, a skipped step's new statistics are put back to the old ones (``lerp`` by
-        the gate, exact both ways), ``alpha`` and the limiter's ``eta`` are 0 and the decay factor is 1. A step
+        non-finite elements read as 0, a skipped step's new statistics are put back to the old ones (a select,
+        ``nonfinite.keep_unless_gated``), ``alpha`` and the limiter's ``eta`` are 0 and the decay factor is 1. A step
         that switches a basis reads the device anyway (its factorizations), so it keeps the host's check."""
         if group.get("treatment") not in self.matrix_treatments:
             return super().skips_on_device(group)

@@ -106,7 +106,7 @@ def nonfinite_grads(opt: Any) -> bool:
 # on the device instead: the step runs with ``opt._step_gate`` (0-d, 1. or 0.) and ``opt._step_found_inf``
 # (``[0.]`` or ``[1.]``), and a skipped step writes nothing (lr 0, betas 1, non-finite gradient elements read as
 # 0; momentum EMAs and fused AdamW through kernels told ``found_inf``, ``skippable_lerp_``; statistics of the
-# low-rank rules put back by a lerp with the gate). Every rule but ASGO does, on the steps that switch or
+# low-rank rules put back by a select, ``keep_unless_gated``). Every rule but ASGO does, on the steps that switch or
 # refresh no basis (those read the device anyway). The host learns of the skip one step later, from a copy made without
 # waiting: ``settle_device_skip`` then takes back the host step counts the skipped step advanced and counts and
 # warns about it, before anything reads them (the next step, ``state_dict``, ``skipped_steps``).

@@ -140,11 +140,12 @@ class SUMO(ShardedOptimizer):
 
     def skips_on_device(self, group: dict) -> bool:
         """SUMO gates every write of a step that refreshes no basis (``_sumo_bucket``): the projections' inf/NaN
-        read as 0, the new moments and limiter norms put back to the old ones (``lerp`` by the gate, exact both
-        ways), the update times the gate and a decay factor of 1. A refresh step keeps the host's check."""
+        read as 0, the new moments and limiter norms put back to the old ones (selects,
+        ``nonfinite.keep_unless_gated``), the update times the gate and a decay factor of 1. A refresh step keeps
+        the host's check."""
         if group.get("treatment") != "sumo":
             return super().skips_on_device(group)
-        period = group["refresh_interval"]  # the upcoming count c (the host's count + 1) refreshes where (c - 1) % K == 0
+        period = group["refresh_interval"]  # the upcoming count c (the host's + 1) refreshes where (c - 1) % K == 0
         return all(int(self.state[p].get("step", 0)) % period != 0 for p in group["params"])
 
     def _step_sumo(self, group: dict) -> None:
