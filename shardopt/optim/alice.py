@@ -301,9 +301,7 @@ class Alice(ShardedOptimizer):
         return True
 
     def _step_alice(self, group: dict) -> None:
-        steps = self._step_counts(group["params"])
-        if self._step_gate is not None:  # taken back if the device skips this step (nonfinite.settle_device_skip)
-            self._pending_skip.counts += [self.state[p]["step"] for p in group["params"]]
+        steps = self._step_counts(group["params"])  # taken back if the device skips this step
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))
 
@@ -405,12 +403,12 @@ class Alice(ShardedOptimizer):
         keys = ("M", "V", "p") + (("Q_tilde",) if tracking else ())
         states = [[items[i].state for i in s.idx] for s in plan.stacks]
         cur = [{key: s.gather(key, [st[key] for st in sts]) for key in keys} for s, sts in zip(plan.stacks, states)]
-        before = None if gate is None else [{key: c[key].clone() for key in keys} for c in cur]
+        moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
+        before = None if gate is None else {k: {key: cur[k][key].clone() for key in keys} for k in moved}
         floors = [fp32_floor((s.rows, s.cols)) for s in plan.stacks]
         for sigma, energy, floor in zip(sigmas, a_energy, floors):
             drop_noise_directions(sigma, energy, floor)
         energies = [residual_energy(e, s, f) for e, s, f in zip(a_energy, sigmas, floors)]
-        moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
         if moved:
             update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
                            [cur[k]["Q_tilde"] for k in moved] if tracking else None,

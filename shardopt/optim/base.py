@@ -586,7 +586,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step_counts(self, params: Sequence[torch.Tensor]) -> dict[int, int]:
         """``{id(p): _step_count(p)}`` (every step counts) for many tensors: one foreach increment and one read
-        when the counters are CPU float32 0-d tensors (as ``_step_count`` makes them), else one by one."""
+        when the counters are CPU float32 0-d tensors (as ``_step_count`` makes them), else one by one. In a step
+        whose skip the device decides, the counters go back if it skips (``nonfinite.settle_device_skip``)."""
         counters = []
         for p in params:
             st = self.state[p]
@@ -597,8 +598,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if counters and all(c.dtype == torch.float32 and c.is_cpu and c.dim() == 0 for c in counters):
             # the tensor-list overload: the scalar one converts the scalar once per tensor on a CPU
             torch._foreach_add_(counters, [counters[0].new_ones(())] * len(counters))
-            return {id(p): int(v) for p, v in zip(params, torch.stack(counters).tolist())}
-        return {id(p): self._step_count(p) for p in params}
+            out = {id(p): int(v) for p, v in zip(params, torch.stack(counters).tolist())}
+        else:
+            out = {id(p): self._step_count(p) for p in params}
+        if self._step_gate is not None:
+            self._pending_skip.counts += [self.state[p]["step"] for p in params]
+        return out
 
     # ------------------------------------------------------------------ stepping
     @torch.no_grad()

@@ -149,9 +149,7 @@ class SUMO(ShardedOptimizer):
         return all(int(self.state[p].get("step", 0)) % period != 0 for p in group["params"])
 
     def _step_sumo(self, group: dict) -> None:
-        steps = self._step_counts(group["params"])
-        if self._step_gate is not None:  # taken back if the device skips this step (nonfinite.settle_device_skip)
-            self._pending_skip.counts += [self.state[p]["step"] for p in group["params"]]
+        steps = self._step_counts(group["params"])  # taken back if the device skips this step
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))
 
