@@ -8,7 +8,6 @@ and hang or fail to connect (observed with torch 2.13 + gloo; see README "Reliab
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
 
@@ -68,10 +68,13 @@ def main() -> None:
                 os.replace(latest + ".tmp", latest)
             dist.barrier()
     params = {n: p.full_tensor().detach().tolist() for n, p in model.named_parameters()}
-    if dist.get_rank() == 0:
-        with open(os.path.join(args.dir, "result.json"), "w") as f:
-            json.dump({"attempt": attempt, "resumed_from": start, "params": params}, f)
-    dist.destroy_process_group()
+    # finish_worker: the ranks meet before the group goes. Rank 1, with nothing to write, used to reach the
+    # interpreter's exit while gloo's worker thread still released the last gather's tensors; that release takes
+    # the GIL, which a finalizing interpreter refuses by ending the thread, and libstdc++ then aborts the process
+    # ("terminate called without an active exception"; from a core dump; about 1 run in 10 under load).
+    del model, opt
+    finish_worker({"attempt": attempt, "resumed_from": start, "params": params},
+                  os.path.join(args.dir, "result.json"))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import shardopt  # noqa: E402
 from shardopt.sharding import collective_counter  # noqa: E402
+from launch import finish_worker  # noqa: E402
 from toy_models import GLOBAL_BATCH, batch, loss_fn, make_model  # noqa: E402
 
 STEPS = 6
@@ -298,9 +299,7 @@ def main() -> None:
     records.append(rec)
     if rank == 0:
         print(json.dumps(rec), flush=True)
-        with open(args.out, "w") as f:
-            json.dump(records, f, indent=1)
-    dist.destroy_process_group()
+    finish_worker(records, args.out)  # the ranks meet before the group goes (see crash_worker.py)
 
 
 if __name__ == "__main__":
