@@ -39,7 +39,7 @@ from ..sharding.orientation import mm_like
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.subspace import (complete_basis, determined_floor, fill_draw, fp32_floor, range_basis,
                                  signal_directions, signal_range)
-from ..sharding.stacking import group_indices, stack
+from ..sharding.stacking import group_indices, stack, stack_stored
 from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer
 from .items import apply_items
@@ -355,9 +355,10 @@ class Alice(ShardedOptimizer):
                     g.append(stack([items[i].grad for i in s.idx[n:]]).view(b - n, s.cols, s.rows).mT)
                 a = g[0] if len(g) == 1 else torch.cat(g)
             else:
-                a = stack([blocks[i] for i in s.idx])
+                a = stack_stored([blocks[i] for i in s.idx])
             if gate is not None:  # a skipped step multiplies its update by 0, which an inf or NaN would survive
-                a = zero_nonfinite(a, in_place=a._base is None)  # in place: a stack made for this step
+                made = a._base is None or (not s.local and len(s.idx) > 1)  # a stack made for this step
+                a = zero_nonfinite(a, in_place=made)
             u = stack([items[i].state["U"] for i in s.idx])  # this rank's rows where they are split (ROWS)
             sigma, energy = torch.bmm(u.mT, a), a.square().sum(-2)
             if s.distributed:

@@ -31,7 +31,7 @@ from ..sharding.matfun import polar_factor
 from ..sharding.orientation import stored_transposed
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis, refresh_reduced
-from ..sharding.stacking import group_indices, unstack_into
+from ..sharding.stacking import group_indices, stack_stored, unstack_into
 from ..sharding.state_split import ROWS
 from .base import ShardedOptimizer
 from .items import apply_items
@@ -200,7 +200,7 @@ class SUMO(ShardedOptimizer):
                 a = a.mT if plans[idx[0]].transpose else a
                 q = torch.stack([states[i]["Q"] for i in idx])
             else:
-                a = torch.stack([blocks[i] for i in idx])
+                a = stack_stored([blocks[i] for i in idx])
                 q = torch.stack([states[i]["Q"] for i in idx])  # this rank's rows where they are split (ROWS)
             stacked_q.append(q)
             # Q^T A is all the step reads of A: where the device decides the skip, its inf/NaN read as 0
