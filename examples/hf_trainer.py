@@ -65,6 +65,8 @@ def main() -> None:
               f"{trainer.args.world_size} ranks; loss {trainer.state.log_history[-2]['loss']:.4f}")
     # An orderly shutdown: ranks leave together and gloo's threads are joined before the interpreter exits (left
     # to exit handlers, a rank can abort with "terminate called without an active exception" after its work is done).
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()  # README "Reliability": the last gather's tensors released before anyone exits
     trainer.accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
