@@ -63,6 +63,7 @@ def main() -> None:
         accelerator.save_state(args.save)
         if torch.distributed.get_rank() == 0:
             open(os.path.join(args.save, "step.txt"), "w").write(str(args.steps))
+    accelerator.wait_for_everyone()  # README "Reliability": the ranks meet before end_training destroys the group
     accelerator.end_training()
 
 

@@ -245,7 +245,7 @@ def main() -> None:
     ap.add_argument("--count-blocks", default="1,6",
                     help="block counts for the collective-count check (fsdp2_rows and zero2, no comparison)")
     args = ap.parse_args()
-    global N_BLOCKS
+    global N_BLOCKS, LAST_OPTIMIZER
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank, ws = dist.get_rank(), dist.get_world_size()
@@ -299,6 +299,7 @@ def main() -> None:
     records.append(rec)
     if rank == 0:
         print(json.dumps(rec), flush=True)
+    LAST_OPTIMIZER = None  # released with the engines before the group goes
     finish_worker(records, args.out)  # the ranks meet before the group goes (see crash_worker.py)
 
 
