@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from .orientation import stored_transposed
+
 __all__ = ["group_indices", "same_shape", "stack", "stack_stored", "unstack_into"]
 
 
@@ -37,7 +39,7 @@ def stack_stored(tensors: list[torch.Tensor]) -> torch.Tensor:
     is viewed transposed. Same values as ``torch.stack``; a plain copy instead of a transposing one (on a CPU
     about 8x slower per element), and the products that read the stack see the layout the single-process step
     reads (its ``G`` stacks viewed as ``A = G^T``)."""
-    if len(tensors) > 1 and all(t.dim() == 2 and not t.is_contiguous() and t.mT.is_contiguous() for t in tensors):
+    if len(tensors) > 1 and all(stored_transposed(t) for t in tensors):
         return torch.stack([t.mT for t in tensors]).mT
     return stack(tensors)
 
