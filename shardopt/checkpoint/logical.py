@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ..optim.base import ShardedOptimizer
+from ..sharding.batched import matrix_name
 from ..sharding.comm import Round
 from ..sharding.layout import ColPiece, FlatPiece
 from ..sharding.state_split import share, share_shape
@@ -30,7 +31,7 @@ from .errors import CheckpointError
 from .files import FORMAT, _natural_view, piece_spec, write_part
 
 __all__ = ["export_state", "import_state", "import_from", "save_sharded", "local_records", "CheckpointError",
-           "PARAM_KEY", "SEP", "PART_BYTES"]
+           "PARAM_KEY", "SEP", "PART_BYTES", "fill_param_range"]
 
 PARAM_KEY = "param"  # the fp32 values the optimizer steps (master weights under mixed precision)
 SEP = "::"
@@ -56,6 +57,28 @@ class Record:
         return f"{self.key}|{piece_spec(self.piece)}"
 
 
+def fill_param_range(reader: Any, name: str, lo: int, hi: int, out: torch.Tensor) -> bool:
+    """Elements ``[lo, hi)`` of parameter ``name``'s row-major flattening into the 1-D ``out``, from its
+    ``param`` record, or from the records of its matrices where it is a batched parameter (``name[e]``, one per
+    expert: ``sharding.batched``). False when the checkpoint holds neither."""
+    key = f"{name}{SEP}{PARAM_KEY}"
+    if key in reader.index:
+        reader.fill(key, FlatPiece(lo, hi), out)
+        return True
+    first = f"{matrix_name(name, 0)}{SEP}{PARAM_KEY}"
+    if first not in reader.index:
+        return False
+    size = math.prod(reader.index[first]["shape"])
+    pos = lo
+    while pos < hi:
+        e = pos // size
+        stop = min(hi, (e + 1) * size)
+        reader.fill(f"{matrix_name(name, e)}{SEP}{PARAM_KEY}", FlatPiece(pos - e * size, stop - e * size),
+                    out[pos - lo: stop - lo])
+        pos = stop
+    return True
+
+
 def _dist() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
@@ -64,7 +87,7 @@ def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag) -> dict[str, torch.Te
     """State entries of one fragment: tensor-level ones plus its per-matrix ones."""
     st = opt.state.get(p, {})
     out = opt.tensor_entries(p, st)
-    if opt.is_flat(p):
+    if opt.nests(p):
         out.update(opt.matrix_state(p, frag, st, create=False) or {})
     return out
 

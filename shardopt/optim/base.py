@@ -22,7 +22,8 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
-from ..sharding.discover import complete_partial_grads, global_shape, layout_of, shard_mesh
+from ..sharding.batched import BATCHED_NDIM, split_flat
+from ..sharding.discover import batched_fragments, complete_partial_grads, global_shape, layout_of, shard_mesh
 from ..sharding.fragment import Fragment, local_flat, local_tensor
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter
@@ -68,6 +69,13 @@ def _state_for_param(value: Any, device: torch.device, key: Any = None) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_state_for_param(v, device) for v in value)
     return value
+
+
+def _logical_shape(p: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's unsharded shape: DeepSpeed ZeRO-3's ``ds_shape`` where it partitioned the data, else the
+    (DTensor's global, Megatron's unsplit) shape."""
+    ds_shape = getattr(p, "ds_shape", None)
+    return tuple(int(s) for s in ds_shape) if ds_shape is not None else tuple(global_shape(p))
 
 
 def _is_dtensor(p: torch.Tensor) -> bool:
@@ -153,6 +161,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._group_list: list[dict] = list(self.param_groups)  # see _groups
         #: parameter names of each group as built (engines may later replace group tensors by flat partitions)
         self.group_param_names: list[list[str]] = [[names.get(id(p), "") for p in g["params"]] for g in groups]
+        #: their logical shapes, as built (which 3-D parameters are batches of matrices, after an engine flattened them)
+        self.group_param_shapes: list[list[tuple[int, ...]]] = [[_logical_shape(p) for p in g["params"]]
+                                                                for g in groups]
         self._fragments: dict[int, list[Fragment]] = {}
         self._attached: dict[int, torch.Tensor] = {}
         self._layout_resolver: LayoutResolver = layout_of
@@ -221,11 +232,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         else:
             for p in group["params"]:
-                if p.dim() != 2 and not self.is_flat(p):
+                if p.dim() not in (2, BATCHED_NDIM) and not self.is_flat(p):
                     name = names.get(id(p), "<unnamed>")
                     raise ValueError(
                         f"parameter {name!r} of shape {tuple(p.shape)} is in a {t!r} group, but {t} needs 2-D "
-                        f"matrices; route it to 'adamw' (routing={{'{name}': 'adamw'}})"
+                        f"matrices (or a 3-D batch of them, e.g. fused MoE experts); route it to 'adamw' "
+                        f"(routing={{'{name}': 'adamw'}})"
                     )
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -245,6 +257,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
             for p in group["params"]:
                 self.param_names.setdefault(id(p), names[id(p)])
             self.group_param_names.append([self.param_names[id(p)] for p in group["params"]])
+            self.group_param_shapes.append([_logical_shape(p) for p in group["params"]])
         self._groups()  # the stable group list follows (see _groups)
         self._forget_plans()
 
@@ -279,10 +292,29 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._layout_resolver = resolver if resolver is not None else layout_of
         self._fragments.clear()
         self._attached.clear()
+        batched = self._batched_names()
         for tensor, fragments in flat:
-            self._fragments[id(tensor)] = list(fragments)
+            self._fragments[id(tensor)] = [m for f in fragments
+                                           for m in (split_flat(f) if f.name in batched else (f,))]
             self._attached[id(tensor)] = tensor
         self._forget_plans()
+
+    def _batched_names(self) -> set[str]:
+        """Names of the 3-D parameters that matrix rules step as batches of matrices (``sharding.batched``): those
+        of groups whose treatment is not AdamW."""
+        out = set()
+        shapes = self.__dict__.get("group_param_shapes") or [[] for _ in self.group_param_names]
+        for group, names, group_shapes in zip(self._groups(), self.group_param_names, shapes):
+            if group.get("treatment", "adamw") != "adamw":
+                out.update(n for n, shape in zip(names, group_shapes) if len(shape) == BATCHED_NDIM)
+        return out
+
+    def _is_batched(self, p: torch.Tensor) -> bool:
+        """Whether real parameter ``p`` is a batch of matrices: 3-D in a group whose rule is not AdamW."""
+        if len(global_shape(p)) != BATCHED_NDIM:
+            return False
+        return any(g.get("treatment", "adamw") != "adamw" and any(q is p for q in g["params"])
+                   for g in self._groups())
 
     def _make_team_groups(self) -> None:
         """Before the first step on new plans, every rank makes the process groups of every rank's teams
@@ -513,9 +545,20 @@ class ShardedOptimizer(torch.optim.Optimizer):
         frags = self._fragments.get(id(p))
         if frags is None:
             name = self.param_names.get(id(p), f"param@{id(p):x}")
-            frags = [Fragment(name, self._layout_resolver(p), 0, global_shape(p))]
+            if self._is_batched(p):  # fused experts: one fragment per matrix (sharding.batched)
+                frags = batched_fragments(p, name, self._layout_resolver)
+            else:
+                frags = [Fragment(name, self._layout_resolver(p), 0, global_shape(p))]
             self._fragments[id(p)] = frags
         return frags
+
+    def nests(self, p: torch.Tensor) -> bool:
+        """Whether stepped tensor ``p`` keeps per-matrix state under ``state[p]["matrices"][name]``: an engine's
+        flat partition, or a batched parameter (several matrices in one tensor); else its state is its own."""
+        if self.is_flat(p):
+            return True
+        frags = self.fragments(p)
+        return not frags or frags[0].index is not None
 
     # ------------------------------------------------------------------ per-matrix state
     # The one place that knows how per-matrix state nests: a tensor that is one parameter keeps it in its own
@@ -528,7 +571,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Matrix ``frag``'s state inside ``entries`` (default ``self.state[p]``); None if ``create`` is false
         and a flat partition holds none for it yet."""
         st = self.state[p] if entries is None else entries
-        if not self.is_flat(p):
+        if not self.nests(p):
             return st
         if create:
             return st.setdefault(self.MATRICES, {}).setdefault(frag.name, {})
@@ -536,18 +579,18 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def matrix_states(self, p: torch.Tensor, entries: dict) -> list[tuple[str, dict]]:
         """``(matrix name, its state)`` for every matrix with state in ``entries`` (``p``'s state entries)."""
-        if not self.is_flat(p):
+        if not self.nests(p):
             return [(self.fragments(p)[0].name, entries)]
         return list(entries.get(self.MATRICES, {}).items())
 
     def tensor_entries(self, p: torch.Tensor, entries: dict) -> dict:
         """``entries`` without the per-matrix ones: what belongs to the stepped tensor as a whole."""
-        return {k: v for k, v in entries.items() if not (k == self.MATRICES and self.is_flat(p))}
+        return {k: v for k, v in entries.items() if not (k == self.MATRICES and self.nests(p))}
 
     def _copy_entries(self, p: torch.Tensor, entries: dict) -> dict:
         """A copy of ``p``'s state entries whose per-matrix dicts may be replaced without touching the state."""
         new = dict(entries)
-        if self.is_flat(p):
+        if self.nests(p):
             new[self.MATRICES] = {n: dict(m) for n, m in (entries.get(self.MATRICES) or {}).items()}
         return new
 
@@ -719,7 +762,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out: dict[int, list[Fragment]] = {}
         for p in self.stepped_tensors():
             for frag in self.fragments(p):
-                g = owner.get(frag.name)
+                g = owner.get(frag.name, owner.get(frag.param))
                 if g is not None and g < len(groups) and \
                         (all_groups or groups[g].get("treatment", "adamw") != "adamw"):
                     out.setdefault(g, []).append(frag)

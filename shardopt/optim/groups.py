@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .routing import module_role, named_or_unnamed, record_role, roles_from_names, unnamed_roles, warn_unnamed_once
+from .routing import (module_role, named_or_unnamed, record_role, roles_from_names, unnamed_roles,
+                      warn_unknown_batches, warn_unnamed_once)
 
 __all__ = ["normalize_param_groups", "tensor_names"]
 
@@ -107,6 +108,9 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
         role = module_role(t)  # routing.declare_module_roles (shardopt.plugin.wrapped.names_from_trainer)
         if role is not None:
             roles_by_name[n] = role
+    routed = [(n, t) for g, (tensors, names, _) in zip(groups, per_group) if names and "treatment" not in g
+              for n, t in zip(names, tensors)]
+    warn_unknown_batches(routed, roles_by_name, {}, who, stacklevel=stacklevel + 1)
 
     out: list[dict] = []
     ids: dict[int, str] = {}

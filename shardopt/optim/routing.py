@@ -6,8 +6,12 @@ is tied to an embedding, or the last Linear whose ``out_features`` equals an emb
 ``gate`` / ``router`` Linear of a Hugging Face MoE block; AdamW by default, like the other small routing weights),
 ``matrix`` (every other 2-D Linear weight), ``matrix_transposed`` (a 2-D weight stored ``in x out``, as
 ``transformers.pytorch_utils.Conv1D`` in GPT-2: each rule either knows that orientation or refuses it),
-``vector`` (everything else: norms, biases, >2-D tensors, and 2-D weights of module types routing does not know,
-which ``route`` names in a warning).
+``vector`` (everything else: norms, biases, convolution kernels, and 2-D or 3-D weights of module types routing
+does not know, which ``route`` names in a warning).
+Fused mixture-of-experts weights are 3-D ``(E, m, n)`` batches of matrices (``sharding.batched``): the 3-D weights
+of a transformers 5 experts module (``@use_experts_implementation``: ``matrix``, or ``matrix_transposed`` where it
+says ``is_transposed``) and of torchtitan's ``GroupedExperts`` (``matrix`` for its ``w1_EFD``-style names and for
+``w1``/``w2``/``w3`` stored out x in; ``matrix_transposed`` for older releases that store them in x out).
 User patterns (``fnmatch`` on the parameter name, first match wins) override the role, or force
 ``"adamw"``. Each optimizer maps roles to param-group options (its config's ``roles()``).
 
@@ -95,14 +99,73 @@ def _is_conv1d(m: nn.Module) -> bool:
     return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(w, torch.Tensor) and w.dim() == 2
 
 
+def _is_conv(m: nn.Module) -> bool:
+    """Convolutions (``nn.Conv1d/2d/3d`` and their transposes): their kernels are AdamW's by design."""
+    return isinstance(m, nn.modules.conv._ConvNd)
+
+
+def _router_modules(model: nn.Module) -> set[int]:
+    """Ids of the 2-D ``weight`` of router modules that are not Linears (transformers 5's ``MixtralTopKRouter``,
+    ``Qwen3MoeTopKRouter``, ...: a module whose type names a router and that scores experts with ``F.linear``)."""
+    return {id(m.weight) for m in model.modules()
+            if "Router" in type(m).__name__ and isinstance(getattr(m, "weight", None), torch.Tensor)
+            and m.weight.dim() == 2}
+
+
+def _grouped_experts_role(parent: nn.Module, experts: nn.Module, name: str, p: torch.Tensor) -> str | None:
+    """torchtitan's ``GroupedExperts``: ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` (0.3 and later) name their layout,
+    (E, out, in); plain ``w1`` / ``w2`` / ``w3`` were stored in x out by early releases and out x in by later ones,
+    told apart by the model dimension (the input size of the router's gate, a sibling Linear scoring
+    ``num_experts``). None when the layout cannot be told."""
+    if name.endswith(("_EFD", "_EDF")):
+        return "matrix"
+    count = getattr(experts, "num_experts", None)
+    dims = {m.in_features for m in parent.modules() if isinstance(m, nn.Linear) and m.out_features == count}
+    w1 = getattr(experts, "w1", None)
+    if len(dims) != 1 or not isinstance(w1, torch.Tensor) or w1.dim() != 3:
+        return None
+    (dim,) = dims
+    if w1.shape[2] == dim != w1.shape[1]:
+        return "matrix"
+    if w1.shape[1] == dim != w1.shape[2]:
+        return "matrix_transposed"
+    return None
+
+
+def expert_roles(model: nn.Module) -> dict[int, str]:
+    """Ids of fused-expert 3-D weights (``(E, m, n)``, ``E`` the module's ``num_experts``) -> their role:
+    ``matrix`` (each slice out x in, applied as ``F.linear(x, W[e])``) or ``matrix_transposed`` (in x out)."""
+    out: dict[int, str] = {}
+    for parent in model.modules():
+        for experts in parent.children():
+            count = getattr(experts, "num_experts", None)
+            batched = [(n, p) for n, p in experts.named_parameters(recurse=False)
+                       if p.dim() == 3 and isinstance(count, int) and p.shape[0] == count]
+            if not batched:
+                continue
+            transposed = getattr(experts, "is_transposed", None)
+            for n, p in batched:
+                if isinstance(transposed, bool):  # transformers 5: @use_experts_implementation(is_transposed=...)
+                    out[id(p)] = "matrix_transposed" if transposed else "matrix"
+                elif type(experts).__name__ == "GroupedExperts":
+                    role = _grouped_experts_role(parent, experts, n, p)
+                    if role is not None:
+                        out[id(p)] = role
+    return out
+
+
 def unknown_matrices(model: nn.Module) -> dict[str, str]:
-    """2-D parameters that get the ``vector`` role (AdamW) only because routing does not know their module type:
-    ``{name: module type}`` (a module's own 2-D parameters, not those of a known Embedding/Linear/Conv1D)."""
+    """2-D and 3-D parameters that get the ``vector`` role (AdamW) only because routing does not know their module
+    type: ``{name: module type}`` (a module's own parameters, not those of a known Embedding/Linear/Conv1D, router,
+    fused experts or convolution)."""
     known = {id(m.weight) for m in model.modules() if _is_embedding(m) or _is_linear(m) or _is_conv1d(m)}
+    known |= _router_modules(model) | set(expert_roles(model))
     out: dict[str, str] = {}
     for mod_name, m in model.named_modules():
+        if _is_conv(m):
+            continue
         for p_name, p in m.named_parameters(recurse=False):
-            if p.dim() == 2 and id(p) not in known and p.requires_grad:
+            if p.dim() in (2, 3) and id(p) not in known and p.requires_grad:
                 out[f"{mod_name}.{p_name}" if mod_name else p_name] = type(m).__name__
     return out
 
@@ -143,7 +206,14 @@ def param_roles(model: nn.Module) -> dict[str, str]:
         head = candidates[-1] if candidates else None
     for m in embeddings:
         roles[names[id(m.weight)]] = "embedding"
-    routers = _routers(model)
+    routers = _routers(model) | _router_modules(model)
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and id(w) in routers and id(w) in names:
+            roles.setdefault(names[id(w)], "router")
+    for pid, role in expert_roles(model).items():
+        if pid in names:
+            roles[names[pid]] = role
     for m in linears:
         if id(m.weight) in names and names[id(m.weight)] not in roles:
             roles[names[id(m.weight)]] = "router" if id(m.weight) in routers else "matrix"
@@ -167,15 +237,17 @@ def _module_words(name: str) -> set[str]:
     return set(re.split(r"[_\-]", module.lower()))
 
 
-def _is_router_name(name: str) -> bool:
+def _is_router_name(name: str, expert_prefixes: set[str] = frozenset()) -> bool:
     """A router's weight by name: ``...router.weight``, DeepSpeed's ``...gate.wg.weight``, or ``...gate.weight``
-    inside a module path that names an MoE block (``block_sparse_moe.gate.weight``)."""
+    inside a module path that names an MoE block (``block_sparse_moe.gate.weight``) or beside an ``experts``
+    module (``mlp.gate.weight`` next to ``mlp.experts.*``: ``expert_prefixes`` holds those ``mlp.`` prefixes)."""
     parts = name.split(".")
     if len(parts) < 2:
         return False
     module = parts[-2]
     return module == "router" or (module == "wg" and parts[-3:-2] == ["gate"]) or (
-        module == "gate" and any("moe" in part.lower() for part in parts[:-2]))
+        module == "gate" and (any("moe" in part.lower() for part in parts[:-2])
+                              or ".".join(parts[:-2]) in expert_prefixes))
 
 
 def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
@@ -194,8 +266,9 @@ def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str
         if p.dim() == 2 and _module_words(name) & _EMBEDDING_WORDS:
             roles[name] = "embedding"
             vocab.add(p.shape[0])
+    expert_prefixes = {name.split(".experts.")[0] for name, _ in named if ".experts." in name}
     for name, p in named:
-        if p.dim() == 2 and _is_router_name(name):
+        if p.dim() == 2 and _is_router_name(name, expert_prefixes):
             roles[name] = "router"
     matrices = [(name, p) for name, p in named if p.dim() == 2 and name not in roles]
     heads = [name for name, _ in matrices if "lm_head" in name.split(".")[-2:-1]]
@@ -276,16 +349,30 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
 
 
 def warn_unknown_matrices(model: nn.Module, overrides: Mapping[str, str], optimizer_name: str) -> None:
-    """Warn, naming each, about 2-D parameters sent to AdamW only because their module type is unknown (a
+    """Warn, naming each, about 2-D and 3-D parameters sent to AdamW only because their module type is unknown (a
     routing pattern that matches one is a declaration, so it is not named)."""
     unknown = {n: t for n, t in unknown_matrices(model).items()
                if not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
+    _warn_unknown(unknown, optimizer_name, stacklevel=5)
+
+
+def warn_unknown_batches(named: Sequence[tuple[str, torch.Tensor]], roles: Mapping[str, str],
+                         overrides: Mapping[str, str], optimizer_name: str, stacklevel: int = 4) -> None:
+    """Without the model (names only), a 3-D parameter's layout cannot be told (transformers' fused experts are
+    stored out x in, GPT-OSS's in x out): warn, naming each that goes to AdamW for that reason."""
+    unknown = {n: "name only" for n, p in named if p.dim() == 3 and p.requires_grad and roles.get(n) == "vector"
+               and not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
+    _warn_unknown(unknown, optimizer_name, stacklevel=stacklevel + 1)
+
+
+def _warn_unknown(unknown: Mapping[str, str], optimizer_name: str, stacklevel: int) -> None:
     if unknown:
         listed = ", ".join(f"{n} ({t})" for n, t in unknown.items())
-        warnings.warn(f"{optimizer_name}: these 2-D parameters go to AdamW only because their module type is unknown "
-                      f"to shardopt's routing: {listed}; declare each with routing={{pattern: 'matrix' | "
+        warnings.warn(f"{optimizer_name}: these parameters go to AdamW only because shardopt's routing does not know "
+                      f"their layout: {listed}; declare each with routing={{pattern: 'matrix' | "
                       "'matrix_transposed' | 'adamw'}} ('matrix' for out x in storage, 'matrix_transposed' for "
-                      "in x out)", UserWarning, stacklevel=4)
+                      "in x out; a 3-D (E, m, n) weight is E such matrices, e.g. fused MoE experts)", UserWarning,
+                      stacklevel=stacklevel)
 
 
 def route(
@@ -312,6 +399,8 @@ def route(
             raise RoutingError(f"routing[{pattern!r}] = {role!r}: unknown role; use one of {list(ROLES)}")
     if isinstance(model, nn.Module):
         warn_unknown_matrices(model, overrides, optimizer_name)
+    else:
+        warn_unknown_batches(named, roles, overrides, optimizer_name)
     used = set()
     groups: dict[tuple, dict] = {}
     for name, p in named:
@@ -333,11 +422,11 @@ def route(
                 f"'matrix' to apply the rule to the stored (in x out) layout on purpose")
         else:
             options = dict(role_table[role])
-        if options["treatment"] != "adamw" and p.dim() != 2:
+        if options["treatment"] != "adamw" and p.dim() not in (2, 3):
             raise RoutingError(
                 f"parameter {name!r} of shape {tuple(p.shape)} is routed to {optimizer_name}'s "
-                f"{options['treatment']!r} rule by {why} (role {role!r}), which needs a 2-D matrix; "
-                f"route it to AdamW with routing={{'{name}': 'adamw'}}"
+                f"{options['treatment']!r} rule by {why} (role {role!r}), which needs a 2-D matrix (or a 3-D "
+                f"(E, m, n) batch of E matrices); route it to AdamW with routing={{'{name}': 'adamw'}}"
             )
         key = tuple(sorted(options.items()))
         group = groups.setdefault(key, {**options, "params": [], "names": [], "roles": []})

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import os
 from typing import Any, Mapping
 
@@ -352,27 +351,24 @@ def _sync_bit16_params(engine: Any, reader: Any, names: Mapping[int, str]) -> No
     """After the fp32 masters were loaded, give the module's (bit16) parameters the same values, reading from
     the checkpoint only what this rank's module holds (its ZeRO-3 partition, or the replicated weights of
     ZeRO-1/2), one parameter at a time."""
-    from ..checkpoint.logical import PARAM_KEY, SEP
-    from ..sharding.layout import FlatPiece
+    from ..checkpoint.logical import fill_param_range
 
     with torch.no_grad():
         for p in engine.module.parameters():
-            key = f"{names.get(id(p))}{SEP}{PARAM_KEY}"
-            if key not in reader.index:
-                continue
-            numel = math.prod(reader.index[key]["shape"])
+            name = names.get(id(p))
+            numel = int(getattr(p, "ds_numel", p.numel()))
             if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's padded partition of the flat parameter
                 part = p.ds_tensor.numel()
                 rank = dist.get_rank(group=p.ds_process_group) if hasattr(p, "ds_process_group") else dist.get_rank()
                 lo, hi = min(rank * part, numel), min((rank + 1) * part, numel)
                 buf = torch.empty(hi - lo, dtype=torch.float32)
-                reader.fill(key, FlatPiece(lo, hi), buf)
-                p.ds_tensor.data.zero_()
-                p.ds_tensor.data[: hi - lo].copy_(buf.to(p.ds_tensor.dtype))
+                if fill_param_range(reader, name, lo, hi, buf):
+                    p.ds_tensor.data.zero_()
+                    p.ds_tensor.data[: hi - lo].copy_(buf.to(p.ds_tensor.dtype))
             else:
                 buf = torch.empty(numel, dtype=torch.float32)
-                reader.fill(key, FlatPiece(0, numel), buf)
-                p.data.copy_(buf.view_as(p.data).to(p.dtype))
+                if fill_param_range(reader, name, 0, numel, buf):
+                    p.data.copy_(buf.view_as(p.data).to(p.dtype))
 
 
 def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:

@@ -61,7 +61,7 @@ class UnmappedTensorError(RuntimeError):
 def _needs_mapping(opt: Any, p: torch.Tensor) -> bool:
     if opt.is_flat(p):
         return False
-    return p.dim() != 2 or hasattr(p, "ds_id")
+    return p.dim() not in (2, 3) or hasattr(p, "ds_id")  # a matrix, or a batch of them (fused experts)
 
 
 def _zero_wrapper_types() -> tuple[type, ...]:

@@ -15,9 +15,11 @@ import itertools
 
 import torch
 
+from .batched import box_fragments, split_flat
+from .fragment import Fragment
 from .layout import ColPiece, FlatPiece, MatrixLayout, RectPiece
 
-__all__ = ["layout_of", "matrix_shape", "global_shape", "shard_mesh", "complete_partial_grads"]
+__all__ = ["layout_of", "matrix_shape", "global_shape", "shard_mesh", "complete_partial_grads", "batched_fragments"]
 
 
 def _megatron_tp(p: torch.Tensor):
@@ -94,6 +96,43 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
             f"{layout.local_numel} for shape {shape} on rank {rank}/{world}; padded local shards are not supported"
         )
     return layout
+
+
+def batched_fragments(p: torch.Tensor, name: str, resolver=None) -> list[Fragment]:
+    """One fragment per matrix of a batched ``(E, m, n)`` parameter (``sharding.batched``). A DTensor's pieces come
+    from DTensor's own offsets for every coordinate of its sharded mesh dimensions (any ``Shard`` dims: experts,
+    rows, columns, several at once); any other tensor's from ``resolver`` (default ``layout_of``: the whole tensor)."""
+    shape = global_shape(p)
+    placements = getattr(p, "placements", None)
+    dims = [i for i, pl in enumerate(placements) if _shards(pl)] if placements is not None else []
+    if not dims:
+        layout = (resolver or layout_of)(p)
+        return split_flat(Fragment(name, layout, 0, shape))
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    mesh = p.device_mesh
+    if len(dims) == 1:
+        group, rank = mesh.get_group(dims[0]), mesh.get_local_rank(dims[0])
+    elif mesh.mesh_dim_names is None:
+        raise NotImplementedError(
+            f"{name!r} of shape {tuple(shape)} is sharded over mesh dimensions {dims} {tuple(p.placements)} of a mesh "
+            "without dimension names; name them (init_device_mesh(..., mesh_dim_names=...)) so that shardopt can "
+            "reduce over the sharded dimensions together")
+    else:
+        sub, _ = shard_mesh(p)
+        group, rank = sub.get_group(), sub.get_local_rank()
+    boxes = []
+    for coords in itertools.product(*(range(mesh.size(i)) for i in dims)):  # row-major: the flattened order
+        coordinate = [0] * mesh.ndim
+        for i, c in zip(dims, coords):
+            coordinate[i] = c
+        extent, origin = _compute_local_shape_and_global_offset(tuple(shape), mesh.shape, coordinate, p.placements)
+        boxes.append((tuple(origin), tuple(extent)))
+    frags = box_fragments(name, shape, boxes, rank, group)
+    if tuple(p.to_local().shape) != tuple(boxes[rank][1]):
+        raise RuntimeError(f"{name!r}: DTensor local shard has shape {tuple(p.to_local().shape)} but its placements "
+                           f"{tuple(p.placements)} give {boxes[rank][1]}; padded local shards are not supported")
+    return frags
 
 
 def complete_partial_grads(params) -> None:

@@ -41,6 +41,15 @@ class Fragment:
     layout: MatrixLayout
     offset: int = 0
     shape: tuple[int, ...] | None = None  # the parameter's logical shape (default: the layout's 2-D view)
+    #: for one matrix of a batched parameter (fused MoE experts, ``sharding.batched``): its index in the batch
+    index: int | None = None
+    #: the parameter this fragment is part of, when it is one matrix of a batched one (default: ``name``)
+    param_name: str | None = None
+
+    @property
+    def param(self) -> str:
+        """The name of the parameter this matrix belongs to (routing and param groups know parameters)."""
+        return self.param_name if self.param_name is not None else self.name
 
     @property
     def logical_shape(self) -> tuple[int, ...]:

@@ -1,0 +1,225 @@
+"""Fused mixture-of-experts weights (issue 46): a 3-D ``(E, m, n)`` parameter is E matrices, each stepped exactly as
+a separate ``m x n`` weight, and no expert reaches AdamW unless the routing says so.
+
+The reference is the same MoE block with its experts unfused into E ``nn.Linear``s: after 3 steps every weight of
+the fused block equals the unfused one (at most 1e-6) for every optimizer. Matrices are named alike in both runs
+(``experts.gate_up_proj[e]``), since names key the seeded draws of SUMO and Alice.
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import shardopt
+from shardopt.optim.registry import OPTIMIZERS
+from shardopt.optim.routing import TRANSPOSE_SYMMETRIC, RoutingError, param_roles
+from shardopt.sharding.batched import box_fragments, split_flat
+from shardopt.sharding.fragment import Fragment
+from shardopt.sharding.layout import FlatPiece, MatrixLayout
+
+E, H, I = 4, 12, 10  # experts, model dim, expert hidden dim
+#: hyperparameters that make every rule do its whole-matrix work within 3 steps (SUMO refreshes, Alice switches)
+OPTIONS = {"sumo": {"rank": 3, "refresh_interval": 2}, "alice": {"rank": 3, "leading": 1, "refresh_interval": 2},
+           "alice0": {"rank": 3, "leading": 1, "refresh_interval": 2}, "asgo": {"refresh_interval": 2}}
+
+
+class FusedExperts(nn.Module):
+    """transformers 5's layout (``MixtralExperts``): ``gate_up_proj (E, 2I, H)``, ``down_proj (E, H, I)``, each slice
+    applied by ``F.linear``; ``is_transposed`` and ``num_experts`` as ``@use_experts_implementation`` sets them."""
+
+    def __init__(self, transposed: bool = False):
+        super().__init__()
+        self.num_experts, self.is_transposed = E, transposed
+        up, down = (E, 2 * I, H), (E, H, I)
+        if transposed:
+            up, down = (E, H, 2 * I), (E, I, H)
+        self.gate_up_proj = nn.Parameter(torch.randn(*up) * 0.3)
+        self.down_proj = nn.Parameter(torch.randn(*down) * 0.3)
+
+    def weight(self, name: str, e: int) -> torch.Tensor:
+        w = getattr(self, name)[e]
+        return w.T if self.is_transposed else w
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        out = 0
+        for e in range(E):
+            gate, up = F.linear(x, self.weight("gate_up_proj", e)).chunk(2, dim=-1)
+            out = out + weights[:, e:e + 1] * F.linear(F.silu(gate) * up, self.weight("down_proj", e))
+        return out
+
+
+class MoEBlock(nn.Module):
+    """A router (a Linear scoring the experts) and the experts, fused or as E pairs of Linears."""
+
+    def __init__(self, fused: bool, transposed: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.gate = nn.Linear(H, E, bias=False)
+        self.fused = fused
+        if fused:
+            self.experts = FusedExperts(transposed)
+        else:
+            self.experts = nn.ModuleList(nn.ModuleDict({"gate_up_proj": nn.Linear(H, 2 * I, bias=False),
+                                                        "down_proj": nn.Linear(I, H, bias=False)}) for _ in range(E))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights = self.gate(x).softmax(-1)
+        if self.fused:
+            return self.experts(x, weights)
+        out = 0
+        for e, ex in enumerate(self.experts):
+            gate, up = ex["gate_up_proj"](x).chunk(2, dim=-1)
+            out = out + weights[:, e:e + 1] * ex["down_proj"](F.silu(gate) * up)
+        return out
+
+    def copy_into(self, unfused: "MoEBlock") -> None:
+        with torch.no_grad():
+            unfused.gate.weight.copy_(self.gate.weight)
+            for e, ex in enumerate(unfused.experts):
+                for name in ("gate_up_proj", "down_proj"):
+                    ex[name].weight.copy_(self.experts.weight(name, e))
+
+
+def unfused_named(block: MoEBlock) -> list[tuple[str, torch.Tensor]]:
+    """The unfused block's parameters under the fused matrices' names (names key seeded draws)."""
+    named = [("gate.weight", block.gate.weight)]
+    for name in ("gate_up_proj", "down_proj"):
+        named += [(f"experts.{name}[{e}]", ex[name].weight) for e, ex in enumerate(block.experts)]
+    return named
+
+
+def run(opt: torch.optim.Optimizer, block: MoEBlock, steps: int = 3) -> None:
+    torch.manual_seed(1)
+    batches = [torch.randn(16, H) for _ in range(steps)]
+    for x in batches:
+        opt.zero_grad()
+        block(x).pow(2).mean().backward()
+        opt.step()
+
+
+def fused_weights(block: MoEBlock) -> dict[str, torch.Tensor]:
+    out = {"gate.weight": block.gate.weight.detach()}
+    for name in ("gate_up_proj", "down_proj"):
+        out.update({f"experts.{name}[{e}]": block.experts.weight(name, e).detach() for e in range(E)})
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_equals_unfused(name: str) -> None:
+    fused, unfused = MoEBlock(fused=True), MoEBlock(fused=False)
+    fused.copy_into(unfused)
+    kwargs = {"lr": 0.02, **OPTIONS.get(name, {})}
+    opt_fused = shardopt.create_optimizer(fused, name, **kwargs)
+    opt_unfused = shardopt.create_optimizer(unfused_named(unfused), name, routing={"gate.weight": "router"}, **kwargs)
+    run(opt_fused, fused)
+    run(opt_unfused, unfused)
+    reference = dict(unfused_named(unfused))
+    worst = max((w - reference[n]).abs().max().item() for n, w in fused_weights(fused).items())
+    moved = (fused.experts.down_proj.detach() - MoEBlock(fused=True).experts.down_proj).abs().max().item()
+    assert moved > 1e-3, "the experts did not train"
+    assert worst <= 1e-6, f"{name}: fused experts {worst:.2e} from the unfused block"
+
+
+def test_experts_get_the_matrix_rule_and_state_per_expert() -> None:
+    block = MoEBlock(fused=True)
+    roles = param_roles(block)
+    assert roles["experts.gate_up_proj"] == roles["experts.down_proj"] == "matrix"
+    opt = shardopt.create_optimizer(block, "racs", lr=0.01)
+    table = opt.describe()
+    assert "experts.gate_up_proj  4x20x12  matrix  racs" in table, table
+    run(opt, block, steps=1)
+    matrices = opt.state[block.experts.gate_up_proj]["matrices"]
+    assert sorted(matrices) == [f"experts.gate_up_proj[{e}]" for e in range(E)]
+    # RACS keeps m + n + 1 values per expert, not AdamW's 2 m n
+    assert {k: tuple(v.shape) for k, v in matrices["experts.gate_up_proj[2]"].items()} == \
+        {"q": (2 * I,), "s": (H,), "phi": ()}
+    assert "exp_avg" not in opt.state[block.experts.gate_up_proj]
+
+
+@pytest.mark.parametrize("name", sorted(TRANSPOSE_SYMMETRIC + ("scale",)))
+def test_transposed_experts_equal_unfused(name: str) -> None:
+    """Experts stored in x out (GPT-OSS, ``is_transposed=True``): rules symmetric under transposition need nothing,
+    SCALE normalizes the other axis; the result equals the unfused out x in block."""
+    fused, unfused = MoEBlock(fused=True, transposed=True), MoEBlock(fused=False)
+    fused.copy_into(unfused)
+    assert param_roles(fused)["experts.down_proj"] == "matrix_transposed"
+    kwargs = {"lr": 0.02, **OPTIONS.get(name, {})}
+    opt_fused = shardopt.create_optimizer(fused, name, **kwargs)
+    opt_unfused = shardopt.create_optimizer(unfused_named(unfused), name, routing={"gate.weight": "router"}, **kwargs)
+    run(opt_fused, fused)
+    run(opt_unfused, unfused)
+    reference = dict(unfused_named(unfused))
+    worst = max((w - reference[n]).abs().max().item() for n, w in fused_weights(fused).items())
+    # the symmetric rules work on the stored (transposed) matrix: the same result in another summation order
+    assert worst <= 1e-5, f"{name}: transposed fused experts {worst:.2e} from the unfused block"
+
+
+@pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - set(TRANSPOSE_SYMMETRIC) - {"scale"}))
+def test_transposed_experts_refused_by_orientation_rules(name: str) -> None:
+    with pytest.raises(RoutingError, match=r"experts\.down_proj.*stored in x out"):
+        shardopt.create_optimizer(MoEBlock(fused=True, transposed=True), name, lr=0.01)
+
+
+def test_names_only_warns_and_routing_declares() -> None:
+    block = MoEBlock(fused=True)
+    with pytest.warns(UserWarning, match=r"experts\.gate_up_proj \(name only\).*'matrix' \| 'matrix_transposed'"):
+        opt = shardopt.create_optimizer(list(block.named_parameters()), "scale", lr=0.01)
+    assert opt.param_groups[-1]["treatment"] == "adamw"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = shardopt.create_optimizer(list(block.named_parameters()), "scale", lr=0.01,
+                                        routing={"experts.*": "matrix", "gate.weight": "router"})
+    assert {g["treatment"] for g in opt.param_groups if any(p is block.experts.down_proj for p in g["params"])} == {"scale"}
+
+
+def test_unknown_3d_weights_are_named() -> None:
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(3, 4, 5))
+            self.conv = nn.Conv2d(2, 2, 3)
+
+    with pytest.warns(UserWarning, match=r"w \(Odd\)") as record:
+        shardopt.create_optimizer(Odd(), "scale", lr=0.01)
+    assert "conv" not in str(record[0].message)  # convolution kernels are AdamW's by design
+
+
+def test_4d_refused_for_matrix_rules() -> None:
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(2, 3, 4, 5))
+    with pytest.raises(RoutingError, match=r"'w' of shape \(2, 3, 4, 5\).*3-D"):
+        shardopt.create_optimizer(model, "scale", lr=0.01, routing={"w": "matrix"})
+
+
+# ---------------------------------------------------------------------------------------------- layouts
+def test_split_flat_cuts_experts_from_flat_partitions() -> None:
+    """ZeRO flat ranges that cut across experts and rows: each expert's pieces cover it exactly, and the local
+    offsets point at the right elements of every rank's partition."""
+    shape, world = (3, 4, 5), 4
+    total = 60
+    bounds = [0, 7, 29, 30, total]  # rank 2 holds one element, cuts fall mid-row and mid-expert
+    values = torch.arange(total, dtype=torch.float32)
+    for rank in range(world):
+        pieces = [FlatPiece(bounds[r], bounds[r + 1]) for r in range(world)]
+        frag = Fragment("w", MatrixLayout((3, 20), pieces, rank), offset=2, shape=shape)
+        local = torch.cat([torch.full((2,), -1.0), values[bounds[rank]: bounds[rank + 1]]])
+        for e, f in enumerate(split_flat(frag)):
+            assert f.name == f"w[{e}]" and f.index == e and f.param == "w" and f.layout.shape == (4, 5)
+            assert sum(p.numel for p in f.layout.pieces) == 20
+            lo, hi = f.layout.pieces[rank].lo, f.layout.pieces[rank].hi
+            torch.testing.assert_close(f.local(local), values[e * 20 + lo: e * 20 + hi])
+
+
+def test_box_fragments_inside_experts() -> None:
+    """Experts over 2 ranks x rows over 2 ranks (an ep x fsdp mesh): each expert is held by the 2 ranks of its ep
+    coordinate, in row blocks."""
+    shape = (4, 6, 3)
+    boxes = [((0, 0, 0), (2, 3, 3)), ((0, 3, 0), (2, 3, 3)), ((2, 0, 0), (2, 3, 3)), ((2, 3, 0), (2, 3, 3))]
+    frags = box_fragments("w", shape, boxes, rank=3)
+    assert [f.layout.local_numel for f in frags] == [0, 0, 9, 9]
+    assert [f.offset for f in frags[2:]] == [0, 9]
+    assert frags[2].layout.pieces == (FlatPiece(0, 0), FlatPiece(0, 0), FlatPiece(0, 9), FlatPiece(9, 18))
