@@ -160,7 +160,7 @@ def test_transposed_experts_equal_unfused(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(set(OPTIMIZERS) - set(TRANSPOSE_SYMMETRIC) - {"scale"}))
 def test_transposed_experts_refused_by_orientation_rules(name: str) -> None:
-    with pytest.raises(RoutingError, match=r"experts\.down_proj.*stored in x out"):
+    with pytest.raises(RoutingError, match=r"experts\.\w+.*stored in x out"):
         shardopt.create_optimizer(MoEBlock(fused=True, transposed=True), name, lr=0.01)
 
 
@@ -223,3 +223,120 @@ def test_box_fragments_inside_experts() -> None:
     assert [f.layout.local_numel for f in frags] == [0, 0, 9, 9]
     assert [f.offset for f in frags[2:]] == [0, 9]
     assert frags[2].layout.pieces == (FlatPiece(0, 0), FlatPiece(0, 0), FlatPiece(0, 9), FlatPiece(9, 18))
+
+
+# ---------------------------------------------------------------------------------------------- real layouts
+def _moe_models():
+    transformers = pytest.importorskip("transformers")
+    common = dict(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, max_position_embeddings=16)
+    return {
+        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
+            **common, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            **common, moe_intermediate_size=12, num_experts=4, num_experts_per_tok=2, head_dim=8)),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
+            **common, num_experts=4, num_experts_per_tok=2)),
+    }
+
+
+def _expert_params(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p for n, p in model.named_parameters() if ".experts." in n and p.dim() == 3}
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+def test_transformers_moe_experts_train_on_the_rule(family: str) -> None:
+    """transformers 5's fused experts reach the requested rule, silently or otherwise never AdamW; the routers
+    (``*TopKRouter``, not Linears) are AdamW's by role, with no warning about unknown weights."""
+    torch.manual_seed(0)
+    model = _moe_models()[family]()
+    experts = _expert_params(model)
+    assert len(experts) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        opt = shardopt.create_optimizer(model, "racs", lr=0.01)
+    rule = {id(p): g["treatment"] for g in opt.param_groups for p in g["params"]}
+    assert all(rule[id(p)] == "racs" for p in experts.values())
+    routers = [n for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
+    assert routers and all(param_roles(model)[n] == "router" for n in routers)
+    rows = [line.split() for line in opt.describe().splitlines()]
+    for n, p in experts.items():
+        assert [n, "x".join(map(str, p.shape)), "matrix", "racs"] in rows, rows
+    tokens = torch.randint(0, 48, (2, 8))
+    before = {n: p.detach().clone() for n, p in experts.items()}
+    for _ in range(2):
+        opt.zero_grad()
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+    assert all(not torch.equal(before[n], p) for n, p in experts.items())
+    names = set(opt.state[next(iter(experts.values()))]["matrices"])
+    assert names == {f"{next(iter(experts))}[{e}]" for e in range(4)}
+
+
+def test_trainer_moe_experts_on_the_rule(tmp_path) -> None:
+    """The HF Trainer integration (``enable``) builds the optimizer from the model's roles: Mixtral's experts on
+    SUMO, trained by ``trainer.train()``."""
+    transformers = pytest.importorskip("transformers")
+    from shardopt.integrations.transformers import enable
+
+    torch.manual_seed(0)
+    model = _moe_models()["mixtral"]()
+    data = [{"input_ids": torch.randint(0, 48, (8,)), "labels": torch.randint(0, 48, (8,))} for _ in range(4)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2,
+                                          per_device_train_batch_size=2, save_strategy="no")
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    enable(trainer, "sumo", lr=0.01, rank=2)
+    experts = _expert_params(model)
+    before = {n: p.detach().clone() for n, p in experts.items()}
+    trainer.train()
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    rule = {id(p): g["treatment"] for g in opt.param_groups for p in g["params"]}
+    assert all(rule[id(p)] == "sumo" for p in experts.values())
+    assert all(not torch.equal(before[n], p) for n, p in experts.items())
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan's ``GroupedExperts`` in its layouts: 0.3's ``w1_EFD`` / ``w2_EDF`` / ``w3_EFD`` (out x in, named
+    so), later plain ``w1`` / ``w2`` / ``w3`` stored out x in, early releases' ``w1`` / ``w2`` / ``w3`` in x out."""
+
+    def __init__(self, dim: int, hidden: int, num_experts: int, layout: str):
+        super().__init__()
+        self.num_experts = num_experts
+        if layout == "titan03":
+            self.w1_EFD = nn.Parameter(torch.randn(num_experts, hidden, dim))
+            self.w2_EDF = nn.Parameter(torch.randn(num_experts, dim, hidden))
+            self.w3_EFD = nn.Parameter(torch.randn(num_experts, hidden, dim))
+        else:
+            up, down = ((num_experts, hidden, dim), (num_experts, dim, hidden)) if layout == "out_in" else \
+                ((num_experts, dim, hidden), (num_experts, hidden, dim))
+            self.w1, self.w2, self.w3 = (nn.Parameter(torch.randn(*s)) for s in (up, down, up))
+
+
+class TokenChoiceTopKRouter(nn.Module):
+    def __init__(self, dim: int, num_experts: int):
+        super().__init__()
+        self.gate = nn.Linear(dim, num_experts, bias=False)
+
+
+class TitanMoE(nn.Module):
+    def __init__(self, layout: str, dim: int = 8, hidden: int = 12):
+        super().__init__()
+        self.router = TokenChoiceTopKRouter(dim, 4)
+        self.experts = GroupedExperts(dim, hidden, 4, layout)
+
+
+@pytest.mark.parametrize("layout, role", [("titan03", "matrix"), ("out_in", "matrix"),
+                                          ("in_out", "matrix_transposed")])
+def test_torchtitan_grouped_experts_roles(layout: str, role: str) -> None:
+    model = TitanMoE(layout)
+    roles = param_roles(model)
+    assert roles["router.gate.weight"] == "router"
+    assert {r for n, r in roles.items() if n.startswith("experts.")} == {role}
+
+
+def test_torchtitan_square_experts_are_named_not_guessed() -> None:
+    """dim == hidden: the stored orientation cannot be told from the shapes, so the weights are named in a warning
+    (AdamW until declared), never guessed."""
+    with pytest.warns(UserWarning, match=r"experts\.w1 \(GroupedExperts\)"):
+        opt = shardopt.create_optimizer(TitanMoE("in_out", dim=8, hidden=8), "sumo", lr=0.01)
+    assert opt.param_groups[-1]["treatment"] == "adamw"
