@@ -86,8 +86,10 @@ def close_world() -> None:
 
 
 def meta_model(size: str) -> torch.nn.Module:
-    from .models import build_llama
+    from .models import MOE_PRESETS, build_llama, build_moe
 
+    if size in MOE_PRESETS:  # fused 3-D experts: each expert a matrix of the rule (issue 46)
+        return build_moe(size, VOCAB, device="meta")
     return build_llama(size, VOCAB, device="meta")
 
 
@@ -161,7 +163,8 @@ def build(layout: str, model: torch.nn.Module, name: str, kw: dict, world: int) 
         seconds = time.perf_counter() - t0
         adamw = torch.zeros(world, dtype=torch.int64)
         for p in model.parameters():
-            adamw += 2 * piece_numels(opt.fragments(p)[0].layout)
+            for frag in opt.fragments(p):  # a batched parameter (fused experts) is several matrices
+                adamw += 2 * piece_numels(frag.layout)
         return opt, seconds, adamw
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     t0 = time.perf_counter()
@@ -481,7 +484,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     records = []
     for size in args.models.split(","):
         plain = meta_model(size)
-        n_params = sum(p.numel() for p in plain.parameters())
+        # forward+backward scales with what a token runs through (an MoE's active experts)
+        n_params = getattr(plain, "active_params", None) or sum(p.numel() for p in plain.parameters())
         init_world(1)
         singles = {name: single_state(plain, name, args.hyperparameters.get(name)) for name in names}
         worlds = args.worlds_7b if size == "7b" and args.worlds_7b else args.worlds
@@ -685,7 +689,8 @@ def merge_records(records: list[dict[str, Any]], out: str, results_dir: Any) -> 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="1b,7b", help="model presets (shardopt.train.model.PRESETS)")
+    ap.add_argument("--models", default="1b,7b,moe-8x1b",
+                    help="model presets (shardopt.train.model.PRESETS, benchmarks.models.MOE_PRESETS)")
     ap.add_argument("--worlds", default=WORLDS, help="simulated world sizes")
     ap.add_argument("--worlds-7b", default=None,
                     help=f"simulated world sizes of the 7b model (default: --worlds, and 4096 with the default {WORLDS})")
