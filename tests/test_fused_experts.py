@@ -340,3 +340,35 @@ def test_torchtitan_square_experts_are_named_not_guessed() -> None:
     with pytest.warns(UserWarning, match=r"experts\.w1 \(GroupedExperts\)"):
         opt = shardopt.create_optimizer(TitanMoE("in_out", dim=8, hidden=8), "sumo", lr=0.01)
     assert opt.param_groups[-1]["treatment"] == "adamw"
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+@pytest.mark.parametrize("name", ["racs", "asgo", "sumo"])
+def test_checkpoint_forms_keep_each_expert(name: str, tmp_path) -> None:
+    """shardopt's logical file keys each expert as a matrix (``experts.down_proj[e]::<key>``); a DCP checkpoint of
+    the same optimizer (``get_state_dict``: the 3-D tensors, per-matrix state nested under ``matrices``) reads to the
+    same logical tensors, and ``write_dcp`` turns them back into that form."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    import shardopt.checkpoint as sckpt
+    from shardopt.checkpoint import convert
+
+    block = MoEBlock(fused=True)
+    opt = shardopt.create_optimizer(block, name, lr=0.02, **OPTIONS.get(name, {}))
+    run(opt, block, steps=3)
+    sckpt.save(str(tmp_path / "logical"), opt)
+    logical = convert.read(str(tmp_path / "logical")).tensors
+    assert "experts.down_proj[3]::param" in logical and "experts.down_proj::param" not in logical
+    msd, osd = get_state_dict(block, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    from_dcp = convert.read(str(tmp_path / "dcp")).tensors
+    assert set(from_dcp) == set(logical)
+    for key, value in logical.items():
+        torch.testing.assert_close(from_dcp[key].reshape(value.shape), value, rtol=0, atol=0, msg=key)
+    meta = convert.read(str(tmp_path / "logical")).meta
+    convert.write_dcp(str(tmp_path / "converted"), logical, meta)
+    again = convert.read(str(tmp_path / "converted")).tensors
+    assert set(again) == set(logical)
+    for key, value in logical.items():
+        torch.testing.assert_close(again[key].reshape(value.shape), value, rtol=0, atol=0, msg=key)

@@ -13,6 +13,7 @@ import torch
 
 from .files import STATE_FILE, read_state_file, write_state_file
 from .locate import Located, dcp_writer_ranks, locate
+from ..sharding.batched import matrix_name
 from .logical import PARAM_KEY, SEP, CheckpointError
 from .safe_pickle import load_dcp_metadata, load_plain, read_dcp_state_dict
 from .torch_state import counters, logical_from_state_dicts, read_ddp
@@ -153,18 +154,51 @@ def write_deepspeed(path: str, tensors: dict[str, torch.Tensor], meta: dict[str,
     return target
 
 
+def _matrix_of(name: str) -> tuple[str, int] | None:
+    """``(parameter, index)`` of a batched parameter's matrix name ``<parameter>[e]``, else None."""
+    if not name.endswith("]") or "[" not in name:
+        return None
+    base, _, index = name[:-1].rpartition("[")
+    return (base, int(index)) if index.isdigit() else None
+
+
+def _batched_params(meta: dict[str, Any]) -> set[str]:
+    """Parameters of matrix-rule groups whose state is stored as their matrices' (``<name>[e]``)."""
+    return {n for g in meta.get("param_groups", []) if g.get("treatment", "adamw") != "adamw"
+            for n in g.get("params", []) if isinstance(n, str)}
+
+
 def write_dcp(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
     """A DCP directory in ``get_state_dict`` form, loadable with ``dcp.load`` + ``set_state_dict``."""
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
     model, state = {}, {}
+    batched: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # parameter -> matrix -> key -> tensor
+    stacked = _batched_params(meta)
     for k, v in tensors.items():
         name, key = k.split(SEP)
-        if key == PARAM_KEY:
+        found = _matrix_of(name)
+        if found is not None and found[0] in stacked:
+            batched.setdefault(found[0], {}).setdefault(found[1], {})[key] = v
+        elif key == PARAM_KEY:
             model[name] = v
         else:
             state.setdefault(name, {})[key] = v
+    kinds = meta.get("kinds", {})
+    for name, matrices in batched.items():  # a batched parameter's matrices back into the one 3-D tensor
+        order = [matrices[e] for e in sorted(matrices)]
+        entries = state.setdefault(name, {})
+        for key in order[0]:
+            if key == PARAM_KEY:
+                model[name] = torch.stack([m[key] for m in order])
+            elif kinds.get(key) == "elements":
+                entries[key] = torch.stack([m[key] for m in order])
+            elif kinds.get(key, "tensor") == "tensor":
+                entries[key] = order[0][key]
+            else:
+                for e in sorted(matrices):
+                    entries.setdefault("matrices", {}).setdefault(matrix_name(name, e), {})[key] = matrices[e][key]
     _shardopt_only(meta)
     groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
               for g in meta.get("param_groups", [])]
