@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..sharding.batched import BATCHED_NDIM, split_flat
-from ..sharding.discover import batched_fragments, complete_partial_grads, global_shape, layout_of, shard_mesh
+from ..sharding.discover import align_grads, batched_fragments, global_shape, layout_of, shard_mesh
 from ..sharding.fragment import Fragment, local_flat, local_tensor
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter
@@ -658,7 +658,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         settle_device_skip(self)  # the last step's skip, if the device decided it
         run_pre_step_checks(self)  # hooks.pre_step_checks: a wrapper's flat partitions mapped (DeepSpeed) or refused
         params = [p for g in self.param_groups for p in g["params"]]
-        complete_partial_grads(params)  # sequence-parallel norms: DTensor leaves their gradients partial
+        align_grads(params, self.param_names)  # DTensor gradients laid out otherwise than their parameters
         with contiguous_steps(params), collective_counter.capture(self._comm_stats):
             if self.debug_plan:
                 check_same_plan(self)

@@ -19,7 +19,8 @@ from .batched import box_fragments, split_flat
 from .fragment import Fragment
 from .layout import ColPiece, FlatPiece, MatrixLayout, RectPiece
 
-__all__ = ["layout_of", "matrix_shape", "global_shape", "shard_mesh", "complete_partial_grads", "batched_fragments"]
+__all__ = ["layout_of", "matrix_shape", "global_shape", "shard_mesh", "complete_partial_grads", "align_grads",
+           "check_grad_placements", "GradientPlacementError", "batched_fragments"]
 
 
 def _megatron_tp(p: torch.Tensor):
@@ -135,11 +136,66 @@ def batched_fragments(p: torch.Tensor, name: str, resolver=None) -> list[Fragmen
     return frags
 
 
+class GradientPlacementError(RuntimeError):
+    """A DTensor gradient that cannot be brought to its parameter's placements (another mesh or shape)."""
+
+
+def _placements_str(t) -> str:
+    return "(" + ", ".join(str(pl) for pl in t.placements) + ")"
+
+
+def check_grad_placements(params, names=None) -> None:
+    """Raise ``GradientPlacementError`` (the same on every rank: meshes, shapes and placements are static) for a
+    DTensor gradient that ``align_grads`` cannot redistribute to its parameter's placements, before any collective."""
+    from torch.distributed.tensor import DTensor
+
+    for p in params:
+        g = p.grad
+        if g is None or not isinstance(g, DTensor) or not isinstance(p, DTensor):
+            continue
+        name = (names or {}).get(id(p), f"a parameter of shape {tuple(p.shape)}")
+        if g.device_mesh != p.device_mesh or tuple(g.shape) != tuple(p.shape):
+            raise GradientPlacementError(
+                f"the gradient of {name!r} is a DTensor of shape {tuple(g.shape)} with placements "
+                f"{_placements_str(g)} on mesh {g.device_mesh}, but the parameter has shape {tuple(p.shape)} and "
+                f"placements {_placements_str(p)} on mesh {p.device_mesh}; shardopt reads a gradient's elements "
+                "where the parameter's are, so the two must share mesh and shape: check the parallelize plan of "
+                "this parameter's module")
+
+
+def align_grads(params, names=None) -> None:
+    """Every DTensor gradient brought to its parameter's placements before the optimizer reads its local values.
+
+    Autograd may leave a gradient laid out otherwise than its parameter: partial sums (``Partial``: a
+    sequence-parallel norm's weight, whose ranks each saw part of the sequence; a row-wise parallel embedding's
+    weight) or whole on every rank (``Replicate``: the embedding of torchtitan's plan, whose weight is
+    ``Shard(0)``). Reading such a local tensor as the rank's piece would read the wrong elements. Partial sums
+    are completed first, one all-reduce per mesh dimension and dtype for all of them (``complete_partial_grads``);
+    then a gradient whose placements still differ is redistributed to the parameter's (``Replicate`` to ``Shard``
+    is a local slice). The schedule depends only on static placements, so every rank issues the same collectives;
+    a gradient that cannot match its parameter raises ``GradientPlacementError`` on every rank first."""
+    from torch.distributed.tensor import DTensor
+
+    check_grad_placements(params, names)
+    complete_partial_grads(params)
+    for p in params:
+        g = p.grad
+        if g is None or not isinstance(g, DTensor) or not isinstance(p, DTensor):
+            continue
+        if tuple(g.placements) != tuple(p.placements):
+            p.grad = g.redistribute(p.device_mesh, p.placements)
+        if p.grad.to_local().shape != p.to_local().shape:
+            name = (names or {}).get(id(p), f"a parameter of shape {tuple(p.shape)}")
+            raise GradientPlacementError(
+                f"the gradient of {name!r} has local shape {tuple(p.grad.to_local().shape)} with placements "
+                f"{_placements_str(p.grad)}, the parameter local shape {tuple(p.to_local().shape)} with "
+                f"{_placements_str(p)}")
+
+
 def complete_partial_grads(params) -> None:
-    """Gradients that DTensor leaves as partial sums (``Partial``: a sequence-parallel LayerNorm's weight, whose
-    ranks each saw a part of the sequence) made complete in place, as the parameter's placement says, before the
-    optimizer reads their local values: one all-reduce per mesh dimension and dtype for all of them (the same
-    on every rank: placements are static)."""
+    """Gradients that DTensor leaves as partial sums made complete in place (``Partial`` -> ``Replicate`` on those
+    mesh dimensions) before the optimizer reads their local values: one all-reduce per mesh dimension and dtype
+    for all of them (the same on every rank: placements are static)."""
     import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
