@@ -1,7 +1,7 @@
-"""What shardopt does not support yet fails with one clear error on every rank (issue 28): DeepSpeed pipeline
-stages that would hand DeepSpeed different numbers of param groups, a routing pattern no stage matches, and
-MoE experts split by tensor parallelism (``refusal_worker.py``, world size 2). Pipelines and expert parallelism
-themselves are exact (``test_pipeline.py``, ``test_moe.py``)."""
+"""What shardopt does not support yet fails with one clear error on every rank (issue 28): a routing pattern no
+pipeline stage matches, and MoE experts split by tensor parallelism (``refusal_worker.py``, world size 2).
+Pipelines and expert parallelism themselves are exact (``test_pipeline.py``, ``test_pipeline_llm.py``, whose stages
+form different numbers of param groups, ``test_moe.py``)."""
 from __future__ import annotations
 
 import json
@@ -25,10 +25,6 @@ def records() -> dict:
 
 
 @pytest.mark.parametrize("case, words", [
-    ("pipeline_groups", ["NotImplementedError", "pipeline stages form different numbers of shardopt param groups",
-                         "stage 0: ['scale(matrix, 1 tensors)', 'adamw(vector, 1 tensors)']",
-                         "stage 1: ['adamw(adamw+vector, 2 tensors)']", "one gradient norm per param group",
-                         "shardopt.routing"]),
     ("pipeline_routing", ["ConfigError", "shardopt.routing: patterns ['9.*'] match no trainable parameter on any "
                           "pipeline stage"]),
     ("moe_expert_tp", ["NotImplementedError", "deepspeed.moe.layer.MoE at 'moe'", "enable_expert_tensor_parallelism",

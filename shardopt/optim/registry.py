@@ -57,12 +57,13 @@ def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], wher
 
 
 def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: OptimizerConfig,
-                       routing: Mapping[str, str] | None = None, unused: list[str] | None = None) -> list[dict]:
+                       routing: Mapping[str, str] | None = None, unused: list[str] | None = None,
+                       roles: Mapping[str, str] | None = None) -> list[dict]:
     """Param groups routed by ``cfg.roles()``; AdamW groups carry every hyperparameter explicitly (wrappers that
     fill missing group keys from their own defaults, like ZeroRedundancyOptimizer and fairscale OSS, would
-    otherwise give them the matrix rule's values). ``unused``: see ``routing.route``."""
+    otherwise give them the matrix rule's values). ``unused``, ``roles``: see ``routing.route``."""
     cls = optimizer_class(name)
-    groups = route(model, cfg.roles(), routing, optimizer_name=name, unused=unused)
+    groups = route(model, cfg.roles(), routing, optimizer_name=name, unused=unused, roles=roles)
     for g in groups:
         if g["treatment"] == "adamw":
             g.update(cfg.adamw_group(), eps_mode=cls.adamw_defaults["eps_mode"])

@@ -381,18 +381,22 @@ def route(
     overrides: Mapping[str, str] | None = None,
     optimizer_name: str = "optimizer",
     unused: list[str] | None = None,
+    roles: Mapping[str, str] | None = None,
 ) -> list[dict]:
     """Param groups (one per distinct option set, in a fixed order) for ``model``'s trainable parameters.
 
     ``unused``: a list that receives the routing patterns no parameter matched, instead of the error (a
-    pipeline stage holds part of the model: a pattern must match on some stage, not on each).
+    pipeline stage holds part of the model: a pattern must match on some stage, not on each). ``roles``: default
+    roles found elsewhere, by parameter name, over those found from ``model`` (a pipeline stage's parameters get
+    the roles they have in the whole model, ``plugin.deepspeed_engine.pipeline_roles``).
 
     ``model`` is a module, or what torch.optim takes: ``model.named_parameters()`` (roles from names; groups
     keep torch's ``param_names``) or a flat list of tensors (2-D -> ``matrix``, else ``vector``).
     ``role_table[role]`` gives the group options for that role (must contain ``treatment``). Raises a
     ``ValueError`` naming the parameter, its shape and the rule when a non-2-D tensor would reach a matrix rule.
     """
-    named, roles, source = _named_params_and_roles(model, optimizer_name)
+    named, found, source = _named_params_and_roles(model, optimizer_name)
+    roles = {**found, **{n: r for n, r in (roles or {}).items() if n in found}}
     overrides = dict(overrides or {})
     for pattern, role in overrides.items():
         if role not in ROLES:

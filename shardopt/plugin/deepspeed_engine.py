@@ -204,27 +204,99 @@ def pipeline_stage(model: nn.Module | None) -> int | None:
     return int(model.stage_id) if isinstance(model, PipelineModule) else None
 
 
-def check_pipeline_stages(stage: int, groups: list[dict], unused: list[str]) -> None:
+def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
+    """The roles of a ``PipelineModule``'s parameters in the whole model, keyed by the names this stage gives them.
+
+    A stage holds part of the model: the last stage sees an LM head but no embedding, so roles found from it alone
+    would call the head a plain matrix, which one process does not. Every rank can read the whole model's layer
+    specs: they are built here on the meta device (no memory, no initialization) under the names the stages give
+    them (``<layer index>.<param>``, tied modules ``tied_modules.<key>.<param>``), and roles are found on that. A
+    tied module used by several layers (an embedding tied to the head) is the head, as one process names a tied
+    weight. None when a spec cannot be built on the meta device: then each stage's own roles apply, with a warning."""
+    import warnings
+
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    from ..optim.routing import param_roles
+
+    if not isinstance(model, PipelineModule):
+        return None
+    whole = nn.Module()
+    tied = nn.ModuleDict()
+    uses: dict[str, int] = {}
+    try:
+        with torch.device("meta"):
+            for idx, spec in enumerate(model._layer_specs):
+                if isinstance(spec, TiedLayerSpec):
+                    uses[spec.key] = uses.get(spec.key, 0) + 1
+                    if spec.key not in tied:
+                        tied[spec.key] = spec.build()
+                elif isinstance(spec, LayerSpec):
+                    whole.add_module(str(idx), spec.build())
+                elif isinstance(spec, nn.Module):
+                    whole.add_module(str(idx), spec)
+    except Exception as err:  # a spec that needs real memory or devices to build
+        warnings.warn(f"shardopt: the pipeline's layer specs could not be built on the meta device ({err}); each "
+                      "stage's parameters get the roles found on that stage alone, so an LM head on a stage without "
+                      "the embedding is a plain matrix: declare it with routing={'<name>': 'lm_head'} (and "
+                      "'embedding' for the embedding)", UserWarning, stacklevel=3)
+        return None
+    whole.tied_modules = tied
+    roles = param_roles(whole)
+    for key, count in uses.items():
+        attrs = model.tied_weight_attrs.get(key) if hasattr(model, "tied_weight_attrs") else None
+        for attr in ([attrs] if isinstance(attrs, str) else attrs or []):
+            name = f"tied_modules.{key}.{attr}"
+            if count > 1 and roles.get(name) == "embedding":
+                roles[name] = "lm_head"  # the embedding tied to the output projection: one process's head
+    return roles
+
+
+def check_pipeline_stages(stage: int, groups: list[dict], unused: list[str]) -> int:
     """Pipeline parallelism (``deepspeed.pipe.PipelineModule``): each stage's optimizer holds that stage's
     parameters only, and its ZeRO partitions reduce over the stage's data-parallel group, so every statistic
-    and owner stays inside the stage. Two things must agree across the stages, checked here on every rank at
-    once (one ``all_gather_object`` over the world): a routing pattern must match a parameter on some stage,
-    and every stage must form the same number of param groups, because DeepSpeed's ZeRO all-reduces one
-    gradient norm per group over the stages (different counts would hang its step)."""
+    and owner stays inside the stage. Checked here on every rank at once (one ``all_gather_object`` over the
+    world): a routing pattern must match a parameter on some stage. Returns how many more param groups the stage
+    with the most has than this one: DeepSpeed's ZeRO all-reduces one gradient norm per group across the stages,
+    so a stage with fewer groups pads those collectives (``balance_stage_norms``)."""
     mine = {"stage": stage, "groups": [_group_label(g) for g in groups], "unused": sorted(unused)}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     never = sorted(set.intersection(*(set(e["unused"]) for e in everyone)))
     if never:
         raise ConfigError(f"shardopt.routing: patterns {never} match no trainable parameter on any pipeline stage")
-    by_stage = {e["stage"]: e["groups"] for e in everyone}
-    if len({len(g) for g in by_stage.values()}) > 1:
-        listed = "; ".join(f"stage {s}: {g}" for s, g in sorted(by_stage.items()))
+    return max(len(e["groups"]) for e in everyone) - len(groups)
+
+
+def balance_stage_norms(engine: Any, missing: int) -> None:
+    """Give a pipeline stage with ``missing`` fewer param groups than another as many gradient-norm collectives.
+
+    DeepSpeed's ZeRO-1/2 computes the gradient norm group by group (``scaled_global_norm``), each completed by an
+    all-reduce over the model-parallel group, which spans the pipeline stages: stages with different numbers of
+    groups would pair mismatched collectives and hang. Here the stage with fewer issues the rest as all-reduces of
+    zeros, so each pairs with another stage's last groups and every sum, hence the global norm (clipping, overflow),
+    is what DeepSpeed computes. Nothing else in the step crosses stages per group."""
+    from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    wrapper = engine.optimizer
+    if missing <= 0 or isinstance(wrapper, (ShardedOptimizer, BF16_Optimizer)):
+        return  # ZeRO-0 (the optimizer itself) and the bf16 ZeRO-1 wrapper take one norm over every group
+    if not isinstance(wrapper, DeepSpeedZeroOptimizer):
         raise NotImplementedError(
-            f"pipeline stages form different numbers of shardopt param groups ({listed}); DeepSpeed's ZeRO "
-            "all-reduces one gradient norm per param group across the stages, so every stage needs as many: route "
-            "the parameters whose rule exists on one stage only to a rule that every stage has (shardopt.routing, "
-            "e.g. {'<name>': 'matrix'} or {'<name>': 'adamw'})")
+            f"pipeline stages form different numbers of shardopt param groups under {type(wrapper).__name__}, whose "
+            "gradient-norm collectives shardopt cannot pad; use zero_optimization.stage 0 or 1")
+    original = wrapper.scaled_global_norm
+
+    def scaled_global_norm(norm_type: int = 2) -> torch.Tensor:
+        norm = original(norm_type)
+        for _ in range(missing):
+            pad = torch.zeros((), dtype=torch.float32, device=wrapper.device)
+            dist.all_reduce(pad, op=dist.ReduceOp.SUM, group=wrapper.dp_process_group)
+            wrapper._model_parallel_all_reduce(tensor=pad, op=dist.ReduceOp.SUM)
+        return norm
+
+    wrapper.scaled_global_norm = scaled_global_norm
 
 
 def _group_label(group: dict) -> str:
@@ -316,9 +388,9 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     names = {id(p): n for n, p in model.named_parameters()}
     stage = pipeline_stage(model)
     unused: list[str] | None = None if stage is None else []
-    groups = build_param_groups(model, section.optimizer, hp, section.routing, unused=unused)
-    if stage is not None:
-        check_pipeline_stages(stage, groups, unused)
+    groups = build_param_groups(model, section.optimizer, hp, section.routing, unused=unused,
+                                roles=pipeline_roles(model) if stage is not None else None)
+    missing = check_pipeline_stages(stage, groups, unused) if stage is not None else 0
     cls = optimizer_class(section.optimizer)
     built: dict[str, ShardedOptimizer] = {}
 
@@ -335,6 +407,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     opt.param_names.update(names)
     attach_zero_layouts(engine, opt, names)
     install_checkpoint_hooks(engine, opt, names)
+    balance_stage_norms(engine, missing)
     return result
 
 
