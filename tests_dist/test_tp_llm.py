@@ -55,4 +55,5 @@ def test_gradient_of_another_shape_raises_before_any_collective() -> None:
     assert rec["message"] is not None and "'tok_embeddings.weight'" in rec["message"]
     assert "placements (R) on mesh DeviceMesh((other=2)" in rec["message"], rec["message"]
     assert "placements (S(0)) on mesh DeviceMesh((tp=2)" in rec["message"], rec["message"]
+    assert rec["raised_on"] == [True, True]  # every rank, and none issued a collective first (no hang)
     assert rec["unchanged"]

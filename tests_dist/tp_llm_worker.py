@@ -258,7 +258,9 @@ def mismatch_case() -> dict:
         message = str(err)
     else:
         message = None
-    return {"message": message, "unchanged": max_abs_diff(run.params(), before) == 0.0}
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, message is not None)
+    return {"message": message, "raised_on": every, "unchanged": max_abs_diff(run.params(), before) == 0.0}
 
 
 def main() -> None:
