@@ -36,3 +36,13 @@ def test_unsupported_parallelism_is_refused_on_every_rank(case: str, words: list
     assert rec["error"] is not None
     assert all(w in rec["error"] for w in words), rec["error"]
     assert len(set(rec["every_rank"])) == 1  # the same error on every rank
+
+
+def test_pipeline_specs_not_buildable_on_meta_warn_on_every_rank() -> None:
+    """Where the whole model cannot be seen (a layer spec that cannot be built on the meta device), every rank says
+    so once, and the last stage names its would-be LM head with the routing to pass."""
+    warned = records()["pipeline_unbuildable"]["warnings"]
+    print(warned)
+    assert all(len(w) == 1 for w in warned)
+    assert "routing={'<name>': 'lm_head'}" in warned[0][0]
+    assert "on this stage ['2.weight'] would be the LM head" in warned[-1][0]

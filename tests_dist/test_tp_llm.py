@@ -5,8 +5,8 @@ Every parameter gets the rule it gets in one process (``describe()`` compared ro
 process within 1e-5, a save after 2 steps (DCP or ``shardopt.checkpoint``) resumes exactly, and a gradient that
 cannot take its parameter's placements raises one clear error on every rank before anything moves.
 
-CI: world size 4 (FSDP2 x TP, both losses) for SCALE, RACS, SUMO, Alice and ASGO, and world size 2 (TP alone) for
-the same five; the full tier runs every optimizer."""
+CI: world size 4 (FSDP2 x TP, both losses, and the mismatched gradient) for SCALE, RACS, SUMO, Alice and ASGO; the
+full tier adds world size 2 (TP alone, both losses) and every optimizer."""
 from __future__ import annotations
 
 import json
@@ -15,7 +15,7 @@ import tempfile
 import pytest
 
 from launch import run_ranks
-from tiers import optimizers
+from tiers import optimizers, world_sizes
 from tp_llm_worker import OPTIONS
 
 TOL, RESUME_TOL = 1e-5, 1e-6
@@ -35,7 +35,7 @@ def results(world: int) -> list[dict]:
     return _results[world]
 
 
-@pytest.mark.parametrize("world,layout", [(w, lay) for w, lays in RUNS.items() for lay in lays])
+@pytest.mark.parametrize("world,layout", world_sizes([(w, lay) for w, lays in RUNS.items() for lay in lays], (4,)))
 @pytest.mark.parametrize("name", NAMES)
 def test_torchtitan_plan_like_one_process(name: str, world: int, layout: str) -> None:
     rec = next(r for r in results(world) if (r["optimizer"], r["layout"]) == (name, layout))
@@ -50,10 +50,10 @@ def test_torchtitan_plan_like_one_process(name: str, world: int, layout: str) ->
 
 
 def test_gradient_of_another_shape_raises_before_any_collective() -> None:
-    rec = next(r for r in results(2) if r["layout"] == "mismatch")
+    rec = next(r for r in results(4) if r["layout"] == "mismatch")
     assert "error" not in rec, rec["error"]
     assert rec["message"] is not None and "'tok_embeddings.weight'" in rec["message"]
-    assert "placements (R) on mesh DeviceMesh((other=2)" in rec["message"], rec["message"]
-    assert "placements (S(0)) on mesh DeviceMesh((tp=2)" in rec["message"], rec["message"]
-    assert rec["raised_on"] == [True, True]  # every rank, and none issued a collective first (no hang)
+    assert "placements (R) on mesh DeviceMesh((other=4)" in rec["message"], rec["message"]
+    assert "placements (_S(0, 2), S(0)) on mesh DeviceMesh((dp=2, tp=2)" in rec["message"], rec["message"]
+    assert rec["raised_on"] == [True] * 4  # every rank, and none issued a collective first (no hang)
     assert rec["unchanged"]

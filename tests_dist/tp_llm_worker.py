@@ -245,7 +245,7 @@ def mismatch_case() -> dict:
 
     from shardopt.sharding.discover import GradientPlacementError
 
-    run = Run("racs", "tp")
+    run = Run("racs", "fsdp2_tp" if dist.get_world_size() == 4 else "tp")
     tokens = batch(0)
     loss_of(run.model(tokens[:, :-1]), tokens[:, 1:]).backward()
     weight = run.model.tok_embeddings.weight
@@ -282,8 +282,7 @@ def main() -> None:
             how = ("dcp", "shardopt")[i % 2]  # both save paths, by alternating optimizers
             rec = {"optimizer": name, "layout": layout, "resume": how, "world_size": dist.get_world_size()}
             record_case(records, rec, lambda: case(name, layout, holder[0], how))
-    if "tp" in args.layouts.split(","):
-        record_case(records, {"optimizer": "racs", "layout": "mismatch"}, mismatch_case)
+    record_case(records, {"optimizer": "racs", "layout": "mismatch"}, mismatch_case)
     finish_worker(records, args.out)
 
 

@@ -236,10 +236,12 @@ def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
                 elif isinstance(spec, nn.Module):
                     whole.add_module(str(idx), spec)
     except Exception as err:  # a spec that needs real memory or devices to build
+        heads = _head_candidates(model)
+        named = f"; on this stage {heads} would be the LM head by shape and position" if heads else ""
         warnings.warn(f"shardopt: the pipeline's layer specs could not be built on the meta device ({err}); each "
                       "stage's parameters get the roles found on that stage alone, so an LM head on a stage without "
-                      "the embedding is a plain matrix: declare it with routing={'<name>': 'lm_head'} (and "
-                      "'embedding' for the embedding)", UserWarning, stacklevel=3)
+                      "the embedding is a plain matrix" + named + ": declare it with routing={'<name>': 'lm_head'} "
+                      "(and 'embedding' for an embedding that is not an nn.Embedding)", UserWarning, stacklevel=3)
         return None
     whole.tied_modules = tied
     roles = param_roles(whole)
@@ -250,6 +252,15 @@ def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
             if count > 1 and roles.get(name) == "embedding":
                 roles[name] = "lm_head"  # the embedding tied to the output projection: one process's head
     return roles
+
+
+def _head_candidates(model: nn.Module) -> list[str]:
+    """On the last pipeline stage, the last Linear weight that widens (more outputs than inputs, as a vocabulary
+    projection does): what would be the LM head by shape and position when the whole model cannot be seen."""
+    if getattr(model, "stage_id", 0) != getattr(model, "num_stages", 1) - 1:
+        return []
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and m.out_features > m.in_features]
+    return [f"{linears[-1][0]}.weight"] if linears else []
 
 
 def check_pipeline_stages(stage: int, groups: list[dict], unused: list[str]) -> int:
