@@ -48,6 +48,17 @@ def tiny_model(kind: str = "llama") -> torch.nn.Module:
     return LlamaForCausalLM(cfg)
 
 
+def pretrained(kind: str, path: str) -> torch.nn.Module:
+    """``tiny_model`` saved by rank 0 and loaded back with ``from_pretrained`` by every rank (weights from disk, as
+    a user loads a checkpoint; under an active ZeRO-3 config each parameter is partitioned as it is created)."""
+    from transformers import AutoModelForCausalLM
+
+    if dist.get_rank() == 0:
+        tiny_model(kind).save_pretrained(path)
+    dist.barrier()
+    return AutoModelForCausalLM.from_pretrained(path)
+
+
 def samples() -> list[dict]:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
@@ -140,7 +151,12 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         def on_step_end(self, *a, **kw):
             META["steps_run"] = META.get("steps_run", 0) + 1
 
-    trainer = Trainer(model=tiny_model(args.model), args=targs, train_dataset=samples(), callbacks=[CountSteps()])
+    if args.pretrained:  # HF's ZeRO-3 path: TrainingArguments first, so from_pretrained partitions at load (zero.Init)
+        model = pretrained(args.model, os.path.join(args.dir, "pretrained"))
+        META["partitioned_at_load"] = all(tuple(p.shape) == (0,) and hasattr(p, "ds_shape") for p in model.parameters())
+    else:
+        model = tiny_model(args.model)
+    trainer = Trainer(model=model, args=targs, train_dataset=samples(), callbacks=[CountSteps()])
     if args.engine.startswith("zero"):
         hf.enable(trainer)  # optimizer and hyperparameters from the config's "shardopt" section
     else:
@@ -275,6 +291,8 @@ def main() -> None:
     ap.add_argument("--resume", default=None, help="checkpoint to resume from; {opt} is the optimizer's name")
     ap.add_argument("--schedule", default="linear")
     ap.add_argument("--auto", action="store_true")
+    ap.add_argument("--pretrained", action="store_true", help="load the model with from_pretrained after the "
+                                                              "TrainingArguments (ZeRO-3: partitioned at load)")
     ap.add_argument("--dir", default="/tmp/wt17_hf")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()

@@ -4,7 +4,7 @@ with no routing given. Every parameter gets the role and rule one process gives 
 LM head), the stages form different numbers of param groups and still train, 3 steps equal one process within
 1e-5, and a save and resume continues exactly.
 
-CI: SCALE, RACS, SUMO, Alice and ASGO; the full tier every optimizer."""
+CI: SCALE, RACS and SUMO; the full tier every optimizer."""
 from __future__ import annotations
 
 import json
@@ -13,11 +13,11 @@ import tempfile
 import pytest
 
 from launch import run_ranks
-from tiers import optimizers
+from tiers import CI_LAYOUT_OPTIMIZERS, selected
 from tp_llm_worker import OPTIONS
 
 TOL, RESUME_TOL = 1e-5, 1e-6
-NAMES = optimizers(OPTIONS)
+NAMES = selected(OPTIONS, CI_LAYOUT_OPTIMIZERS)
 _cache: dict = {}
 
 

@@ -41,7 +41,7 @@ from .groups import normalize_param_groups
 from .hooks import apply_param_sources, run_pre_step_checks
 from .items import MatrixItem, apply_items
 from .nonfinite import end_gate, gate_step, nonfinite_grads, settle_device_skip
-from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups
+from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups, logical_dim, logical_shape
 from .whole_matrix import run_buckets
 
 __all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver", "apply_items"]
@@ -209,7 +209,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _resolve_treatment(self, group: dict, names: dict[int, str]) -> None:
         if "treatment" not in group:
-            dims = {p.dim() for p in group["params"]}
+            dims = {logical_dim(p) for p in group["params"]}
             group["treatment"] = self.matrix_treatments[0] if dims == {2} else "adamw"
         first = names.get(id(group["params"][0]), "<unnamed>") if group["params"] else "<empty>"
         check_hyperparameters(group, f"the {group['treatment']!r} param group of {first!r}")
@@ -232,10 +232,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
             )
         else:
             for p in group["params"]:
-                if p.dim() not in (2, BATCHED_NDIM) and not self.is_flat(p):
+                if logical_dim(p) not in (2, BATCHED_NDIM) and not self.is_flat(p):
                     name = names.get(id(p), "<unnamed>")
                     raise ValueError(
-                        f"parameter {name!r} of shape {tuple(p.shape)} is in a {t!r} group, but {t} needs 2-D "
+                        f"parameter {name!r} of shape {logical_shape(p)} is in a {t!r} group, but {t} needs 2-D "
                         f"matrices (or a 3-D batch of them, e.g. fused MoE experts); route it to 'adamw' "
                         f"(routing={{'{name}': 'adamw'}})"
                     )
@@ -311,7 +311,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _is_batched(self, p: torch.Tensor) -> bool:
         """Whether real parameter ``p`` is a batch of matrices: 3-D in a group whose rule is not AdamW."""
-        if len(global_shape(p)) != BATCHED_NDIM:
+        if len(_logical_shape(p)) != BATCHED_NDIM:
             return False
         return any(g.get("treatment", "adamw") != "adamw" and any(q is p for q in g["params"])
                    for g in self._groups())

@@ -56,6 +56,17 @@ _ROLE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MODULE_ROLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
+    """A parameter's shape as the model defines it: DeepSpeed ZeRO-3 partitions a parameter's data (also while the
+    model is built, under ``deepspeed.zero.Init``: ``p.shape`` is ``(0,)``) and keeps the shape in ``ds_shape``."""
+    ds_shape = getattr(t, "ds_shape", None)
+    return tuple(int(s) for s in ds_shape) if ds_shape is not None else tuple(t.shape)
+
+
+def logical_dim(t: torch.Tensor) -> int:
+    return len(logical_shape(t))
+
+
 def record_role(tensor: torch.Tensor, role: str) -> None:
     """Remember the role that chose ``tensor``'s rule (what ``role_of`` returns)."""
     _ROLE_OF[tensor] = role
@@ -89,14 +100,14 @@ def _is_linear(m: nn.Module) -> bool:
     if isinstance(m, nn.Linear):
         return True
     w = getattr(m, "weight", None)
-    return "Linear" in type(m).__name__ and isinstance(w, torch.Tensor) and w.dim() == 2
+    return "Linear" in type(m).__name__ and isinstance(w, torch.Tensor) and logical_dim(w) == 2
 
 
 def _is_conv1d(m: nn.Module) -> bool:
     """``transformers.pytorch_utils.Conv1D`` (GPT-2's projections): a Linear whose weight is stored ``in x out``
     (``nf`` output features), so its matrix view is the transpose of a Linear's."""
     w = getattr(m, "weight", None)
-    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(w, torch.Tensor) and w.dim() == 2
+    return type(m).__name__ == "Conv1D" and hasattr(m, "nf") and isinstance(w, torch.Tensor) and logical_dim(w) == 2
 
 
 def _is_conv(m: nn.Module) -> bool:
@@ -109,7 +120,7 @@ def _router_modules(model: nn.Module) -> set[int]:
     ``Qwen3MoeTopKRouter``, ...: a module whose type names a router and that scores experts with ``F.linear``)."""
     return {id(m.weight) for m in model.modules()
             if "Router" in type(m).__name__ and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and m.weight.dim() == 2}
+            and logical_dim(m.weight) == 2}
 
 
 def _grouped_experts_role(parent: nn.Module, experts: nn.Module, name: str, p: torch.Tensor) -> str | None:
@@ -122,12 +133,13 @@ def _grouped_experts_role(parent: nn.Module, experts: nn.Module, name: str, p: t
     count = getattr(experts, "num_experts", None)
     dims = {m.in_features for m in parent.modules() if isinstance(m, nn.Linear) and m.out_features == count}
     w1 = getattr(experts, "w1", None)
-    if len(dims) != 1 or not isinstance(w1, torch.Tensor) or w1.dim() != 3:
+    if len(dims) != 1 or not isinstance(w1, torch.Tensor) or logical_dim(w1) != 3:
         return None
     (dim,) = dims
-    if w1.shape[2] == dim != w1.shape[1]:
+    shape = logical_shape(w1)
+    if shape[2] == dim != shape[1]:
         return "matrix"
-    if w1.shape[1] == dim != w1.shape[2]:
+    if shape[1] == dim != shape[2]:
         return "matrix_transposed"
     return None
 
@@ -140,7 +152,7 @@ def expert_roles(model: nn.Module) -> dict[int, str]:
         for experts in parent.children():
             count = getattr(experts, "num_experts", None)
             batched = [(n, p) for n, p in experts.named_parameters(recurse=False)
-                       if p.dim() == 3 and isinstance(count, int) and p.shape[0] == count]
+                       if logical_dim(p) == 3 and isinstance(count, int) and logical_shape(p)[0] == count]
             if not batched:
                 continue
             transposed = getattr(experts, "is_transposed", None)
@@ -165,7 +177,7 @@ def unknown_matrices(model: nn.Module) -> dict[str, str]:
         if _is_conv(m):
             continue
         for p_name, p in m.named_parameters(recurse=False):
-            if p.dim() in (2, 3) and id(p) not in known and p.requires_grad:
+            if logical_dim(p) in (2, 3) and id(p) not in known and p.requires_grad:
                 out[f"{mod_name}.{p_name}" if mod_name else p_name] = type(m).__name__
     return out
 
@@ -263,17 +275,17 @@ def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str
     roles: dict[str, str] = {}
     vocab = set()
     for name, p in named:
-        if p.dim() == 2 and _module_words(name) & _EMBEDDING_WORDS:
+        if logical_dim(p) == 2 and _module_words(name) & _EMBEDDING_WORDS:
             roles[name] = "embedding"
-            vocab.add(p.shape[0])
+            vocab.add(logical_shape(p)[0])
     expert_prefixes = {name.split(".experts.")[0] for name, _ in named if ".experts." in name}
     for name, p in named:
-        if p.dim() == 2 and _is_router_name(name, expert_prefixes):
+        if logical_dim(p) == 2 and _is_router_name(name, expert_prefixes):
             roles[name] = "router"
-    matrices = [(name, p) for name, p in named if p.dim() == 2 and name not in roles]
+    matrices = [(name, p) for name, p in named if logical_dim(p) == 2 and name not in roles]
     heads = [name for name, _ in matrices if "lm_head" in name.split(".")[-2:-1]]
     if not heads:
-        heads = [name for name, p in matrices if p.shape[0] in vocab]
+        heads = [name for name, p in matrices if logical_shape(p)[0] in vocab]
     for name, _ in matrices:
         roles[name] = "matrix"
     if heads:
@@ -286,7 +298,7 @@ def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str
 def unnamed_roles(tensors: Sequence[torch.Tensor]) -> list[str]:
     """Roles of tensors passed without names: ``matrix`` for 2-D, ``vector`` otherwise (no embedding or LM
     head can be told apart without names)."""
-    return ["matrix" if t.dim() == 2 else "vector" for t in tensors]
+    return ["matrix" if logical_dim(t) == 2 else "vector" for t in tensors]
 
 
 _SET_ERROR = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors "
@@ -343,7 +355,7 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
         named = list(zip(names, tensors))
         return named, roles_from_names(named), "torch"
     named = [(f"param_{i}", t) for i, t in enumerate(tensors)]
-    if len({t.dim() == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
+    if len({logical_dim(t) == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
         warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer
     return named, {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}, "position"
 
@@ -360,7 +372,7 @@ def warn_unknown_batches(named: Sequence[tuple[str, torch.Tensor]], roles: Mappi
                          overrides: Mapping[str, str], optimizer_name: str, stacklevel: int = 4) -> None:
     """Without the model (names only), a 3-D parameter's layout cannot be told (transformers' fused experts are
     stored out x in, GPT-OSS's in x out): warn, naming each that goes to AdamW for that reason."""
-    unknown = {n: "name only" for n, p in named if p.dim() == 3 and p.requires_grad and roles.get(n) == "vector"
+    unknown = {n: "name only" for n, p in named if logical_dim(p) == 3 and p.requires_grad and roles.get(n) == "vector"
                and not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
     _warn_unknown(unknown, optimizer_name, stacklevel=stacklevel + 1)
 
@@ -420,15 +432,15 @@ def route(
             options = {"treatment": "adamw"}
         elif role not in role_table:  # matrix_transposed under a rule that depends on the orientation
             raise RoutingError(
-                f"parameter {name!r} of shape {tuple(p.shape)} is stored in x out (role {role!r}, by {why}), and "
+                f"parameter {name!r} of shape {logical_shape(p)} is stored in x out (role {role!r}, by {why}), and "
                 f"{optimizer_name}'s matrix rule is not symmetric under transposition, so applying it to the stored "
                 f"layout would normalize the wrong axis; route it explicitly: routing={{'{name}': 'adamw'}}, or "
                 f"'matrix' to apply the rule to the stored (in x out) layout on purpose")
         else:
             options = dict(role_table[role])
-        if options["treatment"] != "adamw" and p.dim() not in (2, 3):
+        if options["treatment"] != "adamw" and logical_dim(p) not in (2, 3):
             raise RoutingError(
-                f"parameter {name!r} of shape {tuple(p.shape)} is routed to {optimizer_name}'s "
+                f"parameter {name!r} of shape {logical_shape(p)} is routed to {optimizer_name}'s "
                 f"{options['treatment']!r} rule by {why} (role {role!r}), which needs a 2-D matrix (or a 3-D "
                 f"(E, m, n) batch of E matrices); route it to AdamW with routing={{'{name}': 'adamw'}}"
             )
@@ -465,7 +477,7 @@ def describe_groups(groups: Iterable[Mapping[str, Any]], names: Mapping[int, str
         for i, p in enumerate(g["params"]):
             name = (g.get("names") or g.get("param_names") or [None] * len(g["params"]))[i] \
                 or (names or {}).get(id(p)) or "?"
-            shape = tuple(getattr(p, "ds_shape", None) or p.shape)
+            shape = logical_shape(p)
             rows.append((name, "x".join(str(s) for s in shape) or "scalar", role_of(p),
                          _rule(g)))
     widths = [max(len(r[c]) for r in rows) for c in range(4)]
