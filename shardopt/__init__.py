@@ -20,6 +20,7 @@ what ``torch.optim`` takes (``model.named_parameters()``, tensors, param groups)
 from .optim import (ASGO, DASGO, RACS, SCALE, SUMO, SWAN, Alice, Alice0, ConfigError, Muon, ShardedOptimizer, SinkGD,
                     create_optimizer, param_groups)
 from .plugin import wrapped as _wrapped  # noqa: F401  registers its pre-step check, param source and model watcher
+from .plugin import fsdp1 as _fsdp1  # noqa: F401  registers legacy FSDP's model inspector, watcher and param source
 
 __version__ = "0.1.0"
 __all__ = ["create_optimizer", "param_groups", "SCALE", "SinkGD", "RACS", "SWAN", "ASGO", "DASGO", "SUMO", "Alice",

@@ -177,15 +177,29 @@ def test_names_only_warns_and_routing_declares() -> None:
 
 
 def test_unknown_3d_weights_are_named() -> None:
-    class Odd(nn.Module):
+    """An experts module routing does not know is named (its matrices would otherwise be AdamW's silently); 3-D
+    tensors that are no batch of matrices (a ViT's (1, N, D) position embedding, convolution kernels) are not."""
+    class OddExperts(nn.Module):
         def __init__(self):
             super().__init__()
+            self.num_experts = 3
             self.w = nn.Parameter(torch.randn(3, 4, 5))
-            self.conv = nn.Conv2d(2, 2, 3)
 
-    with pytest.warns(UserWarning, match=r"w \(Odd\)") as record:
-        shardopt.create_optimizer(Odd(), "scale", lr=0.01)
-    assert "conv" not in str(record[0].message)  # convolution kernels are AdamW's by design
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = OddExperts()
+            self.pos_embed = nn.Parameter(torch.randn(1, 4, 5))
+            self.conv = nn.Conv1d(2, 2, 3)
+
+    with pytest.warns(UserWarning, match=r"experts\.w \(OddExperts\)") as record:
+        shardopt.create_optimizer(Model(), "scale", lr=0.01)
+    message = str(record[0].message)
+    assert "conv" not in message and "pos_embed" not in message
+    with warnings.catch_warnings():  # by name only: the position embedding and the kernel are no experts either
+        warnings.simplefilter("error")
+        shardopt.create_optimizer([(n, p) for n, p in Model().named_parameters() if not n.startswith("experts")],
+                                  "scale", lr=0.01)
 
 
 def test_4d_refused_for_matrix_rules() -> None:

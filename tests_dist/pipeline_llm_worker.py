@@ -36,6 +36,9 @@ from tp_llm_worker import DIM, OPTIONS, VOCAB, Block  # noqa: E402
 SEQ, MICRO, ACCUM, DP = 16, 2, 2, 2
 GLOBAL = MICRO * ACCUM * DP
 STEPS = 3
+#: gradient clipping of the clipped case, below every step's global norm (about 0.4 here): DeepSpeed's norm must
+#: be the global one on every stage, although the stages form different numbers of param groups
+CLIP = 0.2
 
 
 class Head(nn.Linear):
@@ -99,18 +102,20 @@ def rules(model: nn.Module, opt) -> list[str]:
     return sorted(f"{n} {role_of(p)} {rule.get(n)}" for n, p in model.named_parameters())
 
 
-def reference(name: str, tied: bool, steps: int) -> tuple[dict[str, torch.Tensor], list[str]]:
+def reference(name: str, tied: bool, steps: int, clip: float = 0.0) -> tuple[dict[str, torch.Tensor], list[str]]:
     model = Reference(tied)
     opt = shardopt.create_optimizer(model, name, **OPTIONS[name])
     for s in range(steps):
         tokens, labels = global_batch(s)
         opt.zero_grad()
         loss_fn(model(tokens), labels).backward()
+        if clip:  # DeepSpeed's clipping: g * clip / (|g| + 1e-6) where the global norm exceeds clip
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
     return {n: p.detach().clone() for n, p in model.named_parameters()}, rules(model, opt)
 
 
-def engine(name: str, tied: bool):
+def engine(name: str, tied: bool, clip: float = 0.0):
     from deepspeed.pipe import PipelineModule
 
     model = PipelineModule(layers=specs(tied), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
@@ -119,18 +124,23 @@ def engine(name: str, tied: bool):
         for n, p in model.named_parameters():
             p.copy_(start[n])
     config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO,
-              "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+              "gradient_accumulation_steps": ACCUM, "gradient_clipping": clip, "zero_optimization": {"stage": 1},
               "shardopt": {"optimizer": name, "params": OPTIONS[name]}}
     eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
     return eng
 
 
-def train(eng, first: int, steps: int) -> None:
+def train(eng, first: int, steps: int) -> list[float]:
+    """Steps ``first .. first + steps - 1``; the global gradient norm DeepSpeed computed at each."""
     dp_rank, per = eng.grid.get_data_parallel_rank(), GLOBAL // DP
+    norms = []
     for s in range(first, first + steps):
         tokens, labels = global_batch(s)
         mine = slice(dp_rank * per, (dp_rank + 1) * per)
         eng.train_batch(data_iter=iter(list(zip(tokens[mine].chunk(ACCUM), labels[mine].chunk(ACCUM)))))
+        norm = eng.get_global_grad_norm()
+        norms.append(float(norm) if norm is not None else float("nan"))
+    return norms
 
 
 def params(eng) -> dict[str, torch.Tensor]:
@@ -145,29 +155,30 @@ def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     return float(t)
 
 
-def case(name: str, tied: bool, root: str) -> dict:
-    want, want_rules = reference(name, tied, STEPS)
-    eng = engine(name, tied)
+def case(name: str, tied: bool, root: str, clip: float = 0.0) -> dict:
+    want, want_rules = reference(name, tied, STEPS, clip)
+    eng = engine(name, tied, clip)
     opt = eng.basic_optimizer if hasattr(eng, "basic_optimizer") else eng.optimizer
     stage_rules: list = [None] * dist.get_world_size()
     dist.all_gather_object(stage_rules, rules(eng.module, opt))
     got_rules = sorted({r for rs in stage_rules for r in rs})
     groups: list = [None] * dist.get_world_size()
     dist.all_gather_object(groups, len(opt._groups()))
-    train(eng, 0, STEPS)
+    norms: list = [None] * dist.get_world_size()
+    dist.all_gather_object(norms, train(eng, 0, STEPS))
     out = {"rules": got_rules, "same_rules": got_rules == want_rules, "groups_per_rank": groups,
-           "max_abs_diff": worst(params(eng), want)}
+           "max_abs_diff": worst(params(eng), want), "grad_norms": norms}
     mine = {n: float((p - want[n]).abs().max()) for n, p in params(eng).items()}
     per_param: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_param, mine)
     out["worst_param"] = max(((n, d) for m in per_param for n, d in m.items()), key=lambda nd: nd[1])
     eng.save_checkpoint(root, tag="pp")
     train(eng, STEPS, STEPS)
-    resumed = engine(name, tied)
+    resumed = engine(name, tied, clip)
     resumed.load_checkpoint(root, tag="pp")
     train(resumed, STEPS, STEPS)
     out["resume_max_abs_diff"] = worst(params(resumed), params(eng))
-    out["six_steps_max_abs_diff"] = worst(params(resumed), reference(name, tied, 2 * STEPS)[0])
+    out["six_steps_max_abs_diff"] = worst(params(resumed), reference(name, tied, 2 * STEPS, clip)[0])
     return out
 
 
@@ -182,11 +193,11 @@ def main() -> None:
     deepspeed.init_distributed("gloo", timeout=timedelta(seconds=180))  # PipelineModule asks deepspeed.comm
     records = []
     for name in args.optimizers.split(","):
-        for tied in (False, True):
-            rec = {"optimizer": name, "tied": tied, "world_size": dist.get_world_size()}
+        for tied, clip in ((False, 0.0), (True, 0.0), (False, CLIP)):
+            rec = {"optimizer": name, "tied": tied, "clip": clip, "world_size": dist.get_world_size()}
             root = [tempfile.mkdtemp(prefix="shardopt_pp_llm_") if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(root, src=0)
-            record_case(records, rec, lambda: case(name, tied, root[0]))
+            record_case(records, rec, lambda: case(name, tied, root[0], clip))
     finish_worker(records, args.out)
 
 

@@ -32,10 +32,11 @@ def records() -> list:
     return _cache["recs"]
 
 
-@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("tied,clip", [(False, 0.0), (True, 0.0), (False, 0.2)])
 @pytest.mark.parametrize("name", NAMES)
-def test_pipelined_llm_like_one_process(name: str, tied: bool) -> None:
-    rec = next(r for r in records() if (r["optimizer"], r["tied"]) == (name, tied))
+def test_pipelined_llm_like_one_process(name: str, tied: bool, clip: float) -> None:
+    """(``clip``: gradient clipping on; every stage must clip by the same global norm, DeepSpeed's.)"""
+    rec = next(r for r in records() if (r["optimizer"], r["tied"], r["clip"]) == (name, tied, clip))
     assert "error" not in rec, rec["error"]
     print(f"{name} tied={tied} (param groups per rank {rec['groups_per_rank']}): {rec['max_abs_diff']:.2e} after 3 "
           f"steps, resume {rec['resume_max_abs_diff']:.2e}, 6 steps {rec['six_steps_max_abs_diff']:.2e}")
@@ -44,6 +45,9 @@ def test_pipelined_llm_like_one_process(name: str, tied: bool) -> None:
     assert any(r.startswith(f"{head} lm_head ") for r in rec["rules"]), rec["rules"]
     if name in ("scale", "racs"):  # these stages form different numbers of param groups
         assert len(set(rec["groups_per_rank"])) > 1
+    norms = rec["grad_norms"]
+    if clip:  # the same global norm on every stage (DeepSpeed's, over both stages' groups), above the clip
+        assert all(n == pytest.approx(norms[0], rel=1e-5) for n in norms) and min(norms[0]) > clip, norms
     assert rec["max_abs_diff"] <= TOL
     assert rec["resume_max_abs_diff"] <= RESUME_TOL
     assert rec["six_steps_max_abs_diff"] <= TOL

@@ -2,7 +2,7 @@
 import them (``tests/test_import_graph.py``: nothing under ``shardopt.optim`` imports ``shardopt.plugin`` or
 ``shardopt.integrations``).
 
-Three registries, each a list of callables run in registration order:
+Four registries, each a list of callables run in registration order:
 
 * ``pre_step_checks``: ``check(optimizer)`` at the top of every ``ShardedOptimizer.step`` (after the closure,
   before any tensor is read). ``shardopt.plugin.wrapped.check_stepped_tensors`` is one: it maps the flat
@@ -18,6 +18,11 @@ Three registries, each a list of callables run in registration order:
   ``nn.Module`` (``shardopt.plugin.wrapped.watch_model`` raises if a DeepSpeed engine later runs that model
   with another optimizer).
 
+* ``model_inspectors``: ``inspect(model)`` before a model's parameters are routed (``build_param_groups``):
+  an engine adapter declares what its parameters are where their tensors do not say it
+  (``shardopt.plugin.fsdp1.inspect_model``: the logical shapes of legacy FSDP's flattened views), or refuses a
+  layout it cannot describe before any group is formed.
+
 ``shardopt/__init__.py`` imports ``shardopt.plugin.wrapped``, which registers its three functions, so they are
 in place before any optimizer can be built (importing ``shardopt.optim.scale`` imports ``shardopt`` first).
 """
@@ -25,13 +30,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["pre_step_checks", "param_sources", "model_watchers", "register_pre_step_check",
-           "register_param_source", "register_model_watcher", "run_pre_step_checks", "apply_param_sources",
-           "watch_model"]
+__all__ = ["pre_step_checks", "param_sources", "model_watchers", "model_inspectors", "register_pre_step_check",
+           "register_param_source", "register_model_watcher", "register_model_inspector", "run_pre_step_checks",
+           "apply_param_sources", "watch_model", "inspect_model"]
 
 pre_step_checks: list[Callable[[Any], None]] = []
 param_sources: list[Callable[[Any, str], Any]] = []
 model_watchers: list[Callable[[Any, Any], None]] = []
+model_inspectors: list[Callable[[Any], None]] = []
 
 
 def _register(registry: list, fn: Callable) -> Callable:
@@ -53,6 +59,16 @@ def register_param_source(fn: Callable[[Any, str], Any]) -> Callable[[Any, str],
 def register_model_watcher(fn: Callable[[Any, Any], None]) -> Callable[[Any, Any], None]:
     """Call ``fn(model, optimizer)`` after ``create_optimizer`` built an optimizer for a model (once per function)."""
     return _register(model_watchers, fn)
+
+
+def register_model_inspector(fn: Callable[[Any], None]) -> Callable[[Any], None]:
+    """Call ``fn(model)`` before a model's parameters are routed (once per function)."""
+    return _register(model_inspectors, fn)
+
+
+def inspect_model(model: Any) -> None:
+    for inspect in list(model_inspectors):
+        inspect(model)
 
 
 def run_pre_step_checks(optimizer: Any) -> None:

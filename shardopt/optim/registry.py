@@ -18,7 +18,7 @@ from .alice import Alice, Alice0
 from .asgo import ASGO, DASGO
 from .base import ShardedOptimizer
 from .config import ConfigError, OptimizerConfig, format_errors
-from .hooks import watch_model
+from .hooks import inspect_model, watch_model
 from .muon import Muon
 from .racs import RACS
 from .routing import route
@@ -63,6 +63,8 @@ def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: Optimiz
     fill missing group keys from their own defaults, like ZeroRedundancyOptimizer and fairscale OSS, would
     otherwise give them the matrix rule's values). ``unused``, ``roles``: see ``routing.route``."""
     cls = optimizer_class(name)
+    if isinstance(model, nn.Module):
+        inspect_model(model)  # hooks.model_inspectors: engine adapters declare shapes (plugin.fsdp1)
     groups = route(model, cfg.roles(), routing, optimizer_name=name, unused=unused, roles=roles)
     for g in groups:
         if g["treatment"] == "adamw":

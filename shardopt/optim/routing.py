@@ -56,11 +56,31 @@ _ROLE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _MODULE_ROLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
+#: logical shapes that engine adapters declare for tensors whose own shape is a flattened piece (legacy FSDP's
+#: ``use_orig_params`` views: ``shardopt.plugin.fsdp1``)
+_LOGICAL_SHAPES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def declare_logical_shape(tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """Declare the shape the model gives ``tensor`` (an engine holds a flattened piece of it)."""
+    _LOGICAL_SHAPES[tensor] = tuple(int(s) for s in shape)
+
+
 def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
     """A parameter's shape as the model defines it: DeepSpeed ZeRO-3 partitions a parameter's data (also while the
-    model is built, under ``deepspeed.zero.Init``: ``p.shape`` is ``(0,)``) and keeps the shape in ``ds_shape``."""
+    model is built, under ``deepspeed.zero.Init``: ``p.shape`` is ``(0,)``) and keeps the shape in ``ds_shape``;
+    legacy FSDP's flattened views have theirs declared (``declare_logical_shape``)."""
     ds_shape = getattr(t, "ds_shape", None)
-    return tuple(int(s) for s in ds_shape) if ds_shape is not None else tuple(t.shape)
+    if ds_shape is not None:
+        return tuple(int(s) for s in ds_shape)
+    return _LOGICAL_SHAPES.get(t) or tuple(t.shape)
+
+
+def clean_name(name: str) -> str:
+    """A parameter's name without the prefixes module wrappers add (legacy FSDP's ``_fsdp_wrapped_module.``,
+    activation checkpointing's ``_checkpoint_wrapped_module.``): the model's own name, which keys state and
+    checkpoints whatever the engine."""
+    return name.replace("_fsdp_wrapped_module.", "").replace("_checkpoint_wrapped_module.", "")
 
 
 def logical_dim(t: torch.Tensor) -> int:
@@ -166,10 +186,17 @@ def expert_roles(model: nn.Module) -> dict[int, str]:
     return out
 
 
+def _looks_batched(name: str, module: nn.Module | None, shape: tuple[int, ...]) -> bool:
+    """A 3-D weight that is probably a batch of matrices (experts): its module counts experts or its name says so,
+    and the batch has more than one matrix (a ``(1, N, D)`` position embedding or class token is not one)."""
+    named = "expert" in name.lower() or isinstance(getattr(module, "num_experts", None), int)
+    return len(shape) == 3 and shape[0] > 1 and named
+
+
 def unknown_matrices(model: nn.Module) -> dict[str, str]:
-    """2-D and 3-D parameters that get the ``vector`` role (AdamW) only because routing does not know their module
-    type: ``{name: module type}`` (a module's own parameters, not those of a known Embedding/Linear/Conv1D, router,
-    fused experts or convolution)."""
+    """2-D parameters, and 3-D ones that look like batches of matrices (experts), that get the ``vector`` role
+    (AdamW) only because routing does not know their module type: ``{name: module type}`` (a module's own
+    parameters, not those of a known Embedding/Linear/Conv1D, router, fused experts or convolution)."""
     known = {id(m.weight) for m in model.modules() if _is_embedding(m) or _is_linear(m) or _is_conv1d(m)}
     known |= _router_modules(model) | set(expert_roles(model))
     out: dict[str, str] = {}
@@ -177,8 +204,11 @@ def unknown_matrices(model: nn.Module) -> dict[str, str]:
         if _is_conv(m):
             continue
         for p_name, p in m.named_parameters(recurse=False):
-            if logical_dim(p) in (2, 3) and id(p) not in known and p.requires_grad:
-                out[f"{mod_name}.{p_name}" if mod_name else p_name] = type(m).__name__
+            name = f"{mod_name}.{p_name}" if mod_name else p_name
+            if id(p) in known or not p.requires_grad:
+                continue
+            if logical_dim(p) == 2 or _looks_batched(name, m, logical_shape(p)):
+                out[name] = type(m).__name__
     return out
 
 
@@ -347,7 +377,8 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
     """``(name, tensor)`` pairs, their roles, and where the names come from: ``"module"``, ``"torch"`` (the
     user's ``named_parameters()``, kept as torch's ``param_names``) or ``"position"``."""
     if isinstance(model, nn.Module):
-        return list(model.named_parameters()), param_roles(model), "module"
+        roles = {clean_name(n): r for n, r in param_roles(model).items()}
+        return [(clean_name(n), p) for n, p in model.named_parameters()], roles, "module"
     tensors, names = named_or_unnamed(model)
     if not tensors:
         raise ValueError("optimizer got an empty parameter list")
@@ -372,8 +403,8 @@ def warn_unknown_batches(named: Sequence[tuple[str, torch.Tensor]], roles: Mappi
                          overrides: Mapping[str, str], optimizer_name: str, stacklevel: int = 4) -> None:
     """Without the model (names only), a 3-D parameter's layout cannot be told (transformers' fused experts are
     stored out x in, GPT-OSS's in x out): warn, naming each that goes to AdamW for that reason."""
-    unknown = {n: "name only" for n, p in named if logical_dim(p) == 3 and p.requires_grad and roles.get(n) == "vector"
-               and not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
+    unknown = {n: "name only" for n, p in named if _looks_batched(n, None, logical_shape(p)) and p.requires_grad
+               and roles.get(n) == "vector" and not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
     _warn_unknown(unknown, optimizer_name, stacklevel=stacklevel + 1)
 
 

@@ -224,11 +224,13 @@ def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
     whole = nn.Module()
     tied = nn.ModuleDict()
     uses: dict[str, int] = {}
+    attrs: dict[str, Any] = {}
     try:
         with torch.device("meta"):
             for idx, spec in enumerate(model._layer_specs):
                 if isinstance(spec, TiedLayerSpec):
                     uses[spec.key] = uses.get(spec.key, 0) + 1
+                    attrs.setdefault(spec.key, spec.tied_weight_attr)
                     if spec.key not in tied:
                         tied[spec.key] = spec.build()
                 elif isinstance(spec, LayerSpec):
@@ -246,8 +248,7 @@ def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
     whole.tied_modules = tied
     roles = param_roles(whole)
     for key, count in uses.items():
-        attrs = model.tied_weight_attrs.get(key) if hasattr(model, "tied_weight_attrs") else None
-        for attr in ([attrs] if isinstance(attrs, str) else attrs or []):
+        for attr in ([attrs[key]] if isinstance(attrs[key], str) else attrs[key] or []):
             name = f"tied_modules.{key}.{attr}"
             if count > 1 and roles.get(name) == "embedding":
                 roles[name] = "lm_head"  # the embedding tied to the output projection: one process's head
@@ -263,49 +264,67 @@ def _head_candidates(model: nn.Module) -> list[str]:
     return [f"{linears[-1][0]}.weight"] if linears else []
 
 
-def check_pipeline_stages(stage: int, groups: list[dict], unused: list[str]) -> int:
+def check_pipeline_stages(stage: int, groups: list[dict], unused: list[str]) -> None:
     """Pipeline parallelism (``deepspeed.pipe.PipelineModule``): each stage's optimizer holds that stage's
     parameters only, and its ZeRO partitions reduce over the stage's data-parallel group, so every statistic
     and owner stays inside the stage. Checked here on every rank at once (one ``all_gather_object`` over the
-    world): a routing pattern must match a parameter on some stage. Returns how many more param groups the stage
-    with the most has than this one: DeepSpeed's ZeRO all-reduces one gradient norm per group across the stages,
-    so a stage with fewer groups pads those collectives (``balance_stage_norms``)."""
+    world): a routing pattern must match a parameter on some stage. Stages may form different numbers of param
+    groups (``balance_stage_norms``)."""
     mine = {"stage": stage, "groups": [_group_label(g) for g in groups], "unused": sorted(unused)}
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
     never = sorted(set.intersection(*(set(e["unused"]) for e in everyone)))
     if never:
         raise ConfigError(f"shardopt.routing: patterns {never} match no trainable parameter on any pipeline stage")
-    return max(len(e["groups"]) for e in everyone) - len(groups)
 
 
-def balance_stage_norms(engine: Any, missing: int) -> None:
-    """Give a pipeline stage with ``missing`` fewer param groups than another as many gradient-norm collectives.
+def balance_stage_norms(engine: Any) -> None:
+    """Pipeline stages whose DeepSpeed wrappers hold different numbers of param groups: the gradient norm stays
+    DeepSpeed's, with no mismatched collectives.
 
-    DeepSpeed's ZeRO-1/2 computes the gradient norm group by group (``scaled_global_norm``), each completed by an
-    all-reduce over the model-parallel group, which spans the pipeline stages: stages with different numbers of
-    groups would pair mismatched collectives and hang. Here the stage with fewer issues the rest as all-reduces of
-    zeros, so each pairs with another stage's last groups and every sum, hence the global norm (clipping, overflow),
-    is what DeepSpeed computes. Nothing else in the step crosses stages per group."""
+    DeepSpeed's ZeRO-1/2 computes the gradient norm group by group (``scaled_global_norm``), each group's sum of
+    squares all-reduced over the data-parallel group and then over the model-parallel group, which spans the
+    pipeline stages: stages with different numbers of groups would pair mismatched collectives and hang. A stage
+    with ``k`` fewer groups (counted in the wrapper, after DeepSpeed split MoE groups) issues ``k`` more such
+    all-reduces of zeros; each pairs with another stage's extra group and returns that group's global sum of
+    squares, which this stage adds to its own, so every stage gets the same global norm (clipping, overflow). An
+    invalid norm stays invalid. Other wrappers take one norm over all groups (ZeRO-0's fp32 engine, the bf16 ZeRO-1
+    wrapper); any other with unequal counts is refused on every rank. Collective (one ``all_gather_object``)."""
     from deepspeed.runtime.bf16_optimizer import BF16_Optimizer
+    from deepspeed.runtime.utils import is_invalid_grad_norm
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     wrapper = engine.optimizer
-    if missing <= 0 or isinstance(wrapper, (ShardedOptimizer, BF16_Optimizer)):
-        return  # ZeRO-0 (the optimizer itself) and the bf16 ZeRO-1 wrapper take one norm over every group
-    if not isinstance(wrapper, DeepSpeedZeroOptimizer):
+    mine = len(wrapper.bit16_groups) if isinstance(wrapper, DeepSpeedZeroOptimizer) else len(wrapper.param_groups)
+    counts: list = [None] * dist.get_world_size()
+    dist.all_gather_object(counts, mine)
+    missing = max(counts) - mine
+    if len(set(counts)) == 1 or isinstance(wrapper, (ShardedOptimizer, BF16_Optimizer)):
+        return
+    if not isinstance(wrapper, DeepSpeedZeroOptimizer):  # the same type on every rank: refused everywhere
         raise NotImplementedError(
-            f"pipeline stages form different numbers of shardopt param groups under {type(wrapper).__name__}, whose "
-            "gradient-norm collectives shardopt cannot pad; use zero_optimization.stage 0 or 1")
+            f"pipeline stages form different numbers of param groups ({sorted(set(counts))}) under DeepSpeed's "
+            f"{type(wrapper).__name__}, which computes one gradient-norm collective per group across the stages; "
+            "shardopt pads those of ZeRO-1 (zero_optimization.stage 1) and needs none for fp32/bf16 ZeRO-0 "
+            "(stage 0 without fp16)")
+    if missing <= 0:
+        return
     original = wrapper.scaled_global_norm
 
     def scaled_global_norm(norm_type: int = 2) -> torch.Tensor:
         norm = original(norm_type)
+        from deepspeed.accelerator import get_accelerator
+
+        extra = torch.zeros((), dtype=torch.float32, device=get_accelerator().current_device_name())
         for _ in range(missing):
-            pad = torch.zeros((), dtype=torch.float32, device=wrapper.device)
+            pad = torch.zeros_like(extra)
             dist.all_reduce(pad, op=dist.ReduceOp.SUM, group=wrapper.dp_process_group)
             wrapper._model_parallel_all_reduce(tensor=pad, op=dist.ReduceOp.SUM)
-        return norm
+            extra += pad
+        if is_invalid_grad_norm(norm) or not bool(torch.isfinite(extra)):
+            return torch.full_like(norm, float("inf")) if torch.is_tensor(norm) else float("inf")
+        return (norm.float() ** 2 + extra.to(norm.device)).sqrt().to(norm.dtype) if torch.is_tensor(norm) \
+            else float((norm ** 2 + float(extra)) ** 0.5)
 
     wrapper.scaled_global_norm = scaled_global_norm
 
@@ -401,7 +420,8 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     unused: list[str] | None = None if stage is None else []
     groups = build_param_groups(model, section.optimizer, hp, section.routing, unused=unused,
                                 roles=pipeline_roles(model) if stage is not None else None)
-    missing = check_pipeline_stages(stage, groups, unused) if stage is not None else 0
+    if stage is not None:
+        check_pipeline_stages(stage, groups, unused)
     cls = optimizer_class(section.optimizer)
     built: dict[str, ShardedOptimizer] = {}
 
@@ -418,7 +438,8 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     opt.param_names.update(names)
     attach_zero_layouts(engine, opt, names)
     install_checkpoint_hooks(engine, opt, names)
-    balance_stage_norms(engine, missing)
+    if stage is not None:
+        balance_stage_norms(engine)
     return result
 
 

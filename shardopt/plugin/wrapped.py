@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..optim import hooks
-from ..optim.routing import declare_module_roles, param_roles, warn_unknown_matrices
+from ..optim.routing import declare_module_roles, logical_shape, param_roles, warn_unknown_matrices
 
 __all__ = ["UnmappedTensorError", "check_stepped_tensors", "rekey_names", "find_deepspeed_caller", "map_deepspeed",
            "engine_hooked", "names_from_trainer", "watch_model"]
@@ -61,7 +61,8 @@ class UnmappedTensorError(RuntimeError):
 def _needs_mapping(opt: Any, p: torch.Tensor) -> bool:
     if opt.is_flat(p):
         return False
-    return p.dim() not in (2, 3) or hasattr(p, "ds_id")  # a matrix, or a batch of them (fused experts)
+    # a matrix or a batch of them (fused experts), also as a declared flattened view (legacy FSDP: plugin.fsdp1)
+    return len(logical_shape(p)) not in (2, 3) or hasattr(p, "ds_id")
 
 
 def _zero_wrapper_types() -> tuple[type, ...]:

@@ -1,0 +1,129 @@
+"""Legacy FSDP (``torch.distributed.fsdp.FullyShardedDataParallel``, "FSDP1") adapter.
+
+With ``use_orig_params=True`` (the setting of accelerate's and the Hugging Face Trainer's FSDP1 paths) each original
+parameter stays the module's ``nn.Parameter`` but holds a 1-D view of its elements in this rank's shard of a
+``FlatParameter``: the parameters of a wrapped module concatenated (each padded to FSDP's alignment), the whole
+padded to a multiple of the shard group's size and cut into equal chunks, one per rank. That is the ZeRO-3 layout
+shardopt already reads: a parameter's piece on rank ``r`` is the part of its range that falls in chunk ``r``
+(``zero_layouts.flat_pieces``), so every statistic is exact and state keeps its logical meaning. Nothing is
+gathered: the handle's metadata (``_numels_with_padding``, ``_is_padding_mask``, ``_shapes``) says it all.
+
+``inspect_model`` (a ``hooks.model_inspectors`` entry, run before routing) declares each original parameter's shape
+(``routing.declare_logical_shape``) and layout; ``watch_model`` (a ``hooks.model_watchers`` entry) hands the
+optimizer the resolver. Sharding strategies: FULL_SHARD and SHARD_GRAD_OP (shard group: FSDP's process group),
+HYBRID_SHARD and _HYBRID_SHARD_ZERO2 (the intra-node shard group; replicas reduce apart, as HSDP's), NO_SHARD (whole).
+
+``use_orig_params=False`` hands an optimizer ``FlatParameter``s that mix matrices, vectors and embeddings in one
+tensor, which one param group (one rule) cannot step: refused with one error naming the fix, never stepped as
+AdamW. Parameters of an FSDP1 model that reach an optimizer without the model (``model.parameters()``) are refused
+the same way, since their shapes are gone.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+from ..optim.hooks import register_model_inspector, register_model_watcher, register_param_source
+from ..optim.routing import declare_logical_shape
+from ..sharding.discover import layout_of, matrix_shape
+from ..sharding.layout import MatrixLayout
+from .zero_layouts import flat_pieces
+
+__all__ = ["inspect_model", "watch_model", "fsdp1_layout", "refuse_unknown_flattened", "FSDP1Error"]
+
+#: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
+_LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class FSDP1Error(NotImplementedError):
+    """A legacy FSDP layout shardopt cannot describe (flat parameters, or parameters without their model)."""
+
+
+_FIX = ("wrap with FullyShardedDataParallel(..., use_orig_params=True) (accelerate: fsdp_use_orig_params: true; HF "
+        "Trainer: fsdp_config={'use_orig_params': True}) and pass the wrapped model to shardopt.create_optimizer, or "
+        "use FSDP2 (torch.distributed.fsdp.fully_shard)")
+
+
+def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
+    try:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    except ImportError:  # pragma: no cover - torch without distributed
+        return []
+    return [m for m in model.modules() if isinstance(m, FSDP)]
+
+
+def _shard_group(handle: Any) -> tuple[int, int, Any]:
+    """(world, rank, group) the handle's flat parameter is sharded over (1, 0, None without sharding)."""
+    if not handle.uses_sharded_strategy:
+        return 1, 0, None
+    return handle.world_size, handle.rank, handle.process_group
+
+
+def inspect_model(model: nn.Module) -> None:
+    """Declare the shape and layout of every original parameter of ``model``'s FSDP1 modules; refuse flat
+    parameters (``use_orig_params=False``)."""
+    for module in _fsdp_modules(model):
+        handle = getattr(module, "_handle", None)
+        if handle is None:  # a wrapper without parameters of its own
+            continue
+        flat = handle.flat_param
+        if not handle._use_orig_params:
+            raise FSDP1Error(
+                f"shardopt: FullyShardedDataParallel with use_orig_params=False hands the optimizer one flat "
+                f"parameter ({flat.numel()} elements on this rank) holding {', '.join(flat._fqns)}: matrices, vectors "
+                f"and embeddings in one tensor, which one rule cannot step (its matrices would silently get AdamW). "
+                f"Fix: {_FIX}")
+        world, rank, group = _shard_group(handle)
+        total = sum(int(n) for n in flat._numels_with_padding)
+        chunk = -(-total // world)
+        offset, real = 0, 0
+        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+            numel = int(numel)
+            if not padding:
+                param, shape = flat._params[real], tuple(flat._shapes[real])
+                real += 1
+                declare_logical_shape(param, shape)
+                pieces = flat_pieces(offset, numel, chunk, world) if world > 1 else None
+                _LAYOUTS[param] = (MatrixLayout(matrix_shape(shape), pieces, rank, group) if pieces is not None
+                                   else MatrixLayout.whole(matrix_shape(shape)))
+            offset += numel
+
+
+def fsdp1_layout(p: torch.Tensor) -> MatrixLayout:
+    """The layout of an FSDP1 original parameter, else ``sharding.discover.layout_of``'s."""
+    layout = _LAYOUTS.get(p)
+    return layout if layout is not None else layout_of(p)
+
+
+def watch_model(model: Any, optimizer: Any) -> None:
+    """After ``create_optimizer`` built ``optimizer`` for an FSDP1 model: the optimizer reads its layouts."""
+    if isinstance(model, nn.Module) and _fsdp_modules(model) and hasattr(optimizer, "use_layouts"):
+        optimizer.use_layouts(resolver=fsdp1_layout)
+
+
+def refuse_unknown_flattened(params: Any, who: str) -> Any:
+    """A constructor given FSDP1's flattened tensors without the model (``model.parameters()``): their matrices'
+    shapes are gone, so they would be stepped as vectors (AdamW) silently; refuse, naming the fix."""
+    if isinstance(params, (list, tuple)):
+        items = params
+    else:
+        return params
+    for item in items:
+        tensors = item.get("params", []) if isinstance(item, dict) else [item]
+        if isinstance(tensors, torch.Tensor):
+            tensors = [tensors]
+        for t in tensors:
+            t = t[1] if isinstance(t, tuple) and len(t) == 2 else t
+            if isinstance(t, torch.Tensor) and getattr(t, "_fsdp_flattened", False) and t not in _LAYOUTS:
+                raise FSDP1Error(f"{who}: given a parameter flattened by FullyShardedDataParallel (shape "
+                                 f"{tuple(t.shape)}) without its model, so its matrix shape is unknown. Pass the "
+                                 f"wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}")
+    return params
+
+
+register_model_inspector(inspect_model)
+register_model_watcher(watch_model)
+register_param_source(refuse_unknown_flattened)
