@@ -78,14 +78,20 @@ def case(name: str, strategy: str, root: str) -> dict:
 
 
 def refusal() -> dict:
-    try:
-        shardopt.create_optimizer(wrap("FULL_SHARD", orig=False), "racs", lr=0.01)
-        message = None
-    except NotImplementedError as err:
-        message = f"{type(err).__name__}: {err}"
-    every: list = [None] * dist.get_world_size()
-    dist.all_gather_object(every, message)
-    return {"messages": every}
+    """``use_orig_params=False`` (flat parameters mixing rules) and an FSDP1 model's parameters without the model
+    (shapes gone): one error on every rank, never AdamW in silence."""
+    out = {}
+    for case, build in (("flat", lambda: shardopt.create_optimizer(wrap("FULL_SHARD", orig=False), "racs", lr=0.01)),
+                        ("no_model", lambda: shardopt.RACS(wrap("FULL_SHARD").parameters(), lr=0.01))):
+        try:
+            build()
+            message = None
+        except NotImplementedError as err:
+            message = f"{type(err).__name__}: {err}"
+        every: list = [None] * dist.get_world_size()
+        dist.all_gather_object(every, message)
+        out[case] = every
+    return out
 
 
 def main() -> None:

@@ -898,36 +898,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                         if layout.rank != rank:
                             target[key].zero_()
                         rnd.add_full(layout, target[key].view(1))
-        pending = self._holder_scalars(rnd)
         rnd.run()
-        for target, key, value in pending:
-            if key in target:
-                target[key].copy_(value[0])
-
-    def _holder_scalars(self, rnd: Round) -> list[tuple[dict, str, torch.Tensor]]:
-        """Per-matrix scalars (kind "scalar": RACS's limiter norm) as the first rank holding elements of the matrix
-        has them, added to ``rnd``: a rank without a piece of a matrix may have no gradient for it (legacy FSDP
-        leaves an empty view's gradient None) and so skip the update its holders made; a checkpoint must keep a
-        holder's value. The schedule comes from static layouts and kinds only: the same on every rank."""
-        scalars = sorted(k for k, kind in self.state_kinds.items() if kind == "scalar")
-        if not scalars:
-            return []
-        ruled = {f.name for frags in self._fragments_by_group().values() for f in frags}
-        pending = []
-        for p in self.stepped_tensors():
-            for frag in self.fragments(p):
-                lay = frag.layout
-                if lay.group is None or frag.name not in ruled:
-                    continue
-                holder = next((r for r, piece in enumerate(lay.pieces) if lay._piece_numel(piece)), 0)
-                target = self.matrix_state(p, frag, self.state.get(p, {}), create=False) or {}
-                for key in scalars:
-                    value = torch.zeros(1, device=local_flat(p).device)
-                    if lay.rank == holder and key in target:
-                        value.copy_(target[key].detach().reshape(1))
-                    rnd.add_full(lay, value)
-                    pending.append((target, key, value))
-        return pending
 
     def _nonfinite_grads(self) -> bool:
         """Whether any rank has a non-finite gradient in this step (``nonfinite.nonfinite_grads``)."""

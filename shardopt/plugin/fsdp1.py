@@ -26,7 +26,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..optim.hooks import register_model_inspector, register_model_watcher, register_param_source
+from ..optim.hooks import (register_model_inspector, register_model_watcher, register_param_source,
+                           register_pre_step_check)
 from ..optim.routing import declare_logical_shape
 from ..sharding.discover import layout_of, matrix_shape
 from ..sharding.layout import MatrixLayout
@@ -36,6 +37,8 @@ __all__ = ["inspect_model", "watch_model", "fsdp1_layout", "refuse_unknown_flatt
 
 #: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: ... -> (its flat parameter, its index among the flat parameter's original parameters)
+_FLAT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class FSDP1Error(NotImplementedError):
@@ -89,6 +92,7 @@ def inspect_model(model: nn.Module) -> None:
                 pieces = flat_pieces(offset, numel, chunk, world) if world > 1 else None
                 _LAYOUTS[param] = (MatrixLayout(matrix_shape(shape), pieces, rank, group) if pieces is not None
                                    else MatrixLayout.whole(matrix_shape(shape)))
+                _FLAT_OF[param] = (flat, real - 1)
             offset += numel
 
 
@@ -104,13 +108,31 @@ def watch_model(model: Any, optimizer: Any) -> None:
         optimizer.use_layouts(resolver=fsdp1_layout)
 
 
+def fill_empty_grads(optimizer: Any) -> None:
+    """Before a step: an original parameter of which this rank holds no element has a ``None`` gradient under FSDP1
+    (its holders have one), so a rule would skip the statistics every other engine's ranks update alike (FSDP2 and
+    ZeRO hand empty shards empty gradients), and a checkpoint could record the stale values of the rank that owns
+    a split index. Such a parameter gets an empty zero gradient where its flat parameter has a gradient and FSDP
+    did not mark the original's gradient as absent (``_is_grad_none_mask``)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            found = _FLAT_OF.get(p) if p.grad is None and p.numel() == 0 else None
+            if found is None:
+                continue
+            flat, index = found
+            absent = getattr(flat, "_is_grad_none_mask", None)
+            if flat.grad is not None and not (absent and absent[index]):
+                p.grad = torch.zeros_like(p)
+
+
 def refuse_unknown_flattened(params: Any, who: str) -> Any:
     """A constructor given FSDP1's flattened tensors without the model (``model.parameters()``): their matrices'
     shapes are gone, so they would be stepped as vectors (AdamW) silently; refuse, naming the fix."""
-    if isinstance(params, (list, tuple)):
-        items = params
-    else:
+    if hasattr(params, "__next__"):  # a generator (model.parameters()) is read once: hand the constructor a list
+        params = list(params)
+    if not isinstance(params, (list, tuple)):  # a set, a tensor, ...: the constructor's own errors apply
         return params
+    items = params
     for item in items:
         tensors = item.get("params", []) if isinstance(item, dict) else [item]
         if isinstance(tensors, torch.Tensor):
@@ -127,3 +149,4 @@ def refuse_unknown_flattened(params: Any, who: str) -> Any:
 register_model_inspector(inspect_model)
 register_model_watcher(watch_model)
 register_param_source(refuse_unknown_flattened)
+register_pre_step_check(fill_empty_grads)
