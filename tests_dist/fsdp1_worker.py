@@ -23,7 +23,7 @@ from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 import shardopt  # noqa: E402
 import shardopt.checkpoint as sckpt  # noqa: E402
 from parity_worker import N_BLOCKS, OPTIMIZERS, STEPS, local_batch, options, reference  # noqa: E402
-from toy_models import Block, loss_fn, make_model  # noqa: E402
+from toy_models import GLOBAL_BATCH, Block, loss_fn, make_model  # noqa: E402
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 
@@ -74,7 +74,40 @@ def case(name: str, strategy: str, root: str) -> dict:
     sckpt.load(os.path.join(root, "logical"), ropt)
     train(resumed, ropt, STEPS, 2 * STEPS)
     out["resume_max_abs_diff"] = max_abs_diff(params(resumed), params(model))
+    if strategy == "FULL_SHARD":  # the same checkpoint into FSDP2 and DeepSpeed ZeRO-2: its logical meaning
+        want6, _ = reference(name, 2 * STEPS)
+        out["fsdp2_reload_max_abs_diff"] = max_abs_diff(reload_fsdp2(name, root), want6)
+        out["zero2_reload_max_abs_diff"] = max_abs_diff(reload_zero2(name, root), want6)
     return out
+
+
+def reload_fsdp2(name: str, root: str) -> dict[str, torch.Tensor]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(n_blocks=N_BLOCKS)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for blk in model.blocks:
+        fully_shard(blk, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = shardopt.create_optimizer(model, name, **options(name))
+    sckpt.load(os.path.join(root, "logical"), opt)
+    train(model, opt, STEPS, 2 * STEPS)
+    return {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+
+
+def reload_zero2(name: str, root: str) -> dict[str, torch.Tensor]:
+    kw = options(name)
+    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+              "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
+              "shardopt": {"optimizer": name, "params": {k: v for k, v in kw.items() if k != "routing"},
+                           "routing": kw.get("routing", {})}}
+    engine, _, _, _ = shardopt.deepspeed.initialize(model=make_model(n_blocks=N_BLOCKS), config=config)
+    engine.load_checkpoint(root, tag="logical")  # shardopt's logical files, laid out as <dir>/<tag>/
+    for s in range(STEPS, 2 * STEPS):
+        engine.backward(loss_fn(engine, local_batch(s)))
+        engine.step()
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
 def refusal() -> dict:
@@ -102,7 +135,9 @@ def main() -> None:
     args = ap.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=timedelta(seconds=180))
+    import deepspeed
+
+    deepspeed.init_distributed("gloo", timeout=timedelta(seconds=180))  # the ZeRO-2 reload's engine
     records: list = []
     for name in args.optimizers.split(","):
         for strategy in args.strategies.split(","):

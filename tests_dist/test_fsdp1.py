@@ -1,7 +1,8 @@
 """Legacy FSDP ("FSDP1", issue 47; ``fsdp1_worker.py``): ``FullyShardedDataParallel(use_orig_params=True)`` with
 nested wrapping under FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD (2 x 2): every matrix on the requested rule
 (formerly: AdamW in silence, or refused), within 1e-5 of one process after 3 steps, resume through
-``shardopt.checkpoint`` exact; ``use_orig_params=False`` and parameters without their model refused on every rank.
+``shardopt.checkpoint`` exact, the same checkpoint reloaded into FSDP2 and DeepSpeed ZeRO-2 within 1e-5;
+``use_orig_params=False`` and parameters without their model refused on every rank.
 
 CI: world size 4 (uneven flat shards, ranks holding no element of some matrices; HYBRID_SHARD) for SCALE, RACS and
 SUMO under FULL_SHARD and HYBRID_SHARD; the full tier: world sizes 2-4, every strategy and optimizer."""
@@ -50,6 +51,10 @@ def test_fsdp1_like_one_process(name: str, strategy: str, world: int) -> None:
         assert rec["flat_views"]  # the optimizer really saw FSDP1's 1-D views
     assert rec["max_abs_diff"] <= TOL
     assert rec["resume_max_abs_diff"] <= RESUME_TOL
+    if strategy == "FULL_SHARD":  # the FSDP1 checkpoint reloaded into FSDP2 and into DeepSpeed ZeRO-2
+        print(f"  reload: FSDP2 {rec['fsdp2_reload_max_abs_diff']:.2e}, ZeRO-2 {rec['zero2_reload_max_abs_diff']:.2e}")
+        assert rec["fsdp2_reload_max_abs_diff"] <= TOL
+        assert rec["zero2_reload_max_abs_diff"] <= TOL
 
 
 def test_fsdp1_layouts_it_cannot_describe_are_refused_on_every_rank() -> None:
