@@ -18,7 +18,10 @@ import torch.distributed as dist
 warnings.filterwarnings("ignore")
 SEQ, VOCAB, SAMPLES = 8, 64, 64
 HP = {"scale": {"lr": 1e-2, "adam_lr": 1e-2}, "racs": {"lr": 1e-2}, "sumo": {"lr": 1e-2, "rank": 4, "refresh_interval": 2},
-      "alice": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2}}
+      "alice": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2},
+      # the other optimizers, for the full tier's from_pretrained (ZeRO-3 partitioned at load) run
+      "sinkgd": {"lr": 1e-2}, "muon": {"lr": 1e-2}, "swan": {"lr": 1e-2}, "dasgo": {"lr": 1e-2},
+      "asgo": {"lr": 1e-2, "refresh_interval": 2}, "alice0": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2}}
 
 
 META: dict = {}
