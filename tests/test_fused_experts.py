@@ -108,9 +108,10 @@ def fused_weights(block: MoEBlock) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_fused_equals_unfused(name: str) -> None:
-    fused, unfused = MoEBlock(fused=True), MoEBlock(fused=False)
+def fused_against_unfused(name: str, transposed: bool = False) -> tuple[MoEBlock, float]:
+    """3 steps of ``name`` on the fused block and on the same block unfused: (the fused block, the largest difference
+    of any weight)."""
+    fused, unfused = MoEBlock(fused=True, transposed=transposed), MoEBlock(fused=False)
     fused.copy_into(unfused)
     kwargs = {"lr": 0.02, **OPTIONS.get(name, {})}
     opt_fused = shardopt.create_optimizer(fused, name, **kwargs)
@@ -118,7 +119,12 @@ def test_fused_equals_unfused(name: str) -> None:
     run(opt_fused, fused)
     run(opt_unfused, unfused)
     reference = dict(unfused_named(unfused))
-    worst = max((w - reference[n]).abs().max().item() for n, w in fused_weights(fused).items())
+    return fused, max((w - reference[n]).abs().max().item() for n, w in fused_weights(fused).items())
+
+
+@pytest.mark.parametrize("name", sorted(OPTIMIZERS))
+def test_fused_equals_unfused(name: str) -> None:
+    fused, worst = fused_against_unfused(name)
     moved = (fused.experts.down_proj.detach() - MoEBlock(fused=True).experts.down_proj).abs().max().item()
     assert moved > 1e-3, "the experts did not train"
     assert worst <= 1e-6, f"{name}: fused experts {worst:.2e} from the unfused block"
@@ -144,16 +150,8 @@ def test_experts_get_the_matrix_rule_and_state_per_expert() -> None:
 def test_transposed_experts_equal_unfused(name: str) -> None:
     """Experts stored in x out (GPT-OSS, ``is_transposed=True``): rules symmetric under transposition need nothing,
     SCALE normalizes the other axis; the result equals the unfused out x in block."""
-    fused, unfused = MoEBlock(fused=True, transposed=True), MoEBlock(fused=False)
-    fused.copy_into(unfused)
-    assert param_roles(fused)["experts.down_proj"] == "matrix_transposed"
-    kwargs = {"lr": 0.02, **OPTIONS.get(name, {})}
-    opt_fused = shardopt.create_optimizer(fused, name, **kwargs)
-    opt_unfused = shardopt.create_optimizer(unfused_named(unfused), name, routing={"gate.weight": "router"}, **kwargs)
-    run(opt_fused, fused)
-    run(opt_unfused, unfused)
-    reference = dict(unfused_named(unfused))
-    worst = max((w - reference[n]).abs().max().item() for n, w in fused_weights(fused).items())
+    assert param_roles(MoEBlock(fused=True, transposed=True))["experts.down_proj"] == "matrix_transposed"
+    _, worst = fused_against_unfused(name, transposed=True)
     # the symmetric rules work on the stored (transposed) matrix: the same result in another summation order
     assert worst <= 1e-5, f"{name}: transposed fused experts {worst:.2e} from the unfused block"
 

@@ -31,7 +31,8 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import finish_worker, record_case  # noqa: E402
 import shardopt  # noqa: E402
-from tp_llm_worker import DIM, OPTIONS, VOCAB, Block  # noqa: E402
+from layout_options import OPTIONS  # noqa: E402
+from tp_llm_worker import DIM, VOCAB, Block  # noqa: E402
 
 SEQ, MICRO, ACCUM, DP = 16, 2, 2, 2
 GLOBAL = MICRO * ACCUM * DP

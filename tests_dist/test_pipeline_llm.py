@@ -14,7 +14,7 @@ import pytest
 
 from launch import run_ranks
 from tiers import CI_LAYOUT_OPTIMIZERS, selected
-from tp_llm_worker import OPTIONS
+from layout_options import OPTIONS
 
 TOL, RESUME_TOL = 1e-5, 1e-6
 NAMES = selected(OPTIONS, CI_LAYOUT_OPTIMIZERS)

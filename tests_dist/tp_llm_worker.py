@@ -30,22 +30,11 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(__file__))
 from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 import shardopt  # noqa: E402
+from layout_options import OPTIONS  # noqa: E402
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, BATCH = 48, 16, 4, 24, 8, 4
 STEPS = 3
 LAYOUTS = ("tp", "tp_lossp", "fsdp2_tp", "fsdp2_tp_lossp")
-OPTIONS = {
-    "scale": dict(lr=3e-3, adam_lr=3e-3),
-    "sinkgd": dict(lr=0.02),
-    "racs": dict(lr=0.05),
-    "muon": dict(lr=0.02),
-    "swan": dict(lr=0.05),
-    "dasgo": dict(lr=0.01),
-    "asgo": dict(lr=0.01, refresh_interval=2),
-    "sumo": dict(lr=0.02, rank=2, refresh_interval=2, matrix_ops={"strategy": "gather"}),
-    "alice": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "distributed"}),
-    "alice0": dict(lr=0.02, rank=3, leading=1, refresh_interval=2),
-}
 
 
 class Attention(nn.Module):
