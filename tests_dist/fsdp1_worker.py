@@ -8,18 +8,16 @@ must be refused on every rank (never stepped as AdamW).
 from __future__ import annotations
 
 import argparse
-import functools
 import logging
 import os
 import sys
-import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
 import shardopt  # noqa: E402
 import shardopt.checkpoint as sckpt  # noqa: E402
 from parity_worker import N_BLOCKS, OPTIMIZERS, STEPS, local_batch, options, reference  # noqa: E402
@@ -144,9 +142,8 @@ def main() -> None:
             if strategy == "HYBRID_SHARD" and dist.get_world_size() != 4:
                 continue
             rec = {"optimizer": name, "strategy": strategy, "world_size": dist.get_world_size()}
-            root = [tempfile.mkdtemp(prefix="shardopt_fsdp1_") if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(root, src=0)
-            record_case(records, rec, lambda: case(name, strategy, root[0]))
+            root = shared_tempdir("shardopt_fsdp1_")
+            record_case(records, rec, lambda: case(name, strategy, root))
     record_case(records, {"optimizer": "racs", "strategy": "use_orig_params=False"}, refusal)
     finish_worker(records, args.out)
 

@@ -183,6 +183,17 @@ def record_case(records: list, rec: dict, body) -> None:
     dist.barrier()
 
 
+def shared_tempdir(prefix: str) -> str:
+    """A fresh directory made by rank 0 and named to every rank (checkpoints every rank writes into)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    holder = [tempfile.mkdtemp(prefix=prefix) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
 def max_abs_diff(got: dict, want: dict) -> float:
     """Largest elementwise difference over the parameters of ``want`` (``got``'s compared in fp32)."""
     return max((got[n].float() - want[n]).abs().max().item() for n in want)

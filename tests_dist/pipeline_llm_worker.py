@@ -20,7 +20,6 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 from datetime import timedelta
 
 import torch
@@ -29,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, record_case  # noqa: E402
+from launch import finish_worker, record_case, shared_tempdir  # noqa: E402
 import shardopt  # noqa: E402
 from layout_options import OPTIONS  # noqa: E402
 from tp_llm_worker import DIM, VOCAB, Block  # noqa: E402
@@ -196,9 +195,8 @@ def main() -> None:
     for name in args.optimizers.split(","):
         for tied, clip in ((False, 0.0), (True, 0.0), (False, CLIP)):
             rec = {"optimizer": name, "tied": tied, "clip": clip, "world_size": dist.get_world_size()}
-            root = [tempfile.mkdtemp(prefix="shardopt_pp_llm_") if dist.get_rank() == 0 else None]
-            dist.broadcast_object_list(root, src=0)
-            record_case(records, rec, lambda: case(name, tied, root[0], clip))
+            root = shared_tempdir("shardopt_pp_llm_")
+            record_case(records, rec, lambda: case(name, tied, root, clip))
     finish_worker(records, args.out)
 
 

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
 import shardopt  # noqa: E402
 from layout_options import OPTIONS  # noqa: E402
 
@@ -261,16 +261,13 @@ def main() -> None:
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
-    import tempfile
-
-    holder = [tempfile.mkdtemp(prefix="shardopt-tp-llm-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(holder)
+    root = shared_tempdir("shardopt-tp-llm-")
     records: list = []
     for i, name in enumerate(args.optimizers.split(",")):
         for layout in args.layouts.split(","):
             how = ("dcp", "shardopt")[i % 2]  # both save paths, by alternating optimizers
             rec = {"optimizer": name, "layout": layout, "resume": how, "world_size": dist.get_world_size()}
-            record_case(records, rec, lambda: case(name, layout, holder[0], how))
+            record_case(records, rec, lambda: case(name, layout, root, how))
     record_case(records, {"optimizer": "racs", "layout": "mismatch"}, mismatch_case)
     finish_worker(records, args.out)
 

@@ -15,14 +15,13 @@ import argparse
 import logging
 import os
 import sys
-import tempfile
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
 import shardopt  # noqa: E402
 from parity_worker import N_BLOCKS, OPTIMIZERS, STEPS, local_batch, options, reference  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
@@ -91,9 +90,8 @@ def main() -> None:
     records: list = []
     for name in args.optimizers.split(","):
         rec = {"optimizer": name, "world_size": dist.get_world_size()}
-        root = [tempfile.mkdtemp(prefix="shardopt_zinit_") if dist.get_rank() == 0 else None]
-        dist.broadcast_object_list(root, src=0)
-        record_case(records, rec, lambda: case(name, root[0]))
+        root = shared_tempdir("shardopt_zinit_")
+        record_case(records, rec, lambda: case(name, root))
     finish_worker(records, args.out)
 
 

@@ -311,11 +311,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     def _is_batched(self, p: torch.Tensor) -> bool:
-        """Whether real parameter ``p`` is a batch of matrices: 3-D in a group whose rule is not AdamW."""
-        if len(_logical_shape(p)) != BATCHED_NDIM:
-            return False
-        return any(g.get("treatment", "adamw") != "adamw" and any(q is p for q in g["params"])
-                   for g in self._groups())
+        """Whether real parameter ``p`` is a batch of matrices (``_batched_names``)."""
+        return len(_logical_shape(p)) == BATCHED_NDIM and self.param_names.get(id(p)) in self._batched_names()
 
     def _make_team_groups(self) -> None:
         """Before the first step on new plans, every rank makes the process groups of every rank's teams

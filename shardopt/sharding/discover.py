@@ -12,6 +12,7 @@ replicas, which reduce separately and identically (as HSDP's replicas), never do
 from __future__ import annotations
 
 import itertools
+from typing import Any
 
 import torch
 
@@ -109,26 +110,7 @@ def batched_fragments(p: torch.Tensor, name: str, resolver=None) -> list[Fragmen
     if not dims:
         layout = (resolver or layout_of)(p)
         return split_flat(Fragment(name, layout, 0, shape))
-    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
-    mesh = p.device_mesh
-    if len(dims) == 1:
-        group, rank = mesh.get_group(dims[0]), mesh.get_local_rank(dims[0])
-    elif mesh.mesh_dim_names is None:
-        raise NotImplementedError(
-            f"{name!r} of shape {tuple(shape)} is sharded over mesh dimensions {dims} {tuple(p.placements)} of a mesh "
-            "without dimension names; name them (init_device_mesh(..., mesh_dim_names=...)) so that shardopt can "
-            "reduce over the sharded dimensions together")
-    else:
-        sub, _ = shard_mesh(p)
-        group, rank = sub.get_group(), sub.get_local_rank()
-    boxes = []
-    for coords in itertools.product(*(range(mesh.size(i)) for i in dims)):  # row-major: the flattened order
-        coordinate = [0] * mesh.ndim
-        for i, c in zip(dims, coords):
-            coordinate[i] = c
-        extent, origin = _compute_local_shape_and_global_offset(tuple(shape), mesh.shape, coordinate, p.placements)
-        boxes.append((tuple(origin), tuple(extent)))
+    group, rank, boxes = _shard_boxes(p, dims, repr(name))
     frags = box_fragments(name, shape, boxes, rank, group)
     if tuple(p.to_local().shape) != tuple(boxes[rank][1]):
         raise RuntimeError(f"{name!r}: DTensor local shard has shape {tuple(p.to_local().shape)} but its placements "
@@ -251,29 +233,40 @@ def pl_is_plain_shard(pl) -> bool:
     return pl.is_shard() and type(pl).__name__ == "Shard"
 
 
-def _mesh_layout(p: torch.Tensor, shape: tuple[int, int], dims: list[int]) -> MatrixLayout:
-    """A DTensor sharded over the mesh dimensions ``dims`` (FSDP2 x TP, HSDP x TP, a strided shard): the group is
-    those dimensions flattened, and every rank's block comes from DTensor's own offsets for its coordinate."""
+def _shard_boxes(p: torch.Tensor, dims: list[int], what: str) -> tuple[Any, int, list[tuple[tuple, tuple]]]:
+    """``(group, rank, boxes)`` of a DTensor sharded over the mesh dimensions ``dims``: the group is those dimensions
+    (flattened, row-major, when several: FSDP2 x TP, HSDP x TP, ep x FSDP), and ``boxes[r]`` is ``(global offset,
+    local shape)`` of the block group rank ``r`` holds, from DTensor's own offsets for its coordinate."""
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    mesh, placements = p.device_mesh, p.placements
-    names = mesh.mesh_dim_names
-    if names is None:
+    mesh = p.device_mesh
+    if len(dims) == 1:
+        group, rank = mesh.get_group(dims[0]), mesh.get_local_rank(dims[0])
+    elif mesh.mesh_dim_names is None:
         raise NotImplementedError(
-            f"a parameter of shape {tuple(p.shape)} is sharded over mesh dimensions {dims} {tuple(placements)} of a "
-            "mesh without dimension names; name them (init_device_mesh(..., mesh_dim_names=...)) so that shardopt "
-            "can reduce over the sharded dimensions together")
-    sub = mesh[tuple(names[i] for i in dims)] if len(dims) > 1 else mesh[names[dims[0]]]
-    flat = sub._flatten() if len(dims) > 1 else sub
-    pieces = []
+            f"{what} of shape {tuple(p.shape)} is sharded over mesh dimensions {dims} {tuple(p.placements)} of a mesh "
+            "without dimension names; name them (init_device_mesh(..., mesh_dim_names=...)) so that shardopt can "
+            "reduce over the sharded dimensions together")
+    else:
+        flat, _ = shard_mesh(p)
+        group, rank = flat.get_group(), flat.get_local_rank()
+    boxes = []
     for coords in itertools.product(*(range(mesh.size(i)) for i in dims)):  # row-major: the flattened order
         coordinate = [0] * mesh.ndim
         for i, c in zip(dims, coords):
             coordinate[i] = c
-        local_shape, offset = _compute_local_shape_and_global_offset(tuple(p.shape), mesh.shape, coordinate,
-                                                                     placements)
-        pieces.append(_piece(tuple(p.shape), shape, local_shape, offset, placements))
-    layout = MatrixLayout(shape, pieces, flat.get_local_rank(), flat.get_group())
+        extent, origin = _compute_local_shape_and_global_offset(tuple(p.shape), mesh.shape, coordinate, p.placements)
+        boxes.append((tuple(origin), tuple(extent)))
+    return group, rank, boxes
+
+
+def _mesh_layout(p: torch.Tensor, shape: tuple[int, int], dims: list[int]) -> MatrixLayout:
+    """A DTensor sharded over the mesh dimensions ``dims`` (FSDP2 x TP, HSDP x TP, a strided shard): every rank's
+    block of the ``shape`` view (``_shard_boxes``)."""
+    placements = p.placements
+    group, rank, boxes = _shard_boxes(p, dims, "a parameter")
+    pieces = [_piece(tuple(p.shape), shape, extent, origin, placements) for origin, extent in boxes]
+    layout = MatrixLayout(shape, pieces, rank, group)
     if p.to_local().numel() != layout.local_numel:
         raise RuntimeError(f"DTensor local shard has {p.to_local().numel()} elements but its placements "
                            f"{tuple(placements)} give {layout.local_numel} for shape {tuple(p.shape)}")
