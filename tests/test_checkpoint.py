@@ -115,3 +115,25 @@ def test_files_are_safetensors_not_pickles(tmp_path):
     with open(path, "rb") as f:
         header_len = int.from_bytes(f.read(8), "little")
         assert f.read(1) == b"{" and header_len > 0
+
+
+def test_groups_match_by_parameter_names_not_position(tmp_path):
+    """An engine may list parameters, and so groups, in another order (legacy FSDP's flat parameters): each group
+    takes the hyperparameters saved for its own parameters, and a file that gives them another rule is refused."""
+    model, opt = fresh("scale")
+    train(model, opt, 2)
+    for g in opt.param_groups:
+        g["lr"] = 0.5 if g["treatment"] == "adamw" else 0.25
+    ckpt.save(str(tmp_path / "c"), opt)
+    _, fresh_opt = fresh("scale")
+    order = list(range(len(fresh_opt.param_groups)))[::-1]  # the same groups, listed the other way round
+    fresh_opt.param_groups[:] = [fresh_opt.param_groups[i] for i in order]
+    fresh_opt.group_param_names[:] = [fresh_opt.group_param_names[i] for i in order]
+    ckpt.load(str(tmp_path / "c"), fresh_opt)
+    assert {g["treatment"]: g["lr"] for g in fresh_opt.param_groups} == {"adamw": 0.5, "scale": 0.25}
+
+    _, other = fresh("scale")
+    adamw = next(g for g in other.param_groups if g["treatment"] == "adamw")
+    adamw["treatment"] = "scale"  # what a group-order mix-up used to do: biases stepped as matrices
+    with pytest.raises(ckpt.CheckpointError, match="build it with the same routing"):
+        ckpt.load(str(tmp_path / "c"), other)

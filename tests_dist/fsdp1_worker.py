@@ -1,9 +1,11 @@
-"""Legacy FSDP ("FSDP1", ``FullyShardedDataParallel``) worker (issue 47): the parity suite's toy model wrapped with
-``use_orig_params=True`` (each original parameter a 1-D view of its piece of a flat shard) under FULL_SHARD,
-SHARD_GRAD_OP, NO_SHARD and (world size 4, as 2 x 2) HYBRID_SHARD, with nested wrapping (an auto-wrap policy puts
-each block in an FSDP unit of its own): every matrix must get the requested rule, 3 steps equal one process, and a
-save through ``shardopt.checkpoint`` after 3 steps resumes exactly in a fresh wrapped model. ``use_orig_params=False``
-must be refused on every rank (never stepped as AdamW).
+"""Legacy FSDP ("FSDP1", ``FullyShardedDataParallel``) worker (issue 47): the parity suite's toy model wrapped under
+FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and (world size 4, as 2 x 2) HYBRID_SHARD, with nested wrapping (an auto-wrap
+policy puts each block in an FSDP unit of its own), with ``use_orig_params=True`` (each original parameter a 1-D view
+of its piece of a flat shard) and ``use_orig_params=False`` (the optimizer is handed ``FlatParameter``s mixing
+matrices and vectors; shardopt steps a view per original parameter). A setting is ``STRATEGY`` plus ``/flat``
+(use_orig_params=False) and ``/bf16`` (``MixedPrecision(param_dtype=bf16)``, fp32 master weights and statistics).
+Every matrix must get the requested rule, 3 steps equal one process, and a save through ``shardopt.checkpoint``
+after 3 steps resumes exactly in a fresh wrapped model. Parameters without their model are refused on every rank.
 """
 from __future__ import annotations
 
@@ -24,19 +26,25 @@ from parity_worker import N_BLOCKS, OPTIMIZERS, STEPS, local_batch, options, ref
 from toy_models import GLOBAL_BATCH, Block, loss_fn, make_model  # noqa: E402
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
+#: every strategy with either use_orig_params, and FULL_SHARD in bf16 mixed precision with either
+SETTINGS = tuple(f"{s}{flat}" for s in STRATEGIES for flat in ("", "/flat")) + ("FULL_SHARD/bf16",
+                                                                                "FULL_SHARD/flat/bf16")
 
 
-def wrap(strategy: str, orig: bool = True):
+def wrap(setting: str):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp import ShardingStrategy
+    from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+    strategy, *flags = setting.split("/")
     model = make_model(n_blocks=N_BLOCKS)
     kw = {}
+    if "bf16" in flags:
+        kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if strategy == "HYBRID_SHARD":
         from torch.distributed.device_mesh import init_device_mesh
         kw["device_mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("rep", "shard"))
-    return FSDP(model, device_id=torch.device("cpu"), use_orig_params=orig,
+    return FSDP(model, device_id=torch.device("cpu"), use_orig_params="flat" not in flags,
                 sharding_strategy=getattr(ShardingStrategy, strategy),
                 auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
 
@@ -49,33 +57,47 @@ def train(model, opt, start: int, stop: int) -> None:
 
 
 def params(model) -> dict[str, torch.Tensor]:
+    """Every original parameter, whole, on every rank (FSDP's full state dict: the same under either
+    use_orig_params)."""
+    from torch.distributed.fsdp import FullStateDictConfig, StateDictType
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 
     from shardopt.optim.routing import clean_name
 
-    with FSDP.summon_full_params(model):
-        return {clean_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    with FSDP.state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+        return {clean_name(n): t.detach().clone() for n, t in model.state_dict().items()}
 
 
-def case(name: str, strategy: str, root: str) -> dict:
+def case(name: str, setting: str, root: str) -> dict:
     want, _ = reference(name)
-    model = wrap(strategy)
+    model = wrap(setting)
     opt = shardopt.create_optimizer(model, name, **options(name))
     rule = {n: g["treatment"] for g, names in zip(opt._groups(), opt.group_param_names) for n in names}
-    flat_views = all(p.dim() == 1 for p in model.parameters())
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    flat_views = all(p.dim() == 1 for p in stepped) and not any(type(p).__name__ == "FlatParameter" for p in stepped)
     train(model, opt, 0, STEPS)
-    out = {"flat_views": flat_views, "rules": rule, "max_abs_diff": max_abs_diff(params(model), want)}
+    state_dtypes = sorted({str(t.dtype) for st in opt.state.values() for t in _tensors(st) if t.is_floating_point()})
+    out = {"flat_views": flat_views, "rules": rule, "max_abs_diff": max_abs_diff(params(model), want),
+           "params": {n: t.tolist() for n, t in params(model).items()}, "state_dtypes": state_dtypes,
+           "stepped_dtypes": sorted({str(p.dtype) for p in stepped})}
     sckpt.save(os.path.join(root, "logical"), opt, engine="fsdp1")
     train(model, opt, STEPS, 2 * STEPS)
-    resumed = wrap(strategy)
+    resumed = wrap(setting)
     ropt = shardopt.create_optimizer(resumed, name, **options(name))
     sckpt.load(os.path.join(root, "logical"), ropt)
     train(resumed, ropt, STEPS, 2 * STEPS)
     out["resume_max_abs_diff"] = max_abs_diff(params(resumed), params(model))
-    if strategy == "FULL_SHARD":  # the same checkpoint into FSDP2 and DeepSpeed ZeRO-2: its logical meaning
+    if setting.startswith("FULL_SHARD") and "bf16" not in setting:  # the checkpoint into FSDP2 and ZeRO-2
         want6, _ = reference(name, 2 * STEPS)
         out["fsdp2_reload_max_abs_diff"] = max_abs_diff(reload_fsdp2(name, root), want6)
         out["zero2_reload_max_abs_diff"] = max_abs_diff(reload_zero2(name, root), want6)
+    return out
+
+
+def _tensors(entries: dict) -> list[torch.Tensor]:
+    out = []
+    for v in entries.values():
+        out += _tensors(v) if isinstance(v, dict) else [v] if isinstance(v, torch.Tensor) else []
     return out
 
 
@@ -109,10 +131,10 @@ def reload_zero2(name: str, root: str) -> dict[str, torch.Tensor]:
 
 
 def refusal() -> dict:
-    """``use_orig_params=False`` (flat parameters mixing rules) and an FSDP1 model's parameters without the model
-    (shapes gone): one error on every rank, never AdamW in silence."""
+    """An FSDP1 model's parameters without the model (shapes gone), either use_orig_params: one error on every
+    rank, never AdamW in silence."""
     out = {}
-    for case, build in (("flat", lambda: shardopt.create_optimizer(wrap("FULL_SHARD", orig=False), "racs", lr=0.01)),
+    for case, build in (("flat", lambda: shardopt.RACS(wrap("FULL_SHARD/flat").parameters(), lr=0.01)),
                         ("no_model", lambda: shardopt.RACS(wrap("FULL_SHARD").parameters(), lr=0.01))):
         try:
             build()
@@ -129,7 +151,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
-    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--settings", default=",".join(SETTINGS))
     args = ap.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     torch.set_num_threads(1)
@@ -138,13 +160,13 @@ def main() -> None:
     deepspeed.init_distributed("gloo", timeout=timedelta(seconds=180))  # the ZeRO-2 reload's engine
     records: list = []
     for name in args.optimizers.split(","):
-        for strategy in args.strategies.split(","):
-            if strategy == "HYBRID_SHARD" and dist.get_world_size() != 4:
+        for setting in args.settings.split(","):
+            if setting.startswith("HYBRID_SHARD") and dist.get_world_size() != 4:
                 continue
-            rec = {"optimizer": name, "strategy": strategy, "world_size": dist.get_world_size()}
+            rec = {"optimizer": name, "setting": setting, "world_size": dist.get_world_size()}
             root = shared_tempdir("shardopt_fsdp1_")
-            record_case(records, rec, lambda: case(name, strategy, root))
-    record_case(records, {"optimizer": "racs", "strategy": "use_orig_params=False"}, refusal)
+            record_case(records, rec, lambda: case(name, setting, root))
+    record_case(records, {"optimizer": "racs", "setting": "without the model"}, refusal)
     finish_worker(records, args.out)
 
 

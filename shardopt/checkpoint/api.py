@@ -67,8 +67,32 @@ def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True) ->
         raise CheckpointError(f"{path}: incomplete, {len(missing)} tensors missing (e.g. {missing[0]!r})")
     with StateReader(target, meta) as reader:
         import_from(optimizer, reader, meta["kinds"], load_params=load_params)
-    for group, saved in zip(optimizer.param_groups, meta["param_groups"]):
+    for group, saved in zip(optimizer.param_groups, _saved_groups(path, optimizer, meta["param_groups"])):
         for k, v in saved.items():
-            if v is not None and k in group and k != "params":
+            if v is not None and k in group and k not in _STRUCTURE:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
     return meta
+
+
+#: group keys that say what a group is (its tensors and rule), not how it steps: never restored from a file
+_STRUCTURE = ("params", "names", "roles", "param_names", "treatment")
+
+
+def _saved_groups(path: str, optimizer: ShardedOptimizer, saved: list[dict]) -> list[dict]:
+    """The saved group of each of ``optimizer``'s groups, matched by parameter names (engines list parameters, and
+    so groups, in different orders: legacy FSDP's flat parameters, pipeline stages), so that a group never takes
+    another's hyperparameters; a saved group with another rule for the same parameters is an error."""
+    owner = {name: i for i, g in enumerate(saved) for name in (g.get("params") or [])}
+    out = []
+    for i, (group, names) in enumerate(zip(optimizer.param_groups, optimizer.group_param_names)):
+        found = {owner[n] for n in names if n and n in owner}
+        match = saved[min(found)] if len(found) == 1 else saved[i] if not found else None  # unnamed: by position
+        if match is None:
+            raise CheckpointError(f"{path}: the parameters of the optimizer's {group.get('treatment')!r} group "
+                                  f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) were saved in "
+                                  f"{'no group' if not found else 'several groups'}; build it with the same routing")
+        if match.get("treatment", group.get("treatment")) != group.get("treatment"):
+            raise CheckpointError(f"{path}: {names[0]!r} was saved with rule {match['treatment']!r}, the optimizer "
+                                  f"steps it with {group.get('treatment')!r}; build it with the same routing")
+        out.append(match)
+    return out

@@ -38,7 +38,7 @@ from .checks import check_hyperparameters
 from .config import OptimizerConfig
 from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
-from .hooks import apply_param_sources, run_pre_step_checks
+from .hooks import apply_param_sources, run_pre_step_checks, run_zero_grad_hooks
 from .items import MatrixItem, apply_items
 from .nonfinite import end_gate, gate_step, nonfinite_grads, settle_device_skip
 from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups, logical_dim, logical_shape
@@ -647,6 +647,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return out
 
     # ------------------------------------------------------------------ stepping
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """``torch.optim.Optimizer.zero_grad``, then the adapters' hooks (``hooks.zero_grad_hooks``): where the
+        stepped tensors stand in for an engine's own (legacy FSDP's flat parameters), those gradients clear too."""
+        super().zero_grad(set_to_none)
+        run_zero_grad_hooks(self, set_to_none)
+
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = None

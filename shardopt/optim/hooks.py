@@ -2,7 +2,7 @@
 import them (``tests/test_import_graph.py``: nothing under ``shardopt.optim`` imports ``shardopt.plugin`` or
 ``shardopt.integrations``).
 
-Four registries, each a list of callables run in registration order:
+Five registries, each a list of callables run in registration order:
 
 * ``pre_step_checks``: ``check(optimizer)`` at the top of every ``ShardedOptimizer.step`` (after the closure,
   before any tensor is read). ``shardopt.plugin.wrapped.check_stepped_tensors`` is one: it maps the flat
@@ -23,6 +23,10 @@ Four registries, each a list of callables run in registration order:
   (``shardopt.plugin.fsdp1.inspect_model``: the logical shapes of legacy FSDP's flattened views), or refuses a
   layout it cannot describe before any group is formed.
 
+* ``zero_grad_hooks``: ``hook(optimizer, set_to_none)`` after ``ShardedOptimizer.zero_grad`` cleared the
+  stepped tensors' gradients: an adapter whose stepped tensors stand in for others clears those too
+  (``shardopt.plugin.fsdp1.clear_flat_grads``: legacy FSDP's flat gradients).
+
 ``shardopt/__init__.py`` imports ``shardopt.plugin.wrapped``, which registers its three functions, so they are
 in place before any optimizer can be built (importing ``shardopt.optim.scale`` imports ``shardopt`` first).
 """
@@ -32,12 +36,14 @@ from typing import Any, Callable
 
 __all__ = ["pre_step_checks", "param_sources", "model_watchers", "model_inspectors", "register_pre_step_check",
            "register_param_source", "register_model_watcher", "register_model_inspector", "run_pre_step_checks",
-           "apply_param_sources", "watch_model", "inspect_model"]
+           "apply_param_sources", "watch_model", "inspect_model", "zero_grad_hooks", "register_zero_grad_hook",
+           "run_zero_grad_hooks"]
 
 pre_step_checks: list[Callable[[Any], None]] = []
 param_sources: list[Callable[[Any, str], Any]] = []
 model_watchers: list[Callable[[Any, Any], None]] = []
 model_inspectors: list[Callable[[Any], None]] = []
+zero_grad_hooks: list[Callable[[Any, bool], None]] = []
 
 
 def _register(registry: list, fn: Callable) -> Callable:
@@ -64,6 +70,16 @@ def register_model_watcher(fn: Callable[[Any, Any], None]) -> Callable[[Any, Any
 def register_model_inspector(fn: Callable[[Any], None]) -> Callable[[Any], None]:
     """Call ``fn(model)`` before a model's parameters are routed (once per function)."""
     return _register(model_inspectors, fn)
+
+
+def register_zero_grad_hook(fn: Callable[[Any, bool], None]) -> Callable[[Any, bool], None]:
+    """Call ``fn(optimizer, set_to_none)`` after every ``zero_grad`` of a shardopt optimizer (once per function)."""
+    return _register(zero_grad_hooks, fn)
+
+
+def run_zero_grad_hooks(optimizer: Any, set_to_none: bool) -> None:
+    for hook in list(zero_grad_hooks):
+        hook(optimizer, set_to_none)
 
 
 def inspect_model(model: Any) -> None:

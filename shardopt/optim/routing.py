@@ -23,13 +23,13 @@ from __future__ import annotations
 import fnmatch
 import re
 import warnings
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ROLES", "param_roles", "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route",
+__all__ = ["ROLES", "param_roles", "StandIn", "declare_stand_ins", "model_parameters", "own_parameters", "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route",
            "RoutingError", "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
 
 
@@ -74,6 +74,57 @@ def logical_shape(t: torch.Tensor) -> tuple[int, ...]:
     if ds_shape is not None:
         return tuple(int(s) for s in ds_shape)
     return _LOGICAL_SHAPES.get(t) or tuple(t.shape)
+
+
+#: an engine adapter's stand-ins for the parameters of a model whose own parameters are not what the optimizer can
+#: step as matrices (legacy FSDP's ``use_orig_params=False``: each ``FlatParameter`` holds pieces of several
+#: original parameters): model -> {id(replaced parameter): [StandIn, ...]}
+_STAND_INS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class StandIn(NamedTuple):
+    """One original parameter as routing sees it: ``name`` (its path in ``model.named_parameters()`` style),
+    ``module`` and ``attr`` (where the model keeps it), ``seen`` (the tensor there when declared, for roles by module
+    type; None if absent) and ``stepped`` (the tensor the optimizer steps in its place)."""
+    name: str
+    module: nn.Module
+    attr: str
+    seen: torch.Tensor | None
+    stepped: torch.Tensor
+
+
+def declare_stand_ins(model: nn.Module, replaced: torch.Tensor, stand_ins: Sequence[StandIn]) -> None:
+    """Route ``stand_ins`` instead of ``model``'s parameter ``replaced``: roles come from their modules and names,
+    groups hold their ``stepped`` tensors."""
+    _STAND_INS.setdefault(model, {})[id(replaced)] = list(stand_ins)
+
+
+def model_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """``(name, tensor its module holds, tensor the optimizer steps)`` for every parameter of ``model``, declared
+    stand-ins (``declare_stand_ins``) in place of the parameters they replace."""
+    declared = _STAND_INS.get(model)
+    if not declared:
+        return [(n, p, p) for n, p in model.named_parameters()]
+    # in the model's own order (module by module), as without the engine: groups, and so checkpoints, list
+    # parameters alike whichever way the engine holds them
+    rank = {id(m): i for i, m in enumerate(model.modules())}
+    owner = {id(p): rank[id(m)] for m in model.modules() for p in m.parameters(recurse=False)}
+    out: list[tuple[int, tuple[str, torch.Tensor, torch.Tensor]]] = []
+    for n, p in model.named_parameters():
+        if id(p) in declared:
+            out += [(rank.get(id(s.module), -1), (s.name, s.seen if s.seen is not None else s.stepped, s.stepped))
+                    for s in declared[id(p)]]
+        else:
+            out.append((owner.get(id(p), -1), (n, p, p)))
+    return [entry for _, entry in sorted(out, key=lambda item: item[0])]
+
+
+def own_parameters(model: nn.Module, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """``module``'s own parameters (``named_parameters(recurse=False)``) and the stand-ins declared for it."""
+    own = list(module.named_parameters(recurse=False))
+    for stand_ins in _STAND_INS.get(model, {}).values():
+        own += [(s.attr, s.seen) for s in stand_ins if s.module is module and s.seen is not None]
+    return own
 
 
 def clean_name(name: str) -> str:
@@ -171,7 +222,7 @@ def expert_roles(model: nn.Module) -> dict[int, str]:
     for parent in model.modules():
         for experts in parent.children():
             count = getattr(experts, "num_experts", None)
-            batched = [(n, p) for n, p in experts.named_parameters(recurse=False)
+            batched = [(n, p) for n, p in own_parameters(model, experts)
                        if logical_dim(p) == 3 and isinstance(count, int) and logical_shape(p)[0] == count]
             if not batched:
                 continue
@@ -203,8 +254,8 @@ def unknown_matrices(model: nn.Module) -> dict[str, str]:
     for mod_name, m in model.named_modules():
         if _is_conv(m):
             continue
-        for p_name, p in m.named_parameters(recurse=False):
-            name = f"{mod_name}.{p_name}" if mod_name else p_name
+        for p_name, p in own_parameters(model, m):
+            name = clean_name(f"{mod_name}.{p_name}" if mod_name else p_name)
             if id(p) in known or not p.requires_grad:
                 continue
             if logical_dim(p) == 2 or _looks_batched(name, m, logical_shape(p)):
@@ -232,8 +283,10 @@ def _out_features(m: nn.Module) -> int | None:
 
 
 def param_roles(model: nn.Module) -> dict[str, str]:
-    """Default role of every trainable parameter, keyed by its name in ``model.named_parameters()``."""
-    names = {id(p): n for n, p in model.named_parameters()}
+    """Default role of every trainable parameter, keyed by its name in ``model.named_parameters()`` (or a declared
+    stand-in's, ``model_parameters``)."""
+    params = model_parameters(model)
+    names = {id(seen): n for n, seen, _ in params}
     roles: dict[str, str] = {}
     embeddings = [m for m in model.modules() if _is_embedding(m)]
     vocab_sizes = {m.num_embeddings for m in embeddings}
@@ -264,7 +317,7 @@ def param_roles(model: nn.Module) -> dict[str, str]:
             roles[names[id(m.weight)]] = "matrix_transposed"
     if head is not None:
         roles[names[id(head.weight)]] = "lm_head"  # a tied weight's single name becomes the head
-    for n, p in model.named_parameters():
+    for n, _, _ in params:
         roles.setdefault(n, "vector")
     return roles
 
@@ -378,7 +431,7 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
     user's ``named_parameters()``, kept as torch's ``param_names``) or ``"position"``."""
     if isinstance(model, nn.Module):
         roles = {clean_name(n): r for n, r in param_roles(model).items()}
-        return [(clean_name(n), p) for n, p in model.named_parameters()], roles, "module"
+        return [(clean_name(n), stepped) for n, _, stepped in model_parameters(model)], roles, "module"
     tensors, names = named_or_unnamed(model)
     if not tensors:
         raise ValueError("optimizer got an empty parameter list")

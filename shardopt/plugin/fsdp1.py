@@ -13,32 +13,54 @@ gathered: the handle's metadata (``_numels_with_padding``, ``_is_padding_mask``,
 optimizer the resolver. Sharding strategies: FULL_SHARD and SHARD_GRAD_OP (shard group: FSDP's process group),
 HYBRID_SHARD and _HYBRID_SHARD_ZERO2 (the intra-node shard group; replicas reduce apart, as HSDP's), NO_SHARD (whole).
 
-``use_orig_params=False`` hands an optimizer ``FlatParameter``s that mix matrices, vectors and embeddings in one
-tensor, which one param group (one rule) cannot step: refused with one error naming the fix, never stepped as
-AdamW. Parameters of an FSDP1 model that reach an optimizer without the model (``model.parameters()``) are refused
-the same way, since their shapes are gone.
+``use_orig_params=False`` (FSDP1's default) hands an optimizer ``FlatParameter``s that mix matrices, vectors and
+embeddings in one tensor, which no single rule can step. The adapter stands one view in for each original parameter
+(``routing.declare_stand_ins``): a 1-D ``nn.Parameter`` aliasing that parameter's elements in this rank's flat shard
+(its real shape under NO_SHARD), laid out like a ``use_orig_params=True`` view. Routing reads roles from the original
+modules and names, so each view gets its own rule; before every step a view's gradient is the matching slice of the
+flat gradient (``sync_flat_views``), and ``zero_grad`` clears the flat gradients too (``clear_flat_grads``), as for
+the tensors the user sees. Checkpoints carry the original names, so either setting resumes the other's.
+Parameters of an FSDP1 model that reach an optimizer without the model (``model.parameters()``) are refused, since
+their shapes are gone.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..optim.hooks import (register_model_inspector, register_model_watcher, register_param_source,
-                           register_pre_step_check)
-from ..optim.routing import declare_logical_shape
+                           register_pre_step_check, register_zero_grad_hook)
+from ..optim.routing import StandIn, declare_logical_shape, declare_stand_ins
 from ..sharding.discover import layout_of, matrix_shape
 from ..sharding.layout import MatrixLayout
 from .zero_layouts import flat_pieces
 
-__all__ = ["inspect_model", "watch_model", "fsdp1_layout", "refuse_unknown_flattened", "FSDP1Error"]
+__all__ = ["inspect_model", "watch_model", "fsdp1_layout", "refuse_unknown_flattened", "sync_flat_views",
+           "clear_flat_grads", "FSDP1Error"]
 
 #: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: ... -> (its flat parameter, its index among the flat parameter's original parameters)
 _FLAT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: each view standing in for an original parameter under use_orig_params=False -> _FlatView
+_VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: a flat parameter (use_orig_params=False) -> its views, so that inspecting a model again reuses them
+_VIEWS_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+class _FlatView(NamedTuple):
+    """Where a stand-in view lives: ``flat``'s local shard ``[lo, hi)``, viewed as ``shape`` (None: 1-D)."""
+    flat: torch.Tensor
+    lo: int
+    hi: int
+    shape: tuple[int, ...] | None
+
+    def of(self, t: torch.Tensor) -> torch.Tensor:
+        piece = t[self.lo:self.hi]
+        return piece.view(self.shape) if self.shape is not None else piece
 
 
 class FSDP1Error(NotImplementedError):
@@ -66,27 +88,24 @@ def _shard_group(handle: Any) -> tuple[int, int, Any]:
 
 
 def inspect_model(model: nn.Module) -> None:
-    """Declare the shape and layout of every original parameter of ``model``'s FSDP1 modules; refuse flat
-    parameters (``use_orig_params=False``)."""
+    """Declare the shape and layout of every original parameter of ``model``'s FSDP1 modules; under
+    ``use_orig_params=False`` stand a view in for each (``_flat_views``)."""
+    prefixes = {id(m): n for n, m in model.named_modules()}
     for module in _fsdp_modules(model):
         handle = getattr(module, "_handle", None)
         if handle is None:  # a wrapper without parameters of its own
             continue
         flat = handle.flat_param
-        if not handle._use_orig_params:
-            raise FSDP1Error(
-                f"shardopt: FullyShardedDataParallel with use_orig_params=False hands the optimizer one flat "
-                f"parameter ({flat.numel()} elements on this rank) holding {', '.join(flat._fqns)}: matrices, vectors "
-                f"and embeddings in one tensor, which one rule cannot step (its matrices would silently get AdamW). "
-                f"Fix: {_FIX}")
         world, rank, group = _shard_group(handle)
         total = sum(int(n) for n in flat._numels_with_padding)
         chunk = -(-total // world)
+        views = None if handle._use_orig_params else _flat_views(model, module, prefixes, flat, world, rank, chunk)
         offset, real = 0, 0
         for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
             numel = int(numel)
             if not padding:
-                param, shape = flat._params[real], tuple(flat._shapes[real])
+                param = flat._params[real] if views is None else views[real]
+                shape = tuple(flat._shapes[real])
                 real += 1
                 declare_logical_shape(param, shape)
                 pieces = flat_pieces(offset, numel, chunk, world) if world > 1 else None
@@ -94,6 +113,35 @@ def inspect_model(model: nn.Module) -> None:
                                    else MatrixLayout.whole(matrix_shape(shape)))
                 _FLAT_OF[param] = (flat, real - 1)
             offset += numel
+
+
+def _flat_views(model: nn.Module, module: nn.Module, prefixes: dict[int, str], flat: torch.Tensor, world: int,
+                rank: int, chunk: int) -> list[torch.Tensor]:
+    """One view per original parameter of ``flat`` (use_orig_params=False), declared to routing as stand-ins: a
+    1-D ``nn.Parameter`` aliasing its elements in this rank's shard (empty where the rank holds none), or the whole
+    parameter in its shape when the flat parameter is not sharded."""
+    views = _VIEWS_OF.get(flat)
+    if views is None:
+        views, offset, real = [], 0, 0
+        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+            numel = int(numel)
+            if not padding:
+                shape = tuple(flat._shapes[real])
+                real += 1
+                lo = min(max(offset - rank * chunk, 0), chunk) if world > 1 else offset
+                hi = min(max(offset + numel - rank * chunk, 0), chunk) if world > 1 else offset + numel
+                where = _FlatView(flat, lo, hi, shape if world == 1 else None)
+                view = nn.Parameter(where.of(flat.data), requires_grad=flat.requires_grad)
+                _VIEWS[view] = where
+                views.append(view)
+            offset += numel
+        _VIEWS_OF[flat] = views
+    prefix = prefixes[id(module)]
+    stand_ins = [StandIn(f"{prefix}.{fqn}" if prefix else fqn, info.module, info.param_name,
+                         getattr(info.module, info.param_name, None), view)
+                 for fqn, info, view in zip(flat._fqns, flat._param_infos, views)]
+    declare_stand_ins(model, flat, stand_ins)
+    return views
 
 
 def fsdp1_layout(p: torch.Tensor) -> MatrixLayout:
@@ -125,6 +173,34 @@ def fill_empty_grads(optimizer: Any) -> None:
                 p.grad = torch.zeros_like(p)
 
 
+def sync_flat_views(optimizer: Any) -> None:
+    """Before a step: each stand-in view (use_orig_params=False) aliases its elements of the flat parameter's
+    current local shard (FSDP may give the flat parameter new storage, e.g. when it reloads a state dict) and its
+    gradient is the matching slice of the flat gradient (None where the flat parameter has none)."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            where = _VIEWS.get(p)
+            if where is None:
+                continue
+            data = where.of(where.flat.data)
+            if p.data.data_ptr() != data.data_ptr() or p.data.shape != data.shape:
+                p.data = data
+            p.grad = None if where.flat.grad is None else where.of(where.flat.grad)
+
+
+def clear_flat_grads(optimizer: Any, set_to_none: bool) -> None:
+    """``optimizer.zero_grad()`` also clears the gradients of the flat parameters its views stand in for: FSDP
+    accumulates a backward into a flat gradient left in place."""
+    flats = {id(w.flat): w.flat for g in optimizer.param_groups for p in g["params"] if (w := _VIEWS.get(p))}
+    for flat in flats.values():
+        if flat.grad is None:
+            continue
+        if set_to_none:
+            flat.grad = None
+        else:
+            flat.grad.zero_()
+
+
 def refuse_unknown_flattened(params: Any, who: str) -> Any:
     """A constructor given FSDP1's flattened tensors without the model (``model.parameters()``): their matrices'
     shapes are gone, so they would be stepped as vectors (AdamW) silently; refuse, naming the fix."""
@@ -149,4 +225,6 @@ def refuse_unknown_flattened(params: Any, who: str) -> Any:
 register_model_inspector(inspect_model)
 register_model_watcher(watch_model)
 register_param_source(refuse_unknown_flattened)
+register_pre_step_check(sync_flat_views)
 register_pre_step_check(fill_empty_grads)
+register_zero_grad_hook(clear_flat_grads)
