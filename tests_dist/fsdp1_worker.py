@@ -130,12 +130,33 @@ def reload_zero2(name: str, root: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
+def _trained(setting: str = "FULL_SHARD"):
+    model = wrap(setting)
+    opt = shardopt.create_optimizer(model, "racs", lr=0.01)
+    train(model, opt, 0, 1)
+    return model, opt
+
+
+def _dcp_state_dict() -> None:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    get_state_dict(*_trained("FULL_SHARD/flat"))
+
+
+def _fsdp_optim_state_dict() -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    FSDP.optim_state_dict(*_trained())
+
+
 def refusal() -> dict:
     """An FSDP1 model's parameters without the model (shapes gone), either use_orig_params: one error on every
-    rank, never AdamW in silence."""
+    rank, never AdamW in silence. FSDP1's own optimizer state dict (``FSDP.optim_state_dict``, DCP's
+    ``get_state_dict``), which reshapes state like flat shards: one error naming shardopt.checkpoint."""
     out = {}
     for case, build in (("flat", lambda: shardopt.RACS(wrap("FULL_SHARD/flat").parameters(), lr=0.01)),
-                        ("no_model", lambda: shardopt.RACS(wrap("FULL_SHARD").parameters(), lr=0.01))):
+                        ("no_model", lambda: shardopt.RACS(wrap("FULL_SHARD").parameters(), lr=0.01)),
+                        ("dcp", _dcp_state_dict), ("fsdp_osd", _fsdp_optim_state_dict)):
         try:
             build()
             message = None

@@ -3,7 +3,8 @@ FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and HYBRID_SHARD (2 x 2), ``use_orig_params`
 requested rule (formerly: AdamW in silence, or refused), within 1e-5 of one process after 3 steps, resume through
 ``shardopt.checkpoint`` exact, the same checkpoint reloaded into FSDP2 and DeepSpeed ZeRO-2 within 1e-5. In bf16
 mixed precision (fp32 master weights): fp32 statistics, either use_orig_params the same run, near the fp32 one.
-Parameters without their model are refused on every rank.
+Parameters without their model, and FSDP1's own optimizer state dict (``FSDP.optim_state_dict``, DCP's
+``get_state_dict``: it reshapes state like flat shards), are refused on every rank, naming the fix.
 
 CI: world size 4 (uneven flat shards, ranks holding no element of some matrices; HYBRID_SHARD) for SCALE, RACS and
 SUMO under FULL_SHARD (both use_orig_params) and HYBRID_SHARD; the full tier: world sizes 2-4, every setting and
@@ -86,8 +87,10 @@ def _flat(x) -> list:
     return [v for item in x for v in _flat(item)] if isinstance(x, list) else [x]
 
 
-def test_fsdp1_parameters_without_their_model_are_refused_on_every_rank() -> None:
+def test_fsdp1_what_it_cannot_describe_is_refused_on_every_rank() -> None:
     rec = next(r for r in records(4) if r["setting"] == "without the model")
     assert "error" not in rec, rec["error"]
     for case in ("flat", "no_model"):
         assert all(m and "without its model" in m and "create_optimizer(fsdp_model" in m for m in rec[case]), rec
+    for case in ("dcp", "fsdp_osd"):  # FSDP1's optimizer state dict: refused by name, shardopt.checkpoint named
+        assert all(m and "FSDP1Error" in m and "shardopt.checkpoint.save" in m for m in rec[case]), rec

@@ -25,6 +25,7 @@ their shapes are gone.
 """
 from __future__ import annotations
 
+import sys
 from typing import Any, NamedTuple
 
 import torch
@@ -39,7 +40,7 @@ from ..sharding.layout import MatrixLayout
 from .zero_layouts import flat_pieces
 
 __all__ = ["inspect_model", "watch_model", "fsdp1_layout", "refuse_unknown_flattened", "sync_flat_views",
-           "clear_flat_grads", "FSDP1Error"]
+           "clear_flat_grads", "refuse_fsdp1_optim_state_dict", "FSDP1Error"]
 
 #: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -154,6 +155,33 @@ def watch_model(model: Any, optimizer: Any) -> None:
     """After ``create_optimizer`` built ``optimizer`` for an FSDP1 model: the optimizer reads its layouts."""
     if isinstance(model, nn.Module) and _fsdp_modules(model) and hasattr(optimizer, "use_layouts"):
         optimizer.use_layouts(resolver=fsdp1_layout)
+        optimizer.register_state_dict_pre_hook(refuse_fsdp1_optim_state_dict)
+
+
+#: where legacy FSDP's optimizer state dict API runs: ``FSDP.optim_state_dict`` and DCP's ``get_state_dict`` (which
+#: calls it for FSDP1 modules)
+_FSDP1_STATE_DICT_CALLERS = (("fsdp/fully_sharded_data_parallel.py", "optim_state_dict"),
+                             ("checkpoint/state_dict.py", "_get_optim_state_dict"))
+
+
+def refuse_fsdp1_optim_state_dict(optimizer: Any) -> None:
+    """``optimizer.state_dict()`` pre-hook: legacy FSDP's optimizer state dict API (``FSDP.optim_state_dict``,
+    ``FSDP.state_dict_type`` checkpoints, DCP ``get_state_dict``) reshapes every state tensor like its parameter's
+    flat shard, which shardopt's row, column and low-rank state is not: it would fail deep inside FSDP or write a
+    wrong file. Refuse it by name, pointing at shardopt's logical checkpoints (which reshard to FSDP2 and ZeRO)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if any(code.co_filename.replace("\\", "/").endswith(f) and code.co_name == fn
+               for f, fn in _FSDP1_STATE_DICT_CALLERS):
+            raise FSDP1Error(
+                f"shardopt: {code.co_name} (legacy FSDP's optimizer state dict, also under FSDP.state_dict_type and "
+                f"torch.distributed.checkpoint's get_state_dict) reshapes optimizer state like flat parameter shards, "
+                f"which {type(optimizer).__name__}'s matrix state is not. Save the optimizer with "
+                f"shardopt.checkpoint.save(path, optimizer, engine='fsdp1') and load it with "
+                f"shardopt.checkpoint.load(path, optimizer) (any world size; FSDP2 and DeepSpeed load it too); save the "
+                f"model with FSDP.state_dict_type as before")
+        frame = frame.f_back
 
 
 def fill_empty_grads(optimizer: Any) -> None:

@@ -1,0 +1,60 @@
+"""No matrix reaches AdamW unless the user's routing says so, on any engine (issue 47; ``rules_worker.py``).
+
+Real Hugging Face layouts (tiny Llama, GPT-2's ``Conv1D`` and tied head, Mixtral's fused experts and router) are
+built on DDP, FSDP2, FSDP1 (``use_orig_params`` True and False), DeepSpeed ZeRO-1/2/3 and ZeRO-3 under
+``zero.Init``; every parameter must get the rule it gets in one process (the same refusal where one process refuses),
+and a user's routing to AdamW is honoured alike.
+
+CI: Mixtral on RACS and GPT-2 on SUMO, on the engines that hide shapes (FSDP1's flat parameters, ``zero.Init``);
+the full tier: every model with SCALE, RACS and SUMO (and a user routing) on every engine."""
+from __future__ import annotations
+
+import json
+import tempfile
+
+import pytest
+
+from launch import run_ranks
+from rules_worker import ENGINES, MODELS, USER_ROUTING
+from tiers import FULL
+
+CASES = ([f"{m}:{o}" for m in MODELS for o in ("scale", "racs", "sumo")] + ["llama:scale:routed"] if FULL
+         else ["mixtral:racs", "gpt2:sumo"])
+RUN = ENGINES if FULL else ("fsdp1_flat", "zero3_init")
+_cache: list = []
+
+
+def records() -> list:
+    if not _cache:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            proc = run_ranks("rules_worker.py", 2, ["--out", out.name, "--cases", ",".join(CASES),
+                                                    "--engines", ",".join(RUN)], timeout=1800)
+            if proc.returncode != 0:
+                pytest.fail(f"rules worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            _cache.extend(json.load(open(out.name)))
+    return _cache
+
+
+def record(case: str, engine: str) -> dict:
+    rec = next(r for r in records() if (r["case"], r["engine"]) == (case, engine))
+    assert "error" not in rec, rec["error"]
+    return rec
+
+
+@pytest.mark.parametrize("engine", RUN)
+@pytest.mark.parametrize("case", CASES)
+def test_every_parameter_gets_its_one_process_rule(case: str, engine: str) -> None:
+    want, got = record(case, "one process"), record(case, engine)
+    if "refused" in want:  # e.g. RACS on GPT-2's in x out Conv1D: refused everywhere, never AdamW instead
+        assert got.get("refused") == want["refused"], got
+        return
+    assert "refused" not in got, got
+    matrices = {n: r for n, r in want["rules"].items() if r != "adamw"}
+    assert matrices, want  # the reference itself routes matrices to the rule (the comparison is not vacuous)
+    if case.startswith("mixtral"):
+        assert any(".experts." in n for n in matrices), want  # fused 3-D experts are matrices too
+    if case.endswith(":routed"):
+        (pattern,) = USER_ROUTING
+        assert want["rules"][pattern] == "adamw" and got["rules"][pattern] == "adamw"
+    wrong = {n: (r, want["rules"].get(n)) for n, r in got["rules"].items() if want["rules"].get(n) != r}
+    assert not wrong and set(got["rules"]) == set(want["rules"]), wrong
