@@ -31,13 +31,15 @@ SETTINGS = tuple(f"{s}{flat}" for s in STRATEGIES for flat in ("", "/flat")) + (
                                                                                 "FULL_SHARD/flat/bf16")
 
 
-def wrap(setting: str):
+def wrap(setting: str, before=None):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     strategy, *flags = setting.split("/")
     model = make_model(n_blocks=N_BLOCKS)
+    if before is not None:  # e.g. build the optimizer on the unwrapped model, as accelerate's users do
+        model = before(model)
     kw = {}
     if "bf16" in flags:
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -130,6 +132,36 @@ def reload_zero2(name: str, root: str) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
 
+def built_before_wrapping(name: str) -> dict:
+    """accelerate's FSDP1 order (``accelerator.prepare(model, optimizer)``, the optimizer built on the unwrapped
+    model, through ``shardopt.integrations.accelerate.after_prepare``; accelerate itself enables FSDP only on
+    accelerator devices): ``use_orig_params=True`` trains like one process, ``False`` is refused on every rank."""
+    from types import SimpleNamespace
+
+    from shardopt.integrations.accelerate import after_prepare
+
+    want, _ = reference(name)
+    accelerator = SimpleNamespace(deepspeed_engine_wrapped=None)
+    out = {}
+    for setting in ("FULL_SHARD", "FULL_SHARD/flat"):
+        holder = {}
+
+        def build(model):
+            holder["opt"] = shardopt.create_optimizer(model, name, **options(name))
+            return model
+
+        model = wrap(setting, before=build)
+        try:
+            after_prepare(accelerator, (model, holder["opt"]))
+            train(model, holder["opt"], 0, STEPS)
+            out[setting] = max_abs_diff(params(model), want)
+        except NotImplementedError as err:
+            out[setting] = f"{type(err).__name__}: {err}"
+    every: list = [None] * dist.get_world_size()
+    dist.all_gather_object(every, out["FULL_SHARD/flat"])
+    return {"max_abs_diff": out["FULL_SHARD"], "flat": every}
+
+
 def _trained(setting: str = "FULL_SHARD"):
     model = wrap(setting)
     opt = shardopt.create_optimizer(model, "racs", lr=0.01)
@@ -188,6 +220,8 @@ def main() -> None:
             root = shared_tempdir("shardopt_fsdp1_")
             record_case(records, rec, lambda: case(name, setting, root))
     record_case(records, {"optimizer": "racs", "setting": "without the model"}, refusal)
+    for name in args.optimizers.split(","):
+        record_case(records, {"optimizer": name, "setting": "built before wrapping"}, lambda: built_before_wrapping(name))
     finish_worker(records, args.out)
 
 

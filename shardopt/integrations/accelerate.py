@@ -7,6 +7,8 @@ It is ``accelerator.prepare`` followed by what shardopt needs from the objects a
   call) also write / read shardopt's logical state, so a run resumes at another world size or ZeRO stage.
 * FSDP2: accelerate swaps the optimizer's parameters for the sharded DTensors; shardopt's parameter names
   (roles, seeded draws, checkpoints) move to the new tensors, position by position.
+* Legacy FSDP (FSDP1, ``use_orig_params=True``): the optimizer keeps the model's parameters, which now hold 1-D
+  views of flat shards; their shapes and pieces are read from the wrapped model (``plugin.fsdp1.adopt``).
 
 A plain ``accelerator.prepare`` with DeepSpeed also works: the first step finds the engine on the call stack and
 maps it (``shardopt.plugin.wrapped``); calling this function does it before any checkpoint is loaded.
@@ -20,6 +22,7 @@ import weakref
 import torch
 
 from ..optim.base import ShardedOptimizer
+from ..plugin.fsdp1 import adopt
 from ..plugin.wrapped import engine_hooked, map_deepspeed, rekey_names
 
 __all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names"]
@@ -48,10 +51,13 @@ def after_prepare(accelerator: Any, objects: Any) -> None:
         if opt is not None and not engine_hooked(engine):
             map_deepspeed(opt, engine.optimizer, engine)
         return
+    models = [obj for obj in objects if isinstance(obj, torch.nn.Module)]
     for obj in objects:
         opt = unwrap_optimizer(obj)
         if opt is not None:
             rekey_names(opt)
+            for model in models:
+                adopt(model, opt)
 
 
 def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:

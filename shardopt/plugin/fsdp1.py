@@ -39,7 +39,7 @@ from ..sharding.discover import layout_of, matrix_shape
 from ..sharding.layout import MatrixLayout
 from .zero_layouts import flat_pieces
 
-__all__ = ["inspect_model", "watch_model", "fsdp1_layout", "refuse_unknown_flattened", "sync_flat_views",
+__all__ = ["inspect_model", "watch_model", "adopt", "fsdp1_layout", "refuse_unknown_flattened", "sync_flat_views",
            "clear_flat_grads", "refuse_fsdp1_optim_state_dict", "FSDP1Error"]
 
 #: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
@@ -156,6 +156,28 @@ def watch_model(model: Any, optimizer: Any) -> None:
     if isinstance(model, nn.Module) and _fsdp_modules(model) and hasattr(optimizer, "use_layouts"):
         optimizer.use_layouts(resolver=fsdp1_layout)
         optimizer.register_state_dict_pre_hook(refuse_fsdp1_optim_state_dict)
+
+
+def adopt(model: nn.Module, optimizer: Any) -> None:
+    """An optimizer built on the model before FSDP1 wrapped it (accelerate's ``prepare(model, optimizer)``). Under
+    ``use_orig_params=True`` it steps the same ``nn.Parameter`` objects, which now hold 1-D views of flat shards:
+    their shapes and layouts are declared and the optimizer reads them. Under ``use_orig_params=False`` the
+    optimizer holds parameters the model no longer uses (FSDP replaced them by flat parameters): refused on every
+    rank, naming the fix."""
+    if not (isinstance(model, nn.Module) and _fsdp_modules(model) and hasattr(optimizer, "use_layouts")):
+        return
+    inspect_model(model)
+    described = {id(p) for p in model.parameters() if p in _LAYOUTS}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in described and p not in _VIEWS:
+                raise FSDP1Error(
+                    f"shardopt: {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
+                    f"parameter the FullyShardedDataParallel model describes: with use_orig_params=False FSDP "
+                    f"replaces the model's parameters by flat parameters mixing matrices and vectors, so an "
+                    f"optimizer built before wrapping steps tensors the model no longer uses. Build the optimizer "
+                    f"after wrapping, from the wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}")
+    watch_model(model, optimizer)
 
 
 #: where legacy FSDP's optimizer state dict API runs: ``FSDP.optim_state_dict`` and DCP's ``get_state_dict`` (which
