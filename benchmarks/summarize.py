@@ -1,14 +1,14 @@
-"""The README's benchmark table, built only from the committed result files.
+"""The benchmark summary, built only from the committed result files (the docs' Benchmarks page includes it; the
+README shows ``benchmarks.overview``'s shorter table).
 
     python -m benchmarks.summarize            # reads benchmarks/results/*.json, writes results/SUMMARY.md
-    python -m benchmarks.summarize --readme   # ... and puts the same table into README.md between its markers
-    python -m benchmarks.summarize --check    # exit 1 if SUMMARY.md or README.md disagree with the results
+    python -m benchmarks.summarize --check    # exit 1 if SUMMARY.md disagrees with the results
     python -m benchmarks.summarize --quick    # the same from the smoke runs in runs/benchmarks/quick
     python -m benchmarks.summarize --scale    # print the scale-simulation table (benchmarks.scale); writes nothing
 
 One row per optimizer, one column group per benchmark, then every issue-6 target with its measured figure.
 A benchmark without a result file shows "not run"; nothing is filled in by hand, and a test runs ``--check``,
-so the README table cannot drift from the committed result files.
+so the summary cannot drift from the committed result files.
 """
 from __future__ import annotations
 
@@ -20,10 +20,6 @@ from . import targets
 from .results import QUICK_DIR, REPO_ROOT, RESULTS_DIR, fmt, markdown_table, read_results
 
 Columns = dict[str, dict[str, str]]  # optimizer -> column -> cell
-
-#: the README lines between which ``--readme`` writes the summary (and ``--check`` compares it)
-BEGIN = "<!-- benchmark summary: written by `python -m benchmarks.summarize --readme`; do not edit by hand -->"
-END = "<!-- end of benchmark summary -->"
 
 
 def _step_time(data: dict[str, Any]) -> Columns:
@@ -191,14 +187,6 @@ def build_summary(results_dir: Path = RESULTS_DIR) -> str:
             "`adamw` is `torch.optim.AdamW` (foreach), the reference of every ratio.\n\n" + summary_body(results_dir))
 
 
-def readme_with_summary(readme: str, body: str) -> str:
-    """``readme`` with the text between its summary markers replaced by ``body``."""
-    if BEGIN not in readme or END not in readme:
-        raise SystemExit(f"README: markers {BEGIN!r} and {END!r} not found; put them where the table goes")
-    head, rest = readme.split(BEGIN, 1)
-    return head + BEGIN + "\n" + body + rest[rest.index(END):]
-
-
 def _describe_run(result: dict[str, Any] | None) -> str:
     if result is None:
         return "not run"
@@ -219,34 +207,24 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"summarize the smoke runs in {QUICK_DIR}")
     ap.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
-    ap.add_argument("--readme", action="store_true", help="also write the summary into README.md between its markers")
     ap.add_argument("--scale", action="store_true",
                     help="print the scale-simulation table (benchmarks.scale) and write nothing")
     ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if SUMMARY.md or the README's table differ from the result files")
+                    help="write nothing; exit 1 if SUMMARY.md differs from the result files")
     args = ap.parse_args(argv)
     results_dir = args.results_dir or (QUICK_DIR if args.quick else RESULTS_DIR)
-    if args.readme and results_dir.resolve() != RESULTS_DIR.resolve():
-        raise SystemExit(f"--readme: the README shows the committed results in {RESULTS_DIR}, not {results_dir}")
     if args.scale:
         print(scale_section(read_results("scale", results_dir)))
         return
-    text, path, readme = build_summary(results_dir), results_dir / "SUMMARY.md", REPO_ROOT / "README.md"
-    updated = readme_with_summary(readme.read_text(), summary_body(results_dir)) if args.readme or args.check else ""
+    text, path = build_summary(results_dir), results_dir / "SUMMARY.md"
     if args.check:
-        stale = [str(f.relative_to(REPO_ROOT)) for f, want in ((path, text), (readme, updated))
-                 if not f.exists() or f.read_text() != want]
-        if stale:
-            raise SystemExit(f"out of date with {results_dir}: {', '.join(stale)}; "
-                             "run `python -m benchmarks.summarize --readme` and commit")
-        print(f"SUMMARY.md and README.md agree with {results_dir}")
+        if not path.exists() or path.read_text() != text:
+            raise SystemExit(f"{path} is out of date with {results_dir}; run `python -m benchmarks.summarize` and commit")
+        print(f"SUMMARY.md agrees with {results_dir}")
         return
     path.write_text(text)
     print(text)
     print(f"wrote {path}")
-    if args.readme:
-        readme.write_text(updated)
-        print(f"wrote the summary into {readme}")
 
 
 if __name__ == "__main__":
