@@ -34,8 +34,17 @@ def describe_engine(wrapped: torch.nn.Module, opt: object) -> dict:
     inner = unwrap_optimizer(opt) or unwrap_optimizer(getattr(wrapped, "optimizer", None))
     stage = wrapped.zero_optimization_stage() if hasattr(wrapped, "zero_optimization_stage") else None
     dtensors = sum(1 for p in wrapped.parameters() if hasattr(p, "placements"))
+    stepped = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
+    rules = {n: g["treatment"] for g, names in zip(inner._groups(), inner.group_param_names) for n in names} \
+        if inner is not None else {}
     return {"engine": type(wrapped).__name__, "zero_stage": stage, "optimizer": type(inner).__name__,
-            "flat_tensors_mapped": len(inner._attached) if inner is not None else 0, "dtensor_params": dtensors}
+            "flat_tensors_mapped": len(inner._attached) if inner is not None else 0, "dtensor_params": dtensors,
+            "flat_views": sum(1 for p in stepped if p.dim() == 1 and getattr(p, "_fsdp_flattened", True)),
+            "rules": rules}
+
+
+#: the decoder layer class of each tiny model (legacy FSDP wraps one unit per layer)
+DECODER_LAYER = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
 
 
 def tiny_model(kind: str = "llama") -> torch.nn.Module:
@@ -75,7 +84,16 @@ def ds_config(stage: int, optimizer: str) -> dict:
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Every parameter whole on every rank (ZeRO-3 gathered, FSDP2 DTensors assembled)."""
+    """Every parameter whole on every rank (ZeRO-3 gathered, FSDP2 DTensors assembled, FSDP1 by its full state
+    dict)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    if any(isinstance(m, FSDP) for m in model.modules()):
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+
+        root = model if isinstance(model, FSDP) else next(m for m in model.modules() if isinstance(m, FSDP))
+        with FSDP.state_dict_type(root, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False)):
+            return {k.removeprefix("_orig_mod."): v.detach().float().clone() for k, v in root.state_dict().items()}
     out = {}
     for name, p in model.named_parameters():
         if hasattr(p, "ds_id"):
@@ -93,7 +111,8 @@ def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def fsdp_on_cpu() -> None:
     """accelerate enables FSDP only for accelerator devices (``AcceleratorState`` keeps ``MULTI_CPU`` on CPU):
     give a CPU Accelerator built with an FSDP plugin what it would have on GPUs (distributed type FSDP and the
-    plugin), so the Trainer's own FSDP2 path (``fully_shard`` on a gloo mesh, DCP checkpoints) runs here."""
+    plugin), so the Trainer's own FSDP2 path (``fully_shard`` on a gloo mesh, DCP checkpoints) and its legacy FSDP
+    path (``FullyShardedDataParallel``, given ``device("cpu")`` as its device) run here."""
     from accelerate import Accelerator
     from accelerate.utils import DistributedType
 
@@ -107,6 +126,8 @@ def fsdp_on_cpu() -> None:
         if plugin is not None and self.state.distributed_type == DistributedType.MULTI_CPU:
             self.state.distributed_type = DistributedType.FSDP
             self.state.fsdp_plugin = plugin
+            if plugin.fsdp_version == 1:  # legacy FSDP compares its device_id with torch.device("cpu")
+                self.state.device = torch.device("cpu")
 
     Accelerator.__init__ = patched
     Accelerator._wt_fsdp_cpu = True
@@ -141,6 +162,11 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         extra.update(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
                                                      "state_dict_type": "SHARDED_STATE_DICT"})
         fsdp_on_cpu()
+    elif args.engine.startswith("fsdp1"):  # legacy FSDP, a unit per decoder layer; "fsdp1_flat": use_orig_params=False
+        extra.update(fsdp="full_shard", fsdp_config={"fsdp_version": 1, "use_orig_params": args.engine == "fsdp1",
+                                                     "transformer_layer_cls_to_wrap": [DECODER_LAYER[args.model]],
+                                                     "sync_module_states": False})  # (it asks for an accelerator)
+        fsdp_on_cpu()
     targs = TrainingArguments(
         output_dir=args.dir, per_device_train_batch_size=args.batch, max_steps=args.steps, report_to="none",
         max_grad_norm=0.0, train_sampling_strategy="sequential", lr_scheduler_type=args.schedule,
@@ -168,6 +194,8 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         print("fsdp", trainer.is_fsdp_enabled, trainer.accelerator.distributed_type)
     trainer.train(resume_from_checkpoint=args.resume)
     META.update(describe_engine(trainer.model_wrapped, trainer.optimizer), global_step=trainer.state.global_step)
+    if args.engine.startswith("fsdp1"):  # the root FSDP unit's full state dict
+        return full_params(trainer.model_wrapped)
     return full_params(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model)
 
 
@@ -179,13 +207,21 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     import shardopt.integrations.accelerate as acc
 
     cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": int(args.engine[-1]), "overlap_comm": False}}
+           "zero_optimization": {"stage": int(args.engine[-1]) if args.engine.startswith("zero") else 0,
+                                 "overlap_comm": False}}
     if args.engine == "fsdp2":
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         fsdp_on_cpu()
         accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
             fsdp_version=2, reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT"))
+    elif args.engine.startswith("fsdp1"):
+        from accelerate.utils import FullyShardedDataParallelPlugin
+
+        fsdp_on_cpu()
+        accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
+            fsdp_version=1, use_orig_params=args.engine == "fsdp1", auto_wrap_policy="transformer_based_wrap",
+            transformer_cls_names_to_wrap=[DECODER_LAYER[args.model]], sync_module_states=False))
     else:
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
     model = tiny_model(args.model)
@@ -212,7 +248,7 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
             if rank == 0:
                 open(os.path.join(path, "step"), "w").write(str(step + 1))
     META.update(describe_engine(model, opt))
-    return full_params(getattr(model, "module", model))
+    return full_params(model if args.engine.startswith("fsdp1") else getattr(model, "module", model))
 
 
 def scenario(args: argparse.Namespace, name: str) -> dict[str, torch.Tensor]:

@@ -2,7 +2,10 @@
 its config (no downloads). Every run is compared with the single-process shardopt run on the same global batches:
 
 * one step, Trainer + DeepSpeed ZeRO-2 / ZeRO-3 (optimizer from the config's ``"shardopt"`` section), Trainer +
-  FSDP2, accelerate + DeepSpeed ZeRO-2 and ZeRO-3, for SCALE, RACS, SUMO and Alice: every parameter within 1e-6;
+  FSDP2, Trainer + legacy FSDP (``fsdp="full_shard"``, ``use_orig_params`` True and False), accelerate + DeepSpeed
+  ZeRO-2 and ZeRO-3, FSDP2 and legacy FSDP, for SCALE, RACS, SUMO and Alice: every parameter within 1e-6
+  (accelerate turns FSDP on only for accelerator devices: on the CPU its FSDP paths run under ``hf_worker``'s
+  ``fsdp_on_cpu`` shim, which sets the distributed type, plugin and device as accelerate does on GPUs);
 * Trainer save (``save_steps``) + ``resume_from_checkpoint`` continues exactly, at world size 2 and at world size 1
   from the world-size-2 checkpoint (same global batch); accelerate ``save_state`` / ``load_state`` the same;
 * the ways of plugging shardopt in that used to be silently wrong (issue 17's table) now train exactly or raise.
@@ -61,11 +64,13 @@ def reference(steps: int = 1) -> dict:
 
 
 ONE_STEP = [("trainer", "zero1"), ("trainer", "zero2"), ("trainer", "zero3"), ("trainer", "fsdp2"),
+            ("trainer", "fsdp1"), ("trainer", "fsdp1_flat"),
             ("accelerate", "zero2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"), ("accelerate", "fsdp2"),
-            ("accelerate", "fsdp2-plain")]
-#: CI runs each API on each engine family once and both formerly wrong plain paths; the full tier every pair
-CI_ONE_STEP = [("trainer", "zero2"), ("trainer", "fsdp2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"),
-               ("accelerate", "fsdp2-plain")]
+            ("accelerate", "fsdp2-plain"), ("accelerate", "fsdp1")]
+#: CI runs each API on each engine family once and the formerly wrong paths (plain prepare; the Trainer's legacy
+#: FSDP, whose views were stepped as whole matrices); the full tier every pair
+CI_ONE_STEP = [("trainer", "zero2"), ("trainer", "fsdp2"), ("trainer", "fsdp1_flat"), ("accelerate", "zero3"),
+               ("accelerate", "zero2-plain"), ("accelerate", "fsdp2-plain")]
 
 
 @pytest.mark.parametrize("api,engine", tiered(ONE_STEP, CI_ONE_STEP, f"{CI_ONE_STEP}"))
@@ -86,6 +91,9 @@ def test_one_step_matches_single_process(api: str, engine: str) -> None:
         if engine.startswith("zero"):  # DeepSpeed really ran ZeRO, and its flat partitions were mapped
             assert meta["engine"] == "DeepSpeedEngine" and meta["zero_stage"] == int(engine[-1])
             assert meta["flat_tensors_mapped"] > 0
+        elif engine.startswith("fsdp1"):  # legacy FSDP (fsdp1_flat: use_orig_params=False): the optimizer stepped
+            assert meta["engine"] == "FullyShardedDataParallel" and meta["flat_views"] > 0  # 1-D views, matrices
+            assert {r for n, r in meta["rules"].items() if n.endswith("proj.weight")} == {name}  # on the rule
         else:  # FSDP2 really sharded the parameters
             assert meta["dtensor_params"] > 0
 

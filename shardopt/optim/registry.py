@@ -76,7 +76,10 @@ def build_optimizer(model: nn.Module | Iterable[Any], cfg: OptimizerConfig, rout
                     name: str | None = None) -> ShardedOptimizer:
     """The optimizer for a validated ``cfg`` (see ``create_optimizer``); ``name`` as the user spelled it."""
     name = name or type(cfg).treatment
-    return optimizer_class(name).from_config(build_param_groups(model, name, cfg, routing), cfg)
+    opt = optimizer_class(name).from_config(build_param_groups(model, name, cfg, routing), cfg)
+    if isinstance(model, nn.Module):  # hooks.model_watchers: an engine's layouts (legacy FSDP), and a DeepSpeed engine
+        watch_model(model, opt)       # that later runs the model with another optimizer raises (plugin.wrapped)
+    return opt
 
 
 def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
@@ -94,7 +97,4 @@ def create_optimizer(model: nn.Module | Iterable[Any], name: str, routing: Mappi
     flat list of tensors (2-D tensors get the matrix rule, the rest AdamW).
     """
     cfg = validate_hyperparameters(name, hyperparameters, where="create_optimizer")
-    opt = build_optimizer(model, cfg, routing, name)
-    if isinstance(model, nn.Module):  # hooks.model_watchers: raise if a DeepSpeed engine later runs the model
-        watch_model(model, opt)       # with another optimizer (shardopt.plugin.wrapped.watch_model)
-    return opt
+    return build_optimizer(model, cfg, routing, name)

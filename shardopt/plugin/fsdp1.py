@@ -40,7 +40,7 @@ from ..sharding.layout import MatrixLayout
 from .zero_layouts import flat_pieces
 
 __all__ = ["inspect_model", "watch_model", "adopt", "fsdp1_layout", "refuse_unknown_flattened", "sync_flat_views",
-           "clear_flat_grads", "refuse_fsdp1_optim_state_dict", "FSDP1Error"]
+           "clear_flat_grads", "ensure_layouts", "refuse_fsdp1_optim_state_dict", "FSDP1Error"]
 
 #: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -223,6 +223,16 @@ def fill_empty_grads(optimizer: Any) -> None:
                 p.grad = torch.zeros_like(p)
 
 
+def ensure_layouts(optimizer: Any) -> None:
+    """Before a step: an optimizer stepping FSDP1's views whose layouts it was not given (built by a path that did
+    not pass through ``watch_model``) reads them now, rather than normalizing each rank's piece as if it were the
+    matrix."""
+    if getattr(optimizer, "_layout_resolver", fsdp1_layout) is fsdp1_layout or not hasattr(optimizer, "use_layouts"):
+        return
+    if any(p in _LAYOUTS for g in optimizer.param_groups for p in g["params"]):
+        optimizer.use_layouts(resolver=fsdp1_layout)
+
+
 def sync_flat_views(optimizer: Any) -> None:
     """Before a step: each stand-in view (use_orig_params=False) aliases its elements of the flat parameter's
     current local shard (FSDP may give the flat parameter new storage, e.g. when it reloads a state dict) and its
@@ -275,6 +285,7 @@ def refuse_unknown_flattened(params: Any, who: str) -> Any:
 register_model_inspector(inspect_model)
 register_model_watcher(watch_model)
 register_param_source(refuse_unknown_flattened)
+register_pre_step_check(ensure_layouts)
 register_pre_step_check(sync_flat_views)
 register_pre_step_check(fill_empty_grads)
 register_zero_grad_hook(clear_flat_grads)
