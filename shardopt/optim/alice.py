@@ -183,7 +183,7 @@ class AliceConfig(WholeMatrixConfig):
 
     treatment = "alice"
 
-    lr: float = pydantic.Field(0.02, ge=0)
+    lr: float = pydantic.Field(0.02, ge=0, description="matrix learning rate (AdamW's too unless adam_lr)")
     alpha: float = pydantic.Field(0.3, ge=0, description="scale of the low-rank update")
     alpha_c: float = pydantic.Field(0.4, ge=0, description="scale of the compensation outside the subspace")
     betas: tuple[float, float, float] = pydantic.Field(
@@ -193,7 +193,8 @@ class AliceConfig(WholeMatrixConfig):
                                   description="l <= r: leading directions kept at a switch")
     refresh_interval: int = pydantic.Field(200, ge=1, description="K: steps between subspace switches")
     gamma: float = pydantic.Field(1.01, ge=1, description="norm-growth limiter")
-    eps: float = pydantic.Field(1e-8, ge=0)
+    eps: float = pydantic.Field(1e-8, ge=0, description="added to sqrt(V) in the low-rank Adam step and to the "
+                                                        "column energy in the compensation")
     reproject: bool = pydantic.Field(True, description="rotate the tracking state into the new basis at a switch")
     seed: int = pydantic.Field(0, description="seed of the range finder's draws")
     oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")

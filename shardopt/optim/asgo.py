@@ -58,7 +58,7 @@ class ASGOConfig(WholeMatrixConfig):
 
     preset: Literal["paper_gpt2", "released_code"] | None = pydantic.Field(
         None, description="defaults of the paper's GPT-2 run or of the released code; explicit keys win")
-    lr: float = pydantic.Field(0.01, ge=0)
+    lr: float = pydantic.Field(0.01, ge=0, description="matrix learning rate (AdamW's too unless adam_lr)")
     betas: tuple[float, float] = pydantic.Field((0.9, 0.95), description="momentum and statistic EMA betas")
     eps: float = pydantic.Field(1e-6, ge=0, description="damping inside the root: (V + eps I)^-1/2")
     refresh_interval: int = pydantic.Field(1, ge=1, description="tau: steps between root recomputations")
@@ -98,9 +98,9 @@ class DASGOConfig(OptimizerConfig):
 
     treatment = "dasgo"
 
-    lr: float = pydantic.Field(0.01, ge=0)
+    lr: float = pydantic.Field(0.01, ge=0, description="matrix learning rate (AdamW's too unless adam_lr)")
     betas: tuple[float, float] = pydantic.Field((0.9, 0.99), description="momentum and column-energy EMA betas")
-    eps: float = pydantic.Field(1e-6, gt=0)
+    eps: float = pydantic.Field(1e-6, gt=0, description="damping of the column scale: M / sqrt(v + eps)")
 
     @pydantic.field_validator("betas")
     @classmethod

@@ -227,4 +227,6 @@ class OptimizerConfig(_Strict):
 class WholeMatrixConfig(OptimizerConfig):
     """Optimizers whose rule needs whole matrices (SWAN, ASGO, SUMO, Alice) also choose how those run."""
 
-    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=MatrixOpsConfig)
+    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=MatrixOpsConfig,
+                                                 description="how whole-matrix work meets sharding: strategy, "
+                                                             "teams, buckets, the time model's profile")

@@ -52,17 +52,19 @@ class MuonConfig(WholeMatrixConfig):
 
     treatment = "muon"
 
-    lr: float = pydantic.Field(1e-3, ge=0)
-    momentum: float = pydantic.Field(0.95, ge=0, lt=1)
-    nesterov: bool = True
-    weight_decay: float = pydantic.Field(0.1, ge=0)
+    lr: float = pydantic.Field(1e-3, ge=0, description="matrix learning rate (before adjust_lr_fn)")
+    momentum: float = pydantic.Field(0.95, ge=0, lt=1, description="momentum buffer coefficient")
+    nesterov: bool = pydantic.Field(True, description="Nesterov: orthogonalize lerp(G, B, momentum), not the buffer B")
+    weight_decay: float = pydantic.Field(0.1, ge=0, description="decoupled weight decay of the matrices")
     ns_steps: int = pydantic.Field(5, ge=1, lt=100, description="quintic Newton-Schulz steps")
-    eps: float = pydantic.Field(1e-7, gt=0)
+    eps: float = pydantic.Field(1e-7, gt=0, description="added to the Frobenius norm before Newton-Schulz")
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = pydantic.Field(
         None, description="torch.optim.Muon's lr adjustment by shape (None: 'original')")
     ns_dtype: Literal["float32", "bfloat16", "float64"] = pydantic.Field(
         "float32", description="float32: exact across sharding; bfloat16: bitwise torch.optim.Muon")
-    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=lambda: MatrixOpsConfig(strategy="gather"))
+    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=lambda: MatrixOpsConfig(strategy="gather"),
+                                                 description="how whole-matrix work meets sharding (default "
+                                                             "strategy here: gather)")
 
 
 _D = MuonConfig.defaults()

@@ -29,8 +29,9 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ROLES", "param_roles", "StandIn", "declare_stand_ins", "model_parameters", "own_parameters", "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route",
-           "RoutingError", "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
+__all__ = ["ROLES", "param_roles", "StandIn", "declare_stand_ins", "model_parameters", "own_parameters",
+           "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route", "RoutingError",
+           "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
 
 
 class ConfigError(ValueError):

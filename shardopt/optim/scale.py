@@ -60,7 +60,8 @@ class SCALEConfig(OptimizerConfig):
     embedding_momentum: float = pydantic.Field(0.0, ge=0, lt=1, description="Tab. 8 'mmt-(first+last)' variant")
     norm_dim: Literal[0, 1] = pydantic.Field(1, description="1: one statistic per row (output unit), 0: per column")
     eps: float = pydantic.Field(1e-8, gt=0, description="clamp on the RMS")
-    norm: Literal["rms", "l2"] = "rms"
+    norm: Literal["rms", "l2"] = pydantic.Field("rms", description="line norm: rms (as the released code) or "
+                                                                "l2 (no division by the line length)")
     adam_lr: float | None = pydantic.Field(1e-3, ge=0, description="AdamW lr for vectors (the released code)")
 
     def group_defaults(self) -> dict[str, Any]:

@@ -79,7 +79,7 @@ class SUMOConfig(WholeMatrixConfig):
 
     treatment = "sumo"
 
-    lr: float = pydantic.Field(0.01, ge=0)
+    lr: float = pydantic.Field(0.01, ge=0, description="matrix learning rate (AdamW's too unless adam_lr)")
     rank: int = pydantic.Field(128, ge=1, description="r: subspace rank (clamped to min(m, n) with a warning)")
     alpha: float = pydantic.Field(0.25, ge=0, description="scale of the orthogonalized subspace update")
     momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="mu: momentum in the subspace")

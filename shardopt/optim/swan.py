@@ -62,7 +62,9 @@ class SWANConfig(WholeMatrixConfig):
     lr_scale: float = pydantic.Field(0.05, ge=0, description="the matrix lr is lr * lr_scale")
     iterations: int = pydantic.Field(1, ge=1, description="normalize + whiten sweeps")
     center: bool = pydantic.Field(False, description="subtract the row means first")
-    whitening: Literal["newton_schulz", "svd"] = "newton_schulz"
+    whitening: Literal["newton_schulz", "svd"] = pydantic.Field(
+        "newton_schulz", description="polar factor by the coupled Newton-Schulz iteration on the Gram, or by an "
+                                     "exact float64 eigendecomposition")
     ns_steps: int = pydantic.Field(12, ge=1, lt=100, description="coupled Newton-Schulz steps (converges)")
 
 

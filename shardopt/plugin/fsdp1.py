@@ -201,8 +201,8 @@ def refuse_fsdp1_optim_state_dict(optimizer: Any) -> None:
                 f"torch.distributed.checkpoint's get_state_dict) reshapes optimizer state like flat parameter shards, "
                 f"which {type(optimizer).__name__}'s matrix state is not. Save the optimizer with "
                 f"shardopt.checkpoint.save(path, optimizer, engine='fsdp1') and load it with "
-                f"shardopt.checkpoint.load(path, optimizer) (any world size; FSDP2 and DeepSpeed load it too); save the "
-                f"model with FSDP.state_dict_type as before")
+                f"shardopt.checkpoint.load(path, optimizer) (any world size; FSDP2 and DeepSpeed load it too); save "
+                f"the model with FSDP.state_dict_type as before")
         frame = frame.f_back
 
 

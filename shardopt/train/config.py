@@ -27,14 +27,14 @@ class _Strict(pydantic.BaseModel):
 
 class ModelSection(_Strict):
     preset: str = pydantic.Field("tiny", description=f"one of {list(PRESETS)}")
-    hidden_size: int | None = pydantic.Field(None, gt=0)
-    intermediate_size: int | None = pydantic.Field(None, gt=0)
-    num_heads: int | None = pydantic.Field(None, gt=0)
-    num_layers: int | None = pydantic.Field(None, gt=0)
-    rope_theta: float | None = pydantic.Field(None, gt=0)
-    norm_eps: float | None = pydantic.Field(None, gt=0)
-    init_std: float | None = pydantic.Field(None, gt=0)
-    tie_embeddings: bool = False
+    hidden_size: int | None = pydantic.Field(None, gt=0, description="model width (default: the preset's)")
+    intermediate_size: int | None = pydantic.Field(None, gt=0, description="SwiGLU width (default: the preset's)")
+    num_heads: int | None = pydantic.Field(None, gt=0, description="attention heads (default: the preset's)")
+    num_layers: int | None = pydantic.Field(None, gt=0, description="decoder layers (default: the preset's)")
+    rope_theta: float | None = pydantic.Field(None, gt=0, description="RoPE base (default: the preset's)")
+    norm_eps: float | None = pydantic.Field(None, gt=0, description="RMSNorm epsilon (default: the preset's)")
+    init_std: float | None = pydantic.Field(None, gt=0, description="std of the weight init (default: preset's)")
+    tie_embeddings: bool = pydantic.Field(False, description="share the embedding with the LM head")
 
     @pydantic.field_validator("preset")
     @classmethod
@@ -45,15 +45,17 @@ class ModelSection(_Strict):
 
 
 class DataSection(_Strict):
-    source: Literal["shakespeare", "text", "tokens"] = "shakespeare"
+    source: Literal["shakespeare", "text", "tokens"] = pydantic.Field(
+        "shakespeare", description="the bundled corpus, text files (a BPE is trained), or a token file")
     path: str | None = pydantic.Field(None, description="text: a glob of files; tokens: a .npy or raw .bin file")
     val_path: str | None = pydantic.Field(None, description="optional separate validation glob / token file")
     seq_len: int | None = pydantic.Field(None, gt=0, description="default: the model preset's sequence length")
     vocab_size: int = pydantic.Field(4096, gt=256, description="BPE size to train, or the vocab of a token file")
     val_documents: int = pydantic.Field(4, ge=1, description="documents (plays/files) held out for validation")
     val_fraction: float = pydantic.Field(0.05, gt=0, lt=1, description="tail held out when not splitting by document")
-    token_dtype: Literal["uint16", "uint32", "int32", "int64"] = "uint16"
-    cache_dir: str = "runs/cache"
+    token_dtype: Literal["uint16", "uint32", "int32", "int64"] = pydantic.Field(
+        "uint16", description="element type of a raw .bin token file")
+    cache_dir: str = pydantic.Field("runs/cache", description="where trained tokenizers and encoded data are kept")
 
     @pydantic.model_validator(mode="after")
     def _needs_path(self) -> "DataSection":
@@ -63,9 +65,10 @@ class DataSection(_Strict):
 
 
 class EngineSection(_Strict):
-    name: Literal["deepspeed", "fsdp2", "ddp", "single"] = "single"
+    name: Literal["deepspeed", "fsdp2", "ddp", "single"] = pydantic.Field(
+        "single", description="the engine the model is wrapped in (single: one process)")
     deepspeed_config: str | None = pydantic.Field(None, description="DeepSpeed JSON (engine deepspeed only)")
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = pydantic.Field("auto", description="auto: CUDA where available")
     quiet: bool = pydantic.Field(True, description="silence DeepSpeed's INFO logging")
 
     @pydantic.model_validator(mode="after")
@@ -78,16 +81,18 @@ class EngineSection(_Strict):
 
 
 class AdamWParams(_Strict):
-    lr: float = pydantic.Field(1e-3, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = pydantic.Field(1e-8, ge=0)
-    weight_decay: float = pydantic.Field(0.0, ge=0)
+    """``optimizer.params`` when ``optimizer.name`` is ``adamw`` (torch.optim.AdamW, the baseline)."""
+    lr: float = pydantic.Field(1e-3, ge=0, description="peak learning rate")
+    betas: tuple[float, float] = pydantic.Field((0.9, 0.999), description="first and second moment EMA betas")
+    eps: float = pydantic.Field(1e-8, ge=0, description="added to the second moment's square root")
+    weight_decay: float = pydantic.Field(0.0, ge=0, description="decoupled weight decay")
 
 
 class OptimizerSection(_Strict):
     name: str = pydantic.Field(description="a shardopt optimizer (shardopt.OPTIMIZERS) or adamw")
-    params: dict[str, Any] = pydantic.Field(default_factory=dict)
-    routing: dict[str, str] = pydantic.Field(default_factory=dict)
+    params: dict[str, Any] = pydantic.Field(default_factory=dict, description="the optimizer's hyperparameters "
+                                            "(its configuration reference)")
+    routing: dict[str, str] = pydantic.Field(default_factory=dict, description="name pattern -> role or adamw")
     #: ``params`` validated by the optimizer's model (``load_train_config``; None for adamw)
     _config: Any = pydantic.PrivateAttr(None)
 
@@ -103,40 +108,40 @@ class OptimizerSection(_Strict):
 
 
 class TrainSection(_Strict):
-    steps: int = pydantic.Field(300, gt=0)
+    steps: int = pydantic.Field(300, gt=0, description="optimizer steps")
     micro_batch_size: int = pydantic.Field(8, gt=0, description="sequences per rank per micro-step")
-    grad_accum: int = pydantic.Field(1, gt=0)
-    warmup_fraction: float = pydantic.Field(0.1, ge=0, le=1)
-    min_lr_ratio: float = pydantic.Field(0.1, ge=0, le=1)
+    grad_accum: int = pydantic.Field(1, gt=0, description="micro-steps per optimizer step")
+    warmup_fraction: float = pydantic.Field(0.1, ge=0, le=1, description="linear warmup, as a fraction of steps")
+    min_lr_ratio: float = pydantic.Field(0.1, ge=0, le=1, description="cosine decay ends at this x peak lr")
     grad_clip: float = pydantic.Field(0.0, ge=0, description="0 disables clipping (as in the papers)")
-    bf16: bool = False
-    log_every: int = pydantic.Field(10, gt=0)
-    progress: bool = True
+    bf16: bool = pydantic.Field(False, description="bf16 compute (autocast, FSDP2 or DeepSpeed bf16); fp32 statistics")
+    log_every: int = pydantic.Field(10, gt=0, description="steps between loss lines in the log")
+    progress: bool = pydantic.Field(True, description="a tqdm progress bar on rank 0")
 
 
 class EvalSection(_Strict):
     every: int = pydantic.Field(100, ge=0, description="0: only at start and end")
     max_sequences: int = pydantic.Field(256, ge=0, description="validation sequences per evaluation (0: all)")
-    at_start: bool = True
+    at_start: bool = pydantic.Field(True, description="evaluate before the first step")
 
 
 class CheckpointSection(_Strict):
     every: int = pydantic.Field(0, ge=0, description="0: no checkpoints")
     dir: str | None = pydantic.Field(None, description="default: <run_dir>/checkpoints")
-    at_end: bool = True
+    at_end: bool = pydantic.Field(True, description="save after the last step")
 
 
 class TrainConfig(_Strict):
-    run_dir: str = "runs/default"
-    seed: int = 0
-    model: ModelSection = ModelSection()
-    data: DataSection = DataSection()
-    engine: EngineSection = EngineSection()
+    run_dir: str = pydantic.Field("runs/default", description="where logs, plots and checkpoints go")
+    seed: int = pydantic.Field(0, description="seed of the model's init and the data order")
+    model: ModelSection = pydantic.Field(ModelSection(), description="the LLaMA-style model")
+    data: DataSection = pydantic.Field(DataSection(), description="training and validation data")
+    engine: EngineSection = pydantic.Field(EngineSection(), description="how the model is distributed")
     optimizer: OptimizerSection | None = pydantic.Field(
         None, description="default: the DeepSpeed JSON's 'shardopt' section (engine deepspeed), else scale")
-    train: TrainSection = TrainSection()
-    eval: EvalSection = EvalSection()
-    checkpoint: CheckpointSection = CheckpointSection()
+    train: TrainSection = pydantic.Field(TrainSection(), description="the training loop and its LR schedule")
+    eval: EvalSection = pydantic.Field(EvalSection(), description="validation loss and perplexity")
+    checkpoint: CheckpointSection = pydantic.Field(CheckpointSection(), description="saving and resuming")
     _source: str | None = pydantic.PrivateAttr(None)  # the file the config was read from
     #: the DeepSpeed JSON as read and its "shardopt" section parsed (engine deepspeed; load_train_config)
     _deepspeed: tuple[dict[str, Any], Any] | None = pydantic.PrivateAttr(None)
