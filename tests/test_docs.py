@@ -57,8 +57,8 @@ def test_every_key_of_every_optimizer_is_in_the_reference(reference: str, name: 
     model = OPTIMIZERS[name].Config
     assert _keys(section) == set(model.model_fields), f"{name}: the reference's keys differ from {model.__name__}'s"
     for key, field in model.model_fields.items():
-        if field.description:
-            assert " ".join(field.description.split()) in section.replace("\\|", "|"), f"{name}.{key}: description"
+        assert field.description, f"{name}.{key}: no description in {model.__name__} (the reference would show none)"
+        assert " ".join(field.description.split()) in section.replace("\\|", "|"), f"{name}.{key}: description"
 
 
 def test_matrix_ops_and_its_profile_are_expanded(reference: str) -> None:
@@ -82,6 +82,7 @@ def test_the_deepspeed_section_and_the_trainer_config_are_in_the_reference(refer
         nested = getattr(field.annotation, "model_fields", None)
         if nested:
             assert {f"{section}.{k}" for k in nested} <= keys, section
+            assert all(f.description for f in nested.values()), f"{section}: a key without a description"
 
 
 def test_the_reference_page_has_the_placeholder_the_hook_fills() -> None:
