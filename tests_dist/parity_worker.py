@@ -242,6 +242,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--layouts", default=",".join(LAYOUTS + BF16_LAYOUTS))
+    ap.add_argument("--strategy-layouts", default=None,
+                    help="layouts on which the strategies after an optimizer's first run (default: every layout)")
     ap.add_argument("--count-blocks", default="1,6",
                     help="block counts for the collective-count check (fsdp2_rows and zero2, no comparison)")
     args = ap.parse_args()
@@ -253,8 +255,10 @@ def main() -> None:
     for opt_name in args.optimizers.split(","):
         ref, ref_losses = reference(opt_name)
         strategies = [s for s in STRATEGIES.get(opt_name, (None,)) if s != "team" or ws >= TEAM_WORLD]
+        others = set(args.strategy_layouts.split(",")) if args.strategy_layouts else None
         cases = [(layout, s) for layout in args.layouts.split(",") for s in strategies
-                 if s == strategies[-1] or layout not in BF16_LAYOUTS]  # bf16 runs once (the last) per optimizer
+                 if (s == strategies[-1] or layout not in BF16_LAYOUTS)  # bf16 runs once (the last) per optimizer
+                 and (s == strategies[0] or others is None or layout in others or layout in BF16_LAYOUTS)]
         for layout, strategy in cases:
             t0 = time.time()
             rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "strategy": strategy}

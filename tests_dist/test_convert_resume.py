@@ -18,6 +18,7 @@ import sys
 import pytest
 
 from launch import ROOT, free_port, run_bounded
+from tiers import full_only
 
 TIMEOUT = 300
 
@@ -100,6 +101,7 @@ def test_fsdp2_run_inspects_and_resumes_its_schedule_on_deepspeed(tmp_path):
         assert resumed[s]["loss"] == pytest.approx(full[s]["loss"], abs=1e-4), s
 
 
+@full_only("the FSDP2 run's inspection and resume; the CLI's inspection in test_checkpoint_dist.py")
 def test_ddp_run_inspects_at_its_world_size(tmp_path):
     train(_config(tmp_path, "ddp", {"name": "ddp"}, steps=2, every=2))
     run = tmp_path / "ddp"

@@ -124,7 +124,9 @@ def test_trainer_zero3_from_pretrained_partitioned_at_load(names: str) -> None:
 def test_trainer_resume_exact(engine: str, resume_on: tuple) -> None:
     """Save at step 2 (``save_steps``), 5 steps in all: resuming at world size 2 (3 more steps) equals the
     uninterrupted run; under ZeRO-2 so does resuming the world-size-2 checkpoint at world size 1 with the same
-    global batch (4). FSDP2 saves through the Trainer's own DCP path (``SHARDED_STATE_DICT``)."""
+    global batch (4). FSDP2 saves through the Trainer's own DCP path (``SHARDED_STATE_DICT``). (Legacy FSDP's
+    Trainer checkpoints do not run on the CPU: accelerate's FSDP1 model save crashes there with torch's AdamW as
+    well; ``tests/test_fsdp1_checkpoint_io.py`` checks shardopt's part of them.)"""
     with tempfile.TemporaryDirectory(prefix="wt17_hf_resume_") as tmp:
         common = ["--engine", engine, "--optimizer", "racs,sumo", "--steps", "5"]
         out = Path(tmp) / "whole.pt"

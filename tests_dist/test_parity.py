@@ -18,20 +18,25 @@ import tempfile
 import pytest
 
 from launch import run_ranks
-from tiers import world_sizes
+from tiers import FULL, world_sizes
 from parity_worker import BF16_LAYOUTS, LAYOUTS, OPTIMIZERS, STRATEGIES, TEAM_SIZE, TEAM_WORLD
 
 FP32_TOL = 1e-5
 BF16_TOL = 0.1
 #: CI runs world size 3 (uneven shards, teams as subgroups of the group); the full tier every size
 WORLD_SIZES = world_sizes((1, 2, 3, 4), ci=(3,))
+#: CI runs an optimizer's first strategy (gather; Muon's default) on every layout and its other strategies (team,
+#: distributed) on these: FSDP2 rows and columns, ZeRO-2's flat ranges that cut rows anywhere and ZeRO-3's
+#: per-parameter cuts; the full tier every strategy on every layout
+CI_STRATEGY_LAYOUTS = ("fsdp2_rows", "fsdp2_cols", "zero2", "zero3")
 _results: dict[int, list[dict]] = {}
 
 
 def results(ws: int) -> list[dict]:
     if ws not in _results:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("parity_worker.py", ws, ["--out", out.name], timeout=900)
+            extra = [] if FULL else ["--strategy-layouts", ",".join(CI_STRATEGY_LAYOUTS)]
+            proc = run_ranks("parity_worker.py", ws, ["--out", out.name, *extra], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"parity worker at world size {ws} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
             _results[ws] = json.load(open(out.name))
@@ -58,6 +63,9 @@ CASES = [(opt, s) for opt in OPTIMIZERS for s in STRATEGIES.get(opt, (None,))]
 def test_fp32_parity(opt: str, strategy: str | None, layout: str, ws: int) -> None:
     if strategy == "team" and ws < TEAM_WORLD:
         pytest.skip(f"at world size {ws} a team of {TEAM_SIZE} is the whole group (the worker runs teams from {TEAM_WORLD})")
+    if not FULL and strategy != STRATEGIES.get(opt, (None,))[0] and layout not in CI_STRATEGY_LAYOUTS:
+        pytest.skip(f"full tier only (SHARDOPT_TESTS=full, make test-full); CI: the {strategy} strategy on "
+                    f"{', '.join(CI_STRATEGY_LAYOUTS)}")
     rec = find(ws, optimizer=opt, layout=layout, kind=None, strategy=strategy)
     assert "error" not in rec, rec.get("error")
     print(f"{opt} [{strategy}] {layout} ws={ws}: max |sharded - single| = {rec['max_abs_diff']:.3g}")
@@ -71,6 +79,8 @@ def test_distributed_strategy_never_gathers_a_matrix_on_flat_zero_ranges(opt: st
     """Per matrix, no rank ever receives the whole matrix: along the grain (rows of A = rows of the flat
     range) only the at most two rows cut by partition boundaries move; across it, an all-to-all delivers each
     rank its own block. Measured per step: no gather traffic at all."""
+    if not FULL and layout not in CI_STRATEGY_LAYOUTS:
+        pytest.skip(f"full tier only (SHARDOPT_TESTS=full, make test-full); CI: {', '.join(CI_STRATEGY_LAYOUTS)}")
     rec = find(ws, optimizer=opt, layout=layout, kind=None, strategy="distributed")
     assert "error" not in rec, rec.get("error")
     stats = rec["comm_stats"]

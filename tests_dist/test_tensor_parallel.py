@@ -19,16 +19,16 @@ import tempfile
 import pytest
 
 from launch import run_ranks
-from tiers import world_sizes
+from tiers import FULL, world_sizes
 from tp_worker import LEAN_RESUME, OPTIMIZERS, RESUME, STRATEGIES, WHOLE
 
 TOL = 1e-5
 RESUME_TOL = 1e-6
 RUNS = {4: "fsdp2_tp,tp", 2: "tp,tp_sp", 8: "hsdp_tp"}
 #: world sizes run lean (``tp_worker.py --lean``): one strategy per whole-matrix optimizer (RESUME's) and one
-#: save/resume path each (LEAN_RESUME); 8 processes on a 2-core CI machine cost seconds a case, and every
-#: strategy and both paths run on the 2 x 2 meshes
-LEAN = {8}
+#: save/resume path each (LEAN_RESUME; both paths stay covered, by different optimizers); 8 processes on a 2-core
+#: machine cost seconds a case. CI runs its 2 x 2 meshes lean too; the full tier every strategy and both paths there
+LEAN = {8} if FULL else {4, 8}
 _results: dict[int, list[dict]] = {}
 CASES = [(o, s) for o in OPTIMIZERS for s in (STRATEGIES if o in WHOLE else (None,))]
 
@@ -58,8 +58,8 @@ LAYOUTS = world_sizes([(ws, lay) for ws, lays in RUNS.items() for lay in lays.sp
 @pytest.mark.parametrize("opt,strategy", CASES)
 def test_tensor_parallel_step_equals_one_process(opt: str, strategy: str | None, ws: int, layout: str) -> None:
     if ws in LEAN and (opt, strategy) not in RESUME:
-        pytest.skip(f"the {ws}-process mesh runs each whole-matrix optimizer under one strategy (CI time); "
-                    "every strategy runs on the 2 x 2 meshes")
+        pytest.skip(f"the {ws}-process mesh runs each whole-matrix optimizer under one strategy here; every strategy "
+                    "runs on the 2 x 2 meshes in the full tier (SHARDOPT_TESTS=full)")
     rec = _find(ws, optimizer=opt, strategy=strategy, layout=layout, resume=None)
     print(f"{opt} [{strategy}] {layout} ws={ws}: max |sharded - single| = {rec['max_abs_diff']:.3g}")
     assert rec["max_abs_diff"] <= TOL
@@ -71,8 +71,8 @@ def test_tensor_parallel_step_equals_one_process(opt: str, strategy: str | None,
 def test_tensor_parallel_save_and_resume_continue_exactly(opt: str, strategy: str | None, ws: int, layout: str,
                                                           how: str) -> None:
     if ws in LEAN and LEAN_RESUME[opt] != how:
-        pytest.skip(f"the {ws}-process mesh saves and resumes {opt} by {LEAN_RESUME[opt]} only (CI time); both "
-                    "paths run on the 2 x 2 meshes")
+        pytest.skip(f"the {ws}-process mesh saves and resumes {opt} by {LEAN_RESUME[opt]} only here; both paths "
+                    "run on the 2 x 2 meshes in the full tier (SHARDOPT_TESTS=full)")
     rec = _find(ws, optimizer=opt, strategy=strategy, layout=layout, resume=how)
     print(f"{opt} [{strategy}] {layout} ws={ws} {how}: resumed vs uninterrupted {rec['max_abs_diff']:.3g}")
     assert rec["max_abs_diff"] <= RESUME_TOL

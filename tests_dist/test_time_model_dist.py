@@ -18,8 +18,7 @@
   but the run takes 3x longer). Marked as expected failures (not strict) until that cost is cut further;
   the run-to-run spread (4 processes share 2 cores) is as large as the margin.
 
-CI runs SUMO, Alice and ASGO (``tiers.CI_OPTIMIZERS``; one launch of the six took 9 minutes of CI's 48); the full
-tier (``make test-full``) all six.
+CI runs SUMO and ASGO (``CI_NAMES``); the full tier (``make test-full``) all six.
 """
 from __future__ import annotations
 
@@ -29,7 +28,7 @@ import tempfile
 import pytest
 
 from launch import run_ranks
-from tiers import CI_OPTIMIZERS, selected, tiered
+from tiers import selected, tiered
 from time_model_worker import OPTIMIZERS, STRATEGIES, TAGS
 
 WORLD = 4
@@ -37,16 +36,17 @@ BYTES_TOL = 0.10
 CPU_RATIO = 0.35
 #: measured over 0.35 on this machine (see the module docstring); not strict, as timings vary
 CPU_GAP = {("sumo", "fsdp2"), ("alice", "fsdp2"), ("alice", "zero2"), ("alice0", "fsdp2"), ("alice0", "zero2")}
-#: CI runs the whole-matrix optimizers among ``tiers.CI_OPTIMIZERS`` (SUMO, Alice, ASGO: a basis at rest with its
-#: rows, tracking with a switch, a shared factorization); the full tier all six
-NAMES = tiered(OPTIMIZERS, CI_OPTIMIZERS, "optimizers " + ", ".join(o for o in OPTIMIZERS if o in CI_OPTIMIZERS))
+#: CI: SUMO (a basis at rest with its rows; its refresh step) and ASGO (a shared factorization, whose work divides);
+#: Alice's work sits at the bound (an expected failure, see above) and runs in the full tier with the others
+CI_NAMES = ("sumo", "asgo")
+NAMES = tiered(OPTIMIZERS, CI_NAMES, "optimizers " + ", ".join(CI_NAMES))
 _cache: dict = {}
 
 
 def records() -> list:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            names = ",".join(selected(OPTIMIZERS, CI_OPTIMIZERS))
+            names = ",".join(selected(OPTIMIZERS, CI_NAMES))
             proc = run_ranks("time_model_worker.py", WORLD, ["--out", out.name, "--optimizers", names], timeout=900)
             if proc.returncode != 0:
                 pytest.fail(f"time-model worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")

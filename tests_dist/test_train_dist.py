@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from launch import ROOT, free_port, run_bounded
+from tiers import full_only
 
 TIMEOUT = 240
 SHORT = ["--set", "eval.every=0", "--set", "eval.max_sequences=32", "--set", "train.log_every=2",
@@ -115,6 +116,8 @@ def test_demo_config_short_run_learns_and_resumes(tmp_path):
     assert resumed["end_val_loss"] == pytest.approx(s["end_val_loss"], abs=1e-5)
 
 
+@full_only("the demo's DeepSpeed run and its resume; FSDP2 resumes exactly in test_checkpoint_dist.py and the trainer's "
+           "FSDP2 run resumes on DeepSpeed in test_convert_resume.py")
 def test_fsdp2_resume_matches_uninterrupted_run(tmp_path):
     run = tmp_path / "fsdp2"
     steps = ["--set", "train.steps=4", "--set", "checkpoint.every=2", "--set", "train.grad_accum=2",

@@ -9,13 +9,18 @@ It is ``accelerator.prepare`` followed by what shardopt needs from the objects a
   (roles, seeded draws, checkpoints) move to the new tensors, position by position.
 * Legacy FSDP (FSDP1, ``use_orig_params=True``): the optimizer keeps the model's parameters, which now hold 1-D
   views of flat shards; their shapes and pieces are read from the wrapped model (``plugin.fsdp1.adopt``).
+  ``save_state`` / ``load_state`` write and read shardopt's logical state for it (``fsdp1_optimizer_io``): FSDP1's own
+  optimizer state dict, which accelerate would call, reshapes state like flat shards and is refused.
 
 A plain ``accelerator.prepare`` with DeepSpeed also works: the first step finds the engine on the call stack and
 maps it (``shardopt.plugin.wrapped``); calling this function does it before any checkpoint is loaded.
 """
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+import os
+import sys
+from typing import Any, Iterator
 
 import weakref
 
@@ -25,7 +30,8 @@ from ..optim.base import ShardedOptimizer
 from ..plugin.fsdp1 import adopt
 from ..plugin.wrapped import engine_hooked, map_deepspeed, rekey_names
 
-__all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names"]
+__all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names", "fsdp1_optimizer_io",
+           "FSDP1_OPTIMIZER_DIR"]
 
 
 #: accelerators whose ``prepare`` already maps shardopt optimizers (``patch_prepare``)
@@ -92,7 +98,8 @@ def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
 
 def patch_prepare(accelerator: Any) -> None:
     """Make this accelerator's own ``prepare`` do ``after_prepare`` (what ``transformers.enable`` uses, since
-    ``Trainer`` calls ``accelerator.prepare`` itself)."""
+    ``Trainer`` calls ``accelerator.prepare`` itself), and its ``save_state`` / ``load_state`` keep a shardopt
+    optimizer's state under legacy FSDP (``fsdp1_optimizer_io``)."""
     if accelerator in _PATCHED:
         return
     original = accelerator.prepare
@@ -103,6 +110,63 @@ def patch_prepare(accelerator: Any) -> None:
         return result
 
     accelerator.prepare = prepare_and_map
+    for method in ("save_state", "load_state"):
+        setattr(accelerator, method, with_fsdp1_optimizer_io(getattr(accelerator, method), "accelerate.accelerator"))
     _PATCHED.add(accelerator)
+
+
+#: the folder, inside a checkpoint directory, that holds a shardopt optimizer's logical state under legacy FSDP
+#: (its name contains "optimizer", which the Trainer looks for before it resumes an optimizer)
+FSDP1_OPTIMIZER_DIR = "shardopt_optimizer"
+
+
+def _fsdp1_save(original: Any) -> Any:
+    def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
+                            optimizer_index: int = 0, *args: Any, **kwargs: Any) -> None:
+        opt = unwrap_optimizer(optimizer)
+        if opt is None or getattr(fsdp_plugin, "fsdp_version", 1) != 1:
+            return original(fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, *args, **kwargs)
+        from ..checkpoint import save
+
+        save(os.path.join(output_dir, f"{FSDP1_OPTIMIZER_DIR}_{optimizer_index}"), opt, engine="fsdp1")
+    return save_fsdp_optimizer
+
+
+def _fsdp1_load(original: Any) -> Any:
+    def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
+                            optimizer_index: int = 0, *args: Any, **kwargs: Any) -> None:
+        opt = unwrap_optimizer(optimizer)
+        if opt is None or getattr(fsdp_plugin, "fsdp_version", 1) != 1:
+            return original(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, *args, **kwargs)
+        from ..checkpoint import load
+
+        load(os.path.join(input_dir, f"{FSDP1_OPTIMIZER_DIR}_{optimizer_index}"), opt)
+    return load_fsdp_optimizer
+
+
+@contextlib.contextmanager
+def fsdp1_optimizer_io(module_name: str) -> Iterator[None]:
+    """Within the block, module ``module_name``'s ``save_fsdp_optimizer`` / ``load_fsdp_optimizer`` (accelerate's,
+    which ``accelerate.accelerator`` and ``transformers.trainer`` call) write and read a shardopt optimizer's logical
+    state (``shardopt.checkpoint``: any world size, FSDP2 and DeepSpeed load it) under legacy FSDP, instead of
+    FSDP1's optimizer state dict; everything else goes to accelerate's functions unchanged."""
+    module = sys.modules.get(module_name)
+    if module is None or not hasattr(module, "save_fsdp_optimizer"):
+        yield
+        return
+    saved = module.save_fsdp_optimizer, module.load_fsdp_optimizer
+    module.save_fsdp_optimizer, module.load_fsdp_optimizer = _fsdp1_save(saved[0]), _fsdp1_load(saved[1])
+    try:
+        yield
+    finally:
+        module.save_fsdp_optimizer, module.load_fsdp_optimizer = saved
+
+
+def with_fsdp1_optimizer_io(method: Any, module_name: str) -> Any:
+    """``method`` (a bound ``save_state``-like method) run inside ``fsdp1_optimizer_io(module_name)``."""
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        with fsdp1_optimizer_io(module_name):
+            return method(*args, **kwargs)
+    return wrapped
 
 

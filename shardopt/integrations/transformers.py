@@ -11,6 +11,9 @@ head, hidden matrices, GPT-2's ``Conv1D`` stored in x out, vectors to AdamW), an
   ``save_steps`` / ``resume_from_checkpoint`` save and restore shardopt's state through DeepSpeed's checkpoint
   directory, resumable at another world size or ZeRO stage.
 * FSDP2 (``fsdp_config={"fsdp_version": 2}``): DTensor shards, checkpoints through the Trainer's own DCP path.
+* Legacy FSDP (``fsdp="full_shard"``, ``fsdp_version`` 1, either ``use_orig_params``): the wrapped model's layouts
+  (``shardopt.plugin.fsdp1``); ``save_steps`` / ``resume_from_checkpoint`` keep shardopt's logical state in the
+  checkpoint directory (``integrations.accelerate.fsdp1_optimizer_io``) beside the Trainer's model files.
 * DDP / one process: the plain optimizer.
 
 The Trainer's LR scheduler scales every group's own learning rate (matrix ``lr`` and ``adam_lr``).
@@ -27,7 +30,7 @@ import pydantic
 from ..optim.config import format_errors
 from ..optim.registry import OPTIMIZERS, ConfigError, build_optimizer, validate_hyperparameters
 from ..plugin.deepspeed_engine import ShardoptSection
-from .accelerate import patch_prepare
+from .accelerate import patch_prepare, with_fsdp1_optimizer_io
 
 __all__ = ["enable", "resolve_settings"]
 
@@ -110,4 +113,6 @@ def enable(trainer: Any, optimizer: str | None = None, routing: Mapping[str, str
     trainer.create_optimizer = create_optimizer
     trainer._shardopt = (name, cfg, route)
     patch_prepare(trainer.accelerator)
+    for method in ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler"):  # legacy FSDP checkpoints
+        setattr(trainer, method, with_fsdp1_optimizer_io(getattr(trainer, method), "transformers.trainer"))
     return trainer
