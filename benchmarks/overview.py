@@ -1,6 +1,6 @@
 """The README's results overview: one table and one figure, built only from the committed result files.
 
-    python -m benchmarks.overview           # writes results/overview.png and the table into README.md
+    python -m benchmarks.overview           # writes benchmarks/results/overview.png and the table into README.md
     python -m benchmarks.overview --check   # exit 1 if the README's table differs from the result files
 
 The table puts, per optimizer, its state memory and CPU step time next to ``torch.optim.AdamW`` (``memory``,
@@ -8,7 +8,8 @@ The table puts, per optimizer, its state memory and CPU step time next to ``torc
 in the learning-rate sweep (``convergence``). The figure shows the convergence curves of the best runs beside the
 GPU throughput. Run it from the repository root (fairscale installs an unrelated top-level ``benchmarks``
 package, which a run from elsewhere would import instead; see ``benchmarks/README.md``). The full tables, with
-the machine and run of every file, are ``results/SUMMARY.md`` and the documentation's Benchmarks page.
+the machine and run of every file, are ``benchmarks/results/SUMMARY.md`` and the documentation's Benchmarks page
+(``docs/benchmarks.md``).
 """
 from __future__ import annotations
 

@@ -5,8 +5,9 @@
   of its optimizer, so a key added to a model cannot be missing from the docs.
 - ``mkdocs.yml`` names pages and hooks that exist, the ``docs`` extra installs MkDocs, and ``make test`` builds the
   docs.
-- The README stays a short front page: at most 250 lines, no commit hashes, and its results table is the one
-  ``python -m benchmarks.overview`` makes from the committed results.
+- The README stays a short front page: at most 250 lines, no commit hashes, every relative link and image pointing
+  at a file of the repository, and its results table is the one ``python -m benchmarks.overview`` makes from the
+  committed results.
 """
 from __future__ import annotations
 
@@ -113,6 +114,31 @@ def test_the_readme_is_a_short_front_page() -> None:
     assert len(text.splitlines()) <= 250
     hashes = re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", text)
     assert not hashes, f"commit hashes in README.md: {hashes} (run history belongs in the result files)"
+
+
+def _github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_of_the_readme_exists() -> None:
+    """Links and images of the front page (``[text](target)``, ``![alt](target)``) point at files or folders of the
+    repository (``#anchors`` stripped; web links not checked); a bare ``#anchor`` names a heading of the README."""
+    text = (ROOT / "README.md").read_text()
+    targets = re.findall(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)", text)
+    assert targets, "no links found in README.md"
+    headings = {_github_slug(h) for h in re.findall(r"^#{1,6}\s+(.+?)\s*#*$", text, flags=re.M)}
+    missing = []
+    for target in targets:
+        if re.match(r"^[a-z][a-z0-9+.-]*:", target, flags=re.I):  # http(s), mailto: not files
+            continue
+        path, _, anchor = target.partition("#")
+        if not path:
+            if anchor not in headings:
+                missing.append(f"{target} (no such heading)")
+        elif not (ROOT / path).exists():
+            missing.append(target)
+    assert not missing, f"README.md links to what is not in the repository: {missing}"
 
 
 def test_the_readme_results_table_is_made_from_the_committed_results() -> None:
