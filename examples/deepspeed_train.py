@@ -6,7 +6,8 @@ stage (or from a checkpoint ``shardopt checkpoint convert`` made). CPU (DS_ACCEL
     torchrun --nproc_per_node 2 examples/deepspeed_train.py --steps 4 --save ckpt
     torchrun --nproc_per_node 4 examples/deepspeed_train.py --steps 8 --load ckpt --config configs/deepspeed/zero3_scale.json
 
-The README's DeepSpeed snippet is an excerpt of this file (tests_dist/test_readme.py checks that it is).
+The DeepSpeed snippets of README.md and docs/guides/deepspeed.md are excerpts of this file (tests_dist/test_readme.py
+checks that they are).
 """
 from __future__ import annotations
 

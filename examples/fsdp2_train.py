@@ -5,7 +5,8 @@
     torchrun --nproc_per_node 2 examples/fsdp2_train.py --steps 4 --save fsdp_ckpt
     torchrun --nproc_per_node 3 examples/fsdp2_train.py --steps 8 --load fsdp_ckpt     # resharded 2 -> 3
 
-The README's FSDP2 snippets are excerpts of this file (tests_dist/test_readme.py checks that they are).
+The FSDP2 snippets of README.md, docs/guides/fsdp2.md and docs/checkpoints.md are excerpts of this file
+(tests_dist/test_readme.py checks that they are).
 """
 from __future__ import annotations
 

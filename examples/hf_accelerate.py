@@ -7,7 +7,8 @@ runs in seconds on a CPU (DS_ACCELERATOR=cpu, gloo).
     torchrun --nproc_per_node 2 examples/hf_accelerate.py --steps 4 --save runs/hf_accelerate
     torchrun --nproc_per_node 2 examples/hf_accelerate.py --steps 6 --load runs/hf_accelerate
 
-The README's accelerate snippet is an excerpt of this file (tests_dist/test_readme.py checks that it is).
+The accelerate snippets of README.md and docs/guides/accelerate.md are excerpts of this file (tests_dist/test_readme.py
+checks that they are).
 """
 from __future__ import annotations
 
@@ -63,7 +64,7 @@ def main() -> None:
         accelerator.save_state(args.save)
         if torch.distributed.get_rank() == 0:
             open(os.path.join(args.save, "step.txt"), "w").write(str(args.steps))
-    accelerator.wait_for_everyone()  # README "Reliability": the ranks meet before end_training destroys the group
+    accelerator.wait_for_everyone()  # docs/reliability.md: the ranks meet before end_training destroys the group
     accelerator.end_training()
 
 

@@ -6,7 +6,8 @@ A tiny LLaMA built from its config on synthetic tokens, so it runs in seconds on
     torchrun --nproc_per_node 2 examples/hf_trainer.py --steps 4 --out runs/hf_trainer
     torchrun --nproc_per_node 1 examples/hf_trainer.py --steps 6 --out runs/hf_trainer --resume --batch 8
 
-The README's Trainer snippet is an excerpt of this file (tests_dist/test_readme.py checks that it is).
+The Trainer snippets of README.md and docs/guides/hf-trainer.md are excerpts of this file (tests_dist/test_readme.py
+checks that they are).
 """
 from __future__ import annotations
 
@@ -66,7 +67,7 @@ def main() -> None:
     # An orderly shutdown: ranks leave together and gloo's threads are joined before the interpreter exits (left
     # to exit handlers, a rank can abort with "terminate called without an active exception" after its work is done).
     if torch.distributed.is_initialized():
-        torch.distributed.barrier()  # README "Reliability": the last gather's tensors released before anyone exits
+        torch.distributed.barrier()  # docs/reliability.md: the last gather's tensors released before anyone exits
     trainer.accelerator.end_training()
     if torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()

@@ -5,7 +5,7 @@ the shardopt optimizer (here SCALE) is their inner optimizer. CPU (gloo) or GPUs
     torchrun --nproc_per_node 2 examples/zero_redundancy.py                 # both engines, 4 steps each
     torchrun --nproc_per_node 2 examples/zero_redundancy.py --engine oss --steps 10
 
-The README's "More engines" snippet is an excerpt of this file (tests_dist/test_readme.py checks that it is).
+The snippet of docs/guides/more-engines.md is an excerpt of this file (tests_dist/test_readme.py checks that it is).
 """
 from __future__ import annotations
 
