@@ -90,7 +90,7 @@ def _saved_groups(path: str, optimizer: ShardedOptimizer, saved: list[dict]) -> 
         if match is None:
             raise CheckpointError(f"{path}: the parameters of the optimizer's {group.get('treatment')!r} group "
                                   f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) were saved in "
-                                  f"{'no group' if not found else 'several groups'}; build it with the same routing")
+                                  f"several groups; build it with the same routing")
         if match.get("treatment", group.get("treatment")) != group.get("treatment"):
             raise CheckpointError(f"{path}: {names[0]!r} was saved with rule {match['treatment']!r}, the optimizer "
                                   f"steps it with {group.get('treatment')!r}; build it with the same routing")

@@ -30,8 +30,8 @@ from ..optim.base import ShardedOptimizer
 from ..plugin.fsdp1 import adopt
 from ..plugin.wrapped import engine_hooked, map_deepspeed, rekey_names
 
-__all__ = ["prepare", "after_prepare", "patch_prepare", "unwrap_optimizer", "rekey_names", "fsdp1_optimizer_io",
-           "FSDP1_OPTIMIZER_DIR"]
+__all__ = ["prepare", "after_prepare", "patch_prepare", "patch_checkpoints", "unwrap_optimizer", "rekey_names",
+           "fsdp1_optimizer_io", "FSDP1_OPTIMIZER_DIR"]
 
 
 #: accelerators whose ``prepare`` already maps shardopt optimizers (``patch_prepare``)
@@ -93,6 +93,7 @@ def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
     args = _optimizer_from_section(accelerator, args)
     result = accelerator.prepare(*args, **kwargs)
     after_prepare(accelerator, result)
+    patch_checkpoints(accelerator)
     return result
 
 
@@ -110,9 +111,22 @@ def patch_prepare(accelerator: Any) -> None:
         return result
 
     accelerator.prepare = prepare_and_map
+    _PATCHED.add(accelerator)
+    patch_checkpoints(accelerator)
+
+
+#: accelerators whose ``save_state`` / ``load_state`` keep shardopt's state under legacy FSDP (``patch_checkpoints``)
+_CHECKPOINTS: "weakref.WeakSet[Any]" = weakref.WeakSet()
+
+
+def patch_checkpoints(accelerator: Any) -> None:
+    """Make this accelerator's ``save_state`` / ``load_state`` write and read a shardopt optimizer's logical state
+    under legacy FSDP (``fsdp1_optimizer_io``); ``prepare`` and ``patch_prepare`` call it."""
+    if accelerator in _CHECKPOINTS:
+        return
     for method in ("save_state", "load_state"):
         setattr(accelerator, method, with_fsdp1_optimizer_io(getattr(accelerator, method), "accelerate.accelerator"))
-    _PATCHED.add(accelerator)
+    _CHECKPOINTS.add(accelerator)
 
 
 #: the folder, inside a checkpoint directory, that holds a shardopt optimizer's logical state under legacy FSDP
