@@ -52,10 +52,20 @@ def _no_tf32():
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = old
 
 
+def _ieee(name: str) -> dict:
+    """The ieee precision for a whole-matrix rule (``matrix_ops.precision``'s ``"auto"`` picks bf16 for Muon on
+    CUDA), so that CPU and CUDA compute the same function; Muon keeps its default strategy."""
+    from shardopt.optim import OPTIMIZERS
+
+    if "matrix_ops" not in OPTIMIZERS[name].Config.model_fields:
+        return {}
+    return {"matrix_ops": {"precision": "ieee", **({"strategy": "gather"} if name == "muon" else {})}}
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_cuda_matches_cpu(name: str) -> None:
     models = {d: _model(d) for d in ("cpu", "cuda")}
-    opts = {d: shardopt.create_optimizer(m, name) for d, m in models.items()}
+    opts = {d: shardopt.create_optimizer(m, name, **_ieee(name)) for d, m in models.items()}
     for step in range(3):
         for d, m in models.items():
             _grads(m, step)
@@ -68,6 +78,20 @@ def test_cuda_matches_cpu(name: str) -> None:
         for key, value in _tensors(st):
             if value.dim() > 0:
                 assert value.is_cuda, f"{name}: state {key} left the GPU"
+
+
+def test_cuda_muon_auto_precision_is_torch_bf16_iteration() -> None:
+    """``matrix_ops.precision="auto"`` on CUDA runs Muon's iteration in bf16, as ``torch.optim.Muon``: the same
+    numbers as ``ns_dtype="bfloat16"``."""
+    runs = []
+    for kw in ({}, {"ns_dtype": "bfloat16"}):
+        model = _model("cuda")
+        opt = shardopt.create_optimizer(model, "muon", **kw)
+        for step in range(3):
+            _grads(model, step)
+            opt.step()
+        runs.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
 def _tensors(state: dict, prefix: str = ""):

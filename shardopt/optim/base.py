@@ -28,6 +28,7 @@ from ..sharding.fragment import Fragment, local_flat, local_tensor
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
+from ..sharding.precision import PRECISIONS, low_precision, resolve_precision
 from ..sharding.time_model import resolve_profile
 from ..sharding.plan import check_same_plan
 from ..sharding.teams import create_team_groups
@@ -115,6 +116,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     _step_gate: torch.Tensor | None = None
     _step_found_inf: torch.Tensor | None = None
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
+    #: whether the rule's whole-matrix iterations have a low-precision route (``matrix_ops.precision`` "tf32" /
+    #: "bf16"; ``sharding.precision``)
+    low_precision_iterations: bool = False
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
     role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
@@ -184,6 +188,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"matrix_ops.strategy must be one of {STRATEGIES}, got {self.matrix_strategy!r}")
         #: the time model's hardware profile and the auto strategy's memory budget (shardopt.sharding.time_model)
         self.matrix_profile = (matrix_ops or {}).get("profile", "auto")
+        #: precision of whole-matrix iterations (shardopt.sharding.precision; "auto" resolved per rule and device)
+        self.matrix_precision = str((matrix_ops or {}).get("precision", "auto"))
+        if self.matrix_precision not in PRECISIONS:
+            raise ValueError(f"matrix_ops.precision must be one of {PRECISIONS}, got {self.matrix_precision!r}")
+        if low_precision(self.matrix_precision) and not self.low_precision_iterations:
+            raise ValueError(f"matrix_ops.precision={self.matrix_precision!r}: {type(self).__name__} has no "
+                             "low-precision route (its whole-matrix results keep the ieee route's accuracy); use "
+                             "'auto' or 'ieee' (shardopt.sharding.precision)")
         self.matrix_memory_budget_mib = (matrix_ops or {}).get("memory_budget_mib")
         if isinstance(self.matrix_profile, dict):
             self.matrix_profile = {k: v for k, v in self.matrix_profile.items() if v is not None}
@@ -645,6 +657,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if self._step_gate is not None:
             self._pending_skip.counts += [self.state[p]["step"] for p in params]
         return out
+
+    def iteration_precision(self, group: dict) -> str:
+        """The precision of ``group``'s whole-matrix iterations: ``matrix_ops.precision`` with ``"auto"`` resolved
+        for this rule and the device its tensors live on (``sharding.precision``)."""
+        return resolve_precision(self.matrix_precision, group.get("treatment", ""), self._device_type(group) or "cpu")
 
     # ------------------------------------------------------------------ stepping
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -99,6 +99,10 @@ class MatrixOpsConfig(_Strict):
                                        + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" else "")
                                        for e in err.errors())) from None
 
+    precision: Literal["auto", "ieee", "tf32", "bf16"] = pydantic.Field(
+        "auto", description="products of Newton-Schulz iterations: ieee (fp32), tf32 or bf16 (tensor cores; Muon "
+                            "only, the others keep ieee accuracy and refuse them), or auto: ieee on the CPU, bf16 "
+                            "for Muon on CUDA (shardopt.sharding.precision)")
     memory_budget_mib: float | None = pydantic.Field(
         None, gt=0, allow_inf_nan=False,
         description="MiB of whole-matrix small state a rank may keep under auto; default: 1.15 x its even share + "

@@ -7,8 +7,9 @@ and Newton-Schulz runs on ``MatrixOps`` like every whole-matrix optimizer (``mat
 ``gather`` (Muon's default) an owner rank per matrix, balanced by the cost model, orthogonalizes it whole; under
 ``distributed`` the rows of the tall orientation stay spread and each of the ``ns_steps`` iterations all-reduces
 only the small ``k x k`` Gram matrix (one collective per step for all matrices of a bucket); ``auto`` picks per
-matrix by the cost model. ``ns_dtype="bfloat16"`` reproduces torch's bf16 iteration; the default fp32 keeps
-sharded runs equal to the single-process run to fp32 rounding.
+matrix by the cost model. ``ns_dtype="bfloat16"`` reproduces torch's bf16 iteration; the default (``"auto"``)
+follows ``matrix_ops.precision`` (``sharding.precision``): fp32 on the CPU, which keeps sharded runs equal to the
+single-process run to fp32 rounding, bf16 on CUDA, TF32 products where asked.
 
 A step costs a number of kernels that depends on the number of matrix shapes, not of matrices: the momentum is
 two foreach lerps, same-shape matrices (a tall one transposed, joining its wide twin) run one batched
@@ -24,6 +25,7 @@ import pydantic
 import torch
 
 from ..sharding.matfun import MUON_COEFFICIENTS, muon_gram_products, newton_schulz, newton_schulz_iteration
+from ..sharding.precision import matmul_in
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.stacking import group_indices, same_shape
 from ..sharding.fragment import local_tensor as _local
@@ -60,8 +62,9 @@ class MuonConfig(WholeMatrixConfig):
     eps: float = pydantic.Field(1e-7, gt=0, description="added to the Frobenius norm before Newton-Schulz")
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = pydantic.Field(
         None, description="torch.optim.Muon's lr adjustment by shape (None: 'original')")
-    ns_dtype: Literal["float32", "bfloat16", "float64"] = pydantic.Field(
-        "float32", description="float32: exact across sharding; bfloat16: bitwise torch.optim.Muon")
+    ns_dtype: Literal["auto", "float32", "bfloat16", "float64"] = pydantic.Field(
+        "auto", description="auto: from matrix_ops.precision (fp32 on the CPU, bf16 on CUDA, TF32 where asked); "
+                            "float32: exact across sharding; bfloat16: bitwise torch.optim.Muon")
     matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=lambda: MatrixOpsConfig(strategy="gather"),
                                                  description="how whole-matrix work meets sharding (default "
                                                              "strategy here: gather)")
@@ -178,12 +181,24 @@ class Muon(ShardedOptimizer):
         return OpCost(row_flops=steps * 4.0 * k * k * long, small_matmul=steps * 2.0 * k ** 3, reduced=reduced,
                       rounds=steps + 1)
 
+    low_precision_iterations = True  # matrix_ops.precision: the quintic iteration in bf16 or TF32
+
+    def _iteration_dtype(self, group: dict) -> tuple[torch.dtype, Any]:
+        """The iteration's dtype and products: ``ns_dtype`` when set, else ``matrix_ops.precision`` resolved for
+        Muon on this device (``sharding.precision``: bf16 as ``torch.optim.Muon``, TF32 products, or fp32)."""
+        if group["ns_dtype"] != "auto":
+            return _DTYPES[group["ns_dtype"]], None
+        precision = self.iteration_precision(group)
+        if precision == "bf16":
+            return torch.bfloat16, None
+        return torch.float32, (matmul_in(precision) if precision == "tf32" else None)
+
     def _orthogonalize(self, items: list[MatrixItem], ops: MatrixOps, group: dict) -> None:
         """``it.work["update"] = NS(it.grad)`` (the grad slot holds the Nesterov momentum) for one bucket."""
-        dtype = _DTYPES[group["ns_dtype"]]
+        dtype, mm = self._iteration_dtype(group)
         steps, eps = group["ns_steps"], group["eps"]
         if ops.all_here:
-            _orthogonalize_local(items, steps, eps, dtype)
+            _orthogonalize_local(items, steps, eps, dtype, mm)
             ops.account()
             return
         blocks = [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
@@ -194,7 +209,7 @@ class Muon(ShardedOptimizer):
         wide = {i: blocks[i].T if i in tall else blocks[i] for i in active if not ops.split(i)}
         out = {}
         for idx in same_shape(wide):
-            y = newton_schulz(torch.stack([wide[i] for i in idx]), steps, MUON_COEFFICIENTS, eps, dtype)
+            y = newton_schulz(torch.stack([wide[i] for i in idx]), steps, MUON_COEFFICIENTS, eps, dtype, mm)
             # each piece returns in its parameter's orientation: transposed once per stack where needed, so
             # that from_blocks takes views instead of copying every matrix
             flip = [(i in tall) != ops.plans[i].transpose for i in idx]
@@ -204,13 +219,13 @@ class Muon(ShardedOptimizer):
                 out[i] = piece.T if ops.plans[i].transpose else piece
         spread = {i: blocks[i] for i in active if ops.split(i)}
         if spread:
-            out.update(_newton_schulz_rows(spread, ops, steps, eps, dtype))
+            out.update(_newton_schulz_rows(spread, ops, steps, eps, dtype, mm))
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["update"] = piece
         ops.account()
 
 
-def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype: torch.dtype) -> None:
+def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype: torch.dtype, mm=None) -> None:
     """``_orthogonalize`` for matrices held whole (``MatrixOps.here``: each local gradient is the row-major matrix):
     the gradients stacked by shape, tall stacks transposed and joined to the wide stack of the same shape, one
     batched iteration per wide shape, results back as flat row-major pieces (no per-matrix copies)."""
@@ -223,7 +238,7 @@ def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype:
         wide.setdefault((min(m, n), max(m, n)), []).append((idx, m > n, g.mT if m > n else g))
     for parts in wide.values():
         x = torch.cat([g for _, _, g in parts]) if len(parts) > 1 else parts[0][2].contiguous()
-        y = newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype)
+        y = newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype, mm)
         pos = 0
         for idx, tall, _ in parts:
             block = y[pos: pos + len(idx)]
@@ -234,7 +249,7 @@ def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype:
 
 
 def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float,
-                        dtype: torch.dtype) -> dict[int, torch.Tensor]:
+                        dtype: torch.dtype, mm=None) -> dict[int, torch.Tensor]:
     """Newton-Schulz on matrices whose tall orientation ``A`` is spread over ranks by rows: ``blocks[i]`` is
     this rank's row block of ``A_i``, i.e. a column block of the wide ``A_i^T`` that the iteration runs on.
     Every round completes all matrices' partial sums with one all-reduce per process group (in fp32, whatever
@@ -246,7 +261,7 @@ def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: 
     for idx in same_shape(blocks):
         for sub in group_indices(idx, form.__getitem__):
             x = torch.stack([blocks[i] for i in sub]).to(dtype).mT
-            runs[tuple(sub)] = newton_schulz_iteration(x, steps, MUON_COEFFICIENTS, eps, form[sub[0]])
+            runs[tuple(sub)] = newton_schulz_iteration(x, steps, MUON_COEFFICIENTS, eps, form[sub[0]], mm)
     parts = {idx: next(run) for idx, run in runs.items()}
     norms = ops.allreduce({i: p[j].float().square().reshape(1) for idx, p in parts.items() for j, i in enumerate(idx)})
     complete = {idx: torch.stack([norms[i] for i in idx]).sqrt().reshape(-1, 1, 1).to(dtype) for idx in runs}

@@ -30,7 +30,7 @@ Iteration = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFFICIENTS,
-                            eps: float = 1e-7, gram_products: bool = False) -> Iteration:
+                            eps: float = 1e-7, gram_products: bool = False, mm=None) -> Iteration:
     """Quintic Newton-Schulz on the wide orientation ``x`` (``k x l``, ``k <= l``), or on a block of its
     columns when they are spread over ranks; batched over leading dimensions (``(..., k, l)``: one kernel per
     product for many same-shape matrices).
@@ -44,6 +44,9 @@ def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFF
     instead of ``a x + (b G + c G^2) x`` (``4 k^2 l + 2 k^3``): the same polynomial, with no ``k x k`` product
     that every rank computing a block of the matrix would repeat; cheaper where a block has fewer than ``k``
     columns (``muon_gram_products``).
+
+    ``mm``: the products as ``mm(a, b)`` (``precision.matmul_in``: TF32 operands), the same polynomial; default the
+    fused ``addmm`` forms in ``x``'s dtype.
     """
     a, b, c = coefficients
     if x.dim() == 2:
@@ -56,8 +59,14 @@ def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFF
             raise ValueError(f"newton_schulz_iteration takes one batch dimension, got shape {tuple(x.shape)}")
     x = x / norm.clamp(min=eps)
     for _ in range(steps):
-        gram = yield x @ x.mT
-        if gram_products:
+        gram = yield (x @ x.mT if mm is None else mm(x, x.mT))
+        if mm is not None:
+            if gram_products:
+                y = mm(gram, x)
+                x = a * x + b * y + c * mm(gram, y)
+            else:
+                x = a * x + mm(b * gram + c * mm(gram, gram), x)
+        elif gram_products:
             y = gram @ x
             x = addmm(y, gram, y, beta=b, alpha=c).add_(x, alpha=a)
         else:
@@ -85,7 +94,7 @@ def complete_locally(iteration: Iteration) -> torch.Tensor:
 
 
 def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                  dtype: torch.dtype = torch.float32, mm=None) -> torch.Tensor:
     """Approximate orthogonalization ``U V^T`` of ``g`` (singular values land near 1), run in ``dtype`` on the
     wide orientation, returned in fp32; ``g`` may be a ``(B, m, n)`` stack of same-shape matrices (one batched
     iteration for all). ``dtype=torch.bfloat16`` reproduces ``torch.optim.Muon``."""
@@ -93,7 +102,7 @@ def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENT
     tall = g.size(-2) > g.size(-1)
     if tall:
         x = x.mT
-    x = complete_locally(newton_schulz_iteration(x, steps, coefficients, eps))
+    x = complete_locally(newton_schulz_iteration(x, steps, coefficients, eps, mm=mm))
     if tall:
         x = x.mT
     return x.float()

@@ -1,0 +1,82 @@
+"""The precision of whole-matrix iterations (``matrix_ops.precision``): one documented policy, never a silent change.
+
+Newton-Schulz iterations are chains of small matrix products. In fp32 they run on a GPU's CUDA cores at a few
+percent of its tensor-core rate; in bf16 or TF32 they run on the tensor cores.
+
+* ``"ieee"``: fp32 products (float64 where a route already uses it), as before this policy.
+* ``"bf16"``: the iteration in bfloat16 (Muon: ``torch.optim.Muon``'s iteration, bit for bit).
+* ``"tf32"``: the products in TF32 (operands rounded to 10 mantissa bits, fp32 accumulation): CUDA's tensor-core
+  mode where the matrices live on a GPU, emulated in operand rounding on the CPU (``round_tf32``) so that tests and
+  the float64 oracle see the numbers a GPU's rounding gives.
+* ``"auto"`` (default): ``"ieee"`` on the CPU, so every exactness test and CPU run stays as it was; on CUDA the
+  rule's own choice (``AUTO_CUDA``): Muon's iteration in bf16, as ``torch.optim.Muon`` runs it; ``"ieee"`` for the
+  others.
+
+Which rules take a low-precision route: Muon, whose fixed 5-step polynomial iteration needs no more accuracy than
+its products give. SWAN's whitening, ASGO's roots and SUMO's and Alice's factors must keep the ieee route's
+accuracy (their documented residual checks); a low-precision start corrected by fp32 steps is future work (a
+coupled iteration started from low-precision iterates converges to a rotated root, not the root), so for them
+``"tf32"`` / ``"bf16"`` are refused with an error rather than ignored. Every route is deterministic per matrix: a
+sharded run equals the single-process run at the same precision.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+
+__all__ = ["PRECISIONS", "AUTO_CUDA", "resolve_precision", "round_tf32", "matmul_in", "low_precision"]
+
+PRECISIONS = ("auto", "ieee", "tf32", "bf16")
+#: what ``"auto"`` means on CUDA, per rule (the others: "ieee")
+AUTO_CUDA = {"muon": "bf16"}
+
+
+def resolve_precision(setting: str, rule: str, device_type: str) -> str:
+    """The precision a rule's iterations run at: ``setting`` unless ``"auto"`` (see the module docstring)."""
+    if setting not in PRECISIONS:
+        raise ValueError(f"matrix_ops.precision must be one of {PRECISIONS}, got {setting!r}")
+    if setting != "auto":
+        return setting
+    return AUTO_CUDA.get(rule, "ieee") if device_type == "cuda" else "ieee"
+
+
+def round_tf32(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (fp32) rounded to TF32's 10 explicit mantissa bits, to nearest, ties to even: the operand a tensor core
+    multiplies in TF32 mode. Infinities and NaNs pass unchanged."""
+    bits = t.contiguous().view(torch.int32)
+    lsb = (bits >> 13) & 1
+    rounded = ((bits + 0xFFF + lsb) & ~0x1FFF).view(torch.float32)
+    return torch.where(torch.isfinite(t), rounded, t)
+
+
+@contextlib.contextmanager
+def _cuda_tf32() -> Iterator[None]:
+    old = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def matmul_in(precision: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """``a @ b`` of fp32 matrices (batched) at ``precision``, returned in fp32: bf16 operands, TF32 operands (the
+    tensor cores on CUDA, ``round_tf32`` elsewhere), or plain fp32 (``"ieee"``)."""
+    if precision == "bf16":
+        return lambda a, b: (a.bfloat16() @ b.bfloat16()).float()
+    if precision == "tf32":
+        def tf32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+            if a.is_cuda:
+                with _cuda_tf32():
+                    return a @ b
+            return round_tf32(a) @ round_tf32(b)
+        return tf32
+    if precision == "ieee":
+        return torch.matmul
+    raise ValueError(f"no matmul for precision {precision!r} (resolve 'auto' first)")
+
+
+def low_precision(precision: str) -> bool:
+    return precision in ("bf16", "tf32")
