@@ -18,6 +18,9 @@ take 512 sequences of 256 tokens per step, 8 micro-batches of 64 with gradient a
 backward (iteration minus step) per step: ``A tokens / (A (iteration - step) + step)``; nothing overlaps the
 step in one stream, so this is what accumulation would measure, without timing ``A`` times as many iterations.
 
+On CUDA the whole-matrix rules also run as variants (``--variants``, default ``CUDA_VARIANTS``): Muon at
+``matrix_ops.precision="ieee"`` beside its default (bf16 there), ASGO refreshing its roots every 10 steps.
+
 Refresh-based optimizers (SUMO's and Alice's subspace every K steps) pay a refresh once per K steps. Timing K
 iterations would hold exactly one, but K = 200 iterations per optimizer would not fit a short GPU lease, so the
 rate is amortized: plain iterations (median) plus (refresh step - plain step) / K, the refresh step timed on a
@@ -105,9 +108,32 @@ def train_iterations(model: torch.nn.Module, opt: torch.optim.Optimizer, args: a
     return iters, steps, float(loss.detach())
 
 
-def refresh_step_seconds(name: str, model: torch.nn.Module, key: str, device: torch.device, repeats: int = 3) -> float:
+#: variants timed beside the defaults on CUDA (issue 42): each whole-matrix rule's ieee route where its default
+#: differs there (``matrix_ops.precision``), and ASGO refreshing its roots every 10 steps (its Algorithm 2's tau)
+CUDA_VARIANTS = "muon@ieee,asgo:refresh_interval=10"
+
+
+def parse_variant(name: str) -> tuple[str, dict[str, Any]]:
+    """``"muon@ieee"`` -> ``("muon", {"matrix_ops": {"precision": "ieee"}})``; ``"asgo:refresh_interval=10"`` ->
+    ``("asgo", {"refresh_interval": 10})``; a plain name -> ``(name, {})``."""
+    base, _, precision = name.partition("@")
+    base, *pairs = base.split(":")
+    hp: dict[str, Any] = {}
+    for pair in pairs:
+        key, _, value = pair.partition("=")
+        try:
+            hp[key] = int(value)
+        except ValueError:
+            hp[key] = float(value) if value.replace(".", "", 1).replace("e-", "", 1).isdigit() else value
+    if precision:
+        hp["matrix_ops"] = {"precision": precision}
+    return base, hp
+
+
+def refresh_step_seconds(name: str, model: torch.nn.Module, key: str, device: torch.device, repeats: int = 3,
+                         hyperparameters: dict[str, Any] | None = None) -> float:
     """Median seconds of an optimizer step that refreshes (``key = 1``), on the model's current gradients."""
-    opt = optimizers.build(name, model, **{key: 1})
+    opt = optimizers.build(name, model, **{**(hyperparameters or {}), key: 1})
     times = repeat_timing(opt.step, device, repeats, warmup=1)  # the warm-up step allocates state
     del opt
     return statistics.median(times)
@@ -117,8 +143,9 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
     model = build_llama(size, args.vocab, device, seed=0)
     tokens = args.batch * args.seq
     rec: dict[str, Any] = {"size": size, "optimizer": name, "tokens_per_iteration": tokens}
+    base, hp = parse_variant(name)
     try:
-        opt = optimizers.build(name, model, on_nonfinite=args.on_nonfinite)
+        opt = optimizers.build(base, model, on_nonfinite=args.on_nonfinite, **hp)
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         train_iterations(model, opt, args, device, args.warmup)
@@ -138,7 +165,7 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
         x, y = next(_batches(model.config.vocab_size, args.batch, args.seq, device, 1, seed=1))
         with _autocast(device, args):
             model(x, y).backward()
-        refresh = refresh_step_seconds(name, model, key, device)
+        refresh = refresh_step_seconds(base, model, key, device, hyperparameters=hp)
         rec.update(interval={"key": key, "steps": k}, refresh_step_s=refresh)
         it += max(0.0, refresh - st) / k
         st += max(0.0, refresh - st) / k
@@ -191,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--on-nonfinite", default=None, choices=["skip", "raise", "ignore"],
                     help="shardopt's non-finite check (default: the optimizer's, skip); 'ignore' reads no device "
                          "value per step, as torch's AdamW")
+    ap.add_argument("--variants", default=None,
+                    help="extra runs, optimizer[:key=value...][@precision] (default on CUDA: " + CUDA_VARIANTS + ")")
     ap.add_argument("--out", default=None, help="result stem (default throughput or throughput_cuda)")
     args = parse_args(ap, argv, dict(sizes="tiny", vocab=4096, batch=4, seq=64, iters=3, warmup=1,
                                                  global_batch=32))
@@ -201,6 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     names = ["adamw_fused" if device.type == "cuda" else "adamw_foreach"]
     names += optimizers.select(args.optimizers, optimizers.registered())
+    variants = CUDA_VARIANTS if args.variants is None and device.type == "cuda" else (args.variants or "")
+    names += [v.strip() for v in variants.split(",") if v.strip()]
     records = []
     for size in args.sizes.split(","):
         size = size.strip()
