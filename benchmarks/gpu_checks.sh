@@ -27,10 +27,10 @@ phase 120 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.
     -p no:cacheprovider $xdist --timeout 100
 phase 150 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
     --results-dir "$out"
-phase 140 throughput.log "$py" -m benchmarks.throughput --device cuda --sizes 130m,350m --iters 6 --warmup 2 \
+phase 170 throughput.log "$py" -m benchmarks.throughput --device cuda --sizes 130m,350m --iters 6 --warmup 2 \
     --results-dir "$out"
 phase 80 throughput_ignore.log "$py" -m benchmarks.throughput --device cuda --sizes 350m --iters 6 --warmup 2 \
-    --optimizers scale,sinkgd,dasgo,racs,alice,alice0 --on-nonfinite ignore --out throughput_cuda_ignore \
+    --optimizers scale,sinkgd,dasgo,racs,alice,alice0 --variants "" --on-nonfinite ignore --out throughput_cuda_ignore \
     --results-dir "$out"
 phase 50 step_profile.log "$py" -m benchmarks.step_profile --device cuda --sizes 130m \
     --optimizers sinkgd,racs,asgo,sumo,alice --results-dir "$out"
