@@ -134,28 +134,22 @@ def patch_checkpoints(accelerator: Any) -> None:
 FSDP1_OPTIMIZER_DIR = "shardopt_optimizer"
 
 
-def _fsdp1_save(original: Any) -> Any:
-    def save_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, output_dir: str,
-                            optimizer_index: int = 0, *args: Any, **kwargs: Any) -> None:
+def _fsdp1_io(original: Any, write: bool) -> Any:
+    """accelerate's ``save_fsdp_optimizer`` (``write``) or ``load_fsdp_optimizer``, writing / reading a shardopt
+    optimizer's logical state under legacy FSDP and leaving everything else to ``original``."""
+    def fsdp_optimizer_io(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, directory: str,
+                          optimizer_index: int = 0, *args: Any, **kwargs: Any) -> None:
         opt = unwrap_optimizer(optimizer)
         if opt is None or getattr(fsdp_plugin, "fsdp_version", 1) != 1:
-            return original(fsdp_plugin, accelerator, optimizer, model, output_dir, optimizer_index, *args, **kwargs)
-        from ..checkpoint import save
+            return original(fsdp_plugin, accelerator, optimizer, model, directory, optimizer_index, *args, **kwargs)
+        from ..checkpoint import load, save
 
-        save(os.path.join(output_dir, f"{FSDP1_OPTIMIZER_DIR}_{optimizer_index}"), opt, engine="fsdp1")
-    return save_fsdp_optimizer
-
-
-def _fsdp1_load(original: Any) -> Any:
-    def load_fsdp_optimizer(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, input_dir: str,
-                            optimizer_index: int = 0, *args: Any, **kwargs: Any) -> None:
-        opt = unwrap_optimizer(optimizer)
-        if opt is None or getattr(fsdp_plugin, "fsdp_version", 1) != 1:
-            return original(fsdp_plugin, accelerator, optimizer, model, input_dir, optimizer_index, *args, **kwargs)
-        from ..checkpoint import load
-
-        load(os.path.join(input_dir, f"{FSDP1_OPTIMIZER_DIR}_{optimizer_index}"), opt)
-    return load_fsdp_optimizer
+        path = os.path.join(directory, f"{FSDP1_OPTIMIZER_DIR}_{optimizer_index}")
+        if write:
+            save(path, opt, engine="fsdp1")
+        else:
+            load(path, opt)
+    return fsdp_optimizer_io
 
 
 @contextlib.contextmanager
@@ -169,7 +163,7 @@ def fsdp1_optimizer_io(module_name: str) -> Iterator[None]:
         yield
         return
     saved = module.save_fsdp_optimizer, module.load_fsdp_optimizer
-    module.save_fsdp_optimizer, module.load_fsdp_optimizer = _fsdp1_save(saved[0]), _fsdp1_load(saved[1])
+    module.save_fsdp_optimizer, module.load_fsdp_optimizer = _fsdp1_io(saved[0], True), _fsdp1_io(saved[1], False)
     try:
         yield
     finally:
