@@ -28,8 +28,10 @@ def run(kind: str, strategy: str, ns_dtype: str, n_copies: int = 1) -> tuple[lis
         mesh = DeviceMesh("cpu", list(range(dist.get_world_size())))
         place = [Shard(0 if kind == "rows" else 1)]
         ps = [torch.nn.Parameter(distribute_tensor(w, mesh, place)) for w in init]
-    opt = Muon([(f"w{i}", p) for i, p in enumerate(ps)], lr=0.05, matrix_ops={"strategy": strategy},
-               ns_dtype=ns_dtype)
+    # "tf32": the iteration's products in TF32 (matrix_ops.precision; emulated on the CPU by operand rounding)
+    precision = {"precision": "tf32"} if ns_dtype == "tf32" else {}
+    opt = Muon([(f"w{i}", p) for i, p in enumerate(ps)], lr=0.05, matrix_ops={"strategy": strategy, **precision},
+               ns_dtype="auto" if precision else ns_dtype)
     for gs in grads:
         for p, g in zip(ps, gs):
             p.grad = g if kind == "single" else distribute_tensor(g, p.device_mesh, p.placements)
@@ -46,7 +48,7 @@ def main() -> None:
     warnings.simplefilter("ignore")
     dist.init_process_group("gloo")
     records = []
-    for ns_dtype in ("float32", "bfloat16"):
+    for ns_dtype in ("float32", "bfloat16", "tf32"):
         ref, _, _ = run("single", "gather", ns_dtype)
         for kind in ("rows", "cols"):
             for strategy in ("gather", "distributed", "auto"):
