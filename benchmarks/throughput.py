@@ -231,7 +231,8 @@ def main(argv: list[str] | None = None) -> None:
     names = ["adamw_fused" if device.type == "cuda" else "adamw_foreach"]
     names += optimizers.select(args.optimizers, optimizers.registered())
     variants = CUDA_VARIANTS if args.variants is None and device.type == "cuda" else (args.variants or "")
-    names += [v.strip() for v in variants.split(",") if v.strip()]
+    names += [v.strip() for v in variants.split(",") if v.strip()  # the default ones of the optimizers selected
+              and (args.variants is not None or parse_variant(v.strip())[0] in names)]
     records = []
     for size in args.sizes.split(","):
         size = size.strip()

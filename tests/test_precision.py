@@ -87,7 +87,8 @@ def test_muon_precisions_end_to_end():
     bf16 = _train({"strategy": "gather", "precision": "bf16"})
     assert all(torch.equal(a, b) for a, b in zip(bf16, _train(ns_dtype="bfloat16")))  # torch.optim.Muon's iteration
     tf32 = _train({"strategy": "gather", "precision": "tf32"})
-    explicit = _train({"strategy": "gather", "precision": "tf32"}, ns_dtype="float32")  # ns_dtype wins over it
-    assert all(torch.equal(a, b) for a, b in zip(explicit, ieee))
+    with pytest.raises(ValueError, match="ask for different iterations"):  # never one silently over the other
+        _train({"precision": "tf32"}, ns_dtype="float32")
+    assert all(torch.equal(a, b) for a, b in zip(_train({"precision": "tf32"}), tf32))  # Muon keeps gather
     for run in (bf16, tf32):  # 3 steps of lr 0.01 x an update of RMS ~0.2: low precision moves them by far less
         assert max((a - b).abs().max().item() for a, b in zip(run, ieee)) <= 2e-3

@@ -65,9 +65,10 @@ def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True) ->
     missing = [k for k in meta.get("keys", []) if k not in meta["index"]]
     if missing:
         raise CheckpointError(f"{path}: incomplete, {len(missing)} tensors missing (e.g. {missing[0]!r})")
+    matched = _saved_groups(path, optimizer, meta["param_groups"])  # before anything loads: a mismatch loads nothing
     with StateReader(target, meta) as reader:
         import_from(optimizer, reader, meta["kinds"], load_params=load_params)
-    for group, saved in zip(optimizer.param_groups, _saved_groups(path, optimizer, meta["param_groups"])):
+    for group, saved in zip(optimizer.param_groups, matched):
         for k, v in saved.items():
             if v is not None and k in group and k not in _STRUCTURE:
                 group[k] = tuple(v) if isinstance(group[k], tuple) else v
@@ -92,7 +93,8 @@ def _saved_groups(path: str, optimizer: ShardedOptimizer, saved: list[dict]) -> 
                                   f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) were saved in "
                                   f"several groups; build it with the same routing")
         if match.get("treatment", group.get("treatment")) != group.get("treatment"):
-            raise CheckpointError(f"{path}: {names[0]!r} was saved with rule {match['treatment']!r}, the optimizer "
+            what = repr(names[0]) if names else f"param group {i}"
+            raise CheckpointError(f"{path}: {what} was saved with rule {match['treatment']!r}, the optimizer "
                                   f"steps it with {group.get('treatment')!r}; build it with the same routing")
         out.append(match)
     return out

@@ -62,8 +62,7 @@ def after_prepare(accelerator: Any, objects: Any) -> None:
         opt = unwrap_optimizer(obj)
         if opt is not None:
             rekey_names(opt)
-            for model in models:
-                adopt(model, opt)
+            adopt(models, opt)
 
 
 def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
@@ -137,17 +136,22 @@ FSDP1_OPTIMIZER_DIR = "shardopt_optimizer"
 def _fsdp1_io(original: Any, write: bool) -> Any:
     """accelerate's ``save_fsdp_optimizer`` (``write``) or ``load_fsdp_optimizer``, writing / reading a shardopt
     optimizer's logical state under legacy FSDP and leaving everything else to ``original``."""
-    def fsdp_optimizer_io(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, directory: str,
-                          optimizer_index: int = 0, *args: Any, **kwargs: Any) -> None:
+    def fsdp_optimizer_io(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, *args: Any,
+                          **kwargs: Any) -> None:
         opt = unwrap_optimizer(optimizer)
         if opt is None or getattr(fsdp_plugin, "fsdp_version", 1) != 1:
-            return original(fsdp_plugin, accelerator, optimizer, model, directory, optimizer_index, *args, **kwargs)
+            return original(fsdp_plugin, accelerator, optimizer, model, *args, **kwargs)
         from ..checkpoint import load, save
 
-        path = os.path.join(directory, f"{FSDP1_OPTIMIZER_DIR}_{optimizer_index}")
+        # accelerate's (output_dir | input_dir, optimizer_index=0, ...), by position or by name
+        directory = args[0] if args else kwargs["output_dir" if write else "input_dir"]
+        index = args[1] if len(args) > 1 else kwargs.get("optimizer_index", 0)
+        path = os.path.join(directory, f"{FSDP1_OPTIMIZER_DIR}_{index}")
         if write:
             save(path, opt, engine="fsdp1")
         else:
+            if hasattr(accelerator, "wait_for_everyone"):  # as accelerate's own load: every rank's files written
+                accelerator.wait_for_everyone()
             load(path, opt)
     return fsdp_optimizer_io
 

@@ -81,6 +81,11 @@ def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, 
     params = {**section.params, **hyperparameters}
     for key, value in list(params.items()):
         if isinstance(value, str) and value == "auto":
+            if key not in _AUTO and _own_auto(name, key):  # the optimizer's own "auto" (Muon's ns_dtype), not HF's
+                section_params = (ds or {}).get("shardopt", {}).get("params")  # placeholder; accelerate refuses
+                if isinstance(section_params, dict) and section_params.get(key) == "auto":  # any "auto" left in
+                    del section_params[key]  # the config: it is the default, so the config says the same without it
+                continue
             if key not in _AUTO:
                 raise ConfigError(f"{where}.{key} = 'auto': only {sorted(_AUTO)} can be 'auto'")
             params[key] = _AUTO[key](trainer.args)
@@ -91,6 +96,14 @@ def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, 
                 ds["shardopt"]["params"][key] = list(params[key]) if isinstance(params[key], tuple) else params[key]
     cfg = validate_hyperparameters(name, params, where=where)
     return name.lower(), cfg, {**section.routing, **dict(routing or {})}
+
+
+def _own_auto(name: str, key: str) -> bool:
+    """Whether optimizer ``name``'s key ``key`` takes "auto" as a value of its own (and it is the default)."""
+    import typing
+
+    field = OPTIMIZERS[name.lower()].Config.model_fields.get(key)
+    return field is not None and "auto" in typing.get_args(field.annotation) and field.default == "auto"
 
 
 def enable(trainer: Any, optimizer: str | None = None, routing: Mapping[str, str] | None = None,

@@ -234,3 +234,14 @@ class WholeMatrixConfig(OptimizerConfig):
     matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=MatrixOpsConfig,
                                                  description="how whole-matrix work meets sharding: strategy, "
                                                              "teams, buckets, the time model's profile")
+    #: whether the rule has a low-precision route for ``matrix_ops.precision`` "tf32" / "bf16" (Muon's config says so)
+    low_precision_routes: ClassVar[bool] = False
+
+    @pydantic.model_validator(mode="after")
+    def _precision_route(self) -> "WholeMatrixConfig":
+        """tf32 / bf16 refused, by key, where the rule has no low-precision route (never ignored)."""
+        if self.matrix_ops.precision in ("tf32", "bf16") and not type(self).low_precision_routes:
+            raise ValueError(f"matrix_ops.precision={self.matrix_ops.precision!r}: {type(self).treatment} has no "
+                             "low-precision route (its whole-matrix results keep the ieee route's accuracy); use "
+                             "'auto' or 'ieee' (shardopt.sharding.precision)")
+        return self

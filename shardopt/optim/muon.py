@@ -53,6 +53,7 @@ class MuonConfig(WholeMatrixConfig):
     matrices are gathered to an owner by default (``matrix_ops.strategy = "gather"``), as Muon always did."""
 
     treatment = "muon"
+    low_precision_routes = True  # matrix_ops.precision: the quintic iteration in bf16 or TF32
 
     lr: float = pydantic.Field(1e-3, ge=0, description="matrix learning rate (before adjust_lr_fn)")
     momentum: float = pydantic.Field(0.95, ge=0, lt=1, description="momentum buffer coefficient")
@@ -68,6 +69,23 @@ class MuonConfig(WholeMatrixConfig):
     matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=lambda: MatrixOpsConfig(strategy="gather"),
                                                  description="how whole-matrix work meets sharding (default "
                                                              "strategy here: gather)")
+
+    @pydantic.field_validator("matrix_ops", mode="before")
+    @classmethod
+    def _gather_unless_said(cls, v: Any) -> Any:
+        """Muon's strategy stays ``gather`` when ``matrix_ops`` sets other keys only (e.g. ``precision``)."""
+        if isinstance(v, dict) and "strategy" not in v:
+            return {**v, "strategy": "gather"}
+        return v
+
+    @pydantic.model_validator(mode="after")
+    def _one_precision(self) -> "MuonConfig":
+        """``ns_dtype`` and ``matrix_ops.precision`` must not ask for different iterations."""
+        lowp = {"bf16": "bfloat16", "tf32": None}.get(self.matrix_ops.precision, "")
+        if self.ns_dtype != "auto" and lowp != "" and self.ns_dtype != lowp:
+            raise ValueError(f"ns_dtype={self.ns_dtype!r} and matrix_ops.precision={self.matrix_ops.precision!r} ask "
+                             "for different iterations; set one of them (ns_dtype='auto' follows the precision)")
+        return self
 
 
 _D = MuonConfig.defaults()

@@ -21,7 +21,7 @@ from .config import ConfigError, OptimizerConfig, format_errors
 from .hooks import inspect_model, watch_model
 from .muon import Muon
 from .racs import RACS
-from .routing import route
+from .routing import forget_stand_ins, route
 from .scale import SCALE
 from .sinkgd import SinkGD
 from .sumo import SUMO
@@ -65,7 +65,11 @@ def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: Optimiz
     cls = optimizer_class(name)
     if isinstance(model, nn.Module):
         inspect_model(model)  # hooks.model_inspectors: engine adapters declare shapes (plugin.fsdp1)
-    groups = route(model, cfg.roles(), routing, optimizer_name=name, unused=unused, roles=roles)
+    try:
+        groups = route(model, cfg.roles(), routing, optimizer_name=name, unused=unused, roles=roles)
+    finally:
+        if isinstance(model, nn.Module):
+            forget_stand_ins(model)  # an engine's stand-ins serve routing only (plugin.fsdp1)
     for g in groups:
         if g["treatment"] == "adamw":
             g.update(cfg.adamw_group(), eps_mode=cls.adamw_defaults["eps_mode"])

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ROLES", "param_roles", "StandIn", "declare_stand_ins", "model_parameters", "own_parameters",
+__all__ = ["ROLES", "param_roles", "StandIn", "declare_stand_ins", "forget_stand_ins", "model_parameters", "own_parameters",
            "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route", "RoutingError",
            "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
 
@@ -98,6 +98,12 @@ def declare_stand_ins(model: nn.Module, replaced: torch.Tensor, stand_ins: Seque
     """Route ``stand_ins`` instead of ``model``'s parameter ``replaced``: roles come from their modules and names,
     groups hold their ``stepped`` tensors."""
     _STAND_INS.setdefault(model, {})[id(replaced)] = list(stand_ins)
+
+
+def forget_stand_ins(model: nn.Module) -> None:
+    """Drop ``model``'s declared stand-ins once its parameters are routed: they hold its modules, which must not
+    outlive it."""
+    _STAND_INS.pop(model, None)
 
 
 def model_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Tensor]]:

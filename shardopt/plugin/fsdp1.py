@@ -26,6 +26,7 @@ their shapes are gone.
 from __future__ import annotations
 
 import sys
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -34,17 +35,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..optim.hooks import (register_model_inspector, register_model_watcher, register_param_source,
                            register_pre_step_check, register_zero_grad_hook)
-from ..optim.routing import StandIn, declare_logical_shape, declare_stand_ins
+from ..optim.routing import StandIn, declare_logical_shape, declare_stand_ins, forget_stand_ins
 from ..sharding.discover import layout_of, matrix_shape
 from ..sharding.layout import MatrixLayout
 from .zero_layouts import flat_pieces
 
 __all__ = ["inspect_model", "watch_model", "adopt", "fsdp1_layout", "refuse_unknown_flattened", "sync_flat_views",
-           "clear_flat_grads", "ensure_layouts", "refuse_fsdp1_optim_state_dict", "FSDP1Error"]
+           "clear_flat_grads", "ensure_layouts", "drop_view_grads", "refuse_fsdp1_optim_state_dict", "FSDP1Error"]
 
 #: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
-#: ... -> (its flat parameter, its index among the flat parameter's original parameters)
+#: ... -> (a weak reference to its flat parameter, its index among the flat parameter's original parameters); weak,
+#: since the flat parameter holds the original (``_params``): a strong one would keep both alive for ever
 _FLAT_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 #: each view standing in for an original parameter under use_orig_params=False -> _FlatView
 _VIEWS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -53,11 +55,16 @@ _VIEWS_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 
 class _FlatView(NamedTuple):
-    """Where a stand-in view lives: ``flat``'s local shard ``[lo, hi)``, viewed as ``shape`` (None: 1-D)."""
-    flat: torch.Tensor
+    """Where a stand-in view lives: the local shard ``[lo, hi)`` of the flat parameter ``ref`` refers to (weakly: the
+    flat parameter keys ``_VIEWS_OF``, whose value holds the view), viewed as ``shape`` (None: 1-D)."""
+    ref: Any
     lo: int
     hi: int
     shape: tuple[int, ...] | None
+
+    @property
+    def flat(self) -> torch.Tensor | None:
+        return self.ref()
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
         piece = t[self.lo:self.hi]
@@ -112,7 +119,7 @@ def inspect_model(model: nn.Module) -> None:
                 pieces = flat_pieces(offset, numel, chunk, world) if world > 1 else None
                 _LAYOUTS[param] = (MatrixLayout(matrix_shape(shape), pieces, rank, group) if pieces is not None
                                    else MatrixLayout.whole(matrix_shape(shape)))
-                _FLAT_OF[param] = (flat, real - 1)
+                _FLAT_OF[param] = (weakref.ref(flat), real - 1)
             offset += numel
 
 
@@ -131,7 +138,7 @@ def _flat_views(model: nn.Module, module: nn.Module, prefixes: dict[int, str], f
                 real += 1
                 lo = min(max(offset - rank * chunk, 0), chunk) if world > 1 else offset
                 hi = min(max(offset + numel - rank * chunk, 0), chunk) if world > 1 else offset + numel
-                where = _FlatView(flat, lo, hi, shape if world == 1 else None)
+                where = _FlatView(weakref.ref(flat), lo, hi, shape if world == 1 else None)
                 view = nn.Parameter(where.of(flat.data), requires_grad=flat.requires_grad)
                 _VIEWS[view] = where
                 views.append(view)
@@ -155,29 +162,50 @@ def watch_model(model: Any, optimizer: Any) -> None:
     """After ``create_optimizer`` built ``optimizer`` for an FSDP1 model: the optimizer reads its layouts."""
     if isinstance(model, nn.Module) and _fsdp_modules(model) and hasattr(optimizer, "use_layouts"):
         optimizer.use_layouts(resolver=fsdp1_layout)
-        optimizer.register_state_dict_pre_hook(refuse_fsdp1_optim_state_dict)
+        if not getattr(optimizer, "_fsdp1_hooked", False):
+            optimizer.register_state_dict_pre_hook(refuse_fsdp1_optim_state_dict)
+            if any(p in _VIEWS for g in optimizer.param_groups for p in g["params"]):
+                optimizer.register_step_post_hook(drop_view_grads)
+            optimizer._fsdp1_hooked = True
 
 
-def adopt(model: nn.Module, optimizer: Any) -> None:
-    """An optimizer built on the model before FSDP1 wrapped it (accelerate's ``prepare(model, optimizer)``). Under
-    ``use_orig_params=True`` it steps the same ``nn.Parameter`` objects, which now hold 1-D views of flat shards:
-    their shapes and layouts are declared and the optimizer reads them. Under ``use_orig_params=False`` the
-    optimizer holds parameters the model no longer uses (FSDP replaced them by flat parameters): refused on every
-    rank, naming the fix."""
-    if not (isinstance(model, nn.Module) and _fsdp_modules(model) and hasattr(optimizer, "use_layouts")):
+def adopt(models: Any, optimizer: Any) -> None:
+    """An optimizer built on the models before FSDP1 wrapped them (accelerate's ``prepare(model, ..., optimizer)``).
+    Under ``use_orig_params=True`` it steps the same ``nn.Parameter`` objects, which now hold 1-D views of flat shards:
+    their shapes and layouts are declared and the optimizer reads them. Under ``use_orig_params=False`` it holds
+    parameters no prepared model uses any more (FSDP replaced them by flat parameters): refused on every rank, naming
+    the fix. ``models``: every model prepared with the optimizer (one may be another's teacher)."""
+    models = [m for m in (models if isinstance(models, (list, tuple)) else [models]) if isinstance(m, nn.Module)]
+    wrapped = [m for m in models if _fsdp_modules(m)]
+    if not wrapped or not hasattr(optimizer, "use_layouts"):
         return
-    inspect_model(model)
-    described = {id(p) for p in model.parameters() if p in _LAYOUTS}
+    for model in wrapped:
+        inspect_model(model)
+        forget_stand_ins(model)  # nothing is routed here
+    known = {id(p) for m in models for p in m.parameters()}
+    stepped = [p for g in optimizer.param_groups for p in g["params"]]
+    for p in stepped:
+        if id(p) not in known and p not in _VIEWS:
+            raise FSDP1Error(
+                f"shardopt: {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
+                f"parameter of the models prepared with it: with use_orig_params=False FullyShardedDataParallel "
+                f"replaces the model's parameters by flat parameters mixing matrices and vectors, so an optimizer "
+                f"built before wrapping steps tensors the model no longer uses. Build the optimizer after wrapping, "
+                f"from the wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}")
+    ids = {id(p) for p in stepped}
+    for model in wrapped:
+        if any(id(p) in ids for p in model.parameters()):
+            watch_model(model, optimizer)
+
+
+def drop_view_grads(optimizer: Any, args: Any = None, kwargs: Any = None) -> None:
+    """After a step (a ``register_step_post_hook``): the stand-in views' gradients, slices of the flat gradients
+    taken before the step, are dropped, so that nothing reads a stale one (the Trainer zeroes the model's flat
+    gradients, not the optimizer's) and no old flat gradient stays alive through the next backward."""
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if id(p) not in described and p not in _VIEWS:
-                raise FSDP1Error(
-                    f"shardopt: {type(optimizer).__name__} holds a tensor of shape {tuple(p.shape)} that is not a "
-                    f"parameter the FullyShardedDataParallel model describes: with use_orig_params=False FSDP "
-                    f"replaces the model's parameters by flat parameters mixing matrices and vectors, so an "
-                    f"optimizer built before wrapping steps tensors the model no longer uses. Build the optimizer "
-                    f"after wrapping, from the wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}")
-    watch_model(model, optimizer)
+            if p in _VIEWS:
+                p.grad = None
 
 
 #: where legacy FSDP's optimizer state dict API runs: ``FSDP.optim_state_dict`` and DCP's ``get_state_dict`` (which
@@ -212,12 +240,16 @@ def fill_empty_grads(optimizer: Any) -> None:
     ZeRO hand empty shards empty gradients), and a checkpoint could record the stale values of the rank that owns
     a split index. Such a parameter gets an empty zero gradient where its flat parameter has a gradient and FSDP
     did not mark the original's gradient as absent (``_is_grad_none_mask``)."""
+    if not _FLAT_OF:
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             found = _FLAT_OF.get(p) if p.grad is None and p.numel() == 0 else None
             if found is None:
                 continue
-            flat, index = found
+            flat, index = found[0](), found[1]
+            if flat is None:
+                continue
             absent = getattr(flat, "_is_grad_none_mask", None)
             if flat.grad is not None and not (absent and absent[index]):
                 p.grad = torch.zeros_like(p)
@@ -227,7 +259,8 @@ def ensure_layouts(optimizer: Any) -> None:
     """Before a step: an optimizer stepping FSDP1's views whose layouts it was not given (built by a path that did
     not pass through ``watch_model``) reads them now, rather than normalizing each rank's piece as if it were the
     matrix."""
-    if getattr(optimizer, "_layout_resolver", fsdp1_layout) is fsdp1_layout or not hasattr(optimizer, "use_layouts"):
+    if not _LAYOUTS or getattr(optimizer, "_layout_resolver", fsdp1_layout) is fsdp1_layout \
+            or not hasattr(optimizer, "use_layouts"):
         return
     if any(p in _LAYOUTS for g in optimizer.param_groups for p in g["params"]):
         optimizer.use_layouts(resolver=fsdp1_layout)
@@ -237,21 +270,35 @@ def sync_flat_views(optimizer: Any) -> None:
     """Before a step: each stand-in view (use_orig_params=False) aliases its elements of the flat parameter's
     current local shard (FSDP may give the flat parameter new storage, e.g. when it reloads a state dict) and its
     gradient is the matching slice of the flat gradient (None where the flat parameter has none)."""
+    if not _VIEWS:
+        return
     for group in optimizer.param_groups:
         for p in group["params"]:
             where = _VIEWS.get(p)
-            if where is None:
+            flat = where.flat if where is not None else None
+            if flat is None:
                 continue
-            data = where.of(where.flat.data)
+            data = where.of(flat.data)
             if p.data.data_ptr() != data.data_ptr() or p.data.shape != data.shape:
                 p.data = data
-            p.grad = None if where.flat.grad is None else where.of(where.flat.grad)
+            if flat.grad is None:
+                p.grad = None
+            else:
+                if flat.grad.numel() != flat.numel():
+                    raise FSDP1Error(f"shardopt: a step inside FullyShardedDataParallel.no_sync() (the flat gradient "
+                                     f"holds {flat.grad.numel()} elements, the shard {flat.numel()}): step after the "
+                                     "synchronizing backward")
+                grad = where.of(flat.grad)
+                p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)  # keep_low_precision_grads
 
 
 def clear_flat_grads(optimizer: Any, set_to_none: bool) -> None:
     """``optimizer.zero_grad()`` also clears the gradients of the flat parameters its views stand in for: FSDP
     accumulates a backward into a flat gradient left in place."""
-    flats = {id(w.flat): w.flat for g in optimizer.param_groups for p in g["params"] if (w := _VIEWS.get(p))}
+    if not _VIEWS:
+        return
+    flats = {id(f): f for g in optimizer.param_groups for p in g["params"]
+             if (w := _VIEWS.get(p)) is not None and (f := w.flat) is not None}
     for flat in flats.values():
         if flat.grad is None:
             continue

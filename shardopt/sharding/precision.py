@@ -5,9 +5,9 @@ percent of its tensor-core rate; in bf16 or TF32 they run on the tensor cores.
 
 * ``"ieee"``: fp32 products (float64 where a route already uses it), as before this policy.
 * ``"bf16"``: the iteration in bfloat16 (Muon: ``torch.optim.Muon``'s iteration, bit for bit).
-* ``"tf32"``: the products in TF32 (operands rounded to 10 mantissa bits, fp32 accumulation): CUDA's tensor-core
-  mode where the matrices live on a GPU, emulated in operand rounding on the CPU (``round_tf32``) so that tests and
-  the float64 oracle see the numbers a GPU's rounding gives.
+* ``"tf32"``: the products in TF32 (operands with 10 mantissa bits, fp32 accumulation): CUDA's tensor-core mode
+  where the matrices live on a GPU, emulated on the CPU by rounding operands to nearest (``round_tf32``), so that
+  tests and the float64 oracle see TF32-sized errors (a GPU may truncate instead: the same size, other digits).
 * ``"auto"`` (default): ``"ieee"`` on the CPU, so every exactness test and CPU run stays as it was; on CUDA the
   rule's own choice (``AUTO_CUDA``): Muon's iteration in bf16, as ``torch.optim.Muon`` runs it; ``"ieee"`` for the
   others.
@@ -53,12 +53,16 @@ def round_tf32(t: torch.Tensor) -> torch.Tensor:
 
 @contextlib.contextmanager
 def _cuda_tf32() -> Iterator[None]:
-    old = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = True
+    """TF32 matmuls on CUDA within the block: torch's ``fp32_precision`` setting where it exists (torch 2.9+; reading
+    the legacy ``allow_tf32`` after it was set raises), else ``allow_tf32``."""
+    matmul = torch.backends.cuda.matmul
+    key, value = ("fp32_precision", "tf32") if hasattr(matmul, "fp32_precision") else ("allow_tf32", True)
+    old = getattr(matmul, key)
+    setattr(matmul, key, value)
     try:
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
+        setattr(matmul, key, old)
 
 
 def matmul_in(precision: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
