@@ -28,7 +28,7 @@ from ..sharding.fragment import Fragment, local_flat, local_tensor
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
-from ..sharding.precision import PRECISIONS, low_precision, resolve_precision
+from ..sharding.precision import PRECISIONS, resolve_precision
 from ..sharding.time_model import resolve_profile
 from ..sharding.plan import check_same_plan
 from ..sharding.teams import create_team_groups
@@ -116,9 +116,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
     _step_gate: torch.Tensor | None = None
     _step_found_inf: torch.Tensor | None = None
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
-    #: whether the rule's whole-matrix iterations have a low-precision route (``matrix_ops.precision`` "tf32" /
-    #: "bf16"; ``sharding.precision``)
-    low_precision_iterations: bool = False
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
     role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
@@ -192,10 +189,6 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.matrix_precision = str((matrix_ops or {}).get("precision", "auto"))
         if self.matrix_precision not in PRECISIONS:
             raise ValueError(f"matrix_ops.precision must be one of {PRECISIONS}, got {self.matrix_precision!r}")
-        if low_precision(self.matrix_precision) and not self.low_precision_iterations:
-            raise ValueError(f"matrix_ops.precision={self.matrix_precision!r}: {type(self).__name__} has no "
-                             "low-precision route (its whole-matrix results keep the ieee route's accuracy); use "
-                             "'auto' or 'ieee' (shardopt.sharding.precision)")
         self.matrix_memory_budget_mib = (matrix_ops or {}).get("memory_budget_mib")
         if isinstance(self.matrix_profile, dict):
             self.matrix_profile = {k: v for k, v in self.matrix_profile.items() if v is not None}

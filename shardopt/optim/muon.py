@@ -199,8 +199,6 @@ class Muon(ShardedOptimizer):
         return OpCost(row_flops=steps * 4.0 * k * k * long, small_matmul=steps * 2.0 * k ** 3, reduced=reduced,
                       rounds=steps + 1)
 
-    low_precision_iterations = True  # matrix_ops.precision: the quintic iteration in bf16 or TF32
-
     def _iteration_dtype(self, group: dict) -> tuple[torch.dtype, Any]:
         """The iteration's dtype and products: ``ns_dtype`` when set, else ``matrix_ops.precision`` resolved for
         Muon on this device (``sharding.precision``: bf16 as ``torch.optim.Muon``, TF32 products, or fp32)."""

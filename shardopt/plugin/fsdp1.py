@@ -25,6 +25,7 @@ their shapes are gone.
 """
 from __future__ import annotations
 
+import math
 import sys
 import weakref
 from typing import Any, NamedTuple
@@ -95,6 +96,20 @@ def _shard_group(handle: Any) -> tuple[int, int, Any]:
     return handle.world_size, handle.rank, handle.process_group
 
 
+def _originals(flat: torch.Tensor, world: int, chunk: int) -> list[tuple[tuple[int, ...], int, list | None]]:
+    """``(shape, offset, pieces)`` of each original parameter of ``flat``, in its order: where it starts in the
+    unsharded flat parameter (padding skipped) and every rank's piece of it (``flat_pieces``; None unsharded)."""
+    out, offset, real = [], 0, 0
+    for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+        numel = int(numel)
+        if not padding:
+            out.append((tuple(flat._shapes[real]), offset, flat_pieces(offset, numel, chunk, world) if world > 1
+                        else None))
+            real += 1
+        offset += numel
+    return out
+
+
 def inspect_model(model: nn.Module) -> None:
     """Declare the shape and layout of every original parameter of ``model``'s FSDP1 modules; under
     ``use_orig_params=False`` stand a view in for each (``_flat_views``)."""
@@ -105,44 +120,36 @@ def inspect_model(model: nn.Module) -> None:
             continue
         flat = handle.flat_param
         world, rank, group = _shard_group(handle)
-        total = sum(int(n) for n in flat._numels_with_padding)
-        chunk = -(-total // world)
-        views = None if handle._use_orig_params else _flat_views(model, module, prefixes, flat, world, rank, chunk)
-        offset, real = 0, 0
-        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
-            numel = int(numel)
-            if not padding:
-                param = flat._params[real] if views is None else views[real]
-                shape = tuple(flat._shapes[real])
-                real += 1
-                declare_logical_shape(param, shape)
-                pieces = flat_pieces(offset, numel, chunk, world) if world > 1 else None
-                _LAYOUTS[param] = (MatrixLayout(matrix_shape(shape), pieces, rank, group) if pieces is not None
-                                   else MatrixLayout.whole(matrix_shape(shape)))
-                _FLAT_OF[param] = (weakref.ref(flat), real - 1)
-            offset += numel
+        chunk = -(-sum(int(n) for n in flat._numels_with_padding) // world)
+        originals = _originals(flat, world, chunk)
+        views = None if handle._use_orig_params else _flat_views(model, module, prefixes, flat, originals, rank,
+                                                                 chunk)
+        for index, (shape, _, pieces) in enumerate(originals):
+            param = flat._params[index] if views is None else views[index]
+            declare_logical_shape(param, shape)
+            _LAYOUTS[param] = (MatrixLayout(matrix_shape(shape), pieces, rank, group) if pieces is not None
+                               else MatrixLayout.whole(matrix_shape(shape)))
+            _FLAT_OF[param] = (weakref.ref(flat), index)
 
 
-def _flat_views(model: nn.Module, module: nn.Module, prefixes: dict[int, str], flat: torch.Tensor, world: int,
-                rank: int, chunk: int) -> list[torch.Tensor]:
+def _flat_views(model: nn.Module, module: nn.Module, prefixes: dict[int, str], flat: torch.Tensor,
+                originals: list, rank: int, chunk: int) -> list[torch.Tensor]:
     """One view per original parameter of ``flat`` (use_orig_params=False), declared to routing as stand-ins: a
-    1-D ``nn.Parameter`` aliasing its elements in this rank's shard (empty where the rank holds none), or the whole
-    parameter in its shape when the flat parameter is not sharded."""
+    1-D ``nn.Parameter`` aliasing its elements in this rank's shard (its piece of the layout, empty where the rank
+    holds none), or the whole parameter in its shape when the flat parameter is not sharded."""
     views = _VIEWS_OF.get(flat)
     if views is None:
-        views, offset, real = [], 0, 0
-        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
-            numel = int(numel)
-            if not padding:
-                shape = tuple(flat._shapes[real])
-                real += 1
-                lo = min(max(offset - rank * chunk, 0), chunk) if world > 1 else offset
-                hi = min(max(offset + numel - rank * chunk, 0), chunk) if world > 1 else offset + numel
-                where = _FlatView(weakref.ref(flat), lo, hi, shape if world == 1 else None)
-                view = nn.Parameter(where.of(flat.data), requires_grad=flat.requires_grad)
-                _VIEWS[view] = where
-                views.append(view)
-            offset += numel
+        views = []
+        for shape, offset, pieces in originals:
+            if pieces is None:
+                where = _FlatView(weakref.ref(flat), offset, offset + math.prod(shape), shape)
+            else:  # the layout's piece, moved into this rank's shard
+                start = offset - rank * chunk
+                where = _FlatView(weakref.ref(flat), min(max(start + pieces[rank].lo, 0), chunk),
+                                  min(max(start + pieces[rank].hi, 0), chunk), None)
+            view = nn.Parameter(where.of(flat.data), requires_grad=flat.requires_grad)
+            _VIEWS[view] = where
+            views.append(view)
         _VIEWS_OF[flat] = views
     prefix = prefixes[id(module)]
     stand_ins = [StandIn(f"{prefix}.{fqn}" if prefix else fqn, info.module, info.param_name,
