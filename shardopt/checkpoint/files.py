@@ -21,7 +21,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.layout import ColPiece, FlatPiece, RectPiece, _blocks_of
+from ..sharding.layout import ColFlatPiece, ColPiece, FlatPiece, RectPiece, _blocks_of
 from .errors import CheckpointError
 
 __all__ = ["STATE_FILE", "FORMAT", "write_state_file", "write_part", "read_state_file", "read_metadata",
@@ -32,17 +32,22 @@ FORMAT = "shardopt-logical-v2"
 _OLD_FORMATS = ("shardopt-logical-v1",)
 
 
-def piece_spec(piece: FlatPiece | ColPiece | RectPiece) -> list:
-    """How a piece is written in a checkpoint's index: ``["flat", lo, hi]``, ``["cols", c0, c1]`` or
-    ``["rect", r0, r1, c0, c1]`` (a block of a tensor-parallel shard)."""
+def piece_spec(piece: FlatPiece | ColPiece | RectPiece | ColFlatPiece) -> list:
+    """How a piece is written in a checkpoint's index: ``["flat", lo, hi]``, ``["cols", c0, c1]``,
+    ``["rect", r0, r1, c0, c1]`` (a block of a tensor-parallel shard) or ``["colflat", c0, c1, lo, hi]`` (a flat
+    partition of a tensor-parallel column shard)."""
     if isinstance(piece, RectPiece):
         return ["rect", piece.r0, piece.r1, piece.c0, piece.c1]
+    if isinstance(piece, ColFlatPiece):
+        return ["colflat", piece.c0, piece.c1, piece.lo, piece.hi]
     return ["flat", piece.lo, piece.hi] if isinstance(piece, FlatPiece) else ["cols", piece.c0, piece.c1]
 
 
-def _piece(kind: str, *bounds: int) -> FlatPiece | ColPiece | RectPiece:
+def _piece(kind: str, *bounds: int) -> FlatPiece | ColPiece | RectPiece | ColFlatPiece:
     if kind == "rect":
         return RectPiece(*bounds)
+    if kind == "colflat":
+        return ColFlatPiece(*bounds)
     return FlatPiece(*bounds) if kind == "flat" else ColPiece(*bounds)
 
 

@@ -29,7 +29,7 @@ from typing import Callable, Sequence
 import torch
 
 from .comm import collective_counter
-from .layout import Block, ColPiece, FlatPiece, MatrixLayout, RectPiece
+from .layout import Block, ColFlatPiece, ColPiece, FlatPiece, MatrixLayout, RectPiece
 
 __all__ = ["RowPlan", "to_blocks", "from_blocks"]
 
@@ -65,7 +65,7 @@ class RowPlan:
             return (0, rows)
         # rows of A held by few ranks each (row or rectangular pieces of G; column pieces of G^T): rows stay with
         # the rank that holds most of them; across the grain they are cut evenly
-        along = isinstance(layout.pieces[0], RectPiece) or isinstance(layout.pieces[0], ColPiece) == transpose
+        along = isinstance(layout.pieces[0], RectPiece) or isinstance(layout.pieces[0], (ColPiece, ColFlatPiece)) == transpose
         if along:
             runs = cls._majority_runs(layout, transpose)
             if all(a[2] <= b[2] for a, b in zip(runs, runs[1:])):  # holders non-decreasing along the rows

@@ -11,6 +11,9 @@ piece kinds, given for every rank of the process group that shards the matrix:
   ``(m, c1 - c0)`` block.
 * ``RectPiece(r0, r1, c0, c1)``: rows ``[r0, r1)`` x columns ``[c0, c1)``, stored as a contiguous block: a DTensor
   sharded over two mesh dimensions (FSDP2 x tensor parallel: ``Shard(0)`` x ``Shard(1)``).
+* ``ColFlatPiece(c0, c1, lo, hi)``: elements ``[lo, hi)`` of the row-major flattening of the ``(m, c1 - c0)`` column
+  block ``[c0, c1)``: a flat partition of a tensor-parallel column shard (Megatron's DistributedOptimizer cutting a
+  ``RowParallelLinear`` weight's shard anywhere).
 
 From the pieces of *all* ranks the layout derives, statically and identically on every rank, which row and
 column indices are split between ranks. Only split indices of a statistic ever cross the network; that is
@@ -24,7 +27,7 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["FlatPiece", "ColPiece", "RectPiece", "Block", "MatrixLayout", "AxisPlan", "piece_numel"]
+__all__ = ["FlatPiece", "ColPiece", "RectPiece", "ColFlatPiece", "Block", "MatrixLayout", "AxisPlan", "piece_numel"]
 
 
 @dataclass(frozen=True)
@@ -61,7 +64,21 @@ class RectPiece:
         return max(self.r1 - self.r0, 0) * max(self.c1 - self.c0, 0)
 
 
-Piece = FlatPiece | ColPiece | RectPiece
+@dataclass(frozen=True)
+class ColFlatPiece:
+    """Elements ``[lo, hi)`` of the row-major flattening of columns ``[c0, c1)`` (an ``(m, c1 - c0)`` block)."""
+
+    c0: int
+    c1: int
+    lo: int
+    hi: int
+
+    @property
+    def numel(self) -> int:
+        return max(self.hi - self.lo, 0)
+
+
+Piece = FlatPiece | ColPiece | RectPiece | ColFlatPiece
 
 
 class Block(NamedTuple):
@@ -107,6 +124,9 @@ def _blocks_of(piece: Piece, m: int, n: int) -> tuple[Block, ...]:
     if isinstance(piece, ColPiece):
         w = piece.c1 - piece.c0
         return (Block(0, piece.c0, m, w, 0),) if w > 0 and m > 0 else ()
+    if isinstance(piece, ColFlatPiece):
+        return tuple(b._replace(col=b.col + piece.c0)
+                     for b in _blocks_of(FlatPiece(piece.lo, piece.hi), m, max(piece.c1 - piece.c0, 0)))
     lo, hi = piece.lo, piece.hi
     if hi <= lo or n == 0:
         return ()

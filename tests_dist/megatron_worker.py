@@ -1,0 +1,251 @@
+"""Megatron-core as the engine: a GPTModel under Megatron's DistributedDataParallel + DistributedOptimizer (flat
+buffer shards that cut rows anywhere), tensor and pipeline parallelism through Megatron's own schedule with two
+micro-batches, against one process training the whole model on the whole batch.
+
+Runs on the CPU through the test-only ``megatron_cpu_shim``. Each case: every rank first trains the reference (the
+whole GPTModel, tensor and pipeline size 1, shardopt.create_optimizer, the global batch's mean loss), then the
+parallel model starting from the same weights; it reports the largest difference of any parameter after ``STEPS``
+steps, the rule each parameter got on both sides, and how many matrices the buffers cut mid-row.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+import megatron_cpu_shim  # noqa: E402
+from launch import finish_worker, record_case  # noqa: E402
+from parity_worker import OPTIMIZERS  # noqa: E402
+
+import shardopt  # noqa: E402
+
+STEPS = 3
+MICRO = 2          # micro-batches per step (gradient accumulation through the schedule)
+MBS = 2            # sequences per micro-batch and data-parallel rank
+SEQ, VOCAB, LAYERS = 16, 64, 2
+EMBED, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+def hyperparameters(name: str) -> tuple[dict, dict | None]:
+    hp = dict(OPTIMIZERS[name])
+    routing = hp.pop("routing", None)
+    if routing is not None:  # the parity suite's routing, in GPTModel's names: embedding and head on the matrix rule
+        routing = {EMBED: "matrix", HEAD: "matrix"}
+    return hp, routing
+
+
+def build(tp: int, pp: int, bf16: bool = False):
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer import TransformerConfig
+
+    cfg = TransformerConfig(
+        num_layers=LAYERS, hidden_size=24, num_attention_heads=4, ffn_hidden_size=40, use_cpu_initialization=True,
+        bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False, add_bias_linear=False,
+        gradient_accumulation_fusion=False, persist_layer_norm=False, hidden_dropout=0.0, attention_dropout=0.0,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32)
+    model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
+                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+                     share_embeddings_and_output_weights=False)
+    megatron_cpu_shim.install()
+    return cfg, model
+
+
+def global_name(name: str, pp_rank: int, pp: int) -> str:
+    """A stage's parameter name in the whole model (decoder layers are numbered from 0 on each stage)."""
+    parts = name.split(".")
+    if parts[:2] == ["decoder", "layers"]:
+        parts[2] = str(int(parts[2]) + pp_rank * (LAYERS // pp))
+    return ".".join(parts)
+
+
+def tp_slice(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int) -> torch.Tensor:
+    if not getattr(p, "tensor_model_parallel", False):
+        return full
+    return full.chunk(tp, dim=int(p.partition_dim))[tp_rank]
+
+
+def batch(step: int, dp: int) -> torch.Tensor:
+    """The global batch of a step: data-parallel x MICRO x MBS sequences (the reference sees all of them)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (dp * MICRO * MBS, SEQ), generator=g)
+
+
+def forward_step(data_iterator, model):
+    tokens = next(data_iterator)
+    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    out = model(tokens, pos, None, labels=torch.roll(tokens, -1, 1))
+    return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
+
+
+def reference(opt_name: str, dp: int):
+    """The whole model on one process's view: (initial weights, final weights, rule by name)."""
+    from megatron.core import parallel_state as ps
+
+    ps.initialize_model_parallel(1, 1)
+    try:
+        torch.manual_seed(0)
+        _, model = build(1, 1)
+        init = {n: p.detach().clone() for n, p in model.named_parameters()}
+        hp, routing = hyperparameters(opt_name)
+        opt = shardopt.create_optimizer(model, opt_name, routing=routing, **hp)
+        params = [p for p in model.parameters()]
+        for s in range(STEPS):
+            x = batch(s, dp)
+            # the gradient as Megatron forms it: each data-parallel rank sums its micro-batches' loss / MICRO in
+            # fp32, scales the sum by 1 / dp, and the ranks' results are summed (the reduce-scatter)
+            total = [torch.zeros_like(p) for p in params]
+            for d in range(dp):
+                for p in params:
+                    p.grad = None
+                for k in range(MICRO):
+                    mb = x[(d * MICRO + k) * MBS:(d * MICRO + k + 1) * MBS]
+                    pos = torch.arange(SEQ).unsqueeze(0).expand_as(mb)
+                    (model(mb, pos, None, labels=torch.roll(mb, -1, 1)).float().mean() / MICRO).backward()
+                for t, p in zip(total, params):
+                    t.add_(p.grad * (1.0 / dp))
+            for t, p in zip(total, params):
+                p.grad = t
+            opt.step()
+        rules = rule_table(opt)
+        return init, {n: p.detach().clone() for n, p in model.named_parameters()}, rules
+    finally:
+        ps.destroy_model_parallel()
+
+
+def rule_table(opt) -> dict[str, str]:
+    out = {}
+    for g, names in zip(opt.param_groups, opt.group_param_names):
+        for n in names:
+            out[n] = g["treatment"]
+    return out
+
+
+def mid_row_cuts(opt) -> int:
+    """Matrices whose pieces start or end inside a row on some rank (counted once, by the rank holding the cut)."""
+    count = 0
+    for t in opt.stepped_tensors():
+        for frag in opt.fragments(t):
+            m, n = frag.layout.shape
+            if m < 2 or n < 2:
+                continue
+            piece = frag.layout.pieces[frag.layout.rank]
+            lo, hi = getattr(piece, "lo", 0), getattr(piece, "hi", 0)
+            if 0 < lo < m * n and lo % n:
+                count += 1
+    return count
+
+
+def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, ckpt: str | None = None):
+    """Train the (tp, pp) model from ``init`` through Megatron's schedule; final local weights and rules."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from shardopt.megatron import get_megatron_optimizer
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    torch.manual_seed(0)
+    cfg, model = build(tp, pp, bf16)
+    tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(tp_slice(init[global_name(n, pp_rank, pp)], p, tp, tp_rank))
+    if bf16:
+        from megatron.core.transformer.module import Float16Module
+
+        model = Float16Module(cfg, model)
+    ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
+                                                                     grad_reduce_in_fp32=True), model)
+    # what Megatron's training loop sets: the data-parallel gradient reduction after the last micro-batch
+    from megatron.core.distributed import finalize_model_grads
+
+    cfg.finalize_model_grads_func = finalize_model_grads
+    cfg.no_sync_func = ddp.no_sync
+    hp, routing = hyperparameters(opt_name)
+    ocfg = OptimizerConfig(optimizer="adam", lr=hp.get("lr", 1e-3), use_distributed_optimizer=True, clip_grad=0.0,
+                           bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    opt = get_megatron_optimizer(ocfg, [ddp], opt_name, routing=routing, **hp)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    fb = get_forward_backward_func()
+    for s in range(STEPS):
+        x = batch(s, dp)
+        per = MICRO * MBS
+        mine = x[dp_rank * per:(dp_rank + 1) * per]
+        data = [mine[k * MBS:(k + 1) * MBS] for k in range(MICRO)]
+        ddp.zero_grad_buffer()
+        opt.zero_grad()
+        fb(forward_step_func=forward_step, data_iterator=iter(data), model=[ddp], num_microbatches=MICRO,
+           seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+        ok, _, _ = opt.step()
+        assert ok
+    final = {global_name(n, pp_rank, pp): p.detach().float().clone() for n, p in unwrap_named(ddp)}
+    rules = {global_name(n, pp_rank, pp): r for n, r in rule_table(opt.shardopt).items()}
+    cuts = mid_row_cuts(opt.shardopt)
+    return final, rules, cuts, (tp_rank, tp)
+
+
+def unwrap_named(ddp):
+    from shardopt.plugin.megatron_engine import unwrap
+
+    return list(unwrap(ddp).named_parameters())
+
+
+def case(opt_name: str, tp: int, pp: int, bf16: bool = False) -> dict:
+    from megatron.core import parallel_state as ps
+
+    init, ref, ref_rules = reference(opt_name, dist.get_world_size() // (tp * pp))
+    try:
+        final, rules, cuts, (tp_rank, tp_world) = parallel(opt_name, tp, pp, init, bf16)
+        diff = 0.0
+        for n, p in final.items():
+            want = tp_slice(ref[n], p, tp_world, tp_rank) if p.shape != ref[n].shape else ref[n]
+            diff = max(diff, (p - want).abs().max().item())
+        wrong = sorted(n for n, r in rules.items() if ref_rules.get(n) != r)
+        stats = torch.tensor([diff, float(cuts), float(len(wrong))])
+        dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
+        dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
+        seen = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, sorted(rules))
+        covered = sorted(set().union(*map(set, seen)))
+        return {"max_abs_diff": stats[0].item(), "mid_row_cuts": int(stats[1].item()), "wrong_rules": wrong,
+                "n_wrong_rules": int(stats[2].item()), "covered": covered == sorted(ref_rules),
+                "rules": sorted(set(ref_rules.values()))}
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--pp", type=int, default=1)
+    ap.add_argument("--bf16", action="store_true")
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    import logging
+
+    logging.disable(logging.WARNING)
+    dist.init_process_group("gloo")
+    records = []
+    for name in args.optimizers.split(","):
+        rec = {"optimizer": name, "tp": args.tp, "pp": args.pp, "bf16": args.bf16,
+               "world_size": dist.get_world_size()}
+        record_case(records, rec, lambda: case(name, args.tp, args.pp, args.bf16))
+    finish_worker(records, args.out)
+
+
+if __name__ == "__main__":
+    main()
