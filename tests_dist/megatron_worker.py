@@ -189,8 +189,10 @@ def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, ck
            seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
         ok, _, _ = opt.step()
         assert ok
-    final = {global_name(n, pp_rank, pp): p.detach().float().clone() for n, p in unwrap_named(ddp)}
-    rules = {global_name(n, pp_rank, pp): r for n, r in rule_table(opt.shardopt).items()}
+    final = {global_name(n, pp_rank, pp): (p.detach().float().clone(), int(p.partition_dim)
+                                           if getattr(p, "tensor_model_parallel", False) else None)
+             for n, p in unwrap_named(ddp)}
+    rules = rule_table(opt.shardopt)  # global names already (layers numbered as in one process)
     cuts = mid_row_cuts(opt.shardopt)
     return final, rules, cuts, (tp_rank, tp)
 
@@ -208,8 +210,8 @@ def case(opt_name: str, tp: int, pp: int, bf16: bool = False) -> dict:
     try:
         final, rules, cuts, (tp_rank, tp_world) = parallel(opt_name, tp, pp, init, bf16)
         diff = 0.0
-        for n, p in final.items():
-            want = tp_slice(ref[n], p, tp_world, tp_rank) if p.shape != ref[n].shape else ref[n]
+        for n, (p, dim) in final.items():
+            want = ref[n] if dim is None else ref[n].chunk(tp_world, dim=dim)[tp_rank]
             diff = max(diff, (p - want).abs().max().item())
         wrong = sorted(n for n, r in rules.items() if ref_rules.get(n) != r)
         stats = torch.tensor([diff, float(cuts), float(len(wrong))])

@@ -19,7 +19,7 @@ model's own sharded keys, so it reloads at another data-parallel size), and ``sh
 """
 from __future__ import annotations
 
-import math
+import re
 from typing import Any, Mapping, Sequence
 
 import torch
@@ -34,7 +34,8 @@ from ..sharding.fragment import Fragment
 from ..sharding.layout import ColFlatPiece, FlatPiece, MatrixLayout
 from .zero_layouts import flat_pieces
 
-__all__ = ["get_megatron_optimizer", "MegatronError", "megatron_roles", "megatron_layouts", "unwrap"]
+__all__ = ["get_megatron_optimizer", "MegatronError", "megatron_roles", "megatron_layouts", "unwrap",
+           "global_named_parameters"]
 
 
 class MegatronError(ConfigError):
@@ -91,33 +92,50 @@ def refuse_unsupported(config: Any, model_chunks: Sequence[nn.Module]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- names and roles
-def _named_model(model_chunks: Sequence[nn.Module]) -> nn.Module:
-    """The module routing sees: the one unwrapped chunk, or the chunks as ``chunk<i>`` children."""
-    if len(model_chunks) == 1:
-        return unwrap(model_chunks[0])
-    whole = nn.Module()
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter under the name one process gives it: Megatron's wrappers stripped, decoder layers numbered by
+    their global ``layer_number`` (a pipeline stage numbers its own layers from 0), chunks as ``chunk<i>.`` when
+    there are several (virtual pipeline). Seeded draws and checkpoints key on these names, so every topology agrees."""
+    out = []
     for i, chunk in enumerate(model_chunks):
-        whole.add_module(f"chunk{i}", unwrap(chunk))
-    return whole
+        model = unwrap(chunk)
+        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        layer_of = {}
+        for name, m in model.named_modules():
+            number = getattr(m, "layer_number", None)
+            found = list(_LAYER.finditer(name + "."))
+            if isinstance(number, int) and found and found[-1].end() == len(name) + 1:
+                layer_of[name + "."] = name[:found[-1].start(2)] + f"{number - 1}."
+        for name, p in model.named_parameters():
+            for local, global_ in layer_of.items():
+                if name.startswith(local):
+                    name = global_ + name[len(local):]
+                    break
+            out.append((prefix + name, p))
+    return out
 
 
-def megatron_roles(model: nn.Module) -> dict[str, str]:
-    """Roles Megatron's language models state outright, whatever part of the model a pipeline stage holds: the word
-    embedding (``embedding.word_embeddings``; the LM head when tied to the output projection, as one process names a
-    tied weight) and ``output_layer`` (the LM head, also a last stage's copy of a tied embedding)."""
+def megatron_roles(model_chunks: Sequence[nn.Module], names: Mapping[int, str]) -> dict[str, str]:
+    """Roles Megatron's language models state outright, whatever part of the model a pipeline stage holds, keyed by
+    ``names`` (``id(param) -> name``): the word embedding (``embedding.word_embeddings``; the LM head when tied to the
+    output projection, as one process names a tied weight) and ``output_layer`` (the LM head, also a last stage's
+    copy of a tied embedding)."""
     roles: dict[str, str] = {}
-    prefixes = {id(m): n for n, m in model.named_modules()}
-    for m in model.modules():
-        if not (hasattr(m, "pre_process") and hasattr(m, "post_process")):
-            continue
-        prefix = prefixes[id(m)] + "." if prefixes[id(m)] else ""
-        tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
-        words = getattr(getattr(m, "embedding", None), "word_embeddings", None)
-        if m.pre_process and isinstance(getattr(words, "weight", None), torch.Tensor):
-            roles[f"{prefix}embedding.word_embeddings.weight"] = "lm_head" if tied else "embedding"
-        head = getattr(m, "output_layer", None)
-        if m.post_process and isinstance(getattr(head, "weight", None), torch.Tensor):
-            roles[f"{prefix}output_layer.weight"] = "lm_head"
+    for chunk in model_chunks:
+        for m in unwrap(chunk).modules():
+            if not (hasattr(m, "pre_process") and hasattr(m, "post_process")):
+                continue
+            tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
+            words = getattr(getattr(m, "embedding", None), "word_embeddings", None)
+            weight = getattr(words, "weight", None)
+            if m.pre_process and isinstance(weight, torch.Tensor) and id(weight) in names:
+                roles[names[id(weight)]] = "lm_head" if tied else "embedding"
+            weight = getattr(getattr(m, "output_layer", None), "weight", None)
+            if m.post_process and isinstance(weight, torch.Tensor) and id(weight) in names:
+                roles[names[id(weight)]] = "lm_head"
     return roles
 
 
@@ -233,11 +251,13 @@ def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optim
     refuse_unsupported(config, model_chunks)
     cfg = validate_hyperparameters(optimizer, _defaults_from(config, hyperparameters),
                                    where="shardopt.megatron.get_megatron_optimizer")
-    model = _named_model(model_chunks)
-    names = {id(p): n for n, p in model.named_parameters()}
-    pipelined = _pipeline_size() > 1
-    unused: list[str] | None = [] if pipelined else None
-    groups = build_param_groups(model, optimizer, cfg, routing, unused=unused, roles=megatron_roles(model))
+    named = global_named_parameters(model_chunks)
+    names = {id(p): n for n, p in named}
+    unused: list[str] | None = [] if _pipeline_size() > 1 else None
+    groups = build_param_groups(named, optimizer, cfg, routing, unused=unused,
+                                roles=megatron_roles(model_chunks, names))
+    for g in groups:
+        g.pop("param_names", None)  # names travel in "names"; torch's param_names would ask for them on load
     opt = optimizer_class(optimizer).from_config(groups, cfg)
     opt.param_names.update(names)
     model_params = [list(g["params"]) for g in opt.param_groups]
