@@ -6,7 +6,10 @@ processes only (it is not part of the ``shardopt`` package, and nothing in the p
 * ``torch.cuda.current_device()`` as a ``device=`` argument (grad buffers, checkpoint buffers);
 * ``device="cuda"`` tensors (loss scale, grad-norm and token-count scalars, p2p buffers);
 * ``tensor.type() == "torch.cuda.FloatTensor"`` checks (which parameters the DistributedOptimizer accepts);
-* the model-parallel CUDA RNG tracker that attention and dropout fork (the tests use no dropout: it forks nothing).
+* the model-parallel CUDA RNG tracker that attention and dropout fork (the tests use no dropout: it forks nothing);
+* (not CUDA, a launch cost) the distributed checkpoint writer's results queue, a spawn-context ``Manager`` that
+  starts a fresh interpreter per rank importing the test's main module: the tests save synchronously, in the
+  saving process, so a plain in-process queue serves.
 
 Each module that holds such a reference gets a ``torch`` whose factory functions take ``"cuda"`` to mean the CPU;
 ``Tensor.type()`` (no argument) reports a CPU floating tensor under its CUDA name. On a GPU none of this is
@@ -27,6 +30,9 @@ _MODULES = (
     "megatron.core.distributed.distributed_data_parallel", "megatron.core.distributed.finalize_model_grads",
     "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
     "megatron.core.optimizer.grad_scaler", "megatron.core.tensor_parallel.layers",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async", "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",
+    "megatron.core.dist_checkpointing.strategies.async_utils",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like")
 _CUDA_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
@@ -98,7 +104,12 @@ def install() -> None:
         return original(self, dtype, non_blocking, **kwargs) if dtype is not None else original(self)
 
     torch.Tensor.type = type_
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
     from megatron.core.tensor_parallel import random as mp_random
+
+    filesystem_async._get_write_results_queue = queue.Queue
 
     mp_random.CudaRNGStatesTracker.fork = lambda self, name="model-parallel-rng": contextlib.nullcontext()
     _installed = True

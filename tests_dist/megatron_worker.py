@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import warnings
 
 import torch
@@ -27,7 +26,7 @@ import shardopt  # noqa: E402
 
 STEPS = 3
 MICRO = 2          # micro-batches per step (gradient accumulation through the schedule)
-MBS = 2            # sequences per micro-batch and data-parallel rank
+GLOBAL = 24        # sequences per step, whatever the data-parallel size (a checkpoint reloads at another one)
 SEQ, VOCAB, LAYERS = 16, 64, 2
 EMBED, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
 
@@ -74,10 +73,10 @@ def tp_slice(full: torch.Tensor, p: torch.Tensor, tp: int, tp_rank: int) -> torc
     return full.chunk(tp, dim=int(p.partition_dim))[tp_rank]
 
 
-def batch(step: int, dp: int) -> torch.Tensor:
-    """The global batch of a step: data-parallel x MICRO x MBS sequences (the reference sees all of them)."""
+def batch(step: int) -> torch.Tensor:
+    """The global batch of a step (the reference sees all of it; a data-parallel rank its slice)."""
     g = torch.Generator().manual_seed(1000 + step)
-    return torch.randint(0, VOCAB, (dp * MICRO * MBS, SEQ), generator=g)
+    return torch.randint(0, VOCAB, (GLOBAL, SEQ), generator=g)
 
 
 def forward_step(data_iterator, model):
@@ -99,8 +98,9 @@ def reference(opt_name: str, dp: int):
         hp, routing = hyperparameters(opt_name)
         opt = shardopt.create_optimizer(model, opt_name, routing=routing, **hp)
         params = [p for p in model.parameters()]
+        mbs = GLOBAL // (dp * MICRO)
         for s in range(STEPS):
-            x = batch(s, dp)
+            x = batch(s)
             # the gradient as Megatron forms it: each data-parallel rank sums its micro-batches' loss / MICRO in
             # fp32, scales the sum by 1 / dp, and the ranks' results are summed (the reduce-scatter)
             total = [torch.zeros_like(p) for p in params]
@@ -108,7 +108,7 @@ def reference(opt_name: str, dp: int):
                 for p in params:
                     p.grad = None
                 for k in range(MICRO):
-                    mb = x[(d * MICRO + k) * MBS:(d * MICRO + k + 1) * MBS]
+                    mb = x[(d * MICRO + k) * mbs:(d * MICRO + k + 1) * mbs]
                     pos = torch.arange(SEQ).unsqueeze(0).expand_as(mb)
                     (model(mb, pos, None, labels=torch.roll(mb, -1, 1)).float().mean() / MICRO).backward()
                 for t, p in zip(total, params):
@@ -145,16 +145,17 @@ def mid_row_cuts(opt) -> int:
     return count
 
 
-def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, ckpt: str | None = None):
-    """Train the (tp, pp) model from ``init`` through Megatron's schedule; final local weights and rules."""
+def setup(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False):
+    """The (tp, pp) model from ``init`` under Megatron's DDP with the distributed optimizer, and shardopt's optimizer."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
     from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from shardopt.megatron import get_megatron_optimizer
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
     torch.manual_seed(0)
     cfg, model = build(tp, pp, bf16)
     tp_rank, pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
@@ -168,38 +169,128 @@ def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, ck
     ddp = DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
                                                                      grad_reduce_in_fp32=True), model)
     # what Megatron's training loop sets: the data-parallel gradient reduction after the last micro-batch
-    from megatron.core.distributed import finalize_model_grads
-
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.no_sync_func = ddp.no_sync
     hp, routing = hyperparameters(opt_name)
     ocfg = OptimizerConfig(optimizer="adam", lr=hp.get("lr", 1e-3), use_distributed_optimizer=True, clip_grad=0.0,
                            bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
     opt = get_megatron_optimizer(ocfg, [ddp], opt_name, routing=routing, **hp)
+    return ddp, opt
+
+
+def train(ddp, opt, steps) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    mbs = GLOBAL // (dp * MICRO)
     fb = get_forward_backward_func()
-    for s in range(STEPS):
-        x = batch(s, dp)
-        per = MICRO * MBS
+    for s in steps:
+        x = batch(s)
+        per = MICRO * mbs
         mine = x[dp_rank * per:(dp_rank + 1) * per]
-        data = [mine[k * MBS:(k + 1) * MBS] for k in range(MICRO)]
+        data = [mine[k * mbs:(k + 1) * mbs] for k in range(MICRO)]
         ddp.zero_grad_buffer()
         opt.zero_grad()
         fb(forward_step_func=forward_step, data_iterator=iter(data), model=[ddp], num_microbatches=MICRO,
-           seq_length=SEQ, micro_batch_size=MBS, forward_only=False)
+           seq_length=SEQ, micro_batch_size=mbs, forward_only=False)
         ok, _, _ = opt.step()
         assert ok
-    final = {global_name(n, pp_rank, pp): (p.detach().float().clone(), int(p.partition_dim)
-                                           if getattr(p, "tensor_model_parallel", False) else None)
-             for n, p in unwrap_named(ddp)}
+
+
+def weights(ddp, pp: int) -> dict:
+    from megatron.core import parallel_state as ps
+
+    pp_rank = ps.get_pipeline_model_parallel_rank()
+    return {global_name(n, pp_rank, pp): (p.detach().float().clone(), int(p.partition_dim)
+                                          if getattr(p, "tensor_model_parallel", False) else None)
+            for n, p in unwrap_named(ddp)}
+
+
+def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False):
+    """Train the (tp, pp) model from ``init`` through Megatron's schedule; final local weights and rules."""
+    from megatron.core import parallel_state as ps
+
+    ddp, opt = setup(opt_name, tp, pp, init, bf16)
+    train(ddp, opt, range(STEPS))
     rules = rule_table(opt.shardopt)  # global names already (layers numbered as in one process)
     cuts = mid_row_cuts(opt.shardopt)
-    return final, rules, cuts, (tp_rank, tp)
+    return weights(ddp, pp), rules, cuts, (ps.get_tensor_model_parallel_rank(), tp)
+
+
+def dist_save(ddp, opt, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model_sd = unwrap(ddp).sharded_state_dict()
+    os.makedirs(path, exist_ok=True)
+    dist_checkpointing.save({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd)}, path)
+
+
+def dist_load(ddp, opt, path: str) -> None:
+    from megatron.core import dist_checkpointing
+
+    model = unwrap(ddp)
+    model_sd = model.sharded_state_dict()
+    loaded = dist_checkpointing.load({"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)},
+                                     path)
+    model.load_state_dict(loaded["model"], strict=False)
+    opt.load_state_dict(loaded["optimizer"])
+
+
+def compare(final: dict, ref: dict, tp_rank: int, tp_world: int) -> float:
+    diff = 0.0
+    for n, (p, dim) in final.items():
+        want = ref[n] if dim is None else ref[n].chunk(tp_world, dim=dim)[tp_rank]
+        diff = max(diff, (p - want).abs().max().item())
+    t = torch.tensor([diff])
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str | None, fmt: str) -> dict:
+    """``save``: train STEPS - 1 steps, write Megatron's distributed checkpoint and shardopt's file, train on; then a
+    fresh model and optimizer load the distributed checkpoint and take the last step. ``load``: a fresh model and
+    optimizer (any data-parallel size) load ``fmt`` from ``load`` and take the last step. Both against one process."""
+    from megatron.core import parallel_state as ps
+
+    import shardopt.checkpoint as ckpt
+
+    dp = dist.get_world_size() // (tp * pp)
+    init, ref, _ = reference(opt_name, dp)
+    out: dict = {}
+    try:
+        if save:
+            ddp, opt = setup(opt_name, tp, pp, init)
+            train(ddp, opt, range(STEPS - 1))
+            dist_save(ddp, opt, os.path.join(save, f"{opt_name}-dist"))
+            ckpt.save(os.path.join(save, f"{opt_name}-shardopt"), opt)
+            train(ddp, opt, range(STEPS - 1, STEPS))
+            continuous = weights(ddp, pp)
+            out["continuous_diff"] = compare(continuous, ref, ps.get_tensor_model_parallel_rank(), tp)
+            load, fmt = save, "dist"
+        ddp, opt = setup(opt_name, tp, pp, init)
+        if fmt == "dist":
+            dist_load(ddp, opt, os.path.join(load, f"{opt_name}-dist"))
+        else:
+            ckpt.load(os.path.join(load, f"{opt_name}-shardopt"), opt)
+        train(ddp, opt, range(STEPS - 1, STEPS))
+        resumed = weights(ddp, pp)
+        out["max_abs_diff"] = compare(resumed, ref, ps.get_tensor_model_parallel_rank(), tp)
+        if save:
+            out["resume_vs_continuous"] = compare(resumed, {n: p for n, (p, _) in continuous.items()}, 0, 1)
+        return out
+    finally:
+        if ps.model_parallel_is_initialized():
+            ps.destroy_model_parallel()
+
+
+def unwrap(ddp):
+    from shardopt.plugin.megatron_engine import unwrap as unwrap_
+
+    return unwrap_(ddp)
 
 
 def unwrap_named(ddp):
-    from shardopt.plugin.megatron_engine import unwrap
-
     return list(unwrap(ddp).named_parameters())
 
 
@@ -209,13 +300,9 @@ def case(opt_name: str, tp: int, pp: int, bf16: bool = False) -> dict:
     init, ref, ref_rules = reference(opt_name, dist.get_world_size() // (tp * pp))
     try:
         final, rules, cuts, (tp_rank, tp_world) = parallel(opt_name, tp, pp, init, bf16)
-        diff = 0.0
-        for n, (p, dim) in final.items():
-            want = ref[n] if dim is None else ref[n].chunk(tp_world, dim=dim)[tp_rank]
-            diff = max(diff, (p - want).abs().max().item())
+        diff = compare(final, ref, tp_rank, tp_world)
         wrong = sorted(n for n, r in rules.items() if ref_rules.get(n) != r)
         stats = torch.tensor([diff, float(cuts), float(len(wrong))])
-        dist.all_reduce(stats[:1], op=dist.ReduceOp.MAX)
         dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, sorted(rules))
@@ -235,17 +322,29 @@ def main() -> None:
     ap.add_argument("--tp", type=int, default=1)
     ap.add_argument("--pp", type=int, default=1)
     ap.add_argument("--bf16", action="store_true")
+    ap.add_argument("--save", help="checkpoint mode: save here, then resume from it")
+    ap.add_argument("--load", help="checkpoint mode: resume from a checkpoint saved at another size")
+    ap.add_argument("--format", default="dist", choices=("dist", "shardopt"))
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     import logging
 
     logging.disable(logging.WARNING)
     dist.init_process_group("gloo")
+    if os.environ.get("SHARDOPT_TRACEBACK_AFTER"):  # debugging a hang: every rank's stack after that many seconds
+        import faulthandler
+
+        faulthandler.dump_traceback_later(float(os.environ["SHARDOPT_TRACEBACK_AFTER"]), exit=True)
     records = []
     for name in args.optimizers.split(","):
         rec = {"optimizer": name, "tp": args.tp, "pp": args.pp, "bf16": args.bf16,
                "world_size": dist.get_world_size()}
-        record_case(records, rec, lambda: case(name, args.tp, args.pp, args.bf16))
+        if args.save or args.load:
+            rec["format"] = args.format
+            record_case(records, rec, lambda: checkpoint_case(name, args.tp, args.pp, args.save, args.load,
+                                                              args.format))
+        else:
+            record_case(records, rec, lambda: case(name, args.tp, args.pp, args.bf16))
     finish_worker(records, args.out)
 
 

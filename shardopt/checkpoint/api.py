@@ -37,10 +37,17 @@ def _json_safe(value: Any) -> Any:
         return None
 
 
+def _inner(optimizer: Any) -> ShardedOptimizer:
+    """The shardopt optimizer of an engine's wrapper that holds one (``shardopt.megatron``'s), else ``optimizer``."""
+    inner = getattr(optimizer, "shardopt", None)
+    return inner if isinstance(inner, ShardedOptimizer) else optimizer
+
+
 def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra: dict | None = None) -> str:
     """Write ``optimizer``'s logical state and stepped parameters to ``path`` (a directory or a
     ``.safetensors`` file; several ranks add part files beside it). Collective: call on every rank. Returns
-    the main file written (on every rank)."""
+    the main file written (on every rank). ``optimizer`` may also be ``shardopt.megatron``'s optimizer."""
+    optimizer = _inner(optimizer)
     groups = [{**{k: _json_safe(v) for k, v in g.items() if k != "params"}, "params": names}
               for g, names in zip(optimizer.param_groups, optimizer.group_param_names)]
     meta = {
@@ -54,7 +61,16 @@ def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra
 
 def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True) -> dict[str, Any]:
     """Load a logical checkpoint into ``optimizer`` on this rank (each rank reads only the slices that overlap
-    its pieces). Restores param-group hyperparameters (``lr`` etc.). Returns the checkpoint's metadata."""
+    its pieces). Restores param-group hyperparameters (``lr`` etc.). Returns the checkpoint's metadata.
+    ``shardopt.megatron``'s optimizer also gets its model parameters from the loaded fp32 values (all ranks)."""
+    wrapper, optimizer = optimizer, _inner(optimizer)
+    meta = _load(path, optimizer, load_params)
+    if load_params and wrapper is not optimizer and hasattr(wrapper, "main_params_changed"):
+        wrapper.main_params_changed()
+    return meta
+
+
+def _load(path: str, optimizer: ShardedOptimizer, load_params: bool) -> dict[str, Any]:
     target = state_path(path)
     meta = read_metadata(target)
     if meta["optimizer"] != type(optimizer).__name__:

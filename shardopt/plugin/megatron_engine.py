@@ -306,6 +306,10 @@ def _make_wrapper_class():
             flat = []
             ratio = (config.min_lr / config.lr) if config.lr and config.min_lr else 0.0
             self._stand_ins: list[torch.Tensor] = []
+            #: parameter name -> the model parameter, its layout and logical shape (checkpoints)
+            self.param_of = {names[id(p)]: p for params in model_params for p in params}
+            self.layout_of = {n: layouts[id(p)][0] for n, p in self.param_of.items()}
+            self.logical_of = {n: tuple(layouts[id(p)][1]) for n, p in self.param_of.items()}
             for group, params in zip(opt.param_groups, model_params):
                 tensors = []
                 for p in params:
@@ -333,6 +337,12 @@ def _make_wrapper_class():
             opt.use_layouts(flat=flat)
             self.optimizer = opt
             self.shardopt = opt
+
+        def main_params_changed(self) -> None:
+            """The fp32 main pieces were loaded: the model's parameters follow, on every rank, as after a step."""
+            self._copy_main_params_to_model_params()
+            for chunk in self.model_chunks:
+                chunk.start_param_sync(force_sync=True)
 
         # ---------------------------------------------------------------- checkpoints
         def state_dict(self):
