@@ -29,6 +29,10 @@ MICRO = 2          # micro-batches per step (gradient accumulation through the s
 GLOBAL = 24        # sequences per step, whatever the data-parallel size (a checkpoint reloads at another one)
 SEQ, VOCAB, LAYERS = 16, 64, 2
 EMBED, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
+#: --edge: a frozen matrix and vector, and a matrix the forward never uses (Megatron's buffers give it a zero
+#: gradient, as ZeRO's flat partitions do: the reference steps it with zeros too)
+EDGE = {"frozen": ("embedding.position_embeddings.weight", "decoder.final_layernorm.bias"), "unused": "unused_proj"}
+_edge = False
 
 
 def hyperparameters(name: str) -> tuple[dict, dict | None]:
@@ -36,6 +40,8 @@ def hyperparameters(name: str) -> tuple[dict, dict | None]:
     routing = hp.pop("routing", None)
     if routing is not None:  # the parity suite's routing, in GPTModel's names: embedding and head on the matrix rule
         routing = {EMBED: "matrix", HEAD: "matrix"}
+    if _edge:  # the parameter without a gradient on the matrix rule
+        routing = {**(routing or {}), EDGE["unused"]: "matrix"}
     return hp, routing
 
 
@@ -55,6 +61,12 @@ def build(tp: int, pp: int, bf16: bool = False):
     model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
                      pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                      share_embeddings_and_output_weights=False)
+    if _edge:
+        if ps.is_pipeline_first_stage():
+            model.register_parameter(EDGE["unused"], torch.nn.Parameter(torch.randn(6, 5, dtype=cfg.params_dtype)))
+        for n, p in model.named_parameters():
+            if n in EDGE["frozen"]:
+                p.requires_grad_(False)
     megatron_cpu_shim.install()
     return cfg, model
 
@@ -112,9 +124,10 @@ def reference(opt_name: str, dp: int):
                     pos = torch.arange(SEQ).unsqueeze(0).expand_as(mb)
                     (model(mb, pos, None, labels=torch.roll(mb, -1, 1)).float().mean() / MICRO).backward()
                 for t, p in zip(total, params):
-                    t.add_(p.grad * (1.0 / dp))
+                    if p.grad is not None:
+                        t.add_(p.grad * (1.0 / dp))
             for t, p in zip(total, params):
-                p.grad = t
+                p.grad = t if p.requires_grad else None  # a trainable parameter the forward skipped: zeros
             opt.step()
         rules = rule_table(opt)
         return init, {n: p.detach().clone() for n, p in model.named_parameters()}, rules
@@ -215,7 +228,21 @@ def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False):
     train(ddp, opt, range(STEPS))
     rules = rule_table(opt.shardopt)  # global names already (layers numbered as in one process)
     cuts = mid_row_cuts(opt.shardopt)
+    parallel.stand_ins = len(opt._stand_ins)  # parameters this rank holds no piece of
+    parallel.main_pieces = all(
+        any(t is m for g in (opt.shard_fp32_groups + opt.shard_fp32_from_float16_groups) for m in g)
+        for t in opt.shardopt.stepped_tensors() if t.numel())
+    parallel.fp32_state = all(v.dtype == torch.float32 for st in opt.shardopt.state.values() for v in _tensors(st)
+                              if v.is_floating_point())
     return weights(ddp, pp), rules, cuts, (ps.get_tensor_model_parallel_rank(), tp)
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
 
 
 def dist_save(ddp, opt, path: str) -> None:
@@ -302,13 +329,16 @@ def case(opt_name: str, tp: int, pp: int, bf16: bool = False) -> dict:
         final, rules, cuts, (tp_rank, tp_world) = parallel(opt_name, tp, pp, init, bf16)
         diff = compare(final, ref, tp_rank, tp_world)
         wrong = sorted(n for n, r in rules.items() if ref_rules.get(n) != r)
-        stats = torch.tensor([diff, float(cuts), float(len(wrong))])
+        stats = torch.tensor([diff, float(cuts), float(len(wrong)), float(parallel.stand_ins),
+                              float(not parallel.main_pieces), float(not parallel.fp32_state)])
         dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, sorted(rules))
         covered = sorted(set().union(*map(set, seen)))
         return {"max_abs_diff": stats[0].item(), "mid_row_cuts": int(stats[1].item()), "wrong_rules": wrong,
                 "n_wrong_rules": int(stats[2].item()), "covered": covered == sorted(ref_rules),
+                "stand_ins": int(stats[3].item()), "second_copies": int(stats[4].item()),
+                "non_fp32_state": int(stats[5].item()),
                 "rules": sorted(set(ref_rules.values()))}
     finally:
         if ps.model_parallel_is_initialized():
@@ -325,7 +355,10 @@ def main() -> None:
     ap.add_argument("--save", help="checkpoint mode: save here, then resume from it")
     ap.add_argument("--load", help="checkpoint mode: resume from a checkpoint saved at another size")
     ap.add_argument("--format", default="dist", choices=("dist", "shardopt"))
+    ap.add_argument("--edge", action="store_true", help="frozen and unused parameters (EDGE)")
     args = ap.parse_args()
+    global _edge
+    _edge = args.edge
     warnings.simplefilter("ignore")
     import logging
 
@@ -337,7 +370,7 @@ def main() -> None:
         faulthandler.dump_traceback_later(float(os.environ["SHARDOPT_TRACEBACK_AFTER"]), exit=True)
     records = []
     for name in args.optimizers.split(","):
-        rec = {"optimizer": name, "tp": args.tp, "pp": args.pp, "bf16": args.bf16,
+        rec = {"optimizer": name, "tp": args.tp, "pp": args.pp, "bf16": args.bf16, "edge": args.edge,
                "world_size": dist.get_world_size()}
         if args.save or args.load:
             rec["format"] = args.format

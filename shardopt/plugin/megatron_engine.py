@@ -119,13 +119,20 @@ def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str
 
 
 def megatron_roles(model_chunks: Sequence[nn.Module], names: Mapping[int, str]) -> dict[str, str]:
-    """Roles Megatron's language models state outright, whatever part of the model a pipeline stage holds, keyed by
-    ``names`` (``id(param) -> name``): the word embedding (``embedding.word_embeddings``; the LM head when tied to the
-    output projection, as one process names a tied weight) and ``output_layer`` (the LM head, also a last stage's
-    copy of a tied embedding)."""
+    """Every parameter's role keyed by ``names`` (``id(param) -> name``): found on each chunk's modules as on one
+    process (``routing.param_roles``), then what Megatron's language models state outright, whatever part of the model
+    a pipeline stage holds: the word embedding (``embedding.word_embeddings``; the LM head when tied to the output
+    projection, as one process names a tied weight) and ``output_layer`` (the LM head, also a last stage's copy of a
+    tied embedding)."""
+    from ..optim.routing import param_roles
+
     roles: dict[str, str] = {}
     for chunk in model_chunks:
-        for m in unwrap(chunk).modules():
+        model = unwrap(chunk)
+        local = dict(model.named_parameters())
+        roles.update({names[id(local[n])]: r for n, r in param_roles(model).items()
+                      if n in local and id(local[n]) in names})
+        for m in model.modules():
             if not (hasattr(m, "pre_process") and hasattr(m, "post_process")):
                 continue
             tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
