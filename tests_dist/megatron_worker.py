@@ -277,7 +277,8 @@ def compare(final: dict, ref: dict, tp_rank: int, tp_world: int) -> float:
 def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str | None, fmt: str) -> dict:
     """``save``: train STEPS - 1 steps, write Megatron's distributed checkpoint and shardopt's file, train on; then a
     fresh model and optimizer load the distributed checkpoint and take the last step. ``load``: a fresh model and
-    optimizer (any data-parallel size) load ``fmt`` from ``load`` and take the last step. Both against one process."""
+    optimizer (any data-parallel size) load ``fmt`` ("dist", "shardopt" or "both", one after the other) from ``load``
+    and take the last step. Both against one process."""
     from megatron.core import parallel_state as ps
 
     import shardopt.checkpoint as ckpt
@@ -295,14 +296,17 @@ def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str
             continuous = weights(ddp, pp)
             out["continuous_diff"] = compare(continuous, ref, ps.get_tensor_model_parallel_rank(), tp)
             load, fmt = save, "dist"
-        ddp, opt = setup(opt_name, tp, pp, init)
-        if fmt == "dist":
-            dist_load(ddp, opt, os.path.join(load, f"{opt_name}-dist"))
-        else:
-            ckpt.load(os.path.join(load, f"{opt_name}-shardopt"), opt)
-        train(ddp, opt, range(STEPS - 1, STEPS))
-        resumed = weights(ddp, pp)
-        out["max_abs_diff"] = compare(resumed, ref, ps.get_tensor_model_parallel_rank(), tp)
+        for f in (("dist", "shardopt") if fmt == "both" else (fmt,)):
+            ddp, opt = setup(opt_name, tp, pp, init)
+            if f == "dist":
+                dist_load(ddp, opt, os.path.join(load, f"{opt_name}-dist"))
+            else:
+                ckpt.load(os.path.join(load, f"{opt_name}-shardopt"), opt)
+            train(ddp, opt, range(STEPS - 1, STEPS))
+            resumed = weights(ddp, pp)
+            out[f"max_abs_diff_{f}"] = compare(resumed, ref, ps.get_tensor_model_parallel_rank(), tp)
+            if not save:
+                ps.destroy_model_parallel()
         if save:
             out["resume_vs_continuous"] = compare(resumed, {n: p for n, (p, _) in continuous.items()}, 0, 1)
         return out
@@ -354,7 +358,7 @@ def main() -> None:
     ap.add_argument("--bf16", action="store_true")
     ap.add_argument("--save", help="checkpoint mode: save here, then resume from it")
     ap.add_argument("--load", help="checkpoint mode: resume from a checkpoint saved at another size")
-    ap.add_argument("--format", default="dist", choices=("dist", "shardopt"))
+    ap.add_argument("--format", default="dist", choices=("dist", "shardopt", "both"))
     ap.add_argument("--edge", action="store_true", help="frozen and unused parameters (EDGE)")
     args = ap.parse_args()
     global _edge

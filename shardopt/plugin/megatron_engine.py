@@ -263,6 +263,15 @@ def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optim
     unused: list[str] | None = [] if _pipeline_size() > 1 else None
     groups = build_param_groups(named, optimizer, cfg, routing, unused=unused,
                                 roles=megatron_roles(model_chunks, names))
+    if unused:  # a pattern must match on some pipeline stage, not on each
+        seen: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, sorted(unused))
+        nowhere = sorted(set.intersection(*(set(s) for s in seen)))
+        if nowhere:
+            raise ConfigError(f"shardopt.megatron: routing patterns {nowhere} match no trainable parameter on any "
+                              "pipeline stage (names as one process gives them: decoder layers by global number)")
+    elif unused is not None:
+        dist.all_gather_object([None] * dist.get_world_size(), [])  # the same collective on every rank
     for g in groups:
         g.pop("param_names", None)  # names travel in "names"; torch's param_names would ask for them on load
     opt = optimizer_class(optimizer).from_config(groups, cfg)
