@@ -2,7 +2,8 @@
 # The GPU checks and figures in one bounded run, for a machine with a CUDA device (none is needed anywhere else):
 #   bash benchmarks/gpu_checks.sh [OUT_DIR]
 # tests/test_cuda.py (every optimizer on CUDA vs the CPU, bf16 state, zero gradients, DeepSpeed fp16 loss scaling
-# where DeepSpeed is installed, no synchronizing call, the skip decided on the device equal to the host check's),
+# where DeepSpeed is installed, no synchronizing call, the skip decided on the device equal to the host check's, and
+# Megatron-core's DistributedOptimizer on its real CUDA path at world size 1 where megatron-core is installed),
 # tests/test_iterative.py and tests/test_device_skip.py, then the step-time, training-throughput (with the default
 # non-finite check and, for the rules that decide it on the device, without it) and step-profile benchmarks with
 # --device cuda (130M and 350M). Each phase has a time limit, so the whole run fits one call of a short GPU lease
@@ -23,7 +24,7 @@ phase() {  # phase SECONDS LOG COMMAND...: run with a time limit, keep the log, 
     timeout "$limit" "$@" > "$out/$log" 2>&1 || { echo "   exit $?"; status=1; }
     grep -v -E "USDT|UserWarning|_warn_once|real_accelerator" "$out/$log" | tail -n 30
 }
-phase 120 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py tests/test_device_skip.py -q \
+phase 180 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py tests/test_device_skip.py -q \
     -p no:cacheprovider $xdist --timeout 100
 phase 150 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
     --results-dir "$out"

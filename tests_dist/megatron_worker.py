@@ -33,6 +33,8 @@ EMBED, HEAD = "embedding.word_embeddings.weight", "output_layer.weight"
 #: gradient, as ZeRO's flat partitions do: the reference steps it with zeros too)
 EDGE = {"frozen": ("embedding.position_embeddings.weight", "decoder.final_layernorm.bias"), "unused": "unused_proj"}
 _edge = False
+#: --device cuda: Megatron's real CUDA path (no shim) at world size 1, against the CPU reference
+_device = "cpu"
 
 
 def hyperparameters(name: str) -> tuple[dict, dict | None]:
@@ -67,7 +69,8 @@ def build(tp: int, pp: int, bf16: bool = False):
         for n, p in model.named_parameters():
             if n in EDGE["frozen"]:
                 p.requires_grad_(False)
-    megatron_cpu_shim.install()
+    if _device == "cpu":
+        megatron_cpu_shim.install()
     return cfg, model
 
 
@@ -93,7 +96,7 @@ def batch(step: int) -> torch.Tensor:
 
 def forward_step(data_iterator, model):
     tokens = next(data_iterator)
-    pos = torch.arange(tokens.shape[1]).unsqueeze(0).expand_as(tokens)
+    pos = torch.arange(tokens.shape[1], device=tokens.device).unsqueeze(0).expand_as(tokens)
     out = model(tokens, pos, None, labels=torch.roll(tokens, -1, 1))
     return out, lambda o: (o.float().mean(), {"loss": o.float().mean().detach()})
 
@@ -152,7 +155,7 @@ def mid_row_cuts(opt) -> int:
             if m < 2 or n < 2:
                 continue
             piece = frag.layout.pieces[frag.layout.rank]
-            lo, hi = getattr(piece, "lo", 0), getattr(piece, "hi", 0)
+            lo = getattr(piece, "lo", 0)
             if 0 < lo < m * n and lo % n:
                 count += 1
     return count
@@ -175,6 +178,8 @@ def setup(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(tp_slice(init[global_name(n, pp_rank, pp)], p, tp, tp_rank))
+    if _device != "cpu":
+        model = model.to(_device)
     if bf16:
         from megatron.core.transformer.module import Float16Module
 
@@ -202,7 +207,7 @@ def train(ddp, opt, steps) -> None:
         x = batch(s)
         per = MICRO * mbs
         mine = x[dp_rank * per:(dp_rank + 1) * per]
-        data = [mine[k * mbs:(k + 1) * mbs] for k in range(MICRO)]
+        data = [mine[k * mbs:(k + 1) * mbs].to(_device) for k in range(MICRO)]
         ddp.zero_grad_buffer()
         opt.zero_grad()
         fb(forward_step_func=forward_step, data_iterator=iter(data), model=[ddp], num_microbatches=MICRO,
@@ -215,7 +220,7 @@ def weights(ddp, pp: int) -> dict:
     from megatron.core import parallel_state as ps
 
     pp_rank = ps.get_pipeline_model_parallel_rank()
-    return {global_name(n, pp_rank, pp): (p.detach().float().clone(), int(p.partition_dim)
+    return {global_name(n, pp_rank, pp): (p.detach().float().cpu().clone(), int(p.partition_dim)
                                           if getattr(p, "tensor_model_parallel", False) else None)
             for n, p in unwrap_named(ddp)}
 
@@ -360,14 +365,17 @@ def main() -> None:
     ap.add_argument("--load", help="checkpoint mode: resume from a checkpoint saved at another size")
     ap.add_argument("--format", default="dist", choices=("dist", "shardopt", "both"))
     ap.add_argument("--edge", action="store_true", help="frozen and unused parameters (EDGE)")
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args()
-    global _edge
-    _edge = args.edge
+    global _edge, _device
+    _edge, _device = args.edge, args.device
     warnings.simplefilter("ignore")
     import logging
 
     logging.disable(logging.WARNING)
-    dist.init_process_group("gloo")
+    if _device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if _device == "cuda" else "gloo")
     if os.environ.get("SHARDOPT_TRACEBACK_AFTER"):  # debugging a hang: every rank's stack after that many seconds
         import faulthandler
 

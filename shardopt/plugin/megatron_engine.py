@@ -251,7 +251,6 @@ def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optim
     ``shardopt.create_optimizer``. Megatron's LR scheduler (``OptimizerParamScheduler``) schedules every group from its
     own starting lr (each group's ``max_lr``; ``min_lr`` in the same ratio as the config's).
     """
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.optimizer.grad_scaler import ConstantGradScaler
     from megatron.core.process_groups_config import ProcessGroupCollection
 
