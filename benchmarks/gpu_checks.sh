@@ -24,9 +24,9 @@ phase() {  # phase SECONDS LOG COMMAND...: run with a time limit, keep the log, 
     timeout "$limit" "$@" > "$out/$log" 2>&1 || { echo "   exit $?"; status=1; }
     grep -v -E "USDT|UserWarning|_warn_once|real_accelerator" "$out/$log" | tail -n 30
 }
-phase 180 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py tests/test_device_skip.py -q \
+phase 150 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py tests/test_device_skip.py -q \
     -p no:cacheprovider $xdist --timeout 100
-phase 150 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
+phase 140 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
     --results-dir "$out"
 phase 170 throughput.log "$py" -m benchmarks.throughput --device cuda --sizes 130m,350m --iters 6 --warmup 2 \
     --results-dir "$out"
