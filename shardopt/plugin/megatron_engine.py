@@ -147,34 +147,26 @@ def megatron_roles(model_chunks: Sequence[nn.Module], names: Mapping[int, str]) 
 
 
 # ---------------------------------------------------------------------------------------------- layouts
-def _tp_and_dp(p: torch.Tensor, dp_group: Any) -> tuple[Any, list[tuple[int, int]], int] | None:
+def _tp_and_dp(p: torch.Tensor, dp_group: Any, cache: dict) -> tuple[Any, list[tuple[int, int]], int] | None:
     """For a tensor-parallel parameter: the tensor x data-parallel group, each of its ranks' (tp rank, dp rank), and
-    this rank's index in it; None otherwise."""
+    this rank's index in it (one all-gather per data-parallel group, kept in ``cache``); None otherwise."""
     if not getattr(p, "tensor_model_parallel", False):
         return None
+    if id(dp_group) in cache:
+        return cache[id(dp_group)]
     from megatron.core import parallel_state as ps
 
-    return _tp_dp_cache(ps, dp_group)
-
-
-_TP_DP: dict[tuple, tuple] = {}
-
-
-def _tp_dp_cache(ps: Any, dp_group: Any) -> tuple[Any, list[tuple[int, int]], int]:
-    key = (id(ps.get_tensor_model_parallel_group()), id(dp_group))
-    if key not in _TP_DP:
-        group = ps.get_tensor_and_data_parallel_group(with_context_parallel=dist.get_world_size(dp_group)
-                                                      != ps.get_data_parallel_world_size())
-        mine = (ps.get_tensor_model_parallel_rank(), dist.get_rank(dp_group))
-        coords: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(coords, mine, group=group)
-        tp, dp = ps.get_tensor_model_parallel_world_size(), dist.get_world_size(dp_group)
-        if sorted(coords) != [(t, d) for t in range(tp) for d in range(dp)]:
-            raise MegatronError("shardopt.megatron: the tensor x data-parallel group is not the product of the "
-                                f"tensor-parallel ({tp}) and data-parallel ({dp}) groups (context or expert "
-                                "parallelism?); use context_parallel_size=1")
-        _TP_DP[key] = (group, [tuple(c) for c in coords], dist.get_rank(group))
-    return _TP_DP[key]
+    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=dist.get_world_size(dp_group)
+                                                  != ps.get_data_parallel_world_size())
+    coords: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(coords, (ps.get_tensor_model_parallel_rank(), dist.get_rank(dp_group)), group=group)
+    tp, dp = ps.get_tensor_model_parallel_world_size(), dist.get_world_size(dp_group)
+    if sorted(coords) != [(t, d) for t in range(tp) for d in range(dp)]:
+        raise MegatronError("shardopt.megatron: the tensor x data-parallel group is not the product of the "
+                            f"tensor-parallel ({tp}) and data-parallel ({dp}) groups (context or expert parallelism?); "
+                            "use context_parallel_size=1")
+    cache[id(dp_group)] = (group, [tuple(c) for c in coords], dist.get_rank(group))
+    return cache[id(dp_group)]
 
 
 def _tp_pieces(dp_pieces: list[FlatPiece], coords: list[tuple[int, int]], dim: int, local: tuple[int, int],
@@ -195,7 +187,7 @@ def _tp_pieces(dp_pieces: list[FlatPiece], coords: list[tuple[int, int]], dim: i
 
 def megatron_layouts(buffers: Sequence[Any], names: Mapping[int, str]) -> dict[int, tuple[MatrixLayout, tuple]]:
     """``id(model param) -> (layout, logical shape)`` for every parameter of Megatron's grad ``buffers``."""
-    out = {}
+    out, groups = {}, {}
     for buf in buffers:
         dp_group = buf.data_parallel_group
         dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
@@ -204,7 +196,7 @@ def megatron_layouts(buffers: Sequence[Any], names: Mapping[int, str]) -> dict[i
             numel = end - start
             local = tuple(p.shape)
             pieces = flat_pieces(start - bucket.offset, numel, bucket.grad_data.numel() // dp, dp)
-            tp = _tp_and_dp(p, dp_group)
+            tp = _tp_and_dp(p, dp_group, groups)
             if tp is None or p.dim() != 2:
                 shape = matrix_shape(local)
                 if tp is not None:  # a 1-D tensor-parallel vector (a column-parallel bias): elements, any group
