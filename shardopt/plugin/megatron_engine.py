@@ -65,8 +65,8 @@ def refuse_unsupported(config: Any, model_chunks: Sequence[nn.Module]) -> None:
                                 "DistributedDataParallel(config, ddp_config, module) first")
         if not ddp_config.use_distributed_optimizer:
             raise _config_error("DistributedDataParallelConfig.use_distributed_optimizer", "False",
-                                "set it to True (shardopt steps the distributed optimizer's pieces; without it use "
-                                "shardopt.create_optimizer on the unwrapped model)")
+                                "set it to True (shardopt steps the distributed optimizer's pieces of Megatron's grad "
+                                "buffers)")
         if getattr(ddp_config, "use_megatron_fsdp", False):
             raise _config_error("DistributedDataParallelConfig.use_megatron_fsdp", "Megatron FSDP is not supported",
                                 "use the distributed optimizer (use_megatron_fsdp=False)")
@@ -220,8 +220,8 @@ def megatron_layouts(buffers: Sequence[Any], names: Mapping[int, str]) -> dict[i
 
 # ---------------------------------------------------------------------------------------------- the optimizer
 def _defaults_from(config: Any, hyperparameters: Mapping[str, Any]) -> dict[str, Any]:
-    """Megatron's own settings as shardopt's defaults where the user gave none: ``lr``, the AdamW part's betas and
-    eps, and the matrix rule's and AdamW's weight decay."""
+    """Megatron's own settings as shardopt's defaults where the user gave none: ``lr`` and the AdamW part's betas and
+    eps (weight decay stays shardopt's default, 0: pass ``weight_decay`` / ``adam_weight_decay``)."""
     hp = dict(hyperparameters)
     hp.setdefault("lr", config.lr)
     hp.setdefault("adam_betas", (config.adam_beta1, config.adam_beta2))
