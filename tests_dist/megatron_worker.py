@@ -279,7 +279,8 @@ def compare(final: dict, ref: dict, tp_rank: int, tp_world: int) -> float:
     return t.item()
 
 
-def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str | None, fmt: str) -> dict:
+def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str | None, fmt: str,
+                    bf16: bool = False) -> dict:
     """``save``: train STEPS - 1 steps, write Megatron's distributed checkpoint and shardopt's file, train on; then a
     fresh model and optimizer load the distributed checkpoint and take the last step. ``load``: a fresh model and
     optimizer (any data-parallel size) load ``fmt`` ("dist", "shardopt" or "both", one after the other) from ``load``
@@ -293,7 +294,7 @@ def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str
     out: dict = {}
     try:
         if save:
-            ddp, opt = setup(opt_name, tp, pp, init)
+            ddp, opt = setup(opt_name, tp, pp, init, bf16)
             train(ddp, opt, range(STEPS - 1))
             dist_save(ddp, opt, os.path.join(save, f"{opt_name}-dist"))
             ckpt.save(os.path.join(save, f"{opt_name}-shardopt"), opt)
@@ -302,7 +303,7 @@ def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str
             out["continuous_diff"] = compare(continuous, ref, ps.get_tensor_model_parallel_rank(), tp)
             load, fmt = save, "dist"
         for f in (("dist", "shardopt") if fmt == "both" else (fmt,)):
-            ddp, opt = setup(opt_name, tp, pp, init)
+            ddp, opt = setup(opt_name, tp, pp, init, bf16)
             if f == "dist":
                 dist_load(ddp, opt, os.path.join(load, f"{opt_name}-dist"))
             else:
@@ -387,7 +388,7 @@ def main() -> None:
         if args.save or args.load:
             rec["format"] = args.format
             record_case(records, rec, lambda: checkpoint_case(name, args.tp, args.pp, args.save, args.load,
-                                                              args.format))
+                                                              args.format, args.bf16))
         else:
             record_case(records, rec, lambda: case(name, args.tp, args.pp, args.bf16))
     finish_worker(records, args.out)
