@@ -298,6 +298,9 @@ def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str
             train(ddp, opt, range(STEPS - 1))
             dist_save(ddp, opt, os.path.join(save, f"{opt_name}-dist"))
             ckpt.save(os.path.join(save, f"{opt_name}-shardopt"), opt)
+            import copy
+
+            rank_state = copy.deepcopy(opt.state_dict())  # this rank's pieces: the same topology only
             train(ddp, opt, range(STEPS - 1, STEPS))
             continuous = weights(ddp, pp)
             out["continuous_diff"] = compare(continuous, ref, ps.get_tensor_model_parallel_rank(), tp)
@@ -315,6 +318,11 @@ def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str
                 ps.destroy_model_parallel()
         if save:
             out["resume_vs_continuous"] = compare(resumed, {n: p for n, (p, _) in continuous.items()}, 0, 1)
+            ddp, opt = setup(opt_name, tp, pp, init, bf16)  # Megatron-LM's order: optimizer built, then loaded
+            opt.load_state_dict(rank_state)
+            train(ddp, opt, range(STEPS - 1, STEPS))
+            out["state_dict_resume_vs_continuous"] = compare(weights(ddp, pp),
+                                                             {n: p for n, (p, _) in continuous.items()}, 0, 1)
         return out
     finally:
         if ps.model_parallel_is_initialized():

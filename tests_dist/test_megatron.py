@@ -9,7 +9,8 @@ one process gives it, with at least one matrix cut mid-row.
 * tensor parallel 2 x data parallel 2 (column- and row-parallel weights cut flat: ``ColFlatPiece``);
 * pipeline parallel 2 x data parallel 2 (each stage's optimizer holds its stage; layers named globally, so SUMO's and
   Alice's seeded draws agree with one process);
-* checkpoints: Megatron's distributed checkpoint resumes exactly (0.0 from the uninterrupted run); it and
+* checkpoints: Megatron's distributed checkpoint and the optimizer's own ``state_dict`` (same topology) resume
+  exactly (0.0 from the uninterrupted run); the distributed checkpoint and
   ``shardopt.checkpoint``'s file reload at another data-parallel size (2 -> 3) within 1e-5 of one process;
 * bf16 parameters with fp32 main parameters, and their checkpoint round trip (full tier).
 
@@ -112,6 +113,7 @@ def test_distributed_checkpoint_resumes_exactly(name: str, topology: str) -> Non
     print(f"{name} {topology}: resumed - uninterrupted = {rec['resume_vs_continuous']:.1e}, "
           f"vs one process {rec['max_abs_diff_dist']:.2e}")
     assert rec["resume_vs_continuous"] == 0.0
+    assert rec["state_dict_resume_vs_continuous"] == 0.0  # opt.state_dict(): pieces and fp32 main values
     assert rec["max_abs_diff_dist"] <= (BF16_TOL if "bf16" in topology else TOL)
 
 

@@ -41,10 +41,14 @@ def _tp_origin(p: torch.Tensor, view: tuple[int, int]) -> tuple[int, int, tuple[
     return 0, t * cols, (m, cols)
 
 
-def _materialize(opt: Any) -> None:
+def _materialize(wrapper: Any) -> None:
     """Give a fresh optimizer its state entries (what a load fills): one step with zero gradients at lr 0, which
     changes no parameter (zero gradients make no NaN, and ``p - 0 * u`` is ``p``)."""
-    if any(opt.state.get(t) for t in opt.stepped_tensors()):
+    opt = wrapper.optimizer
+    fresh = torch.tensor([0.0 if any(opt.state.get(t) for t in opt.stepped_tensors()) else 1.0],
+                         device=_device_of(wrapper))
+    dist.all_reduce(fresh, op=dist.ReduceOp.MAX)  # every rank takes the step, or none (it is collective)
+    if not fresh.item():
         return
     saved = []
     for t in opt.stepped_tensors():
@@ -60,10 +64,6 @@ def _materialize(opt: Any) -> None:
             g["lr"] = lr
         for t, grad in saved:
             t.grad = grad
-
-
-def _layout_of(opt: Any) -> dict[str, Any]:
-    return {f.name: f.layout for t in opt.stepped_tensors() for f in opt.fragments(t)}
 
 
 def _dp_group(wrapper: Any, param: torch.Tensor) -> Any:
@@ -128,12 +128,13 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
         peers: list[Any] = [None] * dist.get_world_size(group)
         dist.all_gather_object(peers, meta, group=group)
         sizes = [sum(x[4] for x in m) for m in peers]
-        flat = torch.zeros(max(sizes + [1]))
+        flat = torch.zeros(max(sizes + [1]), device=_device_of(wrapper))  # NCCL groups take device tensors
         if with_data and recs:
-            mine = torch.cat([r.data.detach().float().reshape(-1).cpu() for r in recs])
-            flat[:mine.numel()] = mine
+            mine = torch.cat([r.data.detach().float().reshape(-1) for r in recs])
+            flat[:mine.numel()] = mine.to(flat.device)
         datas = [torch.empty_like(flat) for _ in peers]
         dist.all_gather(datas, flat, group=group)
+        datas = [d.cpu() for d in datas]
         shards: dict[str, torch.Tensor] = {}
         for m, data in zip(peers, datas):
             pos = 0
@@ -151,6 +152,11 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
     return element_out, whole_out
 
 
+def _device_of(wrapper: Any) -> torch.device:
+    """Where Megatron's grad buffers live: the device of the data-parallel collectives."""
+    return wrapper.buffers[0].grad_data.device if wrapper.buffers else torch.device("cpu")
+
+
 def _group_order(wrapper: Any, group: Any) -> int:
     """The same order of data-parallel groups on every rank: by the buffers' order."""
     for i, buf in enumerate(wrapper.buffers):
@@ -165,9 +171,8 @@ def model_space_state(wrapper: Any, model_sharded_state_dict: dict, is_loading: 
 
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
-    opt = wrapper.optimizer
     if is_loading:
-        _materialize(opt)
+        _materialize(wrapper)
     model_keys = _model_keys(model_sharded_state_dict)
     elements, whole = _entries(wrapper, with_data=not is_loading)
     state: dict[str, Any] = {}

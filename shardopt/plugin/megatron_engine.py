@@ -79,6 +79,12 @@ def refuse_unsupported(config: Any, model_chunks: Sequence[nn.Module]) -> None:
                                 "yet", "train MoE experts without expert parallelism (expert_model_parallel_size=1)")
     if not config.use_distributed_optimizer:
         raise _config_error("OptimizerConfig.use_distributed_optimizer", "False", "set it to True")
+    if _pipeline_size() > 1 and any(getattr(unwrap(c), "share_embeddings_and_output_weights", False)
+                                    for c in model_chunks):
+        raise _config_error("share_embeddings_and_output_weights with pipeline parallelism",
+                            "the first stage's embedding and the last stage's copy would be stepped apart (flat "
+                            "pieces cut differently, seeded draws under two names)",
+                            "untie them (share_embeddings_and_output_weights=False) or use one pipeline stage")
     for key, fix in (("fp16", "use bf16=True (bf16 params, fp32 main params) or fp32"),
                      ("use_precision_aware_optimizer", "set it to False: shardopt keeps fp32 statistics itself"),
                      ("optimizer_cpu_offload", "set it to False"),
@@ -86,9 +92,9 @@ def refuse_unsupported(config: Any, model_chunks: Sequence[nn.Module]) -> None:
                      ("reuse_grad_buf_for_mxfp8_param_ag", "set it to False")):
         if getattr(config, key, False):
             raise _config_error(f"OptimizerConfig.{key}", "True is not supported", fix)
-    if getattr(config, "fp8_recipe", None) and any(
-            getattr(p, "_fp8_meta", None) is not None for c in model_chunks for p in c.parameters()):
-        raise _config_error("fp8 parameters", "not supported", "keep bf16 or fp32 parameters")
+    if any(getattr(getattr(unwrap(c), "config", None), "fp8_param", False) for c in model_chunks):
+        raise _config_error("TransformerConfig.fp8_param", "fp8 parameters are not supported",
+                            "keep bf16 or fp32 parameters")
 
 
 # ---------------------------------------------------------------------------------------------- names and roles
@@ -97,12 +103,12 @@ _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str, torch.Tensor]]:
     """Every parameter under the name one process gives it: Megatron's wrappers stripped, decoder layers numbered by
-    their global ``layer_number`` (a pipeline stage numbers its own layers from 0), chunks as ``chunk<i>.`` when
-    there are several (virtual pipeline). Seeded draws and checkpoints key on these names, so every topology agrees."""
+    their global ``layer_number`` (a pipeline stage numbers its own layers from 0; so do the chunks of a virtual
+    pipeline). Seeded draws and checkpoints key on these names, so every topology agrees."""
     out = []
-    for i, chunk in enumerate(model_chunks):
+    for chunk in model_chunks:
         model = unwrap(chunk)
-        prefix = f"chunk{i}." if len(model_chunks) > 1 else ""
+        prefix = ""
         layer_of = {}
         for name, m in model.named_modules():
             number = getattr(m, "layer_number", None)
@@ -115,6 +121,13 @@ def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str
                     name = global_ + name[len(local):]
                     break
             out.append((prefix + name, p))
+    taken: dict[str, int] = {}
+    for name, _ in out:
+        taken[name] = taken.get(name, 0) + 1
+    twice = sorted(n for n, c in taken.items() if c > 1)
+    if twice:
+        raise MegatronError(f"shardopt.megatron: parameters {twice[:3]} have the same name in several model chunks "
+                            "(layers without a global layer_number?); shardopt names state by parameter name")
     return out
 
 
@@ -163,8 +176,8 @@ def _tp_and_dp(p: torch.Tensor, dp_group: Any, cache: dict) -> tuple[Any, list[t
     tp, dp = ps.get_tensor_model_parallel_world_size(), dist.get_world_size(dp_group)
     if sorted(coords) != [(t, d) for t in range(tp) for d in range(dp)]:
         raise MegatronError("shardopt.megatron: the tensor x data-parallel group is not the product of the "
-                            f"tensor-parallel ({tp}) and data-parallel ({dp}) groups (context or expert parallelism?); "
-                            "use context_parallel_size=1")
+                            f"tensor-parallel ({tp}) and the buffers' data-parallel ({dp}) groups; shardopt reads "
+                            "tensor-parallel weights only over Megatron's tensor_and_data_parallel group")
     cache[id(dp_group)] = (group, [tuple(c) for c in coords], dist.get_rank(group))
     return cache[id(dp_group)]
 
@@ -251,18 +264,28 @@ def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optim
                                    where="shardopt.megatron.get_megatron_optimizer")
     named = global_named_parameters(model_chunks)
     names = {id(p): n for n, p in named}
-    unused: list[str] | None = [] if _pipeline_size() > 1 else None
-    groups = build_param_groups(named, optimizer, cfg, routing, unused=unused,
-                                roles=megatron_roles(model_chunks, names))
-    if unused:  # a pattern must match on some pipeline stage, not on each
+    pipelined = _pipeline_size() > 1
+    unused: list[str] | None = [] if pipelined else None
+    failure: Exception | None = None
+    try:
+        groups = build_param_groups(named, optimizer, cfg, routing, unused=unused,
+                                    roles=megatron_roles(model_chunks, names))
+    except ConfigError as err:  # raised on this stage's parameters only: every stage must learn of it
+        if not pipelined:
+            raise
+        failure = err
+    if pipelined:  # one collective on every rank: a routing pattern must match on some stage, an error stops all
         seen: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(seen, sorted(unused))
-        nowhere = sorted(set.intersection(*(set(s) for s in seen)))
+        dist.all_gather_object(seen, (sorted(unused or []), None if failure is None else str(failure)))
+        errors = [e for _, e in seen if e]
+        if failure is not None:
+            raise failure
+        if errors:
+            raise ConfigError(f"shardopt.megatron: another pipeline stage refused its parameters: {errors[0]}")
+        nowhere = sorted(set.intersection(*(set(u) for u, _ in seen)))
         if nowhere:
             raise ConfigError(f"shardopt.megatron: routing patterns {nowhere} match no trainable parameter on any "
                               "pipeline stage (names as one process gives them: decoder layers by global number)")
-    elif unused is not None:
-        dist.all_gather_object([None] * dist.get_world_size(), [])  # the same collective on every rank
     for g in groups:
         g.pop("param_names", None)  # names travel in "names"; torch's param_names would ask for them on load
     opt = optimizer_class(optimizer).from_config(groups, cfg)
@@ -283,7 +306,7 @@ def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optim
     wrapper.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
     from megatron.core import parallel_state as ps
 
-    wrapper.tp_group = ps.get_tensor_model_parallel_group()
+    wrapper.tp_group = getattr(pg_collection, "tp", None) or ps.get_tensor_model_parallel_group()
     wrapper.adopt(opt, model_params, names, config)
     return wrapper
 
@@ -337,6 +360,7 @@ def _make_wrapper_class():
                 group["params"] = tensors
                 # Megatron's OptimizerParamScheduler sets each group's lr from max_lr/min_lr and its weight decay
                 # from start_wd/end_wd: each group keeps its own
+                group.setdefault("default_config", True)  # Megatron's lr logging reads such a group's lr
                 group.setdefault("max_lr", float(group["lr"]))
                 group.setdefault("min_lr", float(group["lr"]) * ratio)
                 group.setdefault("start_wd", float(group.get("weight_decay", 0.0)))
@@ -344,6 +368,15 @@ def _make_wrapper_class():
             opt.use_layouts(flat=flat)
             self.optimizer = opt
             self.shardopt = opt
+
+        # ---------------------------------------------------------------- Megatron's views of the inner groups
+        def get_parameters(self) -> list:
+            """The main pieces, without the 0-element stand-ins (grad norm, clipping, zero counts: Megatron's
+            multi-tensor kernels are not meant for empty tensors, and Megatron never passes them one)."""
+            return [p for p in super().get_parameters() if p.numel()]
+
+        def _collect_main_grad_data_for_unscaling(self):
+            return [p.grad.data for p in self.get_parameters() if p.grad is not None]
 
         def main_params_changed(self) -> None:
             """The fp32 main pieces were loaded: the model's parameters follow, on every rank, as after a step."""
@@ -353,9 +386,10 @@ def _make_wrapper_class():
 
         # ---------------------------------------------------------------- checkpoints
         def state_dict(self):
-            """shardopt's state dict of this rank's pieces, with the loss scale (same-topology resume; for another
-            data-parallel size use ``sharded_state_dict`` or ``shardopt.checkpoint``)."""
-            out = {"shardopt": self.optimizer.state_dict()}
+            """This rank's pieces: shardopt's state dict, the fp32 main values it steps, and the loss scale (the same
+            topology only; for another data-parallel size use ``sharded_state_dict`` or ``shardopt.checkpoint``)."""
+            out = {"shardopt": self.optimizer.state_dict(),
+                   "main_pieces": [t.detach().clone() for t in self.optimizer.stepped_tensors()]}
             if self.grad_scaler is not None:
                 out["grad_scaler"] = self.grad_scaler.state_dict()
             return out
@@ -366,9 +400,29 @@ def _make_wrapper_class():
 
                 load_model_space(self, state_dict)
                 return
+            if "shardopt" not in state_dict:
+                raise MegatronError("shardopt.megatron: load_state_dict: not a shardopt state dict (Megatron's own "
+                                    "optimizer formats hold Adam's state); load what this optimizer's state_dict() or "
+                                    "sharded_state_dict() saved, or use shardopt.checkpoint.load")
             self.optimizer.load_state_dict(state_dict["shardopt"])
+            pieces = state_dict.get("main_pieces")
+            if pieces is not None:
+                with torch.no_grad():
+                    for t, saved in zip(self.optimizer.stepped_tensors(), pieces):
+                        t.copy_(saved)
+                self.main_params_changed()
             if self.grad_scaler is not None and "grad_scaler" in state_dict:
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
+
+        def _unsupported_format(self, *args, **kwargs):
+            raise MegatronError("shardopt.megatron: Megatron's flat-buffer optimizer state formats (save_parameter_"
+                                "state, the torch/dp_zero checkpoint formats) hold Adam's state; save with "
+                                "sharded_state_dict (megatron.core.dist_checkpointing, --ckpt-format torch_dist) or "
+                                "shardopt.checkpoint.save")
+
+        save_parameter_state = load_parameter_state = _unsupported_format
+        get_parameter_state_dp_zero = get_parameter_state_dp_reshardable = _unsupported_format
+        load_parameter_state_from_dp_zero = load_parameter_state_from_dp_reshardable = _unsupported_format
 
         def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
                                sharding_type: str | None = None, metadata: dict | None = None):
