@@ -25,7 +25,7 @@ import torch.distributed as dist
 from ..optim.base import ShardedOptimizer
 from ..sharding.batched import matrix_name
 from ..sharding.comm import Round
-from ..sharding.layout import ColPiece, FlatPiece
+from ..sharding.layout import ColPiece, FlatPiece, put_piece, take_piece
 from ..sharding.state_split import share, share_shape
 from .errors import CheckpointError
 from .files import FORMAT, _natural_view, piece_spec, write_part
@@ -265,12 +265,7 @@ class WholeTensors:
 
     def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None:
         m, n = self.index[key]["view"]
-        full2d = self.full[key].reshape(m, n)
-        from ..sharding.layout import _blocks_of
-
-        for b in _blocks_of(target, m, n):
-            out[b.offset: b.offset + b.height * b.width].view(b.height, b.width).copy_(
-                full2d[b.row: b.row + b.height, b.col: b.col + b.width])
+        take_piece(self.full[key].reshape(m, n), target, out, (m, n))
 
     def check_files(self, keys: Any) -> None:
         return None
@@ -411,11 +406,7 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
         m, n = entry["view"]
         out = torch.zeros(m, n, dtype=torch.float32)
         for rec in entry["recs"].values():
-            from ..sharding.layout import _blocks_of
-
-            for b in _blocks_of(rec.piece, m, n):
-                out[b.row: b.row + b.height, b.col: b.col + b.width] = \
-                    rec.data[b.offset: b.offset + b.height * b.width].view(b.height, b.width).float().cpu()
+            put_piece(out, rec.piece, rec.data.float().cpu(), (m, n))
             kinds[key.split(SEP)[1]] = rec.kind
         full[key] = out.reshape(entry["shape"])
     return full, kinds

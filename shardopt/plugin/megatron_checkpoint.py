@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.logical import PARAM_KEY, SEP, import_from, local_records
-from ..sharding.layout import _blocks_of
+from ..sharding.layout import put_piece, take_piece
 
 __all__ = ["model_space_state", "load_model_space", "PREFIX"]
 
@@ -102,10 +102,7 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
     assembled: dict[str, torch.Tensor] = {}
     for part, _ in gathered:
         for key, _, shape, view, piece, data in part:
-            out = assembled.setdefault(key, torch.zeros(view[0] * view[1]))
-            for b in _blocks_of(piece, *view):
-                out.view(view)[b.row:b.row + b.height, b.col:b.col + b.width] = \
-                    data[b.offset:b.offset + b.height * b.width].view(b.height, b.width)
+            put_piece(assembled.setdefault(key, torch.zeros(view)), piece, data, view)
     whole_out = []
     seen = set()
     for r in whole:
@@ -141,10 +138,8 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
             for key, shape, view, piece, numel in m:
                 p = wrapper.param_of[key.split(SEP)[0]]
                 r0, c0, local_view = _tp_origin(p, tuple(view))
-                out = shards.setdefault(key, torch.zeros(local_view))
-                for b in _blocks_of(piece, *view):
-                    block = data[pos + b.offset: pos + b.offset + b.height * b.width].view(b.height, b.width)
-                    out[b.row - r0:b.row - r0 + b.height, b.col - c0:b.col - c0 + b.width] = block
+                put_piece(shards.setdefault(key, torch.zeros(local_view)), piece, data[pos:pos + numel], view,
+                          (r0, c0))
                 pos += numel
         for key, tensor in shards.items():
             p = wrapper.param_of[key.split(SEP)[0]]
@@ -222,10 +217,7 @@ class _ModelSpace:
 
     def fill(self, key: str, target, out: torch.Tensor) -> None:
         local, r0, c0 = self.data[key]
-        m, n = self.index[key]["view"]
-        for b in _blocks_of(target, m, n):
-            out[b.offset:b.offset + b.height * b.width].view(b.height, b.width).copy_(
-                local[b.row - r0:b.row - r0 + b.height, b.col - c0:b.col - c0 + b.width])
+        take_piece(local, target, out, tuple(self.index[key]["view"]), (r0, c0))
 
     def check_files(self, keys: Any) -> None:
         return None

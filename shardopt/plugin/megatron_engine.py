@@ -210,24 +210,16 @@ def megatron_layouts(buffers: Sequence[Any], names: Mapping[int, str]) -> dict[i
             local = tuple(p.shape)
             pieces = flat_pieces(start - bucket.offset, numel, bucket.grad_data.numel() // dp, dp)
             tp = _tp_and_dp(p, dp_group, groups)
-            if tp is None or p.dim() != 2:
-                shape = matrix_shape(local)
-                if tp is not None:  # a 1-D tensor-parallel vector (a column-parallel bias): elements, any group
-                    group, coords, rank = tp
-                    t_world = max(t for t, _ in coords) + 1
-                    logical = (local[0] * t_world,) + local[1:]
-                    shape = matrix_shape(logical)
-                    full = [FlatPiece(t * numel + pieces[d].lo, t * numel + pieces[d].hi) for t, d in coords]
-                    out[id(p)] = (MatrixLayout(shape, full, rank, group), logical)
-                    continue
-                out[id(p)] = (MatrixLayout(shape, pieces, dp_rank, dp_group if dp > 1 else None), local)
+            if tp is None:
+                out[id(p)] = (MatrixLayout(matrix_shape(local), pieces, dp_rank, dp_group if dp > 1 else None), local)
                 continue
             group, coords, rank = tp
-            dim = int(p.partition_dim)
-            t_world = max(t for t, _ in coords) + 1
-            logical = (local[0] * t_world, local[1]) if dim == 0 else (local[0], local[1] * t_world)
-            layout = MatrixLayout(logical, _tp_pieces(pieces, coords, dim, local), rank, group)
-            out[id(p)] = (layout, logical)
+            dim = int(p.partition_dim) if p.dim() == 2 else 0  # vectors (column-parallel biases): their elements
+            logical = list(local)
+            logical[dim] *= max(t for t, _ in coords) + 1
+            layout = MatrixLayout(matrix_shape(tuple(logical)),
+                                  _tp_pieces(pieces, coords, dim, matrix_shape(local)), rank, group)
+            out[id(p)] = (layout, tuple(logical))
     return out
 
 

@@ -27,7 +27,8 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["FlatPiece", "ColPiece", "RectPiece", "ColFlatPiece", "Block", "MatrixLayout", "AxisPlan", "piece_numel"]
+__all__ = ["FlatPiece", "ColPiece", "RectPiece", "ColFlatPiece", "Block", "MatrixLayout", "AxisPlan", "piece_numel",
+           "put_piece", "take_piece"]
 
 
 @dataclass(frozen=True)
@@ -146,6 +147,25 @@ def _blocks_of(piece: Piece, m: int, n: int) -> tuple[Block, ...]:
     if c1 > 0:
         blocks.append(Block(r1, 0, 1, c1, offset))
     return tuple(blocks)
+
+
+def put_piece(out: torch.Tensor, piece: Piece, data: torch.Tensor, shape: tuple[int, int],
+              origin: tuple[int, int] = (0, 0)) -> None:
+    """Write ``piece`` of an ``shape`` matrix, held 1-D in ``data``, into the 2-D ``out``: the matrix seen from
+    ``origin`` (its element ``origin`` is ``out[0, 0]``: a tensor-parallel shard of it, or the whole matrix)."""
+    r0, c0 = origin
+    for b in _blocks_of(piece, *shape):
+        out[b.row - r0:b.row - r0 + b.height, b.col - c0:b.col - c0 + b.width] = \
+            data[b.offset:b.offset + b.height * b.width].view(b.height, b.width)
+
+
+def take_piece(src: torch.Tensor, piece: Piece, out: torch.Tensor, shape: tuple[int, int],
+               origin: tuple[int, int] = (0, 0)) -> None:
+    """Read ``piece`` of an ``shape`` matrix from the 2-D ``src`` (the matrix seen from ``origin``) into 1-D ``out``."""
+    r0, c0 = origin
+    for b in _blocks_of(piece, *shape):
+        out[b.offset:b.offset + b.height * b.width].view(b.height, b.width).copy_(
+            src[b.row - r0:b.row - r0 + b.height, b.col - c0:b.col - c0 + b.width])
 
 
 class MatrixLayout:
