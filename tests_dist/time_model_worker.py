@@ -4,8 +4,8 @@ Every whole-matrix optimizer under ``strategy="auto"`` (the CPU profile: the par
 ``"distributed"`` (row realignment, reduced small matrices, shared factorizations, resting state) and
 ``"team"`` (teams of two ranks: pieces to the members, reductions and state among them) on FSDP2 and ZeRO-2
 at this world size. Per rank and step: the bytes shardopt's collectives really hand to gloo
-(``comm_stats``, by tag) beside the plan's prediction (``MatrixOps.modeled_payload``), and the CPU time
-spent inside whole-matrix work (``whole_matrix_cpu_s``) beside the single-process run's, measured right before each ``auto`` case. The model is a
+(``comm_stats``, by tag) beside the plan's prediction (``MatrixOps.modeled_payload``), and the FLOPs this
+rank runs inside whole-matrix work (counted by ``sharding.op_census``) beside the single-process run's. The model is a
 SmallLM whose matrices (256 x 256 and 704 x 256, 4 blocks) make whole-matrix work, not Python, the bulk of
 a step. SUMO and Alice refresh at the first step only (interval 100): the compared steps are those between
 refreshes; the refresh step's bytes are recorded beside them with the plans' prediction for a refresh step.
@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from launch import finish_worker  # noqa: E402
 import toy_models  # noqa: E402
 import shardopt  # noqa: E402
+from shardopt.sharding.op_census import OpCensus, census  # noqa: E402
 from shardopt.sharding.state_split import moving_numel  # noqa: E402
 
 LM = toy_models.LMSetup(256, 256, 704, 4, 8, 4)  # vocab, dim, ffn, blocks, seq, batch
@@ -68,8 +69,21 @@ def measured(opt) -> dict[str, float]:
     return {tag: float(stats.get(tag, {}).get("bytes", 0)) for tag in TAGS}
 
 
+def count_whole_matrix_work(opt) -> OpCensus:
+    """From now on, the FLOPs this rank runs inside the optimizer's whole-matrix work (``op_census``)."""
+    work, timing = OpCensus(), opt.whole_matrix_timing
+
+    @contextlib.contextmanager
+    def counted():
+        with timing(), census(work):
+            yield
+
+    opt.whole_matrix_timing = counted
+    return work
+
+
 def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
-    """Steps 1 (plans, state, refreshes) and 2..1+MEASURED_STEPS: bytes per step and whole-matrix CPU time."""
+    """Steps 1 (plans, state, refreshes) and 2..1+MEASURED_STEPS: bytes per step and whole-matrix FLOPs."""
     torch.manual_seed(0)
     model = LM.model()
     kw = dict(EXTRA.get(name, {}), matrix_ops={"strategy": strategy, **({"team_size": 2} if strategy == "team" else {})})
@@ -102,13 +116,12 @@ def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
     opt.comm_stats(reset=True)
     step(0)
     rec = {"refresh_bytes": measured(opt)}
-    rec["bytes"], per_step = [], []
+    rec["bytes"] = []
+    work = count_whole_matrix_work(opt)
     for s in range(1, 1 + MEASURED_STEPS):
-        opt.whole_matrix_cpu_s = 0.0
         step(s)
-        per_step.append(opt.whole_matrix_cpu_s)
         rec["bytes"].append(measured(opt))
-    rec["cpu_s"] = sorted(per_step)[len(per_step) // 2]  # the median step: 4 processes share 2 cores
+    rec["flops"] = work.flops / MEASURED_STEPS
     rec["predicted"] = predicted(opt)
     rec["predicted_refresh"] = predicted(opt, refresh=True)
     rec["kinds"] = sorted({k for g in range(len(opt._groups())) if opt.matrix_plan(g) is not None
@@ -129,13 +142,9 @@ def main() -> None:
         for engine, strategy in [(e, s) for e in ("fsdp2", "zero2") for s in STRATEGIES]:
             rec = {"optimizer": name, "engine": engine, "strategy": strategy}
             try:
-                if strategy == "auto":  # the case whose CPU ratio the test checks
-                    # the single-process steps right before it, so that both sides of the ratio see the machine
-                    # alike (a shared 2-core machine drifts over the minute a worker runs); every rank runs them
-                    # (their non-finite check is an all-reduce over the world)
-                    singles: list = [None] * dist.get_world_size()
-                    dist.all_gather_object(singles, run(name, None)["cpu_s"])
-                    rec["single_cpu_s"] = sorted(singles)[len(singles) // 2]
+                if strategy == "auto":  # the case whose division of work the test checks
+                    # every rank runs the single-process steps (their non-finite check is an all-reduce)
+                    rec["single_flops"] = run(name, None)["flops"]
                 with contextlib.redirect_stdout(io.StringIO()):
                     result = run(name, engine, strategy)
                 got: list = [None] * dist.get_world_size()
