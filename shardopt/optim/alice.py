@@ -82,12 +82,14 @@ def ritz_vectors(u_tilde: torch.Tensor, at_ut: torch.Tensor, U: torch.Tensor, Q_
 
 def switched_basis(u1: torch.Tensor, lead: int, pick: torch.Tensor | None) -> torch.Tensor:
     """Alg. 2: keep the leading ``lead`` columns of ``u1`` and append the columns ``pick`` of the orthogonal
-    complement of all of ``u1`` (complete QR); ``pick=None`` keeps ``u1``."""
+    complement of all of ``u1`` (complete QR); ``pick=None`` keeps ``u1``. Batched: ``u1`` ``(..., rows, r)`` and
+    ``pick`` ``(..., r - lead)``, one complete QR for the whole stack (the same numbers as one per matrix)."""
     if pick is None:
         return u1
-    r = u1.shape[1]
-    complement = torch.linalg.qr(u1.double(), mode="complete").Q[:, r:].float()
-    return torch.cat([u1[:, :lead], complement[:, pick.to(complement.device)]], dim=1)
+    r = u1.shape[-1]
+    complement = torch.linalg.qr(u1.double(), mode="complete").Q[..., r:].float()
+    index = pick.to(complement.device).unsqueeze(-2).expand(*complement.shape[:-1], pick.shape[-1])
+    return torch.cat([u1[..., :lead], complement.gather(-1, index)], dim=-1)
 
 
 def reproject_tracking(Q_tilde: torch.Tensor, U_new: torch.Tensor, U: torch.Tensor) -> None:
@@ -245,6 +247,9 @@ class Alice(ShardedOptimizer):
                    "V": "matrix", "p": "matrix", "phi": "matrix", "switches": "matrix"}
     state_key_renames = {"basis": "U", "tracking": "Q_tilde", "exp_avg_low": "M", "exp_avg_sq_low": "V",
                          "col_energy": "p"}
+    #: a switch: the SVD of the sketch ``H`` (its determined directions; the first switch: of the range finder's
+    #: ``Y^T G``), the Rayleigh-Ritz ``eigh`` (``r x r``) and Alg. 2's complete QR for the complement
+    refresh_factorizations = {"svd": 1, "eigh": 1, "qr": 1}
 
     def __init__(self, params: Iterable[Any], lr: float = _D.lr, alpha: float = _D.alpha, alpha_c: float = _D.alpha_c,
                  betas: tuple[float, float, float] = _D.betas, rank: int = _D.rank, leading: int = _D.leading,
@@ -489,13 +494,17 @@ class Alice(ShardedOptimizer):
             draws = torch.stack([fill_draw(rows, r, group["seed"], int(items[i].state["switches"]), vectors.device)
                                  for i in idx])
             ritz.update(zip(idx, complete_basis(vectors, keep, draws).unbind(0)))
+        new_bases: dict[int, torch.Tensor] = {}  # one complete QR per shape
+        for idx in group_indices(switch, lambda i: (tuple(ritz[i].shape), lead[i])):
+            rows, r = ritz[idx[0]].shape
+            l = lead[idx[0]]
+            picks = torch.stack([seeded_permutation(rows - r, group["seed"], items[i].frag.name,
+                                                    int(items[i].state["switches"]))[: r - l] for i in idx]) \
+                if l < r else None
+            new_bases.update(zip(idx, switched_basis(torch.stack([ritz[i] for i in idx]), l, picks).unbind(0)))
         for i in switch:
             st = items[i].state
-            r, l = ranks[i], lead[i]
-            rows = ritz[i].shape[0]
-            pick = seeded_permutation(rows - r, group["seed"], items[i].frag.name, int(st["switches"]))[: r - l] \
-                if l < r else None
-            new = switched_basis(ritz[i], l, pick)
+            new = new_bases[i]
             if group["tracking"] and group["reproject"] and int(st["switches"]) > 0:
                 reproject_tracking(st["Q_tilde"], new, u_old[i])
             st["U"].copy_(ops.my_rows(i, new) if ops.split(i) else new)

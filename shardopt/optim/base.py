@@ -97,6 +97,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: whether the matrix rule needs whole-matrix operations (then ``whole_matrix_transpose``/``_cost`` and
     #: ``matrix_state_spec`` describe it, and steps run through ``_run_whole_matrix``)
     whole_matrix_work: bool = False
+    #: the factorizations (``torch.linalg`` ``eigh``/``svd``/``qr``) a step that refreshes a subspace runs on the
+    #: iterative route (CUDA's), per stack of same-shape matrices: what the paper prescribes there. Between
+    #: refreshes, and for every other rule, a step runs none; a matrix an iteration cannot settle falls back to
+    #: the factorization it replaces, counted by ``sharding.iterative.fallback_counts``
+    refresh_factorizations: dict[str, int] = {}
     #: How each state entry relates to its parameter, for checkpoints that reshard (shardopt.checkpoint):
     #: "elements" follows the parameter's elements, "rows"/"cols" is one value per row/column of the
     #: matrix view, "tensor" is one value per stepped tensor (step counters), "scalar" one per matrix,

@@ -107,6 +107,8 @@ class SUMO(ShardedOptimizer):
     state_kinds = {**ShardedOptimizer.state_kinds, "Q": "matrix", "M": "matrix", "prev_onorm": "matrix",
                    "refreshes": "matrix"}
     state_key_renames = {"basis": "Q", "moment": "M"}
+    #: the truncated SVD of the range finder's small sketch ``Y^T G`` (its orthonormalizations are Cholesky-QR2)
+    refresh_factorizations = {"svd": 1}
 
     def __init__(self, params: Iterable[Any], lr: float = _D.lr, rank: int = _D.rank, alpha: float = _D.alpha,
                  momentum: float = _D.momentum, refresh_interval: int = _D.refresh_interval,

@@ -20,6 +20,7 @@ host read these routines cost.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 from typing import Iterator
@@ -27,7 +28,7 @@ from typing import Iterator
 import torch
 
 __all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "coupled_iteration", "inverse_sqrt_checked", "polar_from_gram_checked",
-           "iterative_device", "forced"]
+           "cholesky_qr2_checked", "orthonormal_columns", "iterative_device", "forced", "fallback_counts", "count_fallbacks"]
 
 #: the iteration's residual ``|I - Z Y|_F`` a result must reach: each eigendirection's scale within 1e-7
 #: relative, float32 rounding of the result
@@ -95,22 +96,25 @@ def inverse_sqrt_checked(a: torch.Tensor, floor: float) -> tuple[torch.Tensor, t
     return (z + z.mT) * 0.5, torch.isfinite(residual) & (residual <= RESIDUAL_TOL)
 
 
-def polar_from_gram_checked(g: torch.Tensor, tol: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """The polar factor ``U V^T`` of a ``(B, m, n)`` float64 stack where no singular value falls below ``tol``
-    times the largest, and a mask of the matrices where that holds and the result is exact to float32 rounding.
+def polar_from_gram_checked(g: torch.Tensor, tol: float, kept: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The polar factor ``U V^T`` of a ``(B, m, n)`` float64 stack where no singular value falls below ``kept``
+    (default ``2 tol``) times the largest, and a mask of the matrices where that holds and the result is exact to
+    float32 rounding.
 
     The factor is ``(a a^T)^{-1/2} a`` on the wide orientation ``a`` (``k x l``, ``k <= l``). A Cholesky test
-    decides, with no host read, that every direction is kept with a margin: ``S - 4 tol^2 |S|_F I`` positive
-    definite (``S = a a^T``) means ``sigma_min^2 > 4 tol^2 |S|_F >= 4 tol^2 sigma_1^2``, so the cutoff drops
-    nothing and the eigenvalues of ``S / |S|_F`` lie in ``(4 tol^2, 1]``: a step count known in advance. Matrices
-    that fail the test (rank-deficient, a direction near the cutoff, zero) are left to the caller's exact route."""
+    decides, with no host read, that every direction is kept with a margin: ``S - kept^2 |S|_F I`` positive
+    definite (``S = a a^T``) means ``sigma_min^2 > kept^2 |S|_F >= kept^2 sigma_1^2``, so a cutoff ``tol <= kept / 2``
+    drops nothing and the eigenvalues of ``S / |S|_F`` lie in ``(kept^2, 1]``: a step count known in advance. A
+    larger ``kept`` also bounds what rounding of the Gram matrix does to the weakest direction (the caller's
+    accuracy floor, ``matfun.polar_factor``). Matrices that fail the test (rank-deficient, a direction near the
+    cutoff or the floor, zero) are left to the caller's exact route."""
     wide = g.size(-2) <= g.size(-1)
     a = g if wide else g.mT
     gram = a @ a.mT
     s = torch.linalg.matrix_norm(gram)
     k = gram.size(-1)
     eye = torch.eye(k, dtype=gram.dtype, device=gram.device)
-    margin = 4.0 * tol * tol
+    margin = (2.0 * tol if kept is None else kept) ** 2
     _, info = torch.linalg.cholesky_ex(gram - (margin * s)[:, None, None] * eye)
     steps = steps_to_converge(margin)
     z, residual = coupled_iteration(gram, s.clamp(min=torch.finfo(gram.dtype).tiny), min(steps, MAX_STEPS),
@@ -118,6 +122,62 @@ def polar_from_gram_checked(g: torch.Tensor, tol: float) -> tuple[torch.Tensor, 
     out = (z / s.sqrt()[:, None, None]) @ a
     ok = (info == 0) & torch.isfinite(residual) & (residual <= RESIDUAL_TOL) & (steps <= MAX_STEPS)
     return (out if wide else out.mT), ok
+
+
+#: Cholesky-QR2's orthogonality residual ``|Q^T Q - I|_F`` a basis must reach (float64 arithmetic; a condition
+#: number up to about 1e7 gives 1e-14, and float32 rounding of the result is 1e-7)
+ORTHOGONALITY_TOL = 1e-10
+
+
+def cholesky_qr2_checked(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Orthonormal columns spanning each ``(..., m, n)`` float64 matrix (``m >= n``) by Cholesky-QR2: twice
+    ``R = chol(Q^T Q)``, ``Q <- Q R^{-1}``: two ``n x n`` Grams, two small Cholesky factors and two triangular
+    solves, batched matrix products all, where a GPU's Householder QR runs one matrix at a time. With a
+    mask of the matrices where it holds: both factors exist and ``|Q^T Q - I|_F <= ORTHOGONALITY_TOL`` (a
+    condition number past about ``eps64^-1/2``, such as a rank-deficient sketch, fails and is the caller's to
+    recompute by QR). ``Q`` equals Householder QR's up to the sign of each column (here ``R`` has a positive
+    diagonal); the callers' bases are invariant to it."""
+    q, ok = x, torch.ones(x.shape[:-2], dtype=torch.bool, device=x.device)
+    for _ in range(2):
+        r, info = torch.linalg.cholesky_ex(q.mT @ q, upper=True)
+        ok &= info == 0
+        q = torch.linalg.solve_triangular(r, q, upper=True, left=False)
+    eye = torch.eye(x.shape[-1], dtype=x.dtype, device=x.device)
+    residual = torch.linalg.matrix_norm(q.mT @ q - eye)
+    return q, ok & torch.isfinite(residual) & (residual <= ORTHOGONALITY_TOL)
+
+
+def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal columns spanning each float64 ``(..., m, n)`` matrix (``m >= n``), float64: on the iterative
+    route (``iterative_device``) Cholesky-QR2 with Householder QR for the matrices it cannot settle (one host
+    read: whether any), else Householder QR."""
+    if x.dim() < 2 or not x.numel() or x.shape[-2] < x.shape[-1] or not iterative_device(x.device):
+        return torch.linalg.qr(x).Q
+    q, ok = cholesky_qr2_checked(x)
+    bad = ~ok
+    if bool(bad.any()):
+        count_fallbacks("orthonormal", bad)
+        if q.dim() == 2:
+            return torch.linalg.qr(x).Q
+        q[bad] = torch.linalg.qr(x[bad]).Q
+    return q
+
+
+_FALLBACKS: collections.Counter = collections.Counter()
+
+
+def count_fallbacks(route: str, matrices: torch.Tensor | int) -> None:
+    """Counts ``matrices`` (a number, or a mask's true entries) that ``route`` left to its factorization."""
+    _FALLBACKS[route] += int(matrices.sum()) if isinstance(matrices, torch.Tensor) else int(matrices)
+
+
+def fallback_counts(reset: bool = False) -> dict[str, int]:
+    """Matrices the iterative routes left to a factorization in this process, by route (``"inverse_sqrt"``,
+    ``"polar"``, ``"orthonormal"``): what ``benchmarks.throughput`` reports beside tokens/s."""
+    out = dict(_FALLBACKS)
+    if reset:
+        _FALLBACKS.clear()
+    return out
 
 
 _FORCED: bool | None = None

@@ -15,7 +15,7 @@ from typing import Callable, Generator
 
 import torch
 
-from .iterative import coupled_iteration, inverse_sqrt_checked, iterative_device, polar_from_gram_checked
+from .iterative import coupled_iteration, count_fallbacks, inverse_sqrt_checked, iterative_device, polar_from_gram_checked
 from .stacking import same_shape
 
 __all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "muon_gram_products", "complete_locally",
@@ -139,7 +139,8 @@ def polar_factor(g: torch.Tensor, rtol: float | None = None) -> torch.Tensor:
     matrices (SUMO's ``r x n`` moments at small widths) thus pay one eigendecomposition, about half an SVD.
     """
     tol = max(g.shape[-2:]) * torch.finfo(torch.float64).eps if rtol is None else rtol
-    if tol >= GRAM_RTOL and g.numel() and g.dim() == 3 and iterative_device(g.device):
+    settles = tol >= GRAM_RTOL or (g.numel() and tol >= 2 * _gram_floor(g.shape))
+    if settles and g.numel() and g.dim() == 3 and iterative_device(g.device):
         return _polar_iterative(g.double(), tol).float()
     if tol >= GRAM_RTOL and g.numel():
         return _polar_from_gram(g.double(), tol).float()
@@ -154,11 +155,19 @@ GRAM_RTOL = 1e-5
 def _polar_iterative(g: torch.Tensor, tol: float) -> torch.Tensor:
     """The Gram route of ``polar_factor`` as batched products (``iterative.polar_from_gram_checked``, float64 in
     and out) where a device runs eigendecompositions one by one; the matrices it cannot settle (a direction near
-    or below the cutoff, rank-deficient, zero) take the eigendecomposition. One host read: whether any did."""
-    out, ok = polar_from_gram_checked(g, tol)
+    or below the cutoff, rank-deficient, zero) take the eigendecomposition. One host read: whether any did.
+
+    Below ``GRAM_RTOL`` (SUMO's cutoff on a narrow moment, ``max(m, n) eps32``) the iteration keeps a matrix only
+    where every direction is surely kept in ``_gram_unsettled``'s sense (at least ``2 tol`` and the Gram matrix's
+    float32 accuracy floor), so its result is the checked Gram route's to float32 rounding; the rest take that
+    route, with its SVD check."""
+    checked = tol < GRAM_RTOL
+    kept = max(2 * tol, _gram_floor(g.shape) / math.sqrt(2 * torch.finfo(torch.float32).eps)) if checked else None
+    out, ok = polar_from_gram_checked(g, tol, kept)
     bad = ~ok
     if bool(bad.any()):
-        out[bad] = _polar_from_gram(g[bad], tol)
+        count_fallbacks("polar", bad)
+        out[bad] = _polar_from_gram(g[bad], tol, checked=checked)
     return out
 
 
@@ -238,6 +247,7 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "auto", ns_steps: in
         root, ok = inverse_sqrt_checked(a, eps)
         bad = ~ok
         if bool(bad.any()):
+            count_fallbacks("inverse_sqrt", bad)
             root[bad] = _eigh_inverse_root(a[bad], pseudo_inverse=False).double()
         return root.float()
     return _eigh_inverse_root(a, pseudo_inverse=eps == 0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from .draws import seeded_normal
+from .iterative import orthonormal_columns
 from .matrix_ops import MatrixOps
 
 __all__ = ["range_basis", "refresh_reduced", "orthonormal", "signal_range", "signal_directions", "fp32_floor", "determined_floor",
@@ -18,8 +19,9 @@ __all__ = ["range_basis", "refresh_reduced", "orthonormal", "signal_range", "sig
 
 
 def orthonormal(x: torch.Tensor) -> torch.Tensor:
-    """Orthonormal columns spanning ``x`` (reduced QR in float64, returned in fp32)."""
-    return torch.linalg.qr(x.double()).Q.float()
+    """Orthonormal columns spanning ``x`` (float64 arithmetic, returned in fp32): Householder QR, or on the
+    iterative route (CUDA) Cholesky-QR2 (``iterative.orthonormal_columns``)."""
+    return orthonormal_columns(x.double()).float()
 
 
 def signal_range(x: torch.Tensor, shape: tuple[int, int], floor: float | None = None) -> torch.Tensor:
@@ -110,7 +112,7 @@ def complete_basis(basis: torch.Tensor, keep: torch.Tensor, draw: torch.Tensor) 
     g = draw.double()
     for _ in range(2):  # twice is enough (Gram-Schmidt's "twice is enough")
         g = g - b @ (b.mT @ g)
-    q = torch.linalg.qr(g).Q  # its first r - k columns span the left-out ones' share of the complement
+    q = orthonormal_columns(g)  # its first r - k columns span the left-out ones' share of the complement
     r = basis.shape[-1]
     k = keep.sum(-1, keepdim=True).long()
     src = (torch.arange(r, device=basis.device) - k).clamp(min=0)
