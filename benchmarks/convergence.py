@@ -34,11 +34,12 @@ BASE_CONFIG = "configs/train/single_scale.json"
 RUN_ROOT = "runs/benchmarks/convergence"
 
 
-def run_one(name: str, mult: float, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(name: str, mult: float, args: argparse.Namespace, tag: str = "") -> dict[str, Any]:
+    """One training run; ``tag`` names a variant's run directory (``benchmarks.routes_convergence``)."""
     from .train_run import make_config, read_metrics, train
 
     root = os.path.join(QUICK_DIR, "convergence") if args.quick else RUN_ROOT  # a smoke run keeps the full runs
-    run_dir = os.path.join(root, f"{name}_x{mult:g}")
+    run_dir = os.path.join(root, f"{name}_x{mult:g}" + (f"_{tag}" if tag else ""))
     params = {} if name in peers.PEERS else optimizers.sweep_hyperparameters(name, mult)
     cfg = make_config(BASE_CONFIG, name, params, [
         f"run_dir={run_dir}", f"seed={args.seed}", f"train.steps={args.steps}",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 import shardopt  # noqa: E402
 from shardopt.sharding import collective_counter  # noqa: E402
+from shardopt.sharding import iterative  # noqa: E402
 from launch import finish_worker  # noqa: E402
 from toy_models import GLOBAL_BATCH, batch, loss_fn, make_model  # noqa: E402
 
@@ -246,7 +247,14 @@ def main() -> None:
                     help="layouts on which the strategies after an optimizer's first run (default: every layout)")
     ap.add_argument("--count-blocks", default="1,6",
                     help="block counts for the collective-count check (fsdp2_rows and zero2, no comparison)")
+    ap.add_argument("--iterative", action="store_true",
+                    help="CUDA's iterative routes (no eigh/svd/qr between refreshes) for the runs and the reference")
     args = ap.parse_args()
+    with iterative.forced(True) if args.iterative else contextlib.nullcontext():
+        run_all(args)
+
+
+def run_all(args: argparse.Namespace) -> None:
     global N_BLOCKS, LAST_OPTIMIZER
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))

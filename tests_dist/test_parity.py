@@ -132,3 +132,36 @@ def test_shipped_deepspeed_json_runs_scale_on_zero2(ws: int) -> None:
     assert "error" not in rec, rec.get("error")
     assert rec["optimizer_class"] == "SCALE" and rec["zero_stage"] == 2
     assert rec["losses"][-1] < rec["losses"][0]
+
+
+#: CUDA's iterative routes (issue 42): no eigh/svd/qr between refreshes (batched Newton-Schulz roots and polar
+#: factors, Cholesky-QR2 bases), forced on the CPU for the sharded runs and the single-process reference alike
+ITERATIVE_RULES = ("asgo", "sumo", "alice")
+ITERATIVE_LAYOUTS = ("fsdp2_rows", "fsdp2_cols", "zero2", "zero3")
+_iterative: dict[str, list[dict]] = {}
+
+
+def iterative_results() -> list[dict]:
+    if "recs" not in _iterative:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            proc = run_ranks("parity_worker.py", 2, ["--out", out.name, "--iterative", "--count-blocks", "",
+                                                     "--optimizers", ",".join(ITERATIVE_RULES),
+                                                     "--layouts", ",".join(ITERATIVE_LAYOUTS)], timeout=900)
+            if proc.returncode != 0:
+                pytest.fail(f"parity worker (iterative routes) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
+            _iterative["recs"] = json.load(open(out.name))
+    return _iterative["recs"]
+
+
+@pytest.mark.parametrize("layout", ITERATIVE_LAYOUTS)
+@pytest.mark.parametrize("opt", ITERATIVE_RULES)
+def test_iterative_routes_sharded_equal_one_process(opt: str, layout: str) -> None:
+    """Sharded equals one process on the routes a GPU takes, too (world size 2, every strategy but teams)."""
+    recs = [r for r in iterative_results() if r.get("optimizer") == opt and r.get("layout") == layout
+            and r.get("kind") is None]
+    assert recs, (opt, layout)
+    for rec in recs:
+        assert "error" not in rec, rec.get("error")
+        print(f"{opt} [{rec['strategy']}] {layout} ws=2, iterative routes: max |sharded - single| = "
+              f"{rec['max_abs_diff']:.3g}")
+        assert rec["max_abs_diff"] <= FP32_TOL
