@@ -37,6 +37,8 @@ from typing import Any
 
 import torch
 
+from shardopt.sharding import iterative
+
 from . import costmodel, optimizers
 from .cli import parse_args
 from .models import GALORE_VOCAB, build_llama, describe
@@ -144,6 +146,7 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
     tokens = args.batch * args.seq
     rec: dict[str, Any] = {"size": size, "optimizer": name, "tokens_per_iteration": tokens}
     base, hp = parse_variant(name)
+    iterative.fallback_counts(reset=True)
     try:
         opt = optimizers.build(base, model, on_nonfinite=args.on_nonfinite, **hp)
         if device.type == "cuda":
@@ -154,7 +157,8 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
         del model
         return {**rec, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
     it, st = statistics.median(iters), statistics.median(steps)
-    rec.update(iteration_s=it, step_s=st, loss=loss, iteration_times_s=iters, step_times_s=steps)
+    rec.update(iteration_s=it, step_s=st, loss=loss, iteration_times_s=iters, step_times_s=steps,
+               fallbacks=iterative.fallback_counts(reset=True))  # matrices the iterative routes left to eigh/svd/qr
     interval = costmodel.interval_of(opt)
     if device.type == "cuda":
         rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
@@ -182,7 +186,7 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
         rows = []
         for r in (r for r in records if r["size"] == size):
             if "error" in r:
-                rows.append([r["optimizer"], r["error"]] + [""] * 6)
+                rows.append([r["optimizer"], r["error"]] + [""] * 9)
                 continue
             target = TARGETS.get(r["optimizer"])
             verdict = "" if target is None or r.get("vs_adamw_fused") is None else (
@@ -194,10 +198,10 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                          fmt(r["amortized_step_s"] * 1e3, ".2f"), fmt(r["step_share"] * 100, ".1f"),
                          fmt(r.get("peak_memory_gib"), ".2f"), verdict,
                          fmt(global_rate / 1e3 if global_rate else None, ".1f"), fmt(r.get("vs_adamw_fused_global"), ".3f"),
-                         paper])
+                         paper, str(sum(r.get("fallbacks", {}).values()))])
         out.append(f"\n## {size}\n\n" + markdown_table(
             ["optimizer", "k tokens/s", "/ AdamW fused", "step ms", "step % of iteration", "peak GiB",
-             "target (350m)", "global batch: k tokens/s", "/ AdamW fused", "paper"], rows))
+             "target (350m)", "global batch: k tokens/s", "/ AdamW fused", "paper", "fallbacks"], rows))
     return "".join(out)
 
 
