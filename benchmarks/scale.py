@@ -364,8 +364,8 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
                     net += c.sent + c.received
                     split = ops.cost_of(i)
                     if kind == "distributed" and split.shared:
-                        seconds[ops.factor_owners[i]] += (split.small_flops / ops.profile.factor_flops
-                                                          + split.small_matmul / ops.profile.matmul_flops)
+                        seconds[ops.factor_owners[i]] += ops.profile.seconds(
+                            split.small_matmul, split.small_flops, calls=split.small_calls)
                 if kind != "local" and (ops.plans[i].layout.holders > 1 or kind != "gather"):
                     rounds = 2.0 if kind == "gather" else ops.cost_of(i).split_rounds()
                     kinds[kind] = max(kinds.get(kind, 0.0), rounds)

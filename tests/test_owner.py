@@ -1,6 +1,8 @@
 """Owner plans for whole-matrix operations: balanced, and a pure function of static metadata."""
 from __future__ import annotations
 
+import types
+
 from shardopt.sharding import MatrixLayout
 from shardopt.sharding.owner import newton_schulz_cost, owner_plan
 
@@ -13,6 +15,7 @@ def layouts(shapes, world=4, rank=0):
 
 def test_lpt_balances_within_25_percent_of_the_mean():
     # two LLaMA-60M blocks (q, k, v, o, gate, up, down): 14 matrices on 4 ranks
+    cpu = types.SimpleNamespace(iterative_routes=lambda group: False)  # the CPU's routes (the optimizer's self)
     block = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
     shapes = block * 2
     names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
@@ -39,6 +42,7 @@ def _ops(strategy, rank=0, cost=None):
     from shardopt.optim.asgo import _asgo_cost
     from shardopt.sharding.matrix_ops import MatrixOps
 
+    cpu = types.SimpleNamespace(iterative_routes=lambda group: False)  # the CPU's routes (the optimizer's self)
     block = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
     shapes = block * 2
     names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
@@ -70,13 +74,14 @@ def test_owners_balance_state_and_flops_together_on_llama_60m():
     from shardopt.optim.sumo import SUMO
     from shardopt.sharding.matrix_ops import MatrixOps, _gather_cost
 
+    cpu = types.SimpleNamespace(iterative_routes=lambda group: False)  # the CPU's routes (the optimizer's self)
     block = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
     shapes = block * 8  # LLaMA-60M: 8 layers
     names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
     rules = {
-        "sumo": (lambda s: SUMO.whole_matrix_cost(None, {"rank": 128, "oversample": 10, "power_iters": 2,
+        "sumo": (lambda s: SUMO.whole_matrix_cost(cpu, {"rank": 128, "oversample": 10, "power_iters": 2,
                                                           "refresh_interval": 200}, s), lambda m, n: m < n),
-        "alice": (lambda s: Alice.whole_matrix_cost(None, {"rank": 128, "tracking": True, "refresh_interval": 200}, s),
+        "alice": (lambda s: Alice.whole_matrix_cost(cpu, {"rank": 128, "tracking": True, "refresh_interval": 200}, s),
                   lambda m, n: m > n),
         "asgo": (_asgo_cost, lambda m, n: m < n),
     }

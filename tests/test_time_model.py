@@ -22,9 +22,17 @@ def _plan(shapes, strategy, cost, world, rank=0, **kw):
 
 
 def _asgo(a_shape):
+    """ASGO's cost on the CPU's routes (its root by eigh)."""
     from shardopt.optim.asgo import _asgo_cost
 
     return _asgo_cost(a_shape)
+
+
+def _asgo_gpu(a_shape):
+    """ASGO's cost on the routes a GPU takes (its root by the checked float64 Newton-Schulz iteration)."""
+    from shardopt.optim.asgo import _asgo_cost
+
+    return _asgo_cost(a_shape, iterative=True)
 
 
 def _busiest_seconds(ops, world):
@@ -93,12 +101,18 @@ def test_profile_and_budget_are_validated_in_the_config():
 @pytest.mark.parametrize("world", [64, 1024])
 def test_auto_is_no_slower_than_either_forced_strategy(world):
     """At scale ``auto`` computes each ASGO root once, on an owner: its busiest rank's modeled step is at most
-    the better forced strategy's (issue 27: distributed repeated every root on every rank)."""
-    plans = {s: _plan(_SHAPES, s, _asgo, world, profile="gpu") for s in ("auto", "gather", "distributed")}
-    t = {s: _busiest_seconds(p, world) for s, p in plans.items()}
-    assert t["auto"] <= min(t["gather"], t["distributed"]) * (1 + 1e-9), t
-    assert t["auto"] < 0.2 * t["distributed"], t
-    assert "distributed" not in plans["auto"].kinds  # no k x k root repeated on every rank
+    the better forced strategy's, on the GPU's routes and with the root by eigh (issue 27: distributed repeated
+    every root on every rank). Under the calibrated profile a 4096-wide root costs 0.23 s (iterative) or 4.9 s
+    (eigh at cuSOLVER's measured rate), so every plan's busiest rank holds one whole root: ``auto`` saves the
+    moves and reductions around it (observed 0.25 s against gather's 0.27 and distributed's 0.54; eigh 4.93
+    against 4.94 and 5.22)."""
+    for cost in (_asgo_gpu, _asgo):
+        plans = {s: _plan(_SHAPES, s, cost, world, profile="gpu") for s in ("auto", "gather", "distributed")}
+        t = {s: _busiest_seconds(p, world) for s, p in plans.items()}
+        assert t["auto"] <= min(t["gather"], t["distributed"]) * (1 + 1e-9), (cost.__name__, t)
+        assert "distributed" not in plans["auto"].kinds  # no k x k root repeated on every rank
+        if cost is _asgo_gpu:
+            assert t["auto"] < 0.5 * t["distributed"], t
 
 
 def test_auto_distributes_where_moving_the_matrix_costs_more_than_its_reduced_statistic():

@@ -277,7 +277,12 @@ class Alice(ShardedOptimizer):
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
-        return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r,
+        # a switch, spread over its interval: the sketch's SVD (rows x r), the Rayleigh-Ritz eigh (r x r) and
+        # Alg. 2's complete QR (rows x rows from rows x r): three solver calls
+        switch = 4.0 * rows * r * r + 22.0 * r ** 3 + 10.0 * r ** 3 + 4.0 * rows * rows * r
+        every = group["refresh_interval"]
+        return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r + switch / every,
+                      small_calls=3.0 / every,
                       reduced=r * cols + cols + 1,
                       state=rows * r + 2 * r * cols + cols + (r * r if group["tracking"] else 0), row_state=rows * r,
                       # a switch after the first: U assembled, A^T U, the sketch assembled, A^T U~ (rows or cols x r)

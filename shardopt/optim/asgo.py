@@ -27,6 +27,7 @@ import pydantic
 import torch
 
 from ..sharding import Round, collective_counter, masked_rsqrt
+from ..sharding.iterative import steps_to_converge
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
 from ..sharding.stacking import stack
@@ -132,20 +133,30 @@ def graft_to_rms(update: torch.Tensor, norm2: torch.Tensor, rms: float, shape: t
     return update * (rms * math.sqrt(m * n) / norm2.sqrt().clamp(min=1e-12))
 
 
+#: coupled Newton-Schulz steps the checked root of the iterative routes takes, as the model counts them: its
+#: count follows ``eps`` over the statistic's norm (``iterative.steps_to_converge``), 28 at 1e-8
+ROOT_STEPS_MODELED = steps_to_converge(1e-8)
+
+
 @functools.lru_cache(maxsize=1024)
-def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None = None, graft: bool = False) -> OpCost:
+def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None = None, graft: bool = False,
+               iterative: bool = False, every: int = 1) -> OpCost:
     """``channels``: the gradient and the momentum go to the row blocks (the momentum alone with
-    ``statistic="momentum"``). The root: a float64 eigendecomposition (about ``10 k^3``) and its product, or
-    (``ns_steps``) the coupled Newton-Schulz iteration's ``3 ns_steps - 2`` products and its residual check.
+    ``statistic="momentum"``). The root, every ``every`` steps (tau): a float64 eigendecomposition (about
+    ``10 k^3``, one solver call) and its product; on the iterative routes (``iterative``) the checked float64
+    coupled Newton-Schulz root (``ROOT_STEPS_MODELED`` steps of ``6 k^3`` and its residual); or (``ns_steps``)
+    the fp32 iteration's ``3 ns_steps - 2`` products and its residual check.
     The Gram crosses the network as a triangle (the root symmetrizes the statistic anyway), the eigh root too
     (symmetric to rounding; the fp32 Newton-Schulz root is not, and goes whole); ``graft``: one more round,
     the update's norm."""
     rows, k = a_shape
     tri = k * (k + 1) // 2
-    if ns_steps is None:
-        small = dict(small_flops=10.0 * k ** 3, small_matmul=2.0 * k ** 3)
+    if ns_steps is None and iterative:
+        small = dict(small_matmul=2.0 * k ** 3 + 2.0 * k ** 3 * (3 * ROOT_STEPS_MODELED + 1) / every)
+    elif ns_steps is None:
+        small = dict(small_flops=10.0 * k ** 3 / every, small_matmul=2.0 * k ** 3, small_calls=1.0 / every)
     else:
-        small = dict(small_matmul=2.0 * k ** 3 * (3 * ns_steps))
+        small = dict(small_matmul=2.0 * k ** 3 * (3 * ns_steps) / every)
     return OpCost(row_flops=4.0 * rows * k * k, reduced=tri, state=2.0 * k * k, shared=tri if ns_steps is None else k * k,
                   channels=channels, rounds=2.0 if graft else 1.0, **small)
 
@@ -233,7 +244,9 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2,
                           group["ns_steps"] if group["root"] == "newton_schulz" else None,
-                          group["update_rms"] is not None)
+                          group["update_rms"] is not None,
+                          group["root"] == "auto" and group["eps"] > 0 and self.iterative_routes(group),
+                          group["refresh_interval"])
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]

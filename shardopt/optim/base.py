@@ -25,6 +25,7 @@ import torch
 from ..sharding.batched import BATCHED_NDIM, split_flat
 from ..sharding.discover import align_grads, batched_fragments, global_shape, layout_of, shard_mesh
 from ..sharding.fragment import Fragment, local_flat, local_tensor
+from ..sharding.iterative import iterative_device
 from ..sharding.layout import MatrixLayout
 from ..sharding.comm import Round, collective_counter
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
@@ -744,8 +745,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         """Estimated work, reduced elements and small-state size for the oriented ``A`` (rows x cols) when its
         rows are computed on ``parts`` ranks (1: whole on one rank; an algorithm may compute otherwise when
-        they are spread, as Muon does)."""
+        they are spread, as Muon does), on the routes ``iterative_routes`` says the group takes."""
         raise NotImplementedError
+
+    def iterative_routes(self, group: dict) -> bool:
+        """Whether ``group``'s small factorizations run as batched products (``sharding.iterative``: CUDA, or
+        forced): then its costs count products between refreshes. Meta tensors (``benchmarks.scale``) model a
+        GPU, and take them too."""
+        device = self._device_type(group) or "cpu"
+        return iterative_device(torch.device("cuda" if device == "meta" else device))
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> StateSpec:
         """``{key: (logical shape, split dim or None)}`` of one matrix's small ("matrix"-kind) state."""

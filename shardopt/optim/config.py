@@ -58,6 +58,8 @@ class ProfileConfig(_Strict):
     matmul_tflops: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="fp32 products, TFLOP/s")
     factor_tflops: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
                                                  description="small factorizations (eigh, SVD, QR), TFLOP/s")
+    factor_latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
+                                                     description="per factorization call, us")
     bandwidth_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
                                                  description="collective bandwidth per rank, GB/s")
     latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="per collective round, us")

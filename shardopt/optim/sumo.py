@@ -27,6 +27,7 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
+from ..sharding.iterative import steps_to_converge
 from ..sharding.matfun import polar_factor
 from ..sharding.orientation import stored_transposed
 from ..sharding.matrix_ops import OpCost
@@ -127,15 +128,32 @@ class SUMO(ShardedOptimizer):
         return (m < n) if group["side"] == "auto" else group["side"] == "right"
 
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
+        """Per step: the projections (``4 rows cols r``) and the moment's polar factor from its ``r x r`` Gram
+        (products: Gram and O, ``4 cols r^2 + 2 r^3``), by a float64 eigendecomposition, or on the iterative
+        routes by the checked coupled Newton-Schulz iteration (``6 r^3`` a step, its step count fixed by the
+        cutoff). A refresh, spread over its interval: the range finder's products with ``A`` (``2 (1 + p)``
+        of ``2 rows cols w``), its orthonormalizations (QR, or Cholesky-QR2's products) and the SVD of the
+        ``w x cols`` sketch; its reductions and ``Q_new^T Q`` (``refresh_reduced``)."""
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
-        # the moment's polar factor from its r x r Gram: products (Gram and O, 4 cols r^2 + 2 r^3) and a float64
-        # eigendecomposition; a refresh adds the range finder's reductions and Q_new^T Q (r x r)
-        return OpCost(row_flops=4.0 * rows * cols * r, small_matmul=4.0 * cols * r * r + 2.0 * r ** 3,
-                      small_flops=8.0 * r ** 3,
+        w = min(r + group["oversample"], rows, cols)
+        every = group["refresh_interval"]
+        orthonormalizations = 1 + 2 * group["power_iters"]
+        sketch_svd = 4.0 * cols * w * w + 22.0 * w ** 3
+        refresh_rows = 2.0 * (1 + group["power_iters"]) * 2.0 * rows * cols * w
+        products = 4.0 * cols * r * r + 2.0 * r ** 3
+        if self.iterative_routes(group):
+            steps = steps_to_converge(min(1.0, (2.0 * max(r, cols) * _EPS32) ** 2))
+            qr2 = orthonormalizations * (2 * 2.0 * rows * w * w + 2 * rows * w * w)  # two Grams, two solves
+            small = dict(small_matmul=products + 6.0 * r ** 3 * steps + qr2 / every, small_flops=sketch_svd / every,
+                         small_calls=1.0 / every)
+        else:
+            small = dict(small_matmul=products,
+                         small_flops=8.0 * r ** 3 + (orthonormalizations * 4.0 * rows * w * w + sketch_svd) / every,
+                         small_calls=1.0 + (orthonormalizations + 1.0) / every)
+        return OpCost(row_flops=4.0 * rows * cols * r + refresh_rows / every, **small,
                       reduced=r * cols, state=(rows + cols) * r, row_state=rows * r,
-                      refresh_reduced=refresh_reduced(group, rows, cols, r) + r * r,
-                      refresh_every=group["refresh_interval"])
+                      refresh_reduced=refresh_reduced(group, rows, cols, r) + r * r, refresh_every=every)
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         return _state_spec(group["rank"], *a_shape)

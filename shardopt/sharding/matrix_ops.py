@@ -106,6 +106,9 @@ class OpCost:
     #: rows are split; every ``refresh_every`` steps (0: the optimizer never refreshes)
     refresh_reduced: float = 0.0
     refresh_every: float = 0.0
+    #: factorization calls per step (``eigh``/``svd``/``qr``, each a solver launch: the profile's
+    #: ``factor_latency``), a refresh's spread over its interval; run where ``small_flops`` runs
+    small_calls: float = 0.0
 
     @property
     def refresh_per_step(self) -> float:
@@ -270,7 +273,7 @@ class MatrixOps:
             gathered = [i for i in range(n) if self.kinds[i] == "gather"]
             owners = owner_plan([layouts[i] for i in gathered], [self.names[i] for i in gathered],
                                 _balance_weights([self.costs[i] for i in gathered],
-                                                 [layouts[i].shape for i in gathered]))
+                                                 [layouts[i].shape for i in gathered], self.profile))
             result = [-1] * n
             for i, o in zip(gathered, owners):
                 result[i] = o
@@ -374,13 +377,14 @@ class MatrixOps:
         c, lay = self.costs[i], self._layouts[i]
         m, n = lay.shape
         if kind == "local":
-            return StepCost(matmul=c.row_flops + c.small_matmul, factor=c.small_flops)
+            return StepCost(matmul=c.row_flops + c.small_matmul, factor=c.small_flops, calls=c.small_calls)
         if kind == "gather":
             piece = m * n / max(lay.holders, 1)
             if not owner:  # its piece to the owner and the result back
                 return StepCost(sent=_B * piece * c.channels, received=_B * piece, rounds=2.0)
             moved = m * n - piece  # the other holders' pieces in (``channels`` tensors), their results out
-            return StepCost(matmul=c.row_flops + c.small_matmul, factor=c.small_flops, sent=_B * moved,
+            return StepCost(matmul=c.row_flops + c.small_matmul, factor=c.small_flops, calls=c.small_calls,
+                            sent=_B * moved,
                             received=_B * moved * c.channels, rounds=2.0 if moved else 0.0)
         if kind == "team":
             return self._team_cost(i, size or len(self.teams[i]), owner, rank)
@@ -397,7 +401,8 @@ class MatrixOps:
         net = _B * ((c.channels + 1) * moved + ring * (c.reduced + c.shared + c.refresh_per_step) + state)
         mine = not c.shared or owner  # where the small work runs: every rank, or the factorization owner
         return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
-                        factor=c.small_flops if mine else 0.0, sent=net, received=net, rounds=c.split_rounds())
+                        factor=c.small_flops if mine else 0.0, calls=c.small_calls if mine else 0.0, sent=net,
+                        received=net, rounds=c.split_rounds())
 
     def _team_cost(self, i: int, g: int, factor: bool, rank: int | None = None) -> StepCost:
         """Matrix ``i`` on a team of ``g`` ranks, for one member (``factor``: the member that runs the shared
@@ -431,7 +436,8 @@ class MatrixOps:
         coll = 2.0 * (g - 1) / g * (c.reduced + c.shared + c.refresh_per_step) + c.moving_state * (g - 1) / g
         mine = not c.shared or factor
         return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
-                        factor=c.small_flops if mine else 0.0, sent=_B * (sent + coll), received=_B * (received + coll),
+                        factor=c.small_flops if mine else 0.0, calls=c.small_calls if mine else 0.0,
+                        sent=_B * (sent + coll), received=_B * (received + coll),
                         rounds=c.split_rounds())
 
     def _team_costs(self, i: int, sizes: Sequence[int], t_gather: float) -> dict[int, TeamCost]:
@@ -460,7 +466,7 @@ class MatrixOps:
             world = layouts[idx[0]].world
             t_gather = {i: self.seconds(i, "gather") for i in idx}
             t_dist = {i: self._amortized_distributed(i, world, t_gather[i]) for i in idx}
-            for i in self._distribute_first(idx, t_gather, t_dist, world):
+            for i in self._distribute_first(idx, t_gather, t_dist, world, self._shared_seconds(idx, world)):
                 self.kinds[i] = "distributed"
             for _ in range(2 * len(idx) + 1):
                 placed, homeless = self._owners_within_budget(idx, t_gather)
@@ -623,17 +629,30 @@ class MatrixOps:
             split = self.cost_of(i, world)
             if split.shared:
                 c.factor += split.small_flops / world
+                c.calls += split.small_calls / world
                 c.matmul += split.small_matmul / world
             t = c.seconds(self.profile)
             if bound and t >= gather:
                 return t
         return t
 
+    def _shared_seconds(self, idx: Sequence[int], world: int) -> dict[int, float]:
+        """Seconds of each matrix's small work that one factorization owner runs when it is distributed
+        (``compute_once``; 0 where every rank repeats it)."""
+        out = {}
+        for i in idx:
+            split = self.cost_of(i, world)
+            out[i] = self.profile.seconds(split.small_matmul, split.small_flops, calls=split.small_calls) \
+                if split.shared else 0.0
+        return out
+
     def _distribute_first(self, idx: Sequence[int], t_gather: dict[int, float], t_dist: dict[int, float],
-                          world: int) -> list[int]:
+                          world: int, t_shared: dict[int, float]) -> list[int]:
         """The matrices to start distributed: those most favourable to it (smallest distributed / gathered
-        seconds) up to the count that minimizes the estimated busiest rank, the distributed ones' seconds (every
-        rank pays each) plus the gathered ones' balanced load (their mean over the ranks, or the largest one).
+        seconds) up to the count that minimizes the estimated busiest rank: what every rank pays for each
+        distributed one, plus the balanced load of the owners (their mean over the ranks, or the largest one),
+        which run the gathered matrices and the distributed ones' shared factorizations (``t_shared``: a
+        factorization is not split, so fewer of them than ranks cost one whole on its owner, not a share).
         Moving one matrix at a time cannot find this: with one matrix per owner, moving any one alone costs
         every rank its distributed seconds without unloading the busiest owner."""
         order = sorted(idx, key=lambda i: (t_dist[i] / max(t_gather[i], 1e-30), self.names[i]))
@@ -641,13 +660,16 @@ class MatrixOps:
         for j in range(len(order) - 1, -1, -1):
             tail_sum[j] = tail_sum[j + 1] + t_gather[order[j]]
             tail_max[j] = max(tail_max[j + 1], t_gather[order[j]])
-        best, best_k, head = float("inf"), 0, 0.0
+        best, best_k, head, owned_sum, owned_max = float("inf"), 0, 0.0, 0.0, 0.0
         for k in range(len(order) + 1):
-            est = head + max(tail_sum[k] / world, tail_max[k])
+            est = head + max((tail_sum[k] + owned_sum) / world, tail_max[k], owned_max)
             if est < best:
                 best, best_k = est, k
             if k < len(order):
-                head += t_dist[order[k]]
+                i = order[k]
+                head += t_dist[i] - t_shared[i] / world  # what every rank pays
+                owned_sum += t_shared[i]
+                owned_max = max(owned_max, t_shared[i])
         return order[:best_k]
 
     def modeled(self, rank: int | None = None) -> dict[str, float]:
@@ -975,15 +997,22 @@ def _by_group(layouts: Sequence[MatrixLayout]) -> dict[int, list[int]]:
     return by
 
 
-def _balance_weights(costs: Sequence[OpCost], shapes: Sequence[tuple[int, int]]) -> list[float]:
-    """One number per gathered matrix for the owner plan: its share of the gathered FLOPs plus its share of
-    the gathered small state, so owners end up balanced in both time and memory."""
-    work = [_gather_cost(c, s) for c, s in zip(costs, shapes)]
+def _balance_weights(costs: Sequence[OpCost], shapes: Sequence[tuple[int, int]],
+                     profile: HardwareProfile | None = None) -> list[float]:
+    """One number per gathered matrix for the owner plan: its share of the gathered work (FLOPs, or with a
+    profile modeled seconds: a factorization call weighs its latency) plus its share of the gathered small
+    state, so owners end up balanced in both time and memory."""
+    work = [_gather_cost(c, s, profile) for c, s in zip(costs, shapes)]
     total_work = sum(work) or 1.0
     total_state = sum(c.state for c in costs)
     return [w / total_work + (c.state / total_state if total_state else 0.0) for w, c in zip(work, costs)]
 
 
-def _gather_cost(c: OpCost, shape: tuple[int, int]) -> float:
+def _gather_cost(c: OpCost, shape: tuple[int, int], profile: HardwareProfile | None = None) -> float:
+    """A gathered matrix's work on its owner: FLOPs with its moved bytes at ``FLOPS_PER_BYTE``, or, under a
+    ``profile``, the same in seconds (factorizations at their rate and latency)."""
     m, n = shape
-    return FLOPS_PER_BYTE * 4 * 2 * m * n + c.row_flops + c.small_flops + c.small_matmul
+    flops = FLOPS_PER_BYTE * 4 * 2 * m * n + c.row_flops + c.small_matmul
+    if profile is None:
+        return flops + c.small_flops
+    return profile.seconds(matmul=flops, factor=c.small_flops, calls=c.small_calls)

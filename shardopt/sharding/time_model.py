@@ -8,15 +8,21 @@ objective (``MatrixOps`` checks it); a step's modeled time is what the plan mini
 
 The profile is named in ``matrix_ops.profile``:
 
-* ``"gpu"``: an H100-class cluster node as issue 27 states it: whole-matrix work at 50 TFLOP/s (fp32 products
-  and factorizations alike), 25 GB/s of collective bandwidth per rank, 20 us per collective round, 2 TB/s of
-  device memory bandwidth for element-wise passes.
+* ``"gpu"``: an H100-class cluster node, its rates from the project's measured kernels
+  (``benchmarks/results/factorizations_cuda.md``, H100, torch 2.11): products at 50 TFLOP/s (fp32 products of
+  768-1024 wide matrices measured 45-52 TFLOP/s; the iterative routes' float64 products are taken at the same
+  rate, unmeasured); factorizations at the slowest measured kind's rate and per-call latency, since cuSOLVER
+  runs them one matrix at a time: SVD 0.14 TFLOP/s marginal with 2.8 ms per call (eigh 1.0-1.2 TFLOP/s and
+  1.6 ms, QR 0.67 TFLOP/s and 0.6 ms); 25 GB/s of collective bandwidth per rank, 20 us per collective round,
+  2 TB/s of device memory bandwidth for element-wise passes. On CUDA the whole-matrix rules take the iterative
+  routes (``sharding.iterative``): their costs count products between refreshes and the factorizations a
+  refresh runs, amortized over its interval (``OpCost.small_calls``).
 * ``"cpu"``: this project's CPU test machine, measured with one thread per process: fp32 matmul 60 GFLOP/s,
   float64 eigh of 64-512 wide matrices 8-30 GFLOP/s (10 k^3 counted; 10 GFLOP/s taken), gloo all-reduce
   between two local processes 1.2 GB/s per rank and 0.3 ms per round, 5 GB/s memory bandwidth.
 * ``"auto"`` (default): ``"cpu"`` where the parameters live on the CPU, ``"gpu"`` elsewhere (CUDA, meta).
-* or numbers: ``{"matmul_tflops": .., "factor_tflops": .., "bandwidth_gbs": .., "latency_us": ..,
-  "memory_gbs": ..}`` (missing keys from ``"gpu"``).
+* or numbers: ``{"matmul_tflops": .., "factor_tflops": .., "factor_latency_us": .., "bandwidth_gbs": ..,
+  "latency_us": .., "memory_gbs": ..}`` (missing keys from ``"gpu"``).
 
 Every rank resolves the same profile from the same config, so plans stay identical on every rank.
 """
@@ -30,35 +36,39 @@ __all__ = ["HardwareProfile", "PROFILES", "resolve_profile", "StepCost"]
 
 @dataclass(frozen=True)
 class HardwareProfile:
-    """Rates of one rank: FLOP/s of matrix products and of small factorizations, collective bytes/s, seconds
-    per collective round, and device memory bytes/s (element-wise passes)."""
+    """Rates of one rank: FLOP/s of matrix products and of small factorizations, seconds per factorization call
+    (a GPU's solvers run one matrix at a time, so a 128 x 128 ``eigh`` costs 1.6 ms whatever its FLOPs),
+    collective bytes/s, seconds per collective round, and device memory bytes/s (element-wise passes)."""
 
     matmul_flops: float
     factor_flops: float
     bandwidth: float
     latency: float
     memory_bandwidth: float
+    factor_latency: float = 0.0
 
     def seconds(self, matmul: float = 0.0, factor: float = 0.0, net_bytes: float = 0.0, rounds: float = 0.0,
-                mem_bytes: float = 0.0) -> float:
-        return (matmul / self.matmul_flops + factor / self.factor_flops + net_bytes / self.bandwidth
-                + rounds * self.latency + mem_bytes / self.memory_bandwidth)
+                mem_bytes: float = 0.0, calls: float = 0.0) -> float:
+        return (matmul / self.matmul_flops + factor / self.factor_flops + calls * self.factor_latency
+                + net_bytes / self.bandwidth + rounds * self.latency + mem_bytes / self.memory_bandwidth)
 
     def describe(self) -> str:
-        return (f"matmul {self.matmul_flops / 1e12:g} TFLOP/s, factorizations {self.factor_flops / 1e12:g} TFLOP/s, "
+        return (f"matmul {self.matmul_flops / 1e12:g} TFLOP/s, factorizations {self.factor_flops / 1e12:g} TFLOP/s "
+                f"and {self.factor_latency * 1e3:g} ms per call, "
                 f"collectives {self.bandwidth / 1e9:g} GB/s and {self.latency * 1e6:g} us per round, memory "
                 f"{self.memory_bandwidth / 1e9:g} GB/s")
 
 
 PROFILES: dict[str, HardwareProfile] = {
-    "gpu": HardwareProfile(matmul_flops=50e12, factor_flops=50e12, bandwidth=25e9, latency=20e-6,
-                           memory_bandwidth=2e12),
+    "gpu": HardwareProfile(matmul_flops=50e12, factor_flops=0.14e12, bandwidth=25e9, latency=20e-6,
+                           memory_bandwidth=2e12, factor_latency=2.8e-3),
     "cpu": HardwareProfile(matmul_flops=60e9, factor_flops=10e9, bandwidth=1.2e9, latency=3e-4,
                            memory_bandwidth=5e9),
 }
 
 #: user units of the numeric form -> (field, scale to SI)
 _UNITS = {"matmul_tflops": ("matmul_flops", 1e12), "factor_tflops": ("factor_flops", 1e12),
+          "factor_latency_us": ("factor_latency", 1e-6),
           "bandwidth_gbs": ("bandwidth", 1e9), "latency_us": ("latency", 1e-6), "memory_gbs": ("memory_bandwidth", 1e9)}
 
 
@@ -101,6 +111,8 @@ class StepCost:
     sent: float = 0.0
     received: float = 0.0
     rounds: float = 0.0
+    #: factorization calls (each pays the profile's ``factor_latency``)
+    calls: float = 0.0
 
     def __iadd__(self, other: "StepCost") -> "StepCost":
         for f in fields(self):
@@ -112,4 +124,4 @@ class StepCost:
         return max(self.sent, self.received)
 
     def seconds(self, profile: HardwareProfile) -> float:
-        return profile.seconds(self.matmul, self.factor, self.net_bytes, self.rounds)
+        return profile.seconds(self.matmul, self.factor, self.net_bytes, self.rounds, calls=self.calls)
