@@ -15,7 +15,6 @@ def layouts(shapes, world=4, rank=0):
 
 def test_lpt_balances_within_25_percent_of_the_mean():
     # two LLaMA-60M blocks (q, k, v, o, gate, up, down): 14 matrices on 4 ranks
-    cpu = types.SimpleNamespace(iterative_routes=lambda group: False)  # the CPU's routes (the optimizer's self)
     block = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
     shapes = block * 2
     names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
@@ -42,7 +41,6 @@ def _ops(strategy, rank=0, cost=None):
     from shardopt.optim.asgo import _asgo_cost
     from shardopt.sharding.matrix_ops import MatrixOps
 
-    cpu = types.SimpleNamespace(iterative_routes=lambda group: False)  # the CPU's routes (the optimizer's self)
     block = [(512, 512)] * 4 + [(1376, 512), (1376, 512), (512, 1376)]
     shapes = block * 2
     names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
