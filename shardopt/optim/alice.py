@@ -281,7 +281,8 @@ class Alice(ShardedOptimizer):
         # Alg. 2's complete QR (rows x rows from rows x r): three solver calls
         switch = 4.0 * rows * r * r + 22.0 * r ** 3 + 10.0 * r ** 3 + 4.0 * rows * rows * r
         every = group["refresh_interval"]
-        return OpCost(row_flops=8.0 * rows * cols * r, small_flops=4.0 * cols * r * r + switch / every,
+        # per step, products of small matrices (``sigma sigma^T`` for the tracking, the moments): no factorization
+        return OpCost(row_flops=8.0 * rows * cols * r, small_matmul=4.0 * cols * r * r, small_flops=switch / every,
                       small_calls=3.0 / every,
                       reduced=r * cols + cols + 1,
                       state=rows * r + 2 * r * cols + cols + (r * r if group["tracking"] else 0), row_state=rows * r,
