@@ -4,8 +4,10 @@ routine a device runs well, in which precision.
     python -m benchmarks.factorizations --device cuda
     python -m benchmarks.factorizations --quick
 
-Shapes are LLaMA-130M/350M's (ASGO's k x k roots, SUMO's and Alice's rank-r Grams and tall QR), the batch the
-number of matrices of that shape in the model. Each case is timed as the median of a few calls after one
+Shapes are LLaMA-130M/350M's (ASGO's k x k roots, SUMO's and Alice's rank-r Grams and tall QR, the range
+finder's sketches), the batch the number of matrices of that shape in the model. The products in fp32, fp64,
+TF32 and bf16 give the time model's rates (``shardopt.sharding.time_model``), the factorizations their rates and
+per-call latencies, the iterative rows what CUDA runs in their place. Each case is timed as the median of a few calls after one
 warm-up call; the ``per matrix`` column divides by the batch.
 """
 from __future__ import annotations
@@ -28,7 +30,8 @@ def _spd(batch: int, k: int, dtype: torch.dtype, device: torch.device, gen: torc
 
 
 def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], Callable[[], Any]]]:
-    from shardopt.sharding.iterative import inverse_sqrt_checked, polar_from_gram_checked
+    from shardopt.sharding.iterative import cholesky_qr2_checked, inverse_sqrt_checked, polar_from_gram_checked
+    from shardopt.sharding.precision import matmul_in
     from shardopt.sharding.matfun import coupled_inverse_sqrt, inverse_root, polar_factor
 
     gen = torch.Generator().manual_seed(0)
@@ -44,6 +47,9 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
             out.append((f"coupled NS root fp32, {steps} steps", (batch, k, k),
                         lambda a=a32, s=steps: coupled_inverse_sqrt(a, s, 1e-30)))
         out.append(("one fp32 product", (batch, k, k), lambda a=a32: a @ a))
+        out.append(("one tf32 product", (batch, k, k), lambda a=a32, mm=matmul_in("tf32"): mm(a, a)))
+        a16 = a32.bfloat16()
+        out.append(("one bf16 product", (batch, k, k), lambda a=a16: a @ a))
         a64 = a32.double()
         out.append(("one fp64 product", (batch, k, k), lambda a=a64: a @ a))
         out.append(("checked fp64 NS root (iterative)", (batch, k, k), lambda a=a64: inverse_sqrt_checked(a, 1e-6)))
@@ -62,6 +68,10 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
         out.append(("checked fp64 polar (iterative)", (batch, r, m),
                     lambda x=moment.double(), t=tol: polar_from_gram_checked(x, t)))
         out.append(("SUMO polar, auto route", (batch, r, m), lambda x=moment, t=tol: polar_factor(x, rtol=t)))
+        sketch = torch.randn(batch, m, r + 10, generator=gen).to(device, torch.float64)
+        out.append(("Cholesky-QR2 m x w fp64 (iterative)", (batch, m, r + 10),
+                    lambda x=sketch: cholesky_qr2_checked(x)))
+        out.append(("qr m x w fp64", (batch, m, r + 10), lambda x=sketch: torch.linalg.qr(x)))
     return out
 
 

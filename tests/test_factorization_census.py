@@ -10,6 +10,8 @@ no matrix needed its factorization. The model has repeated shapes, so a call per
 would exceed the bound."""
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -52,17 +54,18 @@ def _refresh_count(opt: torch.optim.Optimizer) -> int:
     return sum(int(st[k]) for st in opt.state.values() for k in ("refreshes", "switches") if k in st)
 
 
-def _census(name: str) -> tuple[list[dict[str, int]], set[int], type, int, dict[str, int]]:
+def _census(name: str, device: str = "cpu") -> tuple[list[dict[str, int]], set[int], type, int, dict[str, int]]:
+    """Calls per step; on the CPU with the CUDA routes forced, on CUDA as they are."""
     torch.manual_seed(0)
-    model = _LM()
+    model = _LM().to(device)
     opt = shardopt.create_optimizer(model, name, **OPTIONS.get(name, {}))
     gen = torch.Generator().manual_seed(1)
     steps, refreshing = [], set()
     iterative.fallback_counts(reset=True)
-    with iterative.forced(True):
+    with iterative.forced(True) if device == "cpu" else contextlib.nullcontext():
         for _ in range(STEPS):
             for p in model.parameters():
-                p.grad = torch.randn(p.shape, generator=gen) * 1e-2
+                p.grad = (torch.randn(p.shape, generator=gen) * 1e-2).to(device)
             before = _refresh_count(opt)
             with census() as counted:
                 opt.step()
@@ -72,9 +75,14 @@ def _census(name: str) -> tuple[list[dict[str, int]], set[int], type, int, dict[
     return steps, refreshing, type(opt), _shapes(model), iterative.fallback_counts(reset=True)
 
 
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
-def test_no_factorization_between_refreshes_and_only_the_documented_ones_at_a_refresh(name: str) -> None:
-    steps, refreshing, cls, shapes, fallbacks = _census(name)
+def test_no_factorization_between_refreshes_and_only_the_documented_ones_at_a_refresh(name: str, device: str) -> None:
+    """``cpu``: the CUDA routes forced; ``cuda`` (where a GPU is lent): the routes CUDA takes by default."""
+    steps, refreshing, cls, shapes, fallbacks = _census(name, device)
     documented = cls.refresh_factorizations
     assert len(refreshing) >= (2 if documented else 0), (name, refreshing)
     for s, calls in enumerate(steps):
