@@ -4,7 +4,8 @@
 # tests/test_cuda.py (every optimizer on CUDA vs the CPU, bf16 state, zero gradients, DeepSpeed fp16 loss scaling
 # where DeepSpeed is installed, no synchronizing call, the skip decided on the device equal to the host check's, and
 # Megatron-core's DistributedOptimizer on its real CUDA path at world size 1 where megatron-core is installed),
-# tests/test_iterative.py and tests/test_device_skip.py, then the step-time, training-throughput (with the default
+# tests/test_iterative.py, tests/test_device_skip.py and tests/test_factorization_census.py (no eigh/svd/qr between
+# refreshes on CUDA's own routes), then the step-time, training-throughput (with the default
 # non-finite check and, for the rules that decide it on the device, without it) and step-profile benchmarks with
 # --device cuda (130M and 350M). Each phase has a time limit, so the whole run fits one call of a short GPU lease
 # (under 10 minutes on an H200); results and logs go to OUT_DIR (default benchmarks/results). The factorization
@@ -24,7 +25,8 @@ phase() {  # phase SECONDS LOG COMMAND...: run with a time limit, keep the log, 
     timeout "$limit" "$@" > "$out/$log" 2>&1 || { echo "   exit $?"; status=1; }
     grep -v -E "USDT|UserWarning|_warn_once|real_accelerator" "$out/$log" | tail -n 30
 }
-phase 150 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py tests/test_device_skip.py -q \
+phase 150 test_cuda.log "$py" -m pytest tests/test_cuda.py tests/test_iterative.py tests/test_device_skip.py \
+    tests/test_factorization_census.py -q \
     -p no:cacheprovider $xdist --timeout 100
 phase 140 step_time.log "$py" -m benchmarks.step_time --device cuda --sizes 130m,350m --repeats 6 --max-seconds 5 \
     --results-dir "$out"
