@@ -138,12 +138,12 @@ def test_factorizing_optimizers_sync_only_in_factorizations_and_schedules(name):
 
 def test_asgo_on_the_iterative_route_reads_twice_per_root_shape():
     """ASGO's roots as batched products (the CUDA route, forced here): per stack of same-size roots one read sets
-    the step count, one finds the matrices that need the eigendecomposition; no error-checked factorization
-    (eigh on CUDA syncs once per matrix, inside cuSOLVER)."""
+    the step count, one counts the matrices that need the eigendecomposition (``iterative.count_fallbacks``); no
+    error-checked factorization (eigh on CUDA syncs once per matrix, inside cuSOLVER)."""
     from shardopt.sharding import iterative
 
     with iterative.forced(True):
         steps = syncs_per_step("asgo", steps=3, on_nonfinite="ignore")
     for sites in steps:
         assert dict(sites) == {("read", "sharding/iterative.py:inverse_sqrt_checked"): 1,
-                               ("read", "sharding/matfun.py:inverse_root"): 1}, dict(sites)
+                               ("read", "sharding/iterative.py:count_fallbacks"): 1}, dict(sites)

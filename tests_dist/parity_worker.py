@@ -270,6 +270,7 @@ def run_all(args: argparse.Namespace) -> None:
         for layout, strategy in cases:
             t0 = time.time()
             rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "strategy": strategy}
+            iterative.fallback_counts(reset=True)
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     params, losses, calls = run_case(opt_name, layout, strategy)
@@ -277,7 +278,8 @@ def run_all(args: argparse.Namespace) -> None:
                 rec.update(max_abs_diff=diff, losses=losses, ref_losses=ref_losses, collective_calls=calls,
                            comm_stats=_inner(LAST_OPTIMIZER).comm_stats(),
                            matrix_numel={n: p.numel() for n, p in ref.items() if p.dim() == 2},
-                           plans=plan_summary(_inner(LAST_OPTIMIZER)))
+                           plans=plan_summary(_inner(LAST_OPTIMIZER)), routed=iterative.routed_counts(),
+                           fallbacks=iterative.fallback_counts(reset=True))
             except Exception:  # record and go on: the other ranks raise the same way
                 rec["error"] = traceback.format_exc()
             rec["seconds"] = round(time.time() - t0, 2)

@@ -143,7 +143,7 @@ def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None
                iterative: bool = False, every: int = 1) -> OpCost:
     """``channels``: the gradient and the momentum go to the row blocks (the momentum alone with
     ``statistic="momentum"``). The root, every ``every`` steps (tau): a float64 eigendecomposition (about
-    ``10 k^3``, one solver call) and its product; on the iterative routes (``iterative``) the checked float64
+    ``10 k^3``, one solver call) and the root's own product; on the iterative routes (``iterative``) the checked float64
     coupled Newton-Schulz root (``ROOT_STEPS_MODELED`` steps of ``6 k^3`` and its residual); or (``ns_steps``)
     the fp32 iteration's ``3 ns_steps - 2`` products and its residual check.
     The Gram crosses the network as a triangle (the root symmetrizes the statistic anyway), the eigh root too
@@ -152,9 +152,9 @@ def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None
     rows, k = a_shape
     tri = k * (k + 1) // 2
     if ns_steps is None and iterative:
-        small = dict(small_matmul=2.0 * k ** 3 + 2.0 * k ** 3 * (3 * ROOT_STEPS_MODELED + 1) / every)
+        small = dict(small_matmul=2.0 * k ** 3 * (3 * ROOT_STEPS_MODELED + 2) / every)
     elif ns_steps is None:
-        small = dict(small_flops=10.0 * k ** 3 / every, small_matmul=2.0 * k ** 3, small_calls=1.0 / every)
+        small = dict(small_flops=10.0 * k ** 3 / every, small_matmul=2.0 * k ** 3 / every, small_calls=1.0 / every)
     else:
         small = dict(small_matmul=2.0 * k ** 3 * (3 * ns_steps) / every)
     return OpCost(row_flops=4.0 * rows * k * k, reduced=tri, state=2.0 * k * k, shared=tri if ns_steps is None else k * k,
@@ -303,7 +303,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         products = self._asgo_groups(group, groups, stats, ms, states, has_grad, refresh, blocks.layouts,
                                      lambda parts, symmetric=False: parts, lambda i: False)
         flops = sum(len(idx) * (c.row_flops + c.small_flops + c.small_matmul)
-                    for idx, c in ((idx, _asgo_cost(tuple(a.shape[1:]))) for idx, a in zip(groups, stats)))
+                    for idx, c in ((idx, self.whole_matrix_cost(group, tuple(a.shape[1:]))) for idx, a in zip(groups, stats)))
         collective_counter.add_flops("local", flops)  # MatrixOps.account of the local strategy
         step.apply([u.mT if left else u for u, left in zip(products, lefts)], group["lr"], group["weight_decay"])
 

@@ -28,7 +28,7 @@ import pydantic
 import torch
 
 from ..sharding.iterative import steps_to_converge
-from ..sharding.matfun import polar_factor
+from ..sharding.matfun import polar_factor, polar_kept
 from ..sharding.orientation import stored_transposed
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis, refresh_reduced
@@ -143,7 +143,7 @@ class SUMO(ShardedOptimizer):
         refresh_rows = 2.0 * (1 + group["power_iters"]) * 2.0 * rows * cols * w
         products = 4.0 * cols * r * r + 2.0 * r ** 3
         if self.iterative_routes(group):
-            steps = steps_to_converge(min(1.0, (2.0 * max(r, cols) * _EPS32) ** 2))
+            steps = steps_to_converge(min(1.0, polar_kept((r, cols), max(r, cols) * _EPS32) ** 2))
             qr2 = orthonormalizations * (2 * 2.0 * rows * w * w + 2 * rows * w * w)  # two Grams, two solves
             small = dict(small_matmul=products + 6.0 * r ** 3 * steps + qr2 / every, small_flops=sketch_svd / every,
                          small_calls=1.0 / every)

@@ -147,7 +147,7 @@ class SWAN(ShardedOptimizer):
         would move the result."""
         rows, k = a_shape
         if group["whitening"] == "svd":
-            small = dict(small_flops=10.0 * k ** 3, small_matmul=2.0 * k ** 3)
+            small = dict(small_flops=10.0 * k ** 3, small_matmul=2.0 * k ** 3, small_calls=1.0)
         else:
             small = dict(small_matmul=2.0 * k ** 3 * (3 * group["ns_steps"] - 2))
         return OpCost(row_flops=4.0 * rows * k * k, reduced=k * k, shared=k * k, **small)

@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 __all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "coupled_iteration", "inverse_sqrt_checked", "polar_from_gram_checked",
-           "cholesky_qr2_checked", "orthonormal_columns", "iterative_device", "forced", "fallback_counts", "count_fallbacks"]
+           "cholesky_qr2_checked", "orthonormal_columns", "iterative_device", "forced", "fallback_counts", "count_fallbacks", "routed_counts"]
 
 #: the iteration's residual ``|I - Z Y|_F`` a result must reach: each eigendirection's scale within 1e-7
 #: relative, float32 rounding of the result
@@ -155,8 +155,7 @@ def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
         return torch.linalg.qr(x).Q
     q, ok = cholesky_qr2_checked(x)
     bad = ~ok
-    if bool(bad.any()):
-        count_fallbacks("orthonormal", bad)
+    if count_fallbacks("orthonormal", bad):
         if q.dim() == 2:
             return torch.linalg.qr(x).Q
         q[bad] = torch.linalg.qr(x[bad]).Q
@@ -164,20 +163,33 @@ def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
 
 
 _FALLBACKS: collections.Counter = collections.Counter()
+_ROUTED: collections.Counter = collections.Counter()
 
 
-def count_fallbacks(route: str, matrices: torch.Tensor | int) -> None:
-    """Counts ``matrices`` (a number, or a mask's true entries) that ``route`` left to its factorization."""
-    _FALLBACKS[route] += int(matrices.sum()) if isinstance(matrices, torch.Tensor) else int(matrices)
+def count_fallbacks(route: str, bad: torch.Tensor) -> int:
+    """Counts the matrices a mask ``bad`` says ``route`` left to its factorization (and all it saw), and returns
+    their number (the one host read of a checked route: whether any failed)."""
+    _ROUTED[route] += bad.numel()
+    n = int(bad.sum())
+    if n:
+        _FALLBACKS[route] += n
+    return n
 
 
 def fallback_counts(reset: bool = False) -> dict[str, int]:
     """Matrices the iterative routes left to a factorization in this process, by route (``"inverse_sqrt"``,
-    ``"polar"``, ``"orthonormal"``): what ``benchmarks.throughput`` reports beside tokens/s."""
+    ``"polar"``, ``"orthonormal"``): what ``benchmarks.throughput`` reports beside tokens/s. ``reset`` clears
+    this count and ``routed_counts``."""
     out = dict(_FALLBACKS)
     if reset:
         _FALLBACKS.clear()
+        _ROUTED.clear()
     return out
+
+
+def routed_counts() -> dict[str, int]:
+    """Matrices each iterative route saw since the last reset (``fallback_counts``): the fallbacks' denominator."""
+    return dict(_ROUTED)
 
 
 _FORCED: bool | None = None

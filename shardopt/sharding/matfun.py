@@ -20,7 +20,7 @@ from .stacking import same_shape
 
 __all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "muon_gram_products", "complete_locally",
            "polar_factor",
-           "GRAM_RTOL", "by_shape", "gram_inverse_sqrt", "inverse_root", "coupled_inverse_sqrt"]
+           "GRAM_RTOL", "by_shape", "gram_inverse_sqrt", "inverse_root", "coupled_inverse_sqrt", "polar_kept"]
 
 #: quintic coefficients of Muon (KellerJordan/Muon; torch.optim.Muon defaults)
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -162,13 +162,20 @@ def _polar_iterative(g: torch.Tensor, tol: float) -> torch.Tensor:
     float32 accuracy floor), so its result is the checked Gram route's to float32 rounding; the rest take that
     route, with its SVD check."""
     checked = tol < GRAM_RTOL
-    kept = max(2 * tol, _gram_floor(g.shape) / math.sqrt(2 * torch.finfo(torch.float32).eps)) if checked else None
-    out, ok = polar_from_gram_checked(g, tol, kept)
+    out, ok = polar_from_gram_checked(g, tol, polar_kept(g.shape, tol))
     bad = ~ok
-    if bool(bad.any()):
-        count_fallbacks("polar", bad)
+    if count_fallbacks("polar", bad):
         out[bad] = _polar_from_gram(g[bad], tol, checked=checked)
     return out
+
+
+def polar_kept(shape: tuple[int, ...], tol: float) -> float:
+    """The relative singular value every direction must exceed for the iterative polar route (``_polar_iterative``)
+    at cutoff ``tol`` on a ``shape`` moment: ``2 tol``, and below ``GRAM_RTOL`` also the float64 Gram's float32
+    accuracy floor (``_gram_unsettled``'s surely-kept size). Its square sets the iteration's step count."""
+    if tol >= GRAM_RTOL:
+        return 2 * tol
+    return max(2 * tol, _gram_floor(shape) / math.sqrt(2 * torch.finfo(torch.float32).eps))
 
 
 def _polar_from_gram(g: torch.Tensor, tol: float, checked: bool = False) -> torch.Tensor:
@@ -246,8 +253,7 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "auto", ns_steps: in
     if method == "auto" and eps > 0 and a.dim() == 3 and a.numel() and iterative_device(a.device):
         root, ok = inverse_sqrt_checked(a, eps)
         bad = ~ok
-        if bool(bad.any()):
-            count_fallbacks("inverse_sqrt", bad)
+        if count_fallbacks("inverse_sqrt", bad):
             root[bad] = _eigh_inverse_root(a[bad], pseudo_inverse=False).double()
         return root.float()
     return _eigh_inverse_root(a, pseudo_inverse=eps == 0)

@@ -300,12 +300,12 @@ class MatrixOps:
 
     def _assign_factor_owners(self, layouts: Sequence[MatrixLayout]) -> list[int]:
         """The rank that computes each distributed matrix's small factorization once (``compute_once``; balanced
-        by its FLOPs, longest first), a team's member chosen with the team, the gather owner otherwise;
+        by its modeled seconds, longest first), a team's member chosen with the team, the gather owner otherwise;
         identical on every rank."""
         out = list(self.owners)
         spread = [i for i, k in enumerate(self.kinds) if k == "distributed" and self.cost_of(i).shared]
-        plan = owner_plan([layouts[i] for i in spread], [self.names[i] for i in spread],
-                          [self.cost_of(i).small_flops + self.cost_of(i).small_matmul for i in spread])
+        shared = self._shared_seconds(spread, 0)
+        plan = owner_plan([layouts[i] for i in spread], [self.names[i] for i in spread], [shared[i] for i in spread])
         for i, o in zip(spread, plan):
             out[i] = o
         for i, f in self._team_factor.items():
@@ -636,12 +636,12 @@ class MatrixOps:
                 return t
         return t
 
-    def _shared_seconds(self, idx: Sequence[int], world: int) -> dict[int, float]:
-        """Seconds of each matrix's small work that one factorization owner runs when it is distributed
-        (``compute_once``; 0 where every rank repeats it)."""
+    def _shared_seconds(self, idx: Sequence[int], world: int | None = None) -> dict[int, float]:
+        """Seconds of each matrix's small work that one factorization owner runs when it is distributed over
+        ``world`` ranks (``compute_once``; 0 where every rank repeats it). ``world`` 0 or None: as planned."""
         out = {}
         for i in idx:
-            split = self.cost_of(i, world)
+            split = self.cost_of(i, world or None)
             out[i] = self.profile.seconds(split.small_matmul, split.small_flops, calls=split.small_calls) \
                 if split.shared else 0.0
         return out

@@ -52,9 +52,13 @@ def _cholesky_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
     return count * n ** 3 // 3
 
 
-def _triangular_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    count, n, _ = _k_m_n(a_shape)
-    return count * n * n * b_shape[-1]
+def _triangular_flops(a_shape, b_shape, *args, out_shape=None, left: bool = True, **kwargs) -> int:
+    """``n^2`` per solved vector: ``B``'s columns (``left``) or rows (``X A = B``), over the broadcast batch."""
+    n = a_shape[-1]
+    batch = 1
+    for d in torch.broadcast_shapes(tuple(a_shape[:-2]), tuple(b_shape[:-2])):
+        batch *= d
+    return batch * n * n * (b_shape[-1] if left else b_shape[-2])
 
 
 #: the aten ops behind torch.linalg's factorizations, by the name this module reports them under

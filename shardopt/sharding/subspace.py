@@ -112,8 +112,10 @@ def complete_basis(basis: torch.Tensor, keep: torch.Tensor, draw: torch.Tensor) 
     g = draw.double()
     for _ in range(2):  # twice is enough (Gram-Schmidt's "twice is enough")
         g = g - b @ (b.mT @ g)
-    q = orthonormal_columns(g)  # its first r - k columns span the left-out ones' share of the complement
     r = basis.shape[-1]
+    # its first r - k columns span the left-out ones' share of the complement; with fewer than 2 r rows the
+    # projected draw may be rank-deficient by construction (only its first r - k columns are used), so Householder
+    q = orthonormal_columns(g) if g.shape[-2] >= 2 * r else torch.linalg.qr(g).Q
     k = keep.sum(-1, keepdim=True).long()
     src = (torch.arange(r, device=basis.device) - k).clamp(min=0)
     fill = q.gather(-1, src.unsqueeze(-2).expand(q.shape))
