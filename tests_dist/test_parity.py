@@ -29,18 +29,24 @@ WORLD_SIZES = world_sizes((1, 2, 3, 4), ci=(3,))
 #: distributed) on these: FSDP2 rows and columns, ZeRO-2's flat ranges that cut rows anywhere and ZeRO-3's
 #: per-parameter cuts; the full tier every strategy on every layout
 CI_STRATEGY_LAYOUTS = ("fsdp2_rows", "fsdp2_cols", "zero2", "zero3")
-_results: dict[int, list[dict]] = {}
+_results: dict[tuple, list[dict]] = {}
+
+
+def _launch(ws: int, args: list[str]) -> list[dict]:
+    """One ``parity_worker.py`` launch at world size ``ws`` (cached per arguments): its records."""
+    key = (ws, *args)
+    if key not in _results:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            proc = run_ranks("parity_worker.py", ws, ["--out", out.name, *args], timeout=900)
+            if proc.returncode != 0:
+                pytest.fail(f"parity worker at world size {ws} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n"
+                            f"{proc.stderr[-4000:]}")
+            _results[key] = json.load(open(out.name))
+    return _results[key]
 
 
 def results(ws: int) -> list[dict]:
-    if ws not in _results:
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            extra = [] if FULL else ["--strategy-layouts", ",".join(CI_STRATEGY_LAYOUTS)]
-            proc = run_ranks("parity_worker.py", ws, ["--out", out.name, *extra], timeout=900)
-            if proc.returncode != 0:
-                pytest.fail(f"parity worker at world size {ws} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-            _results[ws] = json.load(open(out.name))
-    return _results[ws]
+    return _launch(ws, [] if FULL else ["--strategy-layouts", ",".join(CI_STRATEGY_LAYOUTS)])
 
 
 def find(ws: int, **match) -> dict:
@@ -138,32 +144,29 @@ def test_shipped_deepspeed_json_runs_scale_on_zero2(ws: int) -> None:
 #: factors, Cholesky-QR2 bases), forced on the CPU for the sharded runs and the single-process reference alike
 ITERATIVE_RULES = ("asgo", "sumo", "alice")
 ITERATIVE_LAYOUTS = ("fsdp2_rows", "fsdp2_cols", "zero2", "zero3")
-_iterative: dict[str, list[dict]] = {}
+#: CI: world size 3 (uneven shards); the full tier 2, 3 and 4
+ITERATIVE_WORLD_SIZES = world_sizes((2, 3, 4), ci=(3,))
+#: the checked iteration each rule's test exercises (rank 0's counts)
+ITERATIVE_ROUTE = {"asgo": "inverse_sqrt", "sumo": "polar", "alice": "orthonormal"}
 
 
-def iterative_results() -> list[dict]:
-    if "recs" not in _iterative:
-        with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("parity_worker.py", 2, ["--out", out.name, "--iterative", "--count-blocks", "",
-                                                     "--optimizers", ",".join(ITERATIVE_RULES),
-                                                     "--layouts", ",".join(ITERATIVE_LAYOUTS)], timeout=900)
-            if proc.returncode != 0:
-                pytest.fail(f"parity worker (iterative routes) failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}")
-            _iterative["recs"] = json.load(open(out.name))
-    return _iterative["recs"]
+def iterative_results(ws: int) -> list[dict]:
+    return _launch(ws, ["--iterative", "--count-blocks", "", "--optimizers", ",".join(ITERATIVE_RULES),
+                        "--layouts", ",".join(ITERATIVE_LAYOUTS)])
 
 
+@pytest.mark.parametrize("ws", ITERATIVE_WORLD_SIZES)
 @pytest.mark.parametrize("layout", ITERATIVE_LAYOUTS)
 @pytest.mark.parametrize("opt", ITERATIVE_RULES)
-def test_iterative_routes_sharded_equal_one_process(opt: str, layout: str) -> None:
-    """Sharded equals one process on the routes a GPU takes, too (world size 2, every strategy but teams); every
+def test_iterative_routes_sharded_equal_one_process(opt: str, layout: str, ws: int) -> None:
+    """Sharded equals one process on the routes a GPU takes, too (every strategy the worker runs at ``ws``); every
     ASGO root comes from the iteration (``test_iterative_routes_ran`` for the others)."""
-    recs = [r for r in iterative_results() if r.get("optimizer") == opt and r.get("layout") == layout
+    recs = [r for r in iterative_results(ws) if r.get("optimizer") == opt and r.get("layout") == layout
             and r.get("kind") is None]
     assert recs, (opt, layout)
     for rec in recs:
         assert "error" not in rec, rec.get("error")
-        print(f"{opt} [{rec['strategy']}] {layout} ws=2, iterative routes: max |sharded - single| = "
+        print(f"{opt} [{rec['strategy']}] {layout} ws={ws}, iterative routes: max |sharded - single| = "
               f"{rec['max_abs_diff']:.3g}, fallbacks {rec['fallbacks']} of {rec['routed']}")
         assert rec["max_abs_diff"] <= FP32_TOL
         assert rec["routed"].get(ITERATIVE_ROUTE[opt], 0) > 0, rec["routed"]
@@ -171,18 +174,15 @@ def test_iterative_routes_sharded_equal_one_process(opt: str, layout: str) -> No
             assert not rec["fallbacks"], rec["fallbacks"]
 
 
-#: the checked iteration each rule's test exercises (rank 0's counts)
-ITERATIVE_ROUTE = {"asgo": "inverse_sqrt", "sumo": "polar", "alice": "orthonormal"}
-
-
+@pytest.mark.parametrize("ws", ITERATIVE_WORLD_SIZES)
 @pytest.mark.parametrize("opt", ITERATIVE_RULES)
-def test_iterative_routes_ran(opt: str) -> None:
+def test_iterative_routes_ran(opt: str, ws: int) -> None:
     """The comparisons above went through the iterations, not only their fallbacks: over the layouts, rank 0's
     matrices took the iteration more often than the factorization. (The toy's rank-deficient SUMO moments and
     Alice sketches fall back where rank 0 owns only those: on FSDP2 under gather, all of them.)"""
-    recs = [r for r in iterative_results() if r.get("optimizer") == opt and r.get("kind") is None]
+    recs = [r for r in iterative_results(ws) if r.get("optimizer") == opt and r.get("kind") is None]
     route = ITERATIVE_ROUTE[opt]
     routed = sum(r["routed"].get(route, 0) for r in recs)
     fell = sum(r["fallbacks"].get(route, 0) for r in recs)
-    print(f"{opt}: {fell} of {routed} {route} matrices fell back")
+    print(f"{opt} ws={ws}: {fell} of {routed} {route} matrices fell back")
     assert routed > 0 and fell < routed / 2, (fell, routed)

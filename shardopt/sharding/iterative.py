@@ -157,9 +157,19 @@ def orthonormal_columns(x: torch.Tensor) -> torch.Tensor:
     bad = ~ok
     if count_fallbacks("orthonormal", bad):
         if q.dim() == 2:
-            return torch.linalg.qr(x).Q
-        q[bad] = torch.linalg.qr(x[bad]).Q
+            return _positive_qr(x)
+        q[bad] = _positive_qr(x[bad])
     return q
+
+
+def _positive_qr(x: torch.Tensor) -> torch.Tensor:
+    """Householder QR's ``Q`` with each column's sign chosen so that ``R`` has a non-negative diagonal: the
+    factor Cholesky-QR2 gives, so a matrix that falls back on one rank and not on another (a sketch at the
+    check's edge, computed in another summation order) gets the same columns, not columns of opposite sign (which
+    would move what is built on them, e.g. Alice's complement)."""
+    q, r = torch.linalg.qr(x)
+    sign = torch.where(torch.diagonal(r, dim1=-2, dim2=-1) < 0, -1.0, 1.0).to(q.dtype)
+    return q * sign.unsqueeze(-2)
 
 
 _FALLBACKS: collections.Counter = collections.Counter()
