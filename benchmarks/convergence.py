@@ -148,6 +148,17 @@ def to_markdown(records: list[dict[str, Any]], mults: list[float], unavailable: 
                            "best val loss", "val ppl", "tokens/s", "state MiB"], rows) + "\n![curves](convergence.png)\n"
 
 
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The training-run options ``run_one`` reads (also ``benchmarks.routes_convergence``'s)."""
+    ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (same for every run)")
+    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
+    ap.add_argument("--seq", type=int, default=128)
+    ap.add_argument("--eval-every", type=int, default=40)
+    ap.add_argument("--eval-sequences", type=int, default=64)
+    ap.add_argument("--seed", type=int, default=42)
+    ap.add_argument("--threads", type=int, default=1)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--optimizers", default=None,
@@ -156,13 +167,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--extend", type=int, default=2,
                     help="extra runs per optimizer while its best rate is the largest or smallest tried (x2 or /2 "
                          "each time), so the sweep brackets the optimum; 0 keeps exactly --lr-mults")
-    ap.add_argument("--steps", type=int, default=200, help="optimizer steps per run (same for every run)")
-    ap.add_argument("--batch", type=int, default=8, help="sequences per step")
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--eval-every", type=int, default=40)
-    ap.add_argument("--eval-sequences", type=int, default=64)
-    ap.add_argument("--seed", type=int, default=42)
-    ap.add_argument("--threads", type=int, default=1)
+    add_run_arguments(ap)
     ap.add_argument("--out", default="convergence")
     args = parse_args(ap, argv, dict(steps=10, lr_mults="1", eval_every=5, optimizers="adamw,scale,torch_muon",
                                      extend=0))

@@ -304,7 +304,7 @@ class MatrixOps:
         identical on every rank."""
         out = list(self.owners)
         spread = [i for i, k in enumerate(self.kinds) if k == "distributed" and self.cost_of(i).shared]
-        shared = self._shared_seconds(spread, 0)
+        shared = self._shared_seconds(spread)
         plan = owner_plan([layouts[i] for i in spread], [self.names[i] for i in spread], [shared[i] for i in spread])
         for i, o in zip(spread, plan):
             out[i] = o
@@ -638,10 +638,10 @@ class MatrixOps:
 
     def _shared_seconds(self, idx: Sequence[int], world: int | None = None) -> dict[int, float]:
         """Seconds of each matrix's small work that one factorization owner runs when it is distributed over
-        ``world`` ranks (``compute_once``; 0 where every rank repeats it). ``world`` 0 or None: as planned."""
+        ``world`` ranks (default: as planned; ``compute_once``; 0 where every rank repeats it)."""
         out = {}
         for i in idx:
-            split = self.cost_of(i, world or None)
+            split = self.cost_of(i, world)
             out[i] = self.profile.seconds(split.small_matmul, split.small_flops, calls=split.small_calls) \
                 if split.shared else 0.0
         return out
