@@ -52,6 +52,14 @@ ROLES = ("embedding", "lm_head", "router", "matrix", "matrix_transposed", "vecto
 #: the role that chose each routed tensor's rule (``route`` and ``groups.normalize_param_groups`` record it;
 #: ``describe`` reads it)
 _ROLE_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
+#: where each routed tensor's role came from (``ROLE_SOURCES``), for ``describe`` and the build log
+_ROLE_SOURCE: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+#: where a role comes from: the model's own statement (``declared``: transformers' input/output embeddings and
+#: classification heads, Megatron's embedding and output layer, torchtitan's ``tok_embeddings`` / ``output``, a
+#: pipeline's layer specs), the module's type (``type``: ``nn.Embedding``, ``nn.Linear``, ``Conv1D``, routers, fused
+#: experts), a guess from shapes, positions or names (``guessed``), or a user's routing pattern (``routing``)
+ROLE_SOURCES = ("declared", "type", "guessed", "routing")
 #: roles declared from a model's module types for tensors that reach an optimizer unnamed by the model (the
 #: Hugging Face Trainer's decay / no-decay groups); they win over roles guessed from the names
 _MODULE_ROLES: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -145,9 +153,17 @@ def logical_dim(t: torch.Tensor) -> int:
     return len(logical_shape(t))
 
 
-def record_role(tensor: torch.Tensor, role: str) -> None:
-    """Remember the role that chose ``tensor``'s rule (what ``role_of`` returns)."""
+def record_role(tensor: torch.Tensor, role: str, source: str | None = None) -> None:
+    """Remember the role that chose ``tensor``'s rule (what ``role_of`` returns) and, when known, where it came
+    from (one of ``ROLE_SOURCES``; what ``role_source`` returns)."""
     _ROLE_OF[tensor] = role
+    if source is not None:
+        _ROLE_SOURCE[tensor] = source
+
+
+def role_source(tensor: torch.Tensor, default: str = "?") -> str:
+    """Where the role recorded for ``tensor`` came from (``ROLE_SOURCES``), else ``default``."""
+    return _ROLE_SOURCE.get(tensor, default)
 
 
 def role_of(tensor: torch.Tensor, default: str = "?") -> str:
