@@ -21,7 +21,7 @@ from .config import ConfigError, OptimizerConfig, format_errors
 from .hooks import inspect_model, watch_model
 from .muon import Muon
 from .racs import RACS
-from .routing import forget_stand_ins, route
+from .routing import RoleTable, forget_stand_ins, route
 from .scale import SCALE
 from .sinkgd import SinkGD
 from .sumo import SUMO
@@ -58,7 +58,7 @@ def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], wher
 
 def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: OptimizerConfig,
                        routing: Mapping[str, str] | None = None, unused: list[str] | None = None,
-                       roles: Mapping[str, str] | None = None) -> list[dict]:
+                       roles: Mapping[str, str] | RoleTable | None = None) -> list[dict]:
     """Param groups routed by ``cfg.roles()``; AdamW groups carry every hyperparameter explicitly (wrappers that
     fill missing group keys from their own defaults, like ZeroRedundancyOptimizer and fairscale OSS, would
     otherwise give them the matrix rule's values). ``unused``, ``roles``: see ``routing.route``."""

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ROLES", "param_roles", "StandIn", "declare_stand_ins", "forget_stand_ins", "model_parameters", "own_parameters",
+__all__ = ["ROLES", "ROLE_SOURCES", "RoleTable", "find_roles", "role_source", "param_roles", "StandIn", "declare_stand_ins", "forget_stand_ins", "model_parameters", "own_parameters",
            "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route", "RoutingError",
            "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
 
@@ -302,47 +302,133 @@ def _routers(model: nn.Module) -> set[int]:
 
 
 def _out_features(m: nn.Module) -> int | None:
-    return getattr(m, "out_features", getattr(m, "output_size", None))
+    """Output width of a Linear, Megatron's parallel Linear (``output_size``) or GPT-2's ``Conv1D`` (``nf``)."""
+    for attr in ("out_features", "output_size", "nf"):
+        if isinstance(getattr(m, attr, None), int):
+            return getattr(m, attr)
+    return None
+
+
+#: words of an embedding module's name that mark a table of positions, token types or segments: such a table never
+#: defines the vocabulary (a Linear as wide as the positions is not an LM head)
+_NOT_VOCAB_WORDS = {"pos", "position", "positions", "positional", "wpe", "type", "types", "token_type", "segment",
+                    "segments", "rel", "relative", "time", "patch", "bias"}
+
+
+def _is_vocab_table(name: str) -> bool:
+    """A token embedding by its module's name (``embed_tokens``, ``wte``, ``word_embeddings``), not a positions or
+    token-type table (``wpe``, ``embed_positions``, ``token_type_embeddings``)."""
+    module = name.rsplit(".", 1)[0] if "." in name else name
+    words = set(re.split(r"[_\-.]", module.rsplit(".", 1)[-1].lower()))
+    return not words & _NOT_VOCAB_WORDS
+
+
+class RoleTable(NamedTuple):
+    """Every trainable parameter's default role (``roles``) and where it came from (``sources``, one of
+    ``ROLE_SOURCES``), keyed by name; ``guessed`` lists the warnings of ambiguous guesses, if any."""
+    roles: dict[str, str]
+    sources: dict[str, str]
+    warnings: list[str]
+
+
+_WARNED_GUESSES: set[str] = set()
+
+
+def warn_guesses_once(table: RoleTable, stacklevel: int = 3) -> None:
+    """One warning per distinct ambiguous guess, per process (every rank warns once)."""
+    fresh = [w for w in table.warnings if w not in _WARNED_GUESSES]
+    _WARNED_GUESSES.update(fresh)
+    if fresh:
+        warnings.warn("shardopt routing: " + " ".join(fresh), UserWarning, stacklevel=stacklevel + 1)
+
+
+def find_roles(model: nn.Module) -> RoleTable:
+    """Default roles of ``model``'s parameters: what the model declares first (``declared_roles``: transformers,
+    Megatron-core, torchtitan), then module types, and guesses only where nothing is declared.
+
+    The LM head is, in that order: a declared output layer (or none, where the model states it holds none: a
+    pipeline stage without ``post_process``, a base model, a classifier whose head is declared); a Linear whose
+    weight is an embedding's (tied); else the last 2-D layer of the model when its output width equals a token
+    embedding's vocabulary. Only token embeddings define the vocabulary (never positions or token types), a model
+    has at most one guessed head, and a Linear followed by other layers is never guessed to be the head (logits
+    computed from the embedding's weight, ``F.linear(x, wte.weight)``, leave no Linear as the head). Ambiguous
+    structures are described in ``RoleTable.warnings`` (``route`` warns once per process)."""
+    from .declared_roles import declared_roles
+
+    params = model_parameters(model)
+    names = {id(seen): n for n, seen, _ in params}
+    roles: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    notes: list[str] = []
+
+    def give(tensor_id: int, role: str, source: str) -> None:
+        if tensor_id in names:
+            roles[names[tensor_id]], sources[names[tensor_id]] = role, source
+
+    declared = declared_roles(model)
+    embeddings = [m for m in model.modules() if _is_embedding(m)]
+    emb_ids = {id(m.weight) for m in embeddings}
+    module_names = {id(m): n for n, m in model.named_modules()}
+    linears = [m for m in model.modules() if _is_linear(m)]
+    matrices = [m for m in model.modules() if _is_linear(m) or _is_conv1d(m)]
+    for m in embeddings:
+        give(id(m.weight), "embedding", "declared" if id(m.weight) in declared.embeddings | declared.others
+             else "type")
+    routers = _routers(model) | _router_modules(model)
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor) and id(w) in routers and id(w) in names and names[id(w)] not in roles:
+            give(id(w), "router", "type")
+    for pid, role in expert_roles(model).items():
+        give(pid, role, "type")
+    for m in linears:
+        if id(m.weight) in names and names[id(m.weight)] not in roles:
+            give(id(m.weight), "router" if id(m.weight) in routers else "matrix", "type")
+    for m in model.modules():
+        if _is_conv1d(m) and id(m.weight) in names and names[id(m.weight)] not in roles:
+            give(id(m.weight), "matrix_transposed", "type")
+    if declared.states_head:
+        for pid in declared.heads:
+            give(pid, "lm_head", "declared")
+    else:
+        tied = [m for m in linears if id(m.weight) in emb_ids]
+        if tied:
+            give(id(tied[-1].weight), "lm_head", "type")  # a tied weight's single name becomes the head
+        else:
+            _guess_head(model, embeddings, matrices, routers, module_names, names, give, notes)
+    for n, _, _ in params:
+        if n not in roles:
+            roles[n], sources[n] = "vector", "type"
+    return RoleTable(roles, sources, notes)
+
+
+def _guess_head(model: nn.Module, embeddings: list[nn.Module], matrices: list[nn.Module], routers: set[int],
+                module_names: Mapping[int, str], names: Mapping[int, str], give: Any, notes: list[str]) -> None:
+    """The LM head of a model that declares none: the last 2-D layer, when it is as wide as a token vocabulary."""
+    vocab = {m.num_embeddings for m in embeddings if _is_vocab_table(module_names.get(id(m), ""))}
+    layers = [m for m in matrices if id(m.weight) not in routers and id(m.weight) in names]
+    wide = [m for m in layers if _out_features(m) in vocab]
+    if layers and wide and wide[-1] is layers[-1]:
+        give(id(layers[-1].weight), "lm_head", "guessed")
+        return
+    if wide:
+        last = wide[-1]
+        name = names[id(last.weight)]
+        notes.append(f"{name!r} is as wide as the vocabulary ({_out_features(last)}) but other layers follow it, so "
+                     f"it keeps the role 'matrix' rather than 'lm_head'; if it produces the logits, declare "
+                     f"routing={{'{name}': 'lm_head'}}.")
+    tables = [m for m in embeddings if _is_vocab_table(module_names.get(id(m), "")) and id(m.weight) in names]
+    if tables and not wide:
+        first = names[id(tables[0].weight)]
+        notes.append(f"no layer produces logits as wide as the vocabulary of {first!r} "
+                     f"({tables[0].num_embeddings}); if the logits are computed from that embedding's weight (a tied "
+                     f"head), declare routing={{'{first}': 'lm_head'}}, else nothing gets the LM head's rule.")
 
 
 def param_roles(model: nn.Module) -> dict[str, str]:
     """Default role of every trainable parameter, keyed by its name in ``model.named_parameters()`` (or a declared
-    stand-in's, ``model_parameters``)."""
-    params = model_parameters(model)
-    names = {id(seen): n for n, seen, _ in params}
-    roles: dict[str, str] = {}
-    embeddings = [m for m in model.modules() if _is_embedding(m)]
-    vocab_sizes = {m.num_embeddings for m in embeddings}
-    emb_ids = {id(m.weight) for m in embeddings}
-    linears = [m for m in model.modules() if _is_linear(m)]
-    head = None
-    for m in linears:
-        if id(m.weight) in emb_ids:
-            head = m  # tied output projection
-    if head is None:
-        candidates = [m for m in linears if _out_features(m) in vocab_sizes]
-        head = candidates[-1] if candidates else None
-    for m in embeddings:
-        roles[names[id(m.weight)]] = "embedding"
-    routers = _routers(model) | _router_modules(model)
-    for m in model.modules():
-        w = getattr(m, "weight", None)
-        if isinstance(w, torch.Tensor) and id(w) in routers and id(w) in names:
-            roles.setdefault(names[id(w)], "router")
-    for pid, role in expert_roles(model).items():
-        if pid in names:
-            roles[names[pid]] = role
-    for m in linears:
-        if id(m.weight) in names and names[id(m.weight)] not in roles:
-            roles[names[id(m.weight)]] = "router" if id(m.weight) in routers else "matrix"
-    for m in model.modules():
-        if _is_conv1d(m) and id(m.weight) in names and names[id(m.weight)] not in roles:
-            roles[names[id(m.weight)]] = "matrix_transposed"
-    if head is not None:
-        roles[names[id(head.weight)]] = "lm_head"  # a tied weight's single name becomes the head
-    for n, _, _ in params:
-        roles.setdefault(n, "vector")
-    return roles
+    stand-in's, ``model_parameters``): ``find_roles(model).roles``."""
+    return find_roles(model).roles
 
 
 #: module names (the component before ``.weight``) that mark an embedding: ``embed_tokens``, ``wte``, ...
@@ -448,23 +534,33 @@ def warn_unnamed_once(who: str, treatment: str, stacklevel: int = 2) -> None:
                   stacklevel=stacklevel + 1)
 
 
-def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple[str, torch.Tensor]], dict[str, str],
+def _name_sources(roles: Mapping[str, str]) -> dict[str, str]:
+    """Sources of roles found from names alone: embeddings, heads and routers are guesses; matrices and vectors
+    follow from the shapes."""
+    return {n: "guessed" if r in ("embedding", "lm_head", "router") else "type" for n, r in roles.items()}
+
+
+def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple[str, torch.Tensor]], RoleTable,
                                                                         str]:
-    """``(name, tensor)`` pairs, their roles, and where the names come from: ``"module"``, ``"torch"`` (the
-    user's ``named_parameters()``, kept as torch's ``param_names``) or ``"position"``."""
+    """``(name, tensor)`` pairs, their roles and sources, and where the names come from: ``"module"``, ``"torch"``
+    (the user's ``named_parameters()``, kept as torch's ``param_names``) or ``"position"``."""
     if isinstance(model, nn.Module):
-        roles = {clean_name(n): r for n, r in param_roles(model).items()}
-        return [(clean_name(n), stepped) for n, _, stepped in model_parameters(model)], roles, "module"
+        table = find_roles(model)
+        table = RoleTable({clean_name(n): r for n, r in table.roles.items()},
+                          {clean_name(n): r for n, r in table.sources.items()}, table.warnings)
+        return [(clean_name(n), stepped) for n, _, stepped in model_parameters(model)], table, "module"
     tensors, names = named_or_unnamed(model)
     if not tensors:
         raise ValueError("optimizer got an empty parameter list")
     if names is not None:
         named = list(zip(names, tensors))
-        return named, roles_from_names(named), "torch"
+        roles = roles_from_names(named)
+        return named, RoleTable(roles, _name_sources(roles), []), "torch"
     named = [(f"param_{i}", t) for i, t in enumerate(tensors)]
     if len({logical_dim(t) == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
         warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer
-    return named, {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}, "position"
+    roles = {n: r for (n, _), r in zip(named, unnamed_roles(tensors))}
+    return named, RoleTable(roles, {n: "type" for n in roles}, []), "position"
 
 
 def warn_unknown_matrices(model: nn.Module, overrides: Mapping[str, str], optimizer_name: str) -> None:
@@ -500,7 +596,7 @@ def route(
     overrides: Mapping[str, str] | None = None,
     optimizer_name: str = "optimizer",
     unused: list[str] | None = None,
-    roles: Mapping[str, str] | None = None,
+    roles: Mapping[str, str] | RoleTable | None = None,
 ) -> list[dict]:
     """Param groups (one per distinct option set, in a fixed order) for ``model``'s trainable parameters.
 
@@ -515,7 +611,11 @@ def route(
     ``ValueError`` naming the parameter, its shape and the rule when a non-2-D tensor would reach a matrix rule.
     """
     named, found, source = _named_params_and_roles(model, optimizer_name)
-    roles = {**found, **{n: r for n, r in (roles or {}).items() if n in found}}
+    given = roles if isinstance(roles, RoleTable) else RoleTable(dict(roles or {}), {}, [])
+    sources = {**found.sources, **{n: given.sources.get(n, "declared") for n in given.roles if n in found.roles}}
+    roles = {**found.roles, **{n: r for n, r in given.roles.items() if n in found.roles}}
+    # an engine's roles of the whole model (a pipeline stage's) come with the whole model's warnings
+    warn_guesses_once(given if given.roles else found, stacklevel=2)
     overrides = dict(overrides or {})
     for pattern, role in overrides.items():
         if role not in ROLES:
@@ -529,10 +629,10 @@ def route(
     for name, p in named:
         if not p.requires_grad:
             continue
-        role, why = roles[name], "default routing"
+        role, why, origin = roles[name], "default routing", sources.get(name, "type")
         for pattern, target in overrides.items():
             if fnmatch.fnmatchcase(name, pattern):
-                role, why = target, f"routing pattern {pattern!r}"
+                role, why, origin = target, f"routing pattern {pattern!r}", "routing"
                 used.add(pattern)
                 break
         if role == "adamw":
@@ -559,7 +659,7 @@ def route(
         group["names"].append(name)
         if source == "torch":
             group.setdefault("param_names", []).append(name)
-        record_role(p, role)  # for describe(): the role that chose this parameter's rule
+        record_role(p, role, origin)  # for describe(): the role that chose this parameter's rule, and its source
     missing = [p for p in overrides if p not in used]
     if unused is not None:
         unused.extend(missing)
@@ -577,15 +677,29 @@ def _rule(group: Mapping[str, Any]) -> str:
     return f"{group['treatment']} {extra}".strip()
 
 
+#: the table's columns; ``from`` is where the role came from (``ROLE_SOURCES``; ``?`` where nothing recorded it)
+COLUMNS = ("parameter", "shape", "role", "from", "rule")
+
+
+def describe_row(name: str, shape: Sequence[int], role: str, source: str, group: Mapping[str, Any]) -> tuple[str, ...]:
+    """One row of the table: a parameter's logical shape, role, the role's source and its group's rule."""
+    return (name, "x".join(str(s) for s in shape) or "scalar", role, source, _rule(group))
+
+
+def format_table(rows: Iterable[Sequence[str]]) -> str:
+    """``COLUMNS`` over ``rows``, each column padded to its widest cell (whitespace-separated: the rule, last,
+    may hold spaces)."""
+    rows = [tuple(COLUMNS), *(tuple(r) for r in rows)]
+    widths = [max(len(r[c]) for r in rows) for c in range(len(COLUMNS))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+
+
 def describe_groups(groups: Iterable[Mapping[str, Any]], names: Mapping[int, str] | None = None) -> str:
     """The table for param groups of real parameters (as routing built them, or an optimizer's)."""
-    rows = [("parameter", "shape", "role", "rule")]
+    rows = []
     for g in groups:
         for i, p in enumerate(g["params"]):
             name = (g.get("names") or g.get("param_names") or [None] * len(g["params"]))[i] \
                 or (names or {}).get(id(p)) or "?"
-            shape = logical_shape(p)
-            rows.append((name, "x".join(str(s) for s in shape) or "scalar", role_of(p),
-                         _rule(g)))
-    widths = [max(len(r[c]) for r in rows) for c in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
+            rows.append(describe_row(name, logical_shape(p), role_of(p), role_source(p), g))
+    return format_table(rows)

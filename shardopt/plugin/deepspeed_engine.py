@@ -23,11 +23,12 @@ from torch import nn
 from ..optim.base import ShardedOptimizer
 from ..optim.config import OptimizerConfig, format_errors
 from ..optim.registry import ConfigError, build_param_groups, optimizer_class, validate_hyperparameters
+from ..optim.routing import RoleTable
 from ..sharding.fragment import Fragment
 from .zero_layouts import flat_fragments, zero3_fragments
 
 __all__ = ["initialize", "ShardoptSection", "load_config", "parse_section", "parse_shardopt_section",
-           "attach_zero_layouts"]
+           "attach_zero_layouts", "OFFLOAD_KEYS", "offload_devices", "apply_offload_keys"]
 
 
 class ShardoptSection(pydantic.BaseModel):
@@ -100,6 +101,7 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, OptimizerConfig
     zero = cfg.get("zero_optimization", {}) or {}
     if not isinstance(zero, Mapping):
         raise ConfigError(f"zero_optimization: expected an object, got {zero!r}")
+    apply_offload_keys(cfg)  # before DeepSpeed's own validation: its messages would not name the fix
     try:
         from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
     except ImportError:  # DeepSpeed not installed: initialize() will say so
@@ -111,14 +113,65 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, OptimizerConfig
             raise ConfigError(format_errors(err, "zero_optimization")) from None
         except (TypeError, ValueError) as err:
             raise ConfigError(f"zero_optimization: {err}") from None
-    for key in ("offload_optimizer", "offload_param"):
-        off = zero.get(key)
-        if off and not isinstance(off, Mapping):
-            raise ConfigError(f"zero_optimization.{key}: expected an object, got {off!r}")
-        if off and str(off.get("device", "none")).lower() != "none":
-            raise ConfigError(f"zero_optimization.{key}.device = {off.get('device')!r}: offload is not supported "
-                              "by shardopt; remove it or set device to 'none'")
     return section, section.config
+
+
+# ------------------------------------------------------------------------------------------------- offload
+#: the top-level DeepSpeed keys a client optimizer needs under ZeRO-Offload; DeepSpeed's (and accelerate's)
+#: messages name them one at a time: the first refuses an untested optimizer under ZeRO, the second makes
+#: DeepSpeed refuse (and accelerate silently replace by DeepSpeedCPUAdam) any optimizer with optimizer offload
+OFFLOAD_KEYS = {"zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+
+
+def offload_devices(cfg: Mapping[str, Any]) -> dict[str, str]:
+    """``{"offload_optimizer": device, "offload_param": device}`` of a DeepSpeed config (``"none"`` or ``"cpu"``),
+    refusing what shardopt does not run: NVMe offload (DeepSpeed's swapper moves the state tensors it knows,
+    keyed by its flat partitions; shardopt's per-matrix state keyed by parameter name would stay in memory, or be
+    swapped out from under it), optimizer offload at stage 0 and parameter offload below stage 3 (DeepSpeed does
+    not offload there, so the setting would be silently ignored). Every error names its key and the fix."""
+    zero = cfg.get("zero_optimization", {}) or {}
+    stage = zero.get("stage", 0) if isinstance(zero, Mapping) else 0
+    devices: dict[str, str] = {}
+    for key in ("offload_optimizer", "offload_param"):
+        off = zero.get(key) if isinstance(zero, Mapping) else None
+        if off is not None and not isinstance(off, Mapping):
+            raise ConfigError(f"zero_optimization.{key}: expected an object such as {{\"device\": \"cpu\"}}, "
+                              f"got {off!r}")
+        raw = (off or {}).get("device", "none")
+        device = str(getattr(raw, "value", raw) or "none").lower()
+        if device == "nvme":
+            raise ConfigError(
+                f"zero_optimization.{key}.device = 'nvme': shardopt does not run with NVMe offload (DeepSpeed's "
+                "swapper moves the optimizer state it knows, keyed by its flat partitions, not shardopt's per-matrix "
+                f"state); use CPU offload instead: \"{key}\": {{\"device\": \"cpu\"}}")
+        if device not in ("none", "cpu"):
+            raise ConfigError(f"zero_optimization.{key}.device = {raw!r}: expected 'none' or 'cpu'")
+        devices[key] = device
+    if devices["offload_optimizer"] == "cpu" and stage not in (1, 2, 3):
+        raise ConfigError(f"zero_optimization.offload_optimizer.device = 'cpu' needs zero_optimization.stage 1, 2 "
+                          f"or 3 (got stage {stage!r}, where DeepSpeed offloads nothing); set the stage or remove "
+                          "the offload")
+    if devices["offload_param"] == "cpu" and stage != 3:
+        raise ConfigError(f"zero_optimization.offload_param.device = 'cpu' needs zero_optimization.stage 3 (got "
+                          f"stage {stage!r}, where DeepSpeed keeps every parameter on the device); set stage 3, "
+                          "or use offload_optimizer alone")
+    return devices
+
+
+def apply_offload_keys(cfg: dict[str, Any], where: str = "the DeepSpeed config") -> dict[str, str]:
+    """Check ``cfg``'s offload settings (``offload_devices``) and set, in place, the keys a shardopt optimizer
+    needs with them (``OFFLOAD_KEYS``); a key the user set the other way is refused with its name, since DeepSpeed
+    would refuse the optimizer (or accelerate replace it by ``DeepSpeedCPUAdam``). Returns the devices."""
+    devices = offload_devices(cfg)
+    if devices["offload_optimizer"] != "none":
+        for key, value in OFFLOAD_KEYS.items():
+            if key == "zero_force_ds_cpu_optimizer" and key in cfg and cfg[key] != value:
+                raise ConfigError(
+                    f"{key} = {cfg[key]!r} in {where}: with zero_optimization.offload_optimizer.device 'cpu' a "
+                    f"shardopt optimizer needs \"{key}\": {str(value).lower()} (with true DeepSpeed refuses it, "
+                    "and accelerate swaps in DeepSpeedCPUAdam); remove the key or set it so")
+            cfg[key] = value
+    return devices
 
 
 def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition: int, rank: int, world: int,
@@ -204,7 +257,7 @@ def pipeline_stage(model: nn.Module | None) -> int | None:
     return int(model.stage_id) if isinstance(model, PipelineModule) else None
 
 
-def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
+def pipeline_roles(model: nn.Module) -> RoleTable | None:
     """The roles of a ``PipelineModule``'s parameters in the whole model, keyed by the names this stage gives them.
 
     A stage holds part of the model: the last stage sees an LM head but no embedding, so roles found from it alone
@@ -217,7 +270,7 @@ def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
 
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
 
-    from ..optim.routing import param_roles
+    from ..optim.routing import find_roles
 
     if not isinstance(model, PipelineModule):
         return None
@@ -246,13 +299,14 @@ def pipeline_roles(model: nn.Module) -> dict[str, str] | None:
                       "(and 'embedding' for an embedding that is not an nn.Embedding)", UserWarning, stacklevel=3)
         return None
     whole.tied_modules = tied
-    roles = param_roles(whole)
+    table = find_roles(whole)
     for key, count in uses.items():
         for attr in ([attrs[key]] if isinstance(attrs[key], str) else attrs[key] or []):
             name = f"tied_modules.{key}.{attr}"
-            if count > 1 and roles.get(name) == "embedding":
-                roles[name] = "lm_head"  # the embedding tied to the output projection: one process's head
-    return roles
+            if count > 1 and table.roles.get(name) == "embedding":
+                # the embedding tied to the output projection: one process's head
+                table.roles[name], table.sources[name] = "lm_head", "declared"
+    return table
 
 
 def _head_candidates(model: nn.Module) -> list[str]:

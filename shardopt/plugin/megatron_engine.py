@@ -28,7 +28,7 @@ from torch import nn
 
 from ..optim.base import ShardedOptimizer
 from ..optim.registry import build_param_groups, optimizer_class, validate_hyperparameters
-from ..optim.routing import ConfigError
+from ..optim.routing import ConfigError, RoleTable
 from ..sharding.discover import matrix_shape
 from ..sharding.fragment import Fragment
 from ..sharding.layout import ColFlatPiece, FlatPiece, MatrixLayout
@@ -131,32 +131,27 @@ def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str
     return out
 
 
-def megatron_roles(model_chunks: Sequence[nn.Module], names: Mapping[int, str]) -> dict[str, str]:
-    """Every parameter's role keyed by ``names`` (``id(param) -> name``): found on each chunk's modules as on one
-    process (``routing.param_roles``), then what Megatron's language models state outright, whatever part of the model
-    a pipeline stage holds: the word embedding (``embedding.word_embeddings``; the LM head when tied to the output
-    projection, as one process names a tied weight) and ``output_layer`` (the LM head, also a last stage's copy of a
-    tied embedding)."""
-    from ..optim.routing import param_roles
+def megatron_roles(model_chunks: Sequence[nn.Module], names: Mapping[int, str]) -> RoleTable:
+    """Every parameter's role and its source, keyed by ``names`` (``id(param) -> name``), found on each chunk as on
+    one process (``routing.find_roles``). Megatron's language models state their word embedding, position table
+    and output layer (``optim.declared_roles``), whatever part of the model a pipeline stage holds, so no stage
+    guesses a head: a stage without ``post_process`` holds none, and a hidden matrix as wide as the vocabulary or
+    the positions stays a matrix."""
+    from ..optim.routing import find_roles
 
     roles: dict[str, str] = {}
+    sources: dict[str, str] = {}
+    notes: list[str] = []
     for chunk in model_chunks:
         model = unwrap(chunk)
         local = dict(model.named_parameters())
-        roles.update({names[id(local[n])]: r for n, r in param_roles(model).items()
-                      if n in local and id(local[n]) in names})
-        for m in model.modules():
-            if not (hasattr(m, "pre_process") and hasattr(m, "post_process")):
-                continue
-            tied = bool(getattr(m, "share_embeddings_and_output_weights", False))
-            words = getattr(getattr(m, "embedding", None), "word_embeddings", None)
-            weight = getattr(words, "weight", None)
-            if m.pre_process and isinstance(weight, torch.Tensor) and id(weight) in names:
-                roles[names[id(weight)]] = "lm_head" if tied else "embedding"
-            weight = getattr(getattr(m, "output_layer", None), "weight", None)
-            if m.post_process and isinstance(weight, torch.Tensor) and id(weight) in names:
-                roles[names[id(weight)]] = "lm_head"
-    return roles
+        table = find_roles(model)
+        for n, r in table.roles.items():
+            if n in local and id(local[n]) in names:
+                roles[names[id(local[n])]] = r
+                sources[names[id(local[n])]] = table.sources[n]
+        notes += [w for w in table.warnings if w not in notes]
+    return RoleTable(roles, sources, notes)
 
 
 # ---------------------------------------------------------------------------------------------- layouts
