@@ -1,4 +1,5 @@
-"""``shardopt`` command line: ``shardopt checkpoint inspect PATH``, ``shardopt checkpoint convert SRC DST`` and
+"""``shardopt`` command line: ``shardopt checkpoint inspect PATH``, ``shardopt checkpoint convert SRC DST``,
+``shardopt checkpoint clean DIR`` (leftovers of interrupted saves) and
 ``shardopt roles MODEL OPTIMIZER`` (each parameter's role and rule for a Hugging Face model config)."""
 from __future__ import annotations
 
@@ -81,13 +82,31 @@ def _roles(model: str, optimizer: str, routing: list[str]) -> int:
     return 0
 
 
+def _clean(path: str, dry_run: bool) -> int:
+    """Remove the leftovers of interrupted saves under ``path`` (never a complete checkpoint's file)."""
+    import os
+
+    from .checkpoint import commit
+
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory; give the directory checkpoints are saved in")
+    found = commit.leftovers(path) if dry_run else commit.clean(path)
+    for f in found:
+        print(f"{'would remove' if dry_run else 'removed'} {f}")
+    print(f"{path}: {len(found)} leftover file(s) of interrupted saves {'found' if dry_run else 'removed'}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardopt")
     sub = ap.add_subparsers(dest="command", required=True)
-    ck = sub.add_parser("checkpoint", help="inspect or convert checkpoints")
+    ck = sub.add_parser("checkpoint", help="inspect, convert or clean checkpoints")
     cks = ck.add_subparsers(dest="action", required=True)
     ins = cks.add_parser("inspect", help="parameters, state tensors, shapes, bytes, step")
     ins.add_argument("path", help=f"the checkpoint: {ACCEPTED}")
+    cln = cks.add_parser("clean", help="remove what interrupted saves left (.tmp-* files, orphan part files)")
+    cln.add_argument("path", help="a checkpoint directory (DeepSpeed save_dir, trainer checkpoints/, a shardopt dir)")
+    cln.add_argument("--dry-run", action="store_true", help="list what would be removed, remove nothing")
     conv = cks.add_parser("convert", help="DeepSpeed ZeRO <-> FSDP2 DCP <-> single file (also from trainer DDP files)")
     conv.add_argument("src", help="as for inspect")
     conv.add_argument("dst")
@@ -109,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.action == "inspect":
             return _inspect(args.path)
+        if args.action == "clean":
+            return _clean(args.path, args.dry_run)
         return _convert(args.src, args.dst, args.to)
     except CheckpointError as err:
         print(f"shardopt: error: {err}", file=sys.stderr)

@@ -8,6 +8,10 @@ whole state. The main file's metadata holds the JSON of ``{format, kinds, optimi
 world_size, engine, extra, keys, index}``; ``index`` maps each logical key to its shape, 2-D view and pieces
 ``[file, tensor name, "flat" | "cols", a, b]`` (file ``""`` is the main file). Readers fetch only the slices
 that overlap what they need (``StateReader``); files of format v1 (whole tensors, no index) still load.
+
+Every file carries the CRC-32 of each tensor's bytes (metadata ``shardopt_crc32``; safetensors has no checksum of
+its own), verified before anything loads: flipped bytes are refused naming the file and tensor, not loaded as
+silent garbage. ``SHARDOPT_CHECKPOINT_VERIFY=0`` skips the check (files without checksums load unchecked).
 """
 from __future__ import annotations
 
@@ -16,6 +20,7 @@ import math
 import os
 import struct
 import tempfile
+import zlib
 from contextlib import ExitStack
 from typing import Any, Iterable
 
@@ -25,11 +30,26 @@ from ..sharding.layout import ColFlatPiece, ColPiece, FlatPiece, RectPiece, _blo
 from .errors import CheckpointError
 
 __all__ = ["STATE_FILE", "FORMAT", "write_state_file", "write_part", "read_state_file", "read_metadata",
-           "StateReader", "piece_spec", "whole_index"]
+           "StateReader", "piece_spec", "whole_index", "CRC_KEY", "verify_file", "verify_enabled"]
 
 STATE_FILE = "shardopt_state.safetensors"
 FORMAT = "shardopt-logical-v2"
 _OLD_FORMATS = ("shardopt-logical-v1",)
+#: the safetensors metadata key holding ``{tensor name: CRC-32 of its bytes}`` (JSON)
+CRC_KEY = "shardopt_crc32"
+_CHUNK = 64 << 20
+
+
+def verify_enabled() -> bool:
+    """Whether loads verify checksums: yes unless ``SHARDOPT_CHECKPOINT_VERIFY`` is ``0``/``false``/``no``/``off``."""
+    return os.environ.get("SHARDOPT_CHECKPOINT_VERIFY", "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _crc(t: torch.Tensor) -> int:
+    """CRC-32 of a contiguous CPU tensor's bytes, as safetensors stores them (little-endian, row-major)."""
+    if t.numel() == 0:
+        return 0
+    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
 
 
 def piece_spec(piece: FlatPiece | ColPiece | RectPiece | ColFlatPiece) -> list:
@@ -64,7 +84,8 @@ def whole_index(tensors: dict[str, torch.Tensor], file: str = "") -> dict[str, A
 
 def write_part(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> None:
     """Write atomically: a temporary file in the same directory, fsync, then rename over ``path``. A crash
-    mid-save leaves the previous file (if any) intact. Files get the user's umask, as ``torch.save``'s do."""
+    mid-save leaves the previous file (if any) intact. Files get the user's umask, as ``torch.save``'s do, and
+    each tensor's CRC-32 in the metadata (``CRC_KEY``)."""
     from safetensors.torch import save_file
 
     directory = os.path.dirname(os.path.abspath(path))
@@ -72,8 +93,11 @@ def write_part(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".safetensors", dir=directory)
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp,
-                  metadata={"shardopt": json.dumps(meta)} if meta is not None else None)
+        tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+        metadata = {CRC_KEY: json.dumps({k: _crc(v) for k, v in tensors.items()})}
+        if meta is not None:
+            metadata["shardopt"] = json.dumps(meta)
+        save_file(tensors, tmp, metadata=metadata)
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
@@ -109,9 +133,60 @@ def _data_end(path: str) -> tuple[int, dict]:
     return 8 + n + end, header
 
 
+def verify_file(path: str, names: Iterable[str] | None = None) -> None:
+    """Check the CRC-32 of tensors ``names`` (all when None) of a safetensors file against its metadata; a
+    mismatch raises ``CheckpointError`` naming the file and tensor. Files written without checksums pass."""
+    try:
+        end, header = _data_end(path)
+        sums = json.loads((header.get("__metadata__") or {}).get(CRC_KEY) or "null")
+    except Exception as err:
+        raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({err})") from None
+    if sums is None:
+        return
+    if os.path.getsize(path) < end:
+        raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({os.path.getsize(path)} of {end} "
+                              "bytes)")
+    wanted = sorted(sums if names is None else names)
+    base = end - max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+    with open(path, "rb") as f:
+        for name in wanted:
+            if name not in header or name not in sums:
+                what = "entry" if name not in header else "checksum"
+                raise CheckpointError(f"{path}: tensor {name!r} has no {what} in the file; the file is damaged or "
+                                      "not the one the checkpoint names")
+            a, b = header[name]["data_offsets"]
+            f.seek(base + a)
+            crc, left = 0, b - a
+            while left > 0:  # in chunks: one tensor may be larger than the memory to spare
+                chunk = f.read(min(left, _CHUNK))
+                if not chunk:
+                    break
+                crc, left = zlib.crc32(chunk, crc), left - len(chunk)
+            if crc != sums[name]:
+                raise CheckpointError(f"{path}: checksum mismatch in tensor {name!r} (bytes {base + a}-{base + b} of "
+                                      "the file changed after it was written: a damaged disk or copy); restore the "
+                                      "file or load an earlier checkpoint")
+
+
+def _interrupted(path: str) -> str:
+    """Why there is no main file at ``path``: a save there was interrupted (its part or ``.tmp-*`` files are
+    there), or nothing was saved."""
+    directory = os.path.dirname(os.path.abspath(path))
+    stem = os.path.basename(path)[: -len(".safetensors")]
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        names = []
+    left = sorted(n for n in names if n.startswith(".tmp-") or (n.startswith(stem + ".") and ".r" in n))
+    if not left:
+        return f"{path}: no shardopt state file here (expected {STATE_FILE})"
+    return (f"{path}: incomplete checkpoint, the save was interrupted before its main file was written (found "
+            f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); load the checkpoint saved before it")
+
+
 def read_metadata(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
-        raise CheckpointError(f"{path}: no shardopt state file here (expected {STATE_FILE})")
+        raise CheckpointError(_interrupted(path))
     try:
         _, header = _data_end(path)
         raw = (header.get("__metadata__") or {}).get("shardopt")
@@ -133,8 +208,9 @@ def read_metadata(path: str) -> dict[str, Any]:
 class StateReader:
     """Reads regions of logical tensors from a checkpoint's files, touching only the overlapping slices."""
 
-    def __init__(self, path: str, meta: dict[str, Any] | None = None):
+    def __init__(self, path: str, meta: dict[str, Any] | None = None, verify: bool | None = None):
         self.path = path
+        self.verify = verify_enabled() if verify is None else verify  # checksums checked by ``check_files``
         self.meta = meta if meta is not None else read_metadata(path)
         self.index: dict[str, dict] = self.meta["index"]
         self._stack = ExitStack()
@@ -170,6 +246,8 @@ class StateReader:
             missing = sorted(names - set(header))
             if missing:
                 raise CheckpointError(f"{path}: incomplete, tensor {missing[0]!r} is missing")
+            if self.verify:
+                verify_file(path, names)
 
     def _slice(self, file: str, tname: str) -> Any:
         from safetensors import safe_open

@@ -12,6 +12,7 @@ build, so nothing here knows about DeepSpeed or FSDP.
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import math
 import os
@@ -134,7 +135,7 @@ def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Re
                 elif kind in ("rows", "cols"):
                     full = value.detach().float().clone()
                     if lay.group is not None:
-                        owned = lay.axis_plan(0 if kind == "rows" else 1).owned
+                        owned = lay.axis_plan(opt.line_axis(frag, kind)).owned  # stored axis (in x out: swapped)
                         full = torch.zeros_like(full)
                         full[owned] = value.detach().float()[owned]
                         rnd.add_full(lay, full)
@@ -238,9 +239,13 @@ def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include
             write_part(path, part_tensors(""), {"format": FORMAT, **meta, "kinds": kinds, "keys": sorted(index),
                                                     "index": index, "world_size": world})
             referenced = {p[0] for e in index.values() for p in e["pieces"]}
-            for stale in glob.glob(os.path.join(directory, f"{glob.escape(stem)}.*.r*.safetensors")):
-                if os.path.basename(stale) not in referenced:
-                    os.unlink(stale)
+            # leftovers of earlier saves here (interrupted ones' part and .tmp-* files): every rank's files of
+            # this save are in place (the barrier above), so no .tmp-* file here is still being written
+            stale = glob.glob(os.path.join(directory, f"{glob.escape(stem)}.*.r*.safetensors"))
+            for path_ in stale + glob.glob(os.path.join(directory, ".tmp-*")):
+                if os.path.basename(path_) not in referenced:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path_)
     finally:
         if _dist():
             dist.barrier()
@@ -282,10 +287,12 @@ def _target(source: Source, key: str, lay, frag_logical: tuple[int, ...]) -> Fla
     raise CheckpointError(f"{key}: stored as {m}x{n}, cannot cut this rank's column or rectangular block from it")
 
 
-def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], load_params: bool = True) -> None:
+def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], load_params: bool = True,
+                load_state: bool = True) -> None:
     """Rebuild this rank's optimizer state (and stepped parameters) from ``source``, reading only this rank's
     pieces. Everything is checked first (entries present, shapes, files complete); a checkpoint that fails
-    those checks changes nothing."""
+    those checks changes nothing. ``load_state=False`` reads the parameters only and leaves the optimizer's
+    state as it is (DeepSpeed's ``load_optimizer_states=False`` and ``load_module_only``)."""
     by_name: dict[str, list[str]] = {}
     for k in source.index:
         by_name.setdefault(k.split(SEP)[0], []).append(k)
@@ -306,14 +313,15 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
                                           f"parameter's {frag.logical_shape}")
                 if kind not in ("elements", "tensor", "rows", "cols", "scalar", "matrix"):
                     raise CheckpointError(f"{k}: unknown kind {kind!r}")
-                if key == PARAM_KEY and not load_params:
+                if (key == PARAM_KEY and not load_params) or (key != PARAM_KEY and not load_state):
                     continue
                 actions.append((p, frag, k, key, kind, shape))
                 needed.append(k)
     source.check_files(needed)
     # everything is checked: the old state goes before the new one is read, so a load in place never holds
     # two copies of the state
-    opt.state.clear()
+    if load_state:
+        opt.state.clear()
     new_state: dict[torch.Tensor, dict] = {p: {} for p in opt.stepped_tensors()}
     param_reads: list[tuple] = []
     for p, frag, k, key, kind, shape in actions:
@@ -362,6 +370,8 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
                 buf = torch.empty(frag.numel, dtype=torch.float32)
                 source.fill(k, _target(source, k, frag.layout, frag.logical_shape), buf)
                 frag.local(p).copy_(buf.to(p.dtype))
+    if not load_state:
+        return
     opt.state.clear()
     for p, st in new_state.items():
         if st:
