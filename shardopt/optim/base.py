@@ -43,7 +43,9 @@ from .groups import normalize_param_groups
 from .hooks import apply_param_sources, run_pre_step_checks, run_zero_grad_hooks
 from .items import MatrixItem, apply_items
 from .nonfinite import end_gate, gate_step, nonfinite_grads, settle_device_skip
-from .routing import TRANSPOSE_SYMMETRIC, RoutingError, describe_groups, logical_dim, logical_shape
+from .build_log import log_build
+from .routing import (TRANSPOSE_SYMMETRIC, RoutingError, describe_row, format_table, logical_dim, logical_shape,
+                      role_of, role_source)
 from .whole_matrix import run_buckets
 
 __all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver", "apply_items"]
@@ -172,6 +174,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: their logical shapes, as built (which 3-D parameters are batches of matrices, after an engine flattened them)
         self.group_param_shapes: list[list[tuple[int, ...]]] = [[_logical_shape(p) for p in g["params"]]
                                                                 for g in groups]
+        #: the role that chose each one's rule and where it came from (``routing.ROLE_SOURCES``), as built: the
+        #: table (``describe``) lists logical parameters also while the engine steps flat partitions
+        self.group_param_roles: list[list[tuple[str, str]]] = [[(role_of(p), role_source(p)) for p in g["params"]]
+                                                               for g in groups]
         self._fragments: dict[int, list[Fragment]] = {}
         self._attached: dict[int, torch.Tensor] = {}
         self._layout_resolver: LayoutResolver = layout_of
@@ -207,6 +213,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._matrix_owner: dict[str, tuple[int, MatrixLayout]] = {}
         #: param group and row plan of every whole-matrix matrix (where its small state rests)
         self._matrix_plans: dict[str, tuple[int, Any]] = {}
+        # one record on rank 0 (logger "shardopt"): every front door builds its optimizer here
+        log_build(type(self).__name__, self.describe_rows(), [p for g in groups for p in g["params"]])
 
     # ------------------------------------------------------------------ groups
     def _role_options(self, role: str) -> dict:
@@ -270,14 +278,23 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 self.param_names.setdefault(id(p), names[id(p)])
             self.group_param_names.append([self.param_names[id(p)] for p in group["params"]])
             self.group_param_shapes.append([_logical_shape(p) for p in group["params"]])
+            self.group_param_roles.append([(role_of(p), role_source(p)) for p in group["params"]])
         self._groups()  # the stable group list follows (see _groups)
         self._forget_plans()
 
     def describe(self) -> str:
-        """A table of every parameter's name, shape, role and rule (``shardopt.optim.describe``); call it before
-        an engine replaces the parameters by flat partitions (or use ``describe_roles(model, ...)``)."""
-        return describe_groups([{**g, "params": [p for p in g["params"] if not self.is_flat(p)]}
-                                for g in self.param_groups], self.param_names)
+        """A table of every parameter's name, logical shape, role, where the role came from (``declared``,
+        ``type``, ``guessed``, ``routing``) and rule (``shardopt.optim.describe``); the same under any engine as in
+        one process, also while the engine steps flat partitions (it lists the parameters as built)."""
+        return format_table(self.describe_rows())
+
+    def describe_rows(self) -> list[tuple[str, ...]]:
+        """``describe``'s rows (``routing.describe_row``), in param-group order."""
+        roles = self.__dict__.get("group_param_roles") or [[("?", "?")] * len(n) for n in self.group_param_names]
+        return [describe_row(name, shape, role, source, group)
+                for group, names, shapes, group_roles in zip(self._groups(), self.group_param_names,
+                                                             self.group_param_shapes, roles)
+                for name, shape, (role, source) in zip(names, shapes, group_roles)]
 
     def describe_plan(self) -> str:
         """Every param group's whole-matrix plan (``MatrixOps.describe``): strategy, owner and modeled seconds
