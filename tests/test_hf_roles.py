@@ -14,7 +14,7 @@ transformers = pytest.importorskip("transformers")
 import shardopt  # noqa: E402
 from shardopt.optim.describe import describe_roles  # noqa: E402
 from shardopt.optim.registry import OPTIMIZERS  # noqa: E402
-from shardopt.optim.routing import TRANSPOSE_SYMMETRIC, RoutingError, param_roles  # noqa: E402
+from shardopt.optim.routing import TRANSPOSE_SYMMETRIC, param_roles  # noqa: E402
 from shardopt.plugin.wrapped import UnmappedTensorError  # noqa: E402
 
 
@@ -91,14 +91,15 @@ def test_describe_lists_every_parameter() -> None:
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
 def test_transposed_weights_per_rule(name: str) -> None:
-    """Rules in TRANSPOSE_SYMMETRIC orient by shape: stepping W^T gives the transposed update of stepping W
-    (so Conv1D needs nothing special); SCALE flips its axis; the others refuse Conv1D weights by default."""
+    """Rules in TRANSPOSE_SYMMETRIC orient by shape: stepping W^T as a plain matrix gives the transposed update of
+    stepping W (on non-square matrices). Every rule steps GPT-2's Conv1D weights (role matrix_transposed) as their
+    logical out x in matrix, none refuses them (tests/test_transposed_rules.py checks the updates)."""
     model = tiny_gpt2()
-    if name not in TRANSPOSE_SYMMETRIC and name != "scale":
-        with pytest.raises(RoutingError, match="stored in x out"):
-            shardopt.create_optimizer(model, name)
-        shardopt.create_optimizer(model, name, routing={"*.c_*.weight": "adamw"})  # the fix the message gives
-        return
+    opt = shardopt.create_optimizer(model, name)  # no rule refuses GPT-2
+    params = dict(model.named_parameters())
+    for conv in conv1d_weights(model):
+        group = next(g for g in opt.param_groups if any(p is params[conv] for p in g["params"]))
+        assert group["treatment"] == name and (group.get("transposed") or group.get("norm_dim") == 0), conv
     kw = {"rank": 4, "leading": 2} if name.startswith("alice") else {"rank": 4} if name == "sumo" else {}
     torch.manual_seed(1)
     w0 = torch.randn(12, 20)
@@ -111,9 +112,7 @@ def test_transposed_weights_per_rule(name: str) -> None:
             w.grad = (g.T if transposed else g).clone().contiguous()
             opt.step()
         out.append(w.detach().T if transposed else w.detach())
-    if name == "scale":  # SCALE is not symmetric: its Conv1D role flips norm_dim instead (tested above)
-        assert (out[0] - out[1]).abs().max() > 1e-4
-    else:
+    if name in TRANSPOSE_SYMMETRIC:
         assert (out[0] - out[1]).abs().max() <= 1e-6
 
 

@@ -37,6 +37,7 @@ from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_bet
 from ..sharding.fragment import local_tensor as _local
 from .grouped import _plan, grouped_step
 from .nonfinite import gated, skippable_lerp_
+from .transposed import line_sums, logical_2d, logical_axes
 
 __all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
 
@@ -288,7 +289,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             views = blocks.block_views(moms, g, persistent="state")
             m = views[0].unsqueeze(0) if len(views) == 1 else torch.stack(views)
             x = torch.stack(grads) if isinstance(grads, list) else grads
-            left = self.whole_matrix_transpose(group, (g.h, g.w))
+            left = self.a_transpose(group, (g.h, g.w))
             k = g.h if left else g.w
             for i in g.items:
                 if "V" not in states[i]:  # as _run_whole_matrix creates them (a local matrix's share is all of it)
@@ -444,7 +445,7 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
             lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), options))
 
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
-        return shape[1] if group.get("treatment", "adamw") != "adamw" else 0
+        return logical_2d(shape, group)[1] if group.get("treatment", "adamw") != "adamw" else 0
 
     def skips_on_device(self, group: dict) -> bool:
         """DASGO gates every write (``_step_dasgo``): the momentum's EMA skipped by its kernel
@@ -458,33 +459,35 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         self._update_momentum(group, b1, counts=False)
         step = grouped_step(self, group)
         blocks = step.blocks
+        rows, cols = logical_axes(group)  # the logical columns are the stored rows of a weight stored in x out
         rnd = Round()
-        sums = blocks.col_sums(step.grads, square=True)
-        blocks.add_axis(rnd, sums, 1)
+        sums = line_sums(blocks, cols, step.grads, square=True)
+        blocks.add_axis(rnd, sums, cols)
         rnd.run()
         decay = b2
         if gate is not None:  # a skipped step adds no energy (its sums may be inf or NaN) and decays by 1
             sums, decay = gated(gate, sums, 0.0), gated(gate, b2, 1.0)
         mstates = step.states
         for st, lay in zip(mstates, step.layouts):
-            if "v" not in st:
-                st["v"] = sums.new_zeros(lay.shape[1])
+            if "v" not in st:  # per logical column (input unit)
+                st["v"] = sums.new_zeros(lay.shape[cols])
         vs = [st["v"] for st in mstates]
-        v = torch.cat(vs, out=blocks.line_buffer("v", 1)) if vs else sums
+        v = torch.cat(vs, out=blocks.line_buffer("v", cols)) if vs else sums
         if step.all_have_grad:  # the EMA on the concatenation, written back with one foreach copy
             if vs:
                 v.mul_(decay).add_(sums, alpha=1 - b2)
-                torch._foreach_copy_(vs, blocks.segments(v, 1))
+                torch._foreach_copy_(vs, blocks.segments(v, cols))
         else:
             with_grad_items = [k for k, ok in enumerate(step.has_grad) if ok]
             if with_grad_items:
-                parts = blocks.segments(sums, 1)
+                parts = blocks.segments(sums, cols)
                 torch._foreach_mul_([vs[k] for k in with_grad_items], decay)
                 torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
                 v = torch.cat(vs)
         moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
         momentum = [blocks.block_views(moms, g, persistent="state") for g in blocks.groups]  # the momentum's blocks, not a copy
-        col_scale = masked_rsqrt(v + group["eps"], out=blocks.line_buffer("col_scale", 1))
+        col_scale = masked_rsqrt(v + group["eps"], out=blocks.line_buffer("col_scale", cols))
         if gate is not None:
             col_scale.mul_(gate)  # a skipped step adds 0 x (finite) momentum
-        step.apply_scaled(momentum, group["lr"], group["weight_decay"], col_scale=col_scale)
+        scale = {"col_scale": col_scale} if cols == 1 else {"row_scale": col_scale}
+        step.apply_scaled(momentum, group["lr"], group["weight_decay"], **scale)

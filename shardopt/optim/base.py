@@ -46,6 +46,7 @@ from .nonfinite import end_gate, gate_step, nonfinite_grads, settle_device_skip
 from .build_log import log_build
 from .routing import (TRANSPOSE_SYMMETRIC, RoutingError, describe_row, format_table, logical_dim, logical_shape,
                       role_of, role_source)
+from .transposed import TRANSPOSED, is_transposed
 from .whole_matrix import run_buckets
 
 __all__ = ["ShardedOptimizer", "MatrixItem", "LayoutResolver", "apply_items"]
@@ -218,11 +219,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ groups
     def _role_options(self, role: str) -> dict:
-        if role not in self.role_table:  # matrix_transposed (GPT-2's Conv1D, roles found from the model)
+        if role not in self.role_table:  # a table of its own (a subclass's) without matrix_transposed
             if role != "matrix_transposed" or self.matrix_treatments[0] not in TRANSPOSE_SYMMETRIC:
-                raise RoutingError(f"{type(self).__name__} has no rule for role {role!r} (a weight stored in x out); "
+                raise RoutingError(f"{type(self).__name__} has no rule for role {role!r} (a weight stored in x out) "
+                                   "in its role_table; give it a 'matrix_transposed' entry (optim.transposed), or "
                                    "route such weights explicitly, e.g. to 'adamw'")
-            role = "matrix"
+            options = {**self.role_table["matrix"], TRANSPOSED: True}  # it orients by shape (optim.transposed)
+            return {"treatment": self.matrix_treatments[0], **options}
         options = dict(self.role_table[role])
         options.setdefault("treatment", self.matrix_treatments[0])
         return options
@@ -519,8 +522,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                     if kind == "matrix" and value.dim() and frag.layout.group is not None and _is_dtensor(p):
                         even.append((target, key, self._even_entry(p, frag.name, key, value)))
                     if kind in ("rows", "cols") and frag.layout.group is not None:
-                        axis = 0 if kind == "rows" else 1
-                        owned = frag.layout.axis_plan(axis).owned
+                        owned = frag.layout.axis_plan(self.line_axis(frag, kind)).owned
                         full = torch.zeros_like(value)
                         full[owned] = value[owned]
                         rnd.add_full(frag.layout, full)
@@ -759,6 +761,31 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Whether the algorithm works on ``A = G^T`` (else ``A = G``) for an ``m x n`` matrix."""
         raise NotImplementedError
 
+    def a_transpose(self, group: dict, shape: tuple[int, int]) -> bool:
+        """``whole_matrix_transpose`` decided on the logical matrix: a weight stored in x out (``optim.transposed``)
+        takes the other orientation of its stored ``shape``, so ``A`` is the same matrix as for its out x in twin
+        (on a square one too, where the rule's tie would otherwise pick the other side)."""
+        if is_transposed(group):
+            return not self.whole_matrix_transpose(group, (shape[1], shape[0]))
+        return self.whole_matrix_transpose(group, shape)
+
+    def line_axis(self, frag: Fragment, kind: str) -> int:
+        """The stored axis of matrix ``frag``'s per-line state of ``kind`` ("rows" or "cols", logical): a weight
+        stored in x out keeps its per-row state along its stored columns (``optim.transposed``)."""
+        axis = 0 if kind == "rows" else 1
+        names = self.transposed_params()
+        return 1 - axis if frag.name in names or frag.param in names else axis
+
+    def transposed_params(self) -> frozenset[str]:
+        """Names of the parameters stored in x out that their rule steps as the transpose (param groups with
+        ``transposed``), as built."""
+        groups = self._groups()
+        cached = self.__dict__.get("_transposed_params")
+        if cached is None or cached[0] != len(groups):
+            names = frozenset(n for g, ns in zip(groups, self.group_param_names) if is_transposed(g) for n in ns)
+            cached = self.__dict__["_transposed_params"] = (len(groups), names)
+        return cached[1]
+
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
         """Estimated work, reduced elements and small-state size for the oriented ``A`` (rows x cols) when its
         rows are computed on ``parts`` ranks (1: whole on one rank; an algorithm may compute otherwise when
@@ -821,7 +848,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         frags = self._fragments_by_group().get(g, [])
         ops = None
         if self.whole_matrix_work and group.get("treatment", "adamw") in self.matrix_treatments and frags:
-            transposes = [self.whole_matrix_transpose(group, f.layout.shape) for f in frags]
+            transposes = [self.a_transpose(group, f.layout.shape) for f in frags]
             ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], transposes, self.matrix_strategy,
                             lambda a_shape, parts=1: self.whole_matrix_cost(group, a_shape, parts),
                             resolve_profile(self.matrix_profile, self._device_type(group)),

@@ -16,7 +16,8 @@ import pydantic
 import torch
 
 from .checks import check_hyperparameters, check_lr
-from .routing import TRANSPOSE_SYMMETRIC, ConfigError
+from .routing import ConfigError
+from .transposed import TRANSPOSED
 
 __all__ = ["OptimizerConfig", "WholeMatrixConfig", "MatrixOpsConfig", "CommonOptions", "ConfigError",
            "format_errors", "check_betas"]
@@ -200,14 +201,13 @@ class OptimizerConfig(_Strict):
 
     def roles(self) -> dict[str, dict]:
         """Group options by parameter role (``shardopt.optim.routing``); the default: hidden matrices get the
-        matrix rule, embedding, LM head and vectors AdamW; ``matrix_transposed`` (stored in x out) gets the matrix
-        rule only when that rule is symmetric under transposition (``routing.TRANSPOSE_SYMMETRIC``), else it has
-        no entry and routing refuses such a weight unless it is routed explicitly."""
-        out = {"matrix": {"treatment": self.treatment}, "embedding": {"treatment": "adamw"},
-               "lm_head": {"treatment": "adamw"}, "router": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
-        if self.treatment in TRANSPOSE_SYMMETRIC:  # a weight stored in x out (GPT-2's Conv1D) needs nothing special
-            out["matrix_transposed"] = {"treatment": self.treatment}
-        return out
+        matrix rule, embedding, LM head and vectors AdamW; ``matrix_transposed`` (stored in x out: GPT-2's
+        ``Conv1D``) the matrix rule on its logical out x in matrix (the group option ``transposed``,
+        ``optim.transposed``)."""
+        return {"matrix": {"treatment": self.treatment},
+                "matrix_transposed": {"treatment": self.treatment, TRANSPOSED: True},
+                "embedding": {"treatment": "adamw"}, "lm_head": {"treatment": "adamw"},
+                "router": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
 
     def adamw_group(self) -> dict[str, Any]:
         """The hyperparameters of an AdamW group, all explicit (wrappers that fill missing keys from their own

@@ -33,6 +33,7 @@ from .base import ShardedOptimizer
 from .items import MatrixItem
 from .nonfinite import gated, skippable_lerp_, zero_nonfinite
 from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
+from .transposed import logical_2d
 
 __all__ = ["Muon", "MuonConfig", "adjusted_lr"]
 
@@ -135,7 +136,8 @@ class Muon(ShardedOptimizer):
                 w = it.param()
                 u = it.work["update"] if gate is None else it.work["update"] * gate
                 views.append(w)
-                ws, us = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], it.layout.shape), ([], []))
+                shape = logical_2d(it.layout.shape, group)  # in x out storage: the lr of its out x in matrix
+                ws, us = by_lr.setdefault(adjusted_lr(lr, group["adjust_lr_fn"], shape), ([], []))
                 ws.append(w)
                 us.append(u if u.dtype == w.dtype else u.to(w.dtype))
         if wd:  # a 0-d fp32 factor (one per device) rounds as p.mul_(float) does, also for bf16 parameters

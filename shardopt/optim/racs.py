@@ -15,6 +15,8 @@ row of stacked vectors of several matrices). ``RACS._step_racs`` drives them: th
 and ``P s_hat`` are partial sums over each rank's piece (``col_sums``/``row_sums``), and each half-iteration
 completes them for all RACS matrices with one bucketed all-reduce of the split indices, plus, where the other
 axis is split too, the owner-counted squared norm of the previous vector; the limiter norm is global.
+A weight stored in x out (``matrix_transposed``) is scaled as its logical out x in matrix: ``q`` is per output unit
+(a stored column), ``s`` per input unit (``optim.transposed``).
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
 from .grouped import grouped_step
 from .nonfinite import gated
+from .transposed import item_lines, line_items, line_sums, logical_axes
 
 __all__ = ["RACS", "rescale", "ema_scales", "inverse_sqrt_scales", "norm_growth_eta", "RACSConfig"]
 
@@ -109,34 +112,35 @@ class RACS(ShardedOptimizer):
             step.sanitize()
         grads = step.grads
         p2 = blocks.square(grads)  # P = G * G, per block shape
+        rows, cols = logical_axes(group)  # the stored axes of the logical rows and columns (swapped in x out)
         rnd = Round()
-        # every matrix's q_hat and s_hat concatenated (blocks.n_rows, blocks.n_cols); norms one per matrix
-        q_hat = torch.ones(blocks.n_rows, device=blocks.device)
-        q_norm2 = blocks.item_rows  # |1|^2 = m
+        # every matrix's q_hat and s_hat concatenated (logical rows, logical columns); norms one per matrix
+        q_hat = torch.ones(blocks.n_rows if rows == 0 else blocks.n_cols, device=blocks.device)
+        q_norm2 = item_lines(blocks, rows)  # |1|^2 = m
         for i in range(group["iterations"]):
-            s_hat = blocks.col_sums(p2, q_hat)  # P^T q_hat (and |q_hat|^2 after the first round): partial, completed
-            blocks.add_axis(rnd, s_hat, 1)
+            s_hat = line_sums(blocks, cols, p2, q_hat)  # P^T q_hat (and |q_hat|^2 after the first round): completed
+            blocks.add_axis(rnd, s_hat, cols)
             if i > 0:
-                q_norm2 = blocks.axis_sums(q_hat * q_hat, 0, rnd)
+                q_norm2 = blocks.axis_sums(q_hat * q_hat, rows, rnd)
             rnd.run()
-            rescale(s_hat, q_norm2[blocks.item_of_col])
-            q_hat = blocks.row_sums(p2, s_hat)
-            blocks.add_axis(rnd, q_hat, 0)
-            s_norm2 = blocks.axis_sums(s_hat * s_hat, 1, rnd)
+            rescale(s_hat, q_norm2[line_items(blocks, cols)])
+            q_hat = line_sums(blocks, rows, p2, s_hat)
+            blocks.add_axis(rnd, q_hat, rows)
+            s_norm2 = blocks.axis_sums(s_hat * s_hat, cols, rnd)
             rnd.run()
-            rescale(q_hat, s_norm2[blocks.item_of_row])
+            rescale(q_hat, s_norm2[line_items(blocks, rows)])
         beta = decay = group["beta"]
         if gate is not None:  # a skipped step: q = 1 q + (1 - beta) 0, s likewise
             q_hat, s_hat, decay = gated(gate, q_hat, 0.0), gated(gate, s_hat, 0.0), gated(gate, beta, 1.0)
         states = step.states
-        for st, (m, n) in zip(states, (lay.shape for lay in step.layouts)):
-            if "q" not in st:
-                st["q"] = q_hat.new_zeros(m)
-                st["s"] = q_hat.new_zeros(n)
+        for st, shape in zip(states, (lay.shape for lay in step.layouts)):
+            if "q" not in st:  # per logical row and column: a weight stored in x out keeps q per stored column
+                st["q"] = q_hat.new_zeros(shape[rows])
+                st["s"] = q_hat.new_zeros(shape[cols])
                 st["phi"] = q_hat.new_zeros(())
         with_grad = [k for k, ok in enumerate(step.has_grad) if ok]
         if with_grad:
-            q_parts, s_parts = blocks.segments(q_hat, 0), blocks.segments(s_hat, 1)
+            q_parts, s_parts = blocks.segments(q_hat, rows), blocks.segments(s_hat, cols)
             qs, ss = [states[k]["q"] for k in with_grad], [states[k]["s"] for k in with_grad]
             torch._foreach_mul_(qs, decay)  # ema_scales for every matrix with a gradient
             torch._foreach_add_(qs, [q_parts[k] for k in with_grad], alpha=1 - beta)
@@ -144,7 +148,7 @@ class RACS(ShardedOptimizer):
             torch._foreach_add_(ss, [s_parts[k] for k in with_grad], alpha=1 - beta)
         q_inv, s_inv = inverse_sqrt_scales(torch.cat([st["q"] for st in states]), torch.cat([st["s"] for st in states]))
         # |Gt|^2 = sum_ij P_ij / (q_i s_j): a weighted row sum of P, no squared copy of Gt
-        norm2 = blocks.item_sums(blocks.row_sums(p2, s_inv * s_inv) * (q_inv * q_inv), 0)
+        norm2 = blocks.item_sums(line_sums(blocks, rows, p2, s_inv * s_inv) * (q_inv * q_inv), rows)
         blocks.add_sums(rnd, norm2)
         rnd.run()
         phi = torch.stack([st["phi"] for st in states])
@@ -157,5 +161,7 @@ class RACS(ShardedOptimizer):
             new_phi = new_phi.unbind(0)
             torch._foreach_copy_([states[k]["phi"] for k in with_grad], [new_phi[k] for k in with_grad])
         lr = group["lr"] * group["alpha"] * eta  # per matrix, folded into the row scale: the update is one pass
-        update = blocks.scale(grads, q_inv * lr[blocks.item_of_row], s_inv, out=p2)  # into P's memory
+        q_lr = q_inv * lr[line_items(blocks, rows)]
+        scales = (q_lr, s_inv) if rows == 0 else (s_inv, q_lr)
+        update = blocks.scale(grads, *scales, out=p2)  # into P's memory
         step.apply(update, lr, group["weight_decay"], lr_in_updates=True)

@@ -10,6 +10,8 @@ Every column of the update has l2 norm sqrt(m); rows approach sqrt(n). ``sinkhor
 half-sweep on the completed sums (u or v). Sharded: each half-sweep is one
 bucketed all-reduce of the split indices of ``A v`` or ``A^T u``; FSDP2 row shards need only the column
 rounds (``L`` collectives per step for all matrices together), ZeRO flat slices add tiny boundary-row rounds.
+A weight stored in x out (``matrix_transposed``) is balanced as its logical out x in matrix: rows first means its
+stored columns first (``optim.transposed``).
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from ..sharding import Round, col_sums, masked_reciprocal, row_sums
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
 from .grouped import grouped_step
+from .transposed import line_length, line_sums, logical_axes
 
 __all__ = ["SinkGD", "sr_sinkhorn_scales", "sinkhorn_scale", "SinkGDConfig"]
 
@@ -95,17 +98,19 @@ class SinkGD(ShardedOptimizer):
             step.sanitize()
         grads = step.grads
         a = blocks.square(grads)  # A = G * G, per block shape
+        rows, cols = logical_axes(group)  # the stored axes of the logical rows and columns (swapped in x out)
         rnd = Round()
         v = None
         for _ in range(group["iterations"]):  # the half-sweeps of sr_sinkhorn_scales, for all matrices at once
-            r = blocks.row_sums(a, v)
-            blocks.add_axis(rnd, r, 0)
+            r = line_sums(blocks, rows, a, v)
+            blocks.add_axis(rnd, r, rows)
             rnd.run()
-            u = masked_reciprocal(r, blocks.row_length)  # sinkhorn_scale with each row's length n
-            c = blocks.col_sums(a, u)
-            blocks.add_axis(rnd, c, 1)
+            u = masked_reciprocal(r, line_length(blocks, rows))  # sinkhorn_scale with each row's length n
+            c = line_sums(blocks, cols, a, u)
+            blocks.add_axis(rnd, c, cols)
             rnd.run()
-            v = masked_reciprocal(c, blocks.col_length)
+            v = masked_reciprocal(c, line_length(blocks, cols))
         lr = group["lr"] * group["lr_scale"]
         row = u.sqrt() if gate is None else u.sqrt().mul_(gate)  # a skipped step adds 0 x (finite) gradient
-        step.apply(blocks.scale(grads, row, v.sqrt(), out=a), lr, group["weight_decay"])  # A no longer needed
+        scales = (row, v.sqrt()) if rows == 0 else (v.sqrt(), row)
+        step.apply(blocks.scale(grads, *scales, out=a), lr, group["weight_decay"])  # A no longer needed

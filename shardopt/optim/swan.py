@@ -108,7 +108,7 @@ class SWAN(ShardedOptimizer):
         rnd = Round()
         for it in items:
             m, n = it.layout.shape
-            it.work["axis"] = 0 if m <= n else 1
+            it.work["axis"] = 0 if self.a_transpose(group, (m, n)) else 1  # lines: rows of G when A = G^T
             it.work["k"] = max(m, n)
             it.work["x"] = it.grad.clone()
         for _ in range(group["iterations"]):
@@ -179,7 +179,8 @@ class SWAN(ShardedOptimizer):
         for idx in group_indices(range(len(items)), lambda i: tuple(items[i].layout.shape)):
             m, n = items[idx[0]].layout.shape
             g = torch.stack([items[i].grad for i in idx]).view(len(idx), m, n)
-            stacks.append((idx, m <= n, g.mT if m <= n else g))  # A = G^T where whole_matrix_transpose
+            t = self.a_transpose(group, (m, n))  # on the logical shape (a weight stored in x out: optim.transposed)
+            stacks.append((idx, t, g.mT if t else g))  # A = G^T where whole_matrix_transpose
         xs = [a for _, _, a in stacks]
         for _ in range(group["iterations"]):
             for j, a in enumerate(xs):
