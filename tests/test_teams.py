@@ -208,3 +208,95 @@ def test_muon_split_cost_has_no_repeated_small_products():
     assert split.row_flops == 5 * 6.0 * 4096 ** 2 * 11008
     assert split.reduced == 5 * 4096 * 4097 // 2 + 1 and split.rounds == 6
     assert math.isclose(whole.row_flops, 5 * 4.0 * 4096 ** 2 * 11008)
+
+
+# ---------------------------------------------------------------------------------------------- split roots (issue 53)
+def _on_team(g, fn):
+    """``fn(rows)`` on ``g`` members in threads whose ``rows`` exchange blocks through memory (a team's
+    all-gathers and sums, without processes): every member's result."""
+    import threading
+
+    from shardopt.sharding.teams import RowExchange
+
+    slots, results = [None] * g, [None] * g
+    barrier = threading.Barrier(g)
+
+    class Rows:
+        bounds = RowExchange.bounds
+
+        def __init__(self, j):
+            self.index, self.size, self.steps = j, g, 0
+
+        def _swap(self, value):
+            slots[self.index] = value
+            barrier.wait()
+            got = list(slots)
+            barrier.wait()
+            return got
+
+        def gather(self, blocks):
+            got = self._swap([b.clone() for b in blocks])
+            return [torch.cat([got[m][j] for m in range(g)], 1) for j in range(len(blocks))]
+
+        def sum(self, x):
+            return sum(self._swap(x.clone()))
+
+    threads = [threading.Thread(target=lambda j=j: results.__setitem__(j, fn(Rows(j)))) for j in range(g)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def _spd(batch, k, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, k, 2 * k, generator=gen, dtype=torch.float64)
+    return (x @ x.mT / k).to(dtype)
+
+
+@pytest.mark.parametrize("g", [2, 3])
+def test_split_coupled_root_equals_the_whole_iteration(g):
+    """SWAN's fp32 whitening root with its products cut into row blocks over g members (k = 37: uneven blocks)
+    is the whole iteration's to fp32 rounding, identical on every member."""
+    from shardopt.sharding.iterative import coupled_inverse_sqrt_rows
+    from shardopt.sharding.matfun import coupled_inverse_sqrt
+
+    a = _spd(3, 37, torch.float32)
+    want = coupled_inverse_sqrt(a, 12, 1e-12)
+    got = _on_team(g, lambda rows: coupled_inverse_sqrt_rows(a, 12, 1e-12, rows))
+    for r in got:
+        assert torch.equal(r, got[0])
+        assert (r - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("g", [2, 4])
+def test_split_checked_root_equals_the_whole_iteration(g):
+    """ASGO's checked float64 root: the same step count, residual test and result (to float64 rounding)."""
+    from shardopt.sharding.iterative import inverse_sqrt_checked, inverse_sqrt_checked_rows
+
+    a = _spd(2, 24, torch.float64) + 1e-3 * torch.eye(24, dtype=torch.float64)
+    want, ok = inverse_sqrt_checked(a, 1e-3)
+    got = _on_team(g, lambda rows: (inverse_sqrt_checked_rows(a, 1e-3, rows), rows.steps))
+    assert bool(ok.all())
+    for (root, good), steps in got:
+        assert torch.equal(good, ok) and steps == got[0][1] > 0
+        assert (root - want).abs().max() <= 1e-12 * want.abs().max()
+
+
+def test_split_exchange_counts_what_the_iteration_moves():
+    from shardopt.sharding.iterative import coupled_iteration_rows, split_exchange
+
+    a = _spd(1, 8, torch.float64)
+    for steps in (1, 2, 5):
+        for residual in (False, True):
+            counted = []
+
+            def run(rows, steps=steps, residual=residual):
+                gather, total = rows.gather, rows.sum
+                rows.gather = lambda blocks: (counted.append(len(blocks)) if rows.index == 0 else None, gather(blocks))[1]
+                rows.sum = lambda x: (counted.append(0) if rows.index == 0 else None, total(x))[1]
+                return coupled_iteration_rows(a, torch.linalg.matrix_norm(a), steps, rows, residual)
+
+            _on_team(2, run)
+            assert (sum(counted), len(counted)) == split_exchange(steps, residual), (steps, residual, counted)

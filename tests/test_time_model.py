@@ -119,8 +119,9 @@ def test_auto_distributes_where_moving_the_matrix_costs_more_than_its_reduced_st
     """A tall matrix with a tiny Gram (65536 x 64 under ASGO at P = 4): gathering moves 12 MiB to an owner,
     the distributed strategy all-reduces a 64 x 64 Gram; the model picks the latter, and it is faster."""
     shapes = [(65536, 64)] * 4
-    auto = _plan(shapes, "auto", _asgo, 4, profile="gpu")
-    gather = _plan(shapes, "gather", _asgo, 4, profile="gpu")
+    apart = {"base": "gpu", "ranks_per_node": 1}  # four nodes: the matrix crosses the 25 GB/s links
+    auto = _plan(shapes, "auto", _asgo, 4, profile=apart)
+    gather = _plan(shapes, "gather", _asgo, 4, profile=apart)
     assert auto.kinds == ["distributed"] * 4
     assert _busiest_seconds(auto, 4) < _busiest_seconds(gather, 4)
 

@@ -27,10 +27,10 @@ import pydantic
 import torch
 
 from ..sharding import Round, collective_counter, masked_rsqrt
-from ..sharding.iterative import steps_to_converge
+from ..sharding.iterative import count_fallbacks, inverse_sqrt_checked_rows, iterative_device, steps_to_converge
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
-from ..sharding.stacking import stack
+from ..sharding.stacking import same_shape, stack
 from .base import ShardedOptimizer
 from .items import apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
@@ -152,8 +152,9 @@ def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None
     the update's norm."""
     rows, k = a_shape
     tri = k * (k + 1) // 2
-    if ns_steps is None and iterative:
-        small = dict(small_matmul=2.0 * k ** 3 * (3 * ROOT_STEPS_MODELED + 2) / every)
+    if ns_steps is None and iterative:  # a team inside one node may split its products (issue 53)
+        small = dict(small_matmul=2.0 * k ** 3 * (3 * ROOT_STEPS_MODELED + 2) / every, split_k=k,
+                     split_steps=ROOT_STEPS_MODELED, split_residual=True, split_itemsize=8, split_every=every)
     elif ns_steps is None:
         small = dict(small_flops=10.0 * k ** 3 / every, small_matmul=2.0 * k ** 3 / every, small_calls=1.0 / every)
     else:
@@ -408,8 +409,15 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             roots = self._roots(group, vstacks, rows)
             return {groups[g][j]: r[t] for g, (rs, r) in enumerate(zip(rows, roots)) if rs for t, j in enumerate(rs)}
 
+        def split(mine: dict[int, torch.Tensor], rows) -> dict[int, torch.Tensor]:  # a team splits its roots
+            out: dict[int, torch.Tensor] = {}
+            for idx in same_shape(mine):
+                for i, r in zip(idx, _inverse_root_rows(torch.stack([mine[i] for i in idx]), group, rows).unbind(0)):
+                    out[i] = r
+            return out
+
         done = compute_once({i: vstacks[g][j] for i, (g, j) in where.items()}, compute,
-                            symmetric=group["root"] != "newton_schulz")
+                            symmetric=group["root"] != "newton_schulz", split=split)
         return [torch.stack([done[idx[j]] for j in rows]) if rows else None for idx, rows in zip(groups, refresh)]
 
     @staticmethod
@@ -428,6 +436,23 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             for g, r in zip(gs, res.split([len(p) for p in parts])):
                 out[g] = r
         return out
+
+
+def _inverse_root_rows(v: torch.Tensor, group: dict, rows) -> torch.Tensor:
+    """``matfun.inverse_root`` of a ``(B, k, k)`` stack on a team whose members split its products (issue 53):
+    on the iterative route the checked float64 iteration by row blocks (``iterative.inverse_sqrt_checked_rows``),
+    the matrices it cannot settle by ``eigh`` on every member; other routes run whole on every member."""
+    eps = group["eps"]
+    if not (group["root"] == "auto" and eps > 0 and v.numel() and iterative_device(v.device)):
+        return inverse_root(v, eps, group["root"], group["ns_steps"])
+    k = v.shape[-1]
+    vd = v.double()
+    a = torch.add(vd, vd.mT).mul_(0.5).add_(torch.eye(k, dtype=torch.float64, device=v.device), alpha=eps)
+    root, ok = inverse_sqrt_checked_rows(a, eps, rows)
+    bad = ~ok
+    if count_fallbacks("inverse_sqrt", bad):
+        root[bad] = inverse_root(v[bad], eps, "eigh").double()
+    return root.float()
 
 
 class DASGO(_MomentumMixin, ShardedOptimizer):

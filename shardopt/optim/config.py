@@ -65,6 +65,12 @@ class ProfileConfig(_Strict):
                                                  description="collective bandwidth per rank, GB/s")
     latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="per collective round, us")
     memory_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="device memory, GB/s")
+    ranks_per_node: int | None = pydantic.Field(None, ge=0, description="ranks per node (default: LOCAL_WORLD_SIZE, "
+                                                                        "else the base's; 0: one node)")
+    node_bandwidth_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
+                                                      description="collective bandwidth per rank inside a node, GB/s")
+    node_latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
+                                                   description="per collective round inside a node, us")
 
 
 class MatrixOpsConfig(_Strict):

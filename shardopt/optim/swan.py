@@ -24,6 +24,7 @@ import pydantic
 import torch
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
+from ..sharding.iterative import coupled_inverse_sqrt_rows
 from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from ..sharding.stacking import group_indices, same_shape
@@ -148,8 +149,9 @@ class SWAN(ShardedOptimizer):
         rows, k = a_shape
         if group["whitening"] == "svd":
             small = dict(small_flops=10.0 * k ** 3, small_matmul=2.0 * k ** 3, small_calls=1.0)
-        else:
-            small = dict(small_matmul=2.0 * k ** 3 * (3 * group["ns_steps"] - 2))
+        else:  # a team inside one node may split its products by row blocks (issue 53)
+            small = dict(small_matmul=2.0 * k ** 3 * (3 * group["ns_steps"] - 2), split_k=k,
+                         split_steps=group["ns_steps"])
         return OpCost(row_flops=4.0 * rows * k * k, reduced=k * k, shared=k * k, **small)
 
     def _whiten(self, items: list, group: dict) -> None:
@@ -165,7 +167,8 @@ class SWAN(ShardedOptimizer):
         stacks = _stacks({i: blocks[i] for i in active if not ops.split(i)})
         out = _unstack(stacks, _whiten_stacks([a for _, a in stacks], group))
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in spread})
-        roots = ops.compute_once(grams, lambda mine: _gram_roots(mine, items, group))
+        roots = ops.compute_once(grams, lambda mine: _gram_roots(mine, items, group),
+                                 split=lambda mine, rows: _gram_roots(mine, items, group, rows))
         out.update({i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in spread})
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece
@@ -204,12 +207,16 @@ def _apply_gated(items: list, lr: float, weight_decay: float, gate: torch.Tensor
     apply_items(items, updates, lr, weight_decay, gate=gate)
 
 
-def _gram_roots(grams: dict[int, torch.Tensor], items: list, group: dict) -> dict[int, torch.Tensor]:
+def _gram_roots(grams: dict[int, torch.Tensor], items: list, group: dict, rows=None) -> dict[int, torch.Tensor]:
     """``(A^T A)^{-1/2}`` of reduced Grams, batched by shape: the configured method, or the exact root where
-    the Gram is singular by construction (``_exact_root``)."""
+    the Gram is singular by construction (``_exact_root``). ``rows``: a team's row exchange, whose members
+    split the coupled iteration's products (``iterative.coupled_inverse_sqrt_rows``; issue 53)."""
     exact = {i for i in grams if _exact_root(group, *items[i].layout.shape)}
-    roots = by_shape(lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"]),
-                     {i: g for i, g in grams.items() if i not in exact})
+    if rows is not None and group["whitening"] == "newton_schulz":
+        root = lambda g: coupled_inverse_sqrt_rows(g.float(), group["ns_steps"], 1e-12, rows)  # noqa: E731
+    else:
+        root = lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"])  # noqa: E731
+    roots = by_shape(root, {i: g for i, g in grams.items() if i not in exact})
     roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact}))
     return roots
 

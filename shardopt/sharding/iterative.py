@@ -27,7 +27,8 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "coupled_iteration", "inverse_sqrt_checked", "polar_from_gram_checked",
+__all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "coupled_iteration", "coupled_iteration_rows",
+           "split_exchange", "inverse_sqrt_checked_rows", "coupled_inverse_sqrt_rows", "inverse_sqrt_checked", "polar_from_gram_checked",
            "cholesky_qr2_checked", "orthonormal_columns", "iterative_device", "forced", "fallback_counts", "count_fallbacks", "routed_counts"]
 
 #: the iteration's residual ``|I - Z Y|_F`` a result must reach: each eigendirection's scale within 1e-7
@@ -79,6 +80,74 @@ def coupled_iteration(a: torch.Tensor, s: torch.Tensor, steps: int,
     if residual:
         res = torch.linalg.matrix_norm(addmm(eye.expand_as(y), z, y, alpha=-1.0)).reshape(a.shape[:-2])
     return z.reshape(a.shape), res
+
+
+def split_exchange(steps: int, residual: bool) -> tuple[int, int]:
+    """What ``coupled_iteration_rows`` exchanges: (``k x k`` buffers all-gathered, collective rounds), for
+    ``steps`` steps, with ``residual`` (its scalar all-reduce) or without (the last step's ``Y`` never gathered)."""
+    if steps < 1:
+        return 0, 1 if residual else 0
+    if residual:
+        return 3 * steps - 2, 2 * steps
+    return 3 * steps - 3, 2 * steps - 1 if steps > 1 else 0
+
+
+def coupled_iteration_rows(a: torch.Tensor, s: torch.Tensor, steps: int, rows,
+                           residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``coupled_iteration`` of a ``(B, k, k)`` stack with its products split by row blocks over a team (issue
+    53): ``rows`` (``teams.RowExchange``) gives this member's block ``[lo, hi)`` and all-gathers the members'
+    blocks into whole matrices (``rows.gather``) or sums a per-matrix scalar (``rows.sum``). Every element is
+    the dot product the whole iteration computes (rows of ``Z Y``, ``Y T``, ``T Z``), so the result is the same
+    to rounding of the products' blocking; ``a`` and ``s`` are identical on every member, and every member ends
+    with the whole ``Z``. Per step a member runs ``1/g`` of the three products and two all-gathers (``T``, then
+    ``Y`` and ``Z`` in one; the first step's ``Z = I`` skips them, as ``coupled_iteration``); ``split_exchange``
+    counts them."""
+    k = a.size(-1)
+    lo, hi = rows.bounds(k)
+    eye = torch.eye(k, dtype=a.dtype, device=a.device)
+    y = a / s[..., None, None]
+    half3 = (1.5 * eye).expand_as(y)
+    z = eye.expand_as(y)
+    if steps >= 1:
+        t = half3 - 0.5 * y
+        if steps > 1 or residual:
+            y = rows.gather([y[:, lo:hi] @ t])[0]
+        z = t
+        for j in range(steps - 1):
+            t = rows.gather([torch.baddbmm(half3[:, lo:hi], z[:, lo:hi], y, alpha=-0.5)])[0]
+            last = j == steps - 2 and not residual
+            if last:  # the last step's Y is not needed
+                z = rows.gather([t[:, lo:hi] @ z])[0]
+            else:
+                y, z = rows.gather([y[:, lo:hi] @ t, t[:, lo:hi] @ z])
+    res = None
+    if residual:
+        part = torch.baddbmm(eye[lo:hi].expand(y.size(0), -1, -1), z[:, lo:hi], y, alpha=-1.0)
+        res = rows.sum((part * part).sum((-2, -1))).sqrt()
+    return z, res
+
+
+def coupled_inverse_sqrt_rows(a: torch.Tensor, steps: int, floor: float, rows) -> torch.Tensor:
+    """``matfun.coupled_inverse_sqrt`` (SWAN's whitening root) of a ``(B, k, k)`` stack with its products split
+    over a team (``coupled_iteration_rows``): the same scale, steps and result on every member."""
+    s = torch.linalg.matrix_norm(a).clamp(min=floor)
+    rows.steps = steps
+    z, _ = coupled_iteration_rows(a, s, steps, rows)
+    return z / s.sqrt()[..., None, None]
+
+
+def inverse_sqrt_checked_rows(a: torch.Tensor, floor: float, rows) -> tuple[torch.Tensor, torch.Tensor]:
+    """``inverse_sqrt_checked`` with the iteration's products split over a team (``coupled_iteration_rows``):
+    the same step count (from the same whole ``a`` on every member), the same residual test."""
+    s = torch.linalg.matrix_norm(a)
+    top = float(s.max()) if s.numel() else 0.0
+    steps = steps_to_converge(floor / top) if top > 0 and floor > 0 else MAX_STEPS + 1
+    if steps > MAX_STEPS:
+        return torch.zeros_like(a), torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
+    rows.steps = steps
+    z, residual = coupled_iteration_rows(a, s, steps, rows, residual=True)
+    z = z / s.sqrt()[:, None, None]
+    return (z + z.mT) * 0.5, torch.isfinite(residual) & (residual <= RESIDUAL_TOL)
 
 
 def inverse_sqrt_checked(a: torch.Tensor, floor: float) -> tuple[torch.Tensor, torch.Tensor]:

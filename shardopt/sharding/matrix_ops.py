@@ -50,7 +50,7 @@ from .comm import collective_counter
 from .layout import MatrixLayout
 from .owner import owner_plan, sole_holder
 from .state_split import Placement
-from .teams import TeamCost, TeamPlan, choose, team_group, team_sizes
+from .teams import RowExchange, TeamCost, TeamPlan, choose, node_sizes, team_group, team_sizes
 from .time_model import HardwareProfile, StepCost, resolve_profile
 
 __all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUDGET_SLACK",
@@ -109,6 +109,15 @@ class OpCost:
     #: factorization calls per step (``eigh``/``svd``/``qr``, each a solver launch: the profile's
     #: ``factor_latency``), a refresh's spread over its interval; run where ``small_flops`` runs
     small_calls: float = 0.0
+    #: a root a team inside one node can split by row blocks (issue 53): all of ``small_matmul`` is the coupled
+    #: iteration on ``split_k x split_k`` matrices (``iterative.coupled_iteration_rows``), ``split_steps`` steps
+    #: (with its residual: ``split_residual``) of ``split_itemsize``-byte elements, per step (a refresh's spread
+    #: over its interval: ``split_every``); 0: not splittable
+    split_k: int = 0
+    split_steps: int = 0
+    split_residual: bool = False
+    split_itemsize: int = 4
+    split_every: float = 1.0
 
     @property
     def refresh_per_step(self) -> float:
@@ -172,6 +181,8 @@ class MatrixOps:
         #: a team's members (group ranks, ascending) per matrix of kind "team", else None
         self.teams: list[tuple[int, ...] | None] = [None] * len(self.kinds)
         self._team_factor: dict[int, int] = {}
+        #: per matrix: its root's products are split over its team (issue 53; ``compute_once(split=...)``)
+        self.split_roots: list[bool] = [False] * len(self.kinds)
         if strategy == "auto":
             self.owners = self._choose_by_time(layouts)
         elif strategy == "team":
@@ -179,6 +190,8 @@ class MatrixOps:
         else:
             self.owners = self._assign_owners(layouts, strategy == "distributed")
         self.factor_owners = self._assign_factor_owners(layouts)
+        self.split_roots = [k == "team" and self._split_pays(i, len(self.teams[i]), self.teams[i])
+                            for i, k in enumerate(self.kinds)]
         self.plans: list[RowPlan] = []
         #: where each matrix's small state rests (shardopt.sharding.state_split)
         self.placements: list[Placement] = []
@@ -325,7 +338,7 @@ class MatrixOps:
             if self.team_size is not None:
                 sizes = [min(self.team_size, world)]
             else:
-                sizes = [g for g in team_sizes(world) if g >= 2] or [world]
+                sizes = [g for g in node_sizes(team_sizes(world), self._ranks_per_node(idx[0])) if g >= 2] or [world]
             sole = {i: sole_holder(layouts[i]) if layouts[i].holders <= 1 else None for i in idx}
             t_gather = {i: self.seconds(i, "gather") for i in idx}
             costs = {i: self._team_costs(i, [1] if sole[i] is not None or world < 2 else sizes, t_gather[i])
@@ -348,13 +361,31 @@ class MatrixOps:
 
     def compute_once(self, inputs: dict[int, torch.Tensor],
                      fn: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]],
-                     symmetric: bool = False) -> dict[int, torch.Tensor]:
+                     symmetric: bool = False, split: Callable | None = None) -> dict[int, torch.Tensor]:
         """``fn`` of identical small inputs (reduced Grams, EMA statistics) without repeating it on every rank:
         a split matrix's result (``distributed`` or ``team``) is computed by its factorization owner alone and
         shared with one all-reduce per process group or team (the others add exact zeros, so every rank gets the
         owner's result); other matrices (an owner's, local ones) are computed here. ``fn`` maps a dict of inputs
         to results of the inputs' shapes (``symmetric``: symmetric ``k x k`` results, sent as triangles). Every
-        rank that computes a split matrix issues the same collective, also a rank that owns none."""
+        rank that computes a split matrix issues the same collective, also a rank that owns none.
+
+        ``split(inputs, rows)``: where the plan splits a team's root (``split_roots``, issue 53), every member
+        computes it together instead, its products by row blocks (``rows``: a ``teams.RowExchange``), one call
+        per team in the order of their member sets; each member gets every result and nothing is shared."""
+        if split is not None and any(self.split_roots[i] for i in inputs):
+            inputs = dict(inputs)
+            out_split: dict[int, torch.Tensor] = {}
+            by_team: dict[tuple, dict[int, torch.Tensor]] = {}
+            for i in sorted(inputs):
+                if self.split_roots[i]:
+                    by_team.setdefault(self.teams[i], {})[i] = inputs.pop(i)
+            for team in sorted(by_team):
+                lay = self.plans[next(iter(by_team[team]))].layout
+                rows = RowExchange(team_group(lay.group, team), team.index(lay.rank), len(team))
+                out_split.update(split(by_team[team], rows))
+                RowExchange.seen_steps = max(RowExchange.seen_steps, rows.steps)
+            rest = self.compute_once(inputs, fn, symmetric) if inputs else {}
+            return {**rest, **out_split}
         mine = {i: x for i, x in inputs.items()
                 if not self.split(i) or self.factor_owners[i] == self.plans[i].layout.rank}
         out = fn(mine) if mine else {}
@@ -372,7 +403,14 @@ class MatrixOps:
         ``team`` of ``size`` ranks (default: its team) on a member, with the factorization when ``owner`` (see
         ``_team_cost``; ``rank``: that rank exactly, from the plan).
         ``bound``: under ``distributed``, a lower bound without the row plan (an even share of the rows, no row
-        moved), which costs O(1) instead of O(P)."""
+        moved), which costs O(1) instead of O(P). Collectives of a group that lies within one node cost the
+        node's links (issue 53)."""
+        cost = self._op_cost(i, kind, owner, bound, size, rank)
+        kind = kind or self.kinds[i]
+        return cost.on_node() if kind in ("gather", "distributed") and self._group_on_node(i) else cost
+
+    def _op_cost(self, i: int, kind: str | None, owner: bool, bound: bool, size: int | None,
+                 rank: int | None) -> StepCost:
         kind = kind or self.kinds[i]
         c, lay = self.costs[i], self._layouts[i]
         m, n = lay.shape
@@ -415,6 +453,9 @@ class MatrixOps:
         lay = self._layouts[i]
         m, n = lay.shape
         rows, cols = self.a_shapes[i]
+        planned = rank is not None and self.kinds[i] == "team" and i < len(self.plans)
+        team = self.teams[i] if planned else None
+        split = self.split_roots[i] if planned else self._split_pays(i, g, team)
         member = True
         if rank is not None and self.kinds[i] == "team" and i < len(self.plans):
             plan = self.plans[i]
@@ -431,14 +472,27 @@ class MatrixOps:
             block = rows_g * cols
             piece = m * n / max(lay.holders, 1)
             received, sent = c.channels * block + piece, block + c.channels * piece
+        moves = StepCost(sent=_B * sent, received=_B * received, rounds=2.0)
+        if self._group_on_node(i):
+            moves = moves.on_node()
         if not member:  # a holder outside the team: its piece out, its results back
-            return StepCost(sent=_B * sent, received=_B * received, rounds=2.0)
-        coll = 2.0 * (g - 1) / g * (c.reduced + c.shared + c.refresh_per_step) + c.moving_state * (g - 1) / g
+            return moves
+        shared = 0.0 if split else c.shared
+        coll = 2.0 * (g - 1) / g * (c.reduced + shared + c.refresh_per_step) + c.moving_state * (g - 1) / g
         mine = not c.shared or factor
-        return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
-                        factor=c.small_flops if mine else 0.0, calls=c.small_calls if mine else 0.0,
-                        sent=_B * (sent + coll), received=_B * (received + coll),
-                        rounds=c.split_rounds())
+        inner = StepCost(matmul=c.row_flops * share + (c.small_matmul if mine and not split else 0.0),
+                         factor=c.small_flops if mine else 0.0, calls=c.small_calls if mine else 0.0,
+                         sent=_B * coll, received=_B * coll, rounds=c.split_rounds() - 2.0 - (1.0 if split and c.shared else 0.0))
+        if split:  # every member runs its rows of the root's products and all-gathers the rest
+            inner.matmul += c.small_matmul * self._split_share(c, g)
+            ex, ex_rounds = self._split_exchange(c, g)
+            inner.sent += ex
+            inner.received += ex
+            inner.rounds += ex_rounds
+        if self._team_on_node(i, team) if team is not None else self._blocks_on_node(i, g):
+            inner = inner.on_node()  # the team's own collectives stay inside its node
+        inner += moves
+        return inner
 
     def _team_costs(self, i: int, sizes: Sequence[int], t_gather: float) -> dict[int, TeamCost]:
         """``TeamCost`` of matrix ``i`` for each team size (1: its gather owner's seconds)."""
@@ -450,6 +504,77 @@ class MatrixOps:
                 out[g] = TeamCost(g, self._team_cost(i, g, False).seconds(self.profile),
                                   self._team_cost(i, g, True).seconds(self.profile))
         return out
+
+    # ------------------------------------------------------------------ nodes and split roots (issue 53)
+    def _ranks_per_node(self, i: int) -> int:
+        return self.profile.ranks_per_node
+
+    def _global_ranks(self, i: int) -> tuple[int, ...]:
+        """The default group's ranks of matrix ``i``'s group, by group rank (cached per group)."""
+        lay = self._layouts[i]
+        cache = self.__dict__.setdefault("_ranks_of", {})
+        key = id(lay.group)
+        if key not in cache:
+            ranks = tuple(range(lay.world))
+            try:
+                import torch.distributed as dist
+
+                if lay.group is not None and dist.is_initialized():
+                    ranks = tuple(dist.get_process_group_ranks(lay.group))
+            except (RuntimeError, ValueError, AttributeError):
+                pass
+            cache[key] = ranks
+        return cache[key]
+
+    def _group_on_node(self, i: int) -> bool:
+        """Whether matrix ``i``'s whole group lies within one node (its collectives then cost the node's links)."""
+        return self.profile.within_node(self._global_ranks(i))
+
+    def _team_on_node(self, i: int, team: Sequence[int]) -> bool:
+        """Whether a team (group ranks of matrix ``i``'s group) lies within one node."""
+        ranks = self._global_ranks(i)
+        return self.profile.within_node(tuple(ranks[r] for r in team))
+
+    def _blocks_on_node(self, i: int, g: int) -> bool:
+        """Whether every aligned block of ``g`` ranks of matrix ``i``'s group lies within one node."""
+        ranks = self._global_ranks(i)
+        span = len(ranks) // g * g
+        return all(self.profile.within_node(ranks[b: b + g]) for b in range(0, span, g))
+
+    @staticmethod
+    def _split_share(c: OpCost, g: int) -> float:
+        """A member's share of a split root's products: its row block, ``ceil(k / g)`` of ``k`` rows."""
+        return -(-c.split_k // g) / c.split_k
+
+    @staticmethod
+    def _split_exchange(c: OpCost, g: int, steps: int | None = None) -> tuple[float, float]:
+        """A member's bytes (fp32 elements, ``_B``) sent, and received, by a split root per step, and its
+        rounds: ring all-gathers of ``ceil(k / g)``-row blocks (``g - 1`` of them each way) and the residual."""
+        from .iterative import split_exchange
+
+        gathers, rounds = split_exchange(c.split_steps if steps is None else steps, c.split_residual)
+        block = -(-c.split_k // g) * c.split_k * c.split_itemsize / _B
+        scalars = (c.split_itemsize / _B) * 2.0 * (g - 1) / g if c.split_residual else 0.0
+        return (gathers * (g - 1) * block + scalars) / c.split_every, rounds / c.split_every
+
+    def _split_pays(self, i: int, g: int, team: Sequence[int] | None) -> bool:
+        """Whether a team of ``g`` (``team``, or any aligned block) splits matrix ``i``'s root: it can (``split_k``,
+        no factorization beside it), the team lies within one node, and the member's modeled seconds of the
+        split (its rows of the products, the all-gathers at the node's rates) are below the factorization
+        member's whole root and the shared result's all-reduce."""
+        c = self.cost_of(i, g)
+        if g < 2 or not c.split_k or c.small_flops or c.small_calls:
+            return False
+        if team is not None and not self._team_on_node(i, team):
+            return False
+        if team is None and not self._blocks_on_node(i, g):
+            return False
+        ex, rounds = self._split_exchange(c, g)
+        split = self.profile.seconds(matmul=c.small_matmul * self._split_share(c, g), node_bytes=_B * ex,
+                                     node_rounds=rounds)
+        whole = self.profile.seconds(matmul=c.small_matmul, node_bytes=_B * 2.0 * (g - 1) / g * c.shared,
+                                     node_rounds=1.0 if c.shared else 0.0)
+        return split < whole
 
     def seconds(self, i: int, kind: str | None = None, owner: bool = True) -> float:
         return self.op_cost(i, kind, owner).seconds(self.profile)
@@ -503,7 +628,7 @@ class MatrixOps:
         if world < 2:
             return
         lays = self._layouts
-        sizes = team_sizes(world)
+        sizes = node_sizes(team_sizes(world), self._ranks_per_node(idx[0]))
         sole = {i: sole_holder(lays[i]) if lays[i].holders <= 1 else None for i in idx}
         state = {i: self.costs[i].state for i in idx}
         costs = {i: self._team_costs(i, [1] if sole[i] is not None else sizes, t_gather[i]) for i in idx}
@@ -677,26 +802,35 @@ class MatrixOps:
         received, collective rounds (bucketed: per strategy in use, not per matrix), seconds under the profile."""
         total = StepCost()
         used: dict[tuple, float] = {}
+        used_node: dict[tuple, float] = {}
         for i, kind in enumerate(self.kinds):
             lay = self._layouts[i]
             r = lay.rank if rank is None else rank
             if kind == "gather" and self.owners[i] != r:
                 piece = lay._piece_numel(lay.pieces[r])
                 c = StepCost(sent=_B * piece * self.costs[i].channels, received=_B * piece, rounds=2.0)
+                c = c.on_node() if self._group_on_node(i) else c
             elif kind == "team":
                 c = self._team_cost(i, len(self.teams[i]), self.factor_owners[i] == r, rank=r)
             else:
                 c = self.op_cost(i, kind, owner=kind != "distributed" or self.factor_owners[i] == r)
-            if c.sent or c.received:  # rounds are bucketed: per strategy (per team: each has its own group), the
-                key = (kind, self.teams[i] if kind == "team" and r in self.teams[i] else None)  # most of its matrices
+            # rounds are bucketed: per strategy (per team: each has its own group), the most of its matrices
+            key = (kind, self.teams[i] if kind == "team" and r in self.teams[i] else None)
+            if c.sent or c.received:
                 used[key] = max(used.get(key, 0.0), c.rounds)
-            c.rounds = 0.0
+            if c.node_sent or c.node_received:
+                used_node[key] = max(used_node.get(key, 0.0), c.node_rounds)
+            c.rounds = c.node_rounds = 0.0
             total += c
         total.rounds = sum(used.values())
-        return {"matmul_flops": total.matmul, "factor_flops": total.factor, "sent_bytes": total.sent,
-                "received_bytes": total.received, "rounds": total.rounds, "seconds": total.seconds(self.profile)}
+        total.node_rounds = sum(used_node.values())
+        return {"matmul_flops": total.matmul, "factor_flops": total.factor,
+                "sent_bytes": total.sent + total.node_sent, "received_bytes": total.received + total.node_received,
+                "node_bytes": total.node_bytes, "rounds": total.rounds + total.node_rounds,
+                "seconds": total.seconds(self.profile)}
 
-    def modeled_payload(self, rank: int | None = None, state_share=None, refresh: bool = False) -> dict[str, float]:
+    def modeled_payload(self, rank: int | None = None, state_share=None, refresh: bool = False,
+                        steps: int | None = None) -> dict[str, float]:
         """Bytes ``rank`` hands to collectives per step by ``collective_counter`` tag (what ``comm_stats``
         records: the send buffer of each call), as the plan predicts them: ``gather`` (pieces to owners or
         teams and results back), ``realign`` (rows to the distributed row blocks and back), ``distributed``
@@ -704,7 +838,9 @@ class MatrixOps:
         team matrices' resting state, all-gathered). ``state_share(i, rank)``: elements of matrix ``i``'s state
         the rank keeps and a step gathers (``state_split.moving_numel``; default: an even cut of
         ``OpCost.moving_state`` over the ranks that keep it). ``refresh``: a step at which every matrix
-        refreshes (its ``refresh_reduced`` added to ``distributed``) instead of one between refreshes."""
+        refreshes (its ``refresh_reduced`` added to ``distributed``) instead of one between refreshes. ``steps``:
+        the step count a split root took (its bytes follow it; ``split_steps`` otherwise: ASGO's is set by its
+        statistic's spectrum, and its modeled count is ``ROOT_STEPS_MODELED``)."""
         out = {"gather": 0.0, "realign": 0.0, "distributed": 0.0, "state": 0.0}
         for i, kind in enumerate(self.kinds):
             lay, c = self._layouts[i], self.cost_of(i)
@@ -719,7 +855,14 @@ class MatrixOps:
                 a0, a1 = plan.rows(r)
                 back = (a1 - a0) * plan.a_shape[1] - (plan.moved(r, r) if a1 > a0 else 0)
                 out["gather"] += _B * (c.channels * plan.sent[r] + back)
-                if r in self.teams[i]:
+                if r in self.teams[i] and self.split_roots[i]:  # its blocks of the split root's all-gathers
+                    from .iterative import split_exchange
+
+                    g = len(self.teams[i])
+                    gathers, _ = split_exchange(steps or c.split_steps, c.split_residual)
+                    out["distributed"] += _B * (c.reduced + (c.refresh_reduced if refresh else 0.0)) + (
+                        gathers * -(-c.split_k // g) * c.split_k + (1 if c.split_residual else 0)) * c.split_itemsize
+                elif r in self.teams[i]:
                     out["distributed"] += _B * (c.reduced + c.shared + (c.refresh_reduced if refresh else 0.0))
                     out["state"] += _B * (state_share(i, r) if state_share is not None else
                                           c.moving_state / len(self.teams[i]))
@@ -802,6 +945,7 @@ class MatrixOps:
         sub._layouts = [self._layouts[i] for i in idx]
         sub._transposes = [self._transposes[i] for i in idx]
         sub.teams = [self.teams[i] for i in idx]
+        sub.split_roots = [self.split_roots[i] for i in idx]
         sub._team_factor = {}
         sub._cost, sub._cost_takes_parts, sub._split_costs = self._cost, self._cost_takes_parts, self._split_costs
         sub.team_size = self.team_size
@@ -947,6 +1091,8 @@ class MatrixOps:
             share = (a1 - a0) / max(plan.a_shape[0], 1)
             small = c.small_flops + c.small_matmul if not (self.split(i) and c.shared) \
                 or self.factor_owners[i] == plan.layout.rank else 0.0
+            if self.split_roots[i]:  # every member its rows of the root's products
+                small = c.small_matmul * self._split_share(c, len(self.teams[i]))
             totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + small
         return totals
 

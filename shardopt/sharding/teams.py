@@ -27,7 +27,8 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["TeamCost", "TeamPlan", "pack", "choose", "team_sizes", "team_group", "create_team_groups", "global_team"]
+__all__ = ["TeamCost", "TeamPlan", "pack", "choose", "team_sizes", "team_group", "create_team_groups", "global_team",
+           "RowExchange", "node_sizes"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,15 @@ def team_sizes(world: int, smallest: int = 1) -> list[int]:
     if world >= smallest and world not in sizes:
         sizes.append(world)
     return sizes
+
+
+def node_sizes(sizes: Sequence[int], ranks_per_node: int) -> list[int]:
+    """The team sizes whose aligned blocks lie within one node (``ranks_per_node``, 0: one node for all): those
+    that divide it. Where a node holds several ranks, only these are candidates, so ``auto`` never puts a
+    matrix on a team that straddles nodes (issue 53); torchrun numbers ranks node by node."""
+    if ranks_per_node <= 1:
+        return list(sizes)
+    return [g for g in sizes if ranks_per_node % g == 0]
 
 
 def pack(order: Sequence[int], sizes: dict[int, int], costs: dict[int, dict[int, TeamCost]], world: int,
@@ -201,3 +211,48 @@ def team_group(parent: Any, members: tuple[int, ...]) -> Any:
         raise RuntimeError(f"no process group for the team of ranks {team}: team groups are made by every rank at "
                            "the first ShardedOptimizer.step() after the plans changed (create_team_groups)")
     return found
+
+
+class RowExchange:
+    """One team member's row block of ``k x k`` products and the collectives that complete them
+    (``iterative.coupled_iteration_rows``; issue 53): member ``index`` of ``size`` computes rows
+    ``[index c, (index + 1) c)`` (``c = ceil(k / size)``), ``gather`` all-gathers every member's blocks (padded to
+    ``c`` rows: one collective for all the tensors it is given) and ``sum`` all-reduces per-matrix scalars, both
+    on ``group`` and counted under ``tag`` (``comm_stats``). ``steps`` records the iteration's step count (what
+    its bytes follow; ``seen_steps``: the most of any in this process, for tests to compare bytes with)."""
+
+    seen_steps = 0
+
+    def __init__(self, group: Any, index: int, size: int, tag: str = "distributed"):
+        self.group, self.index, self.size, self.tag = group, index, size, tag
+        self.steps = 0
+
+    def bounds(self, k: int) -> tuple[int, int]:
+        c = -(-k // self.size)
+        lo = min(self.index * c, k)
+        return lo, min(lo + c, k)
+
+    def gather(self, blocks: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """``(B, rows, k)`` blocks of this member -> the whole ``(B, k, k)`` matrices, in one all-gather."""
+        import torch.distributed as dist
+
+        from .comm import collective_counter
+
+        k = blocks[0].size(-1)
+        c = -(-k // self.size)
+        padded = [b if b.size(1) == c else torch.nn.functional.pad(b, (0, 0, 0, c - b.size(1))) for b in blocks]
+        buf = torch.cat(padded, 1).contiguous()
+        collective_counter.record(buf, self.tag)
+        got = [torch.empty_like(buf) for _ in range(self.size)]
+        dist.all_gather(got, buf, group=self.group)
+        return [torch.cat([g[:, j * c:(j + 1) * c] for g in got], 1)[:, :k] for j in range(len(blocks))]
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        from .comm import collective_counter
+
+        out = x.clone()
+        collective_counter.record(out, self.tag)
+        dist.all_reduce(out, group=self.group)
+        return out
