@@ -59,18 +59,21 @@ def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra
     return save_sharded(state_path(path), optimizer, meta)
 
 
-def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True) -> dict[str, Any]:
+def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True,
+         load_state: bool = True) -> dict[str, Any]:
     """Load a logical checkpoint into ``optimizer`` on this rank (each rank reads only the slices that overlap
     its pieces). Restores param-group hyperparameters (``lr`` etc.). Returns the checkpoint's metadata.
-    ``shardopt.megatron``'s optimizer also gets its model parameters from the loaded fp32 values (all ranks)."""
+    ``load_state=False`` loads the parameters only: the optimizer's state and hyperparameters stay as they are
+    (a warm start with a fresh optimizer). ``shardopt.megatron``'s optimizer also gets its model parameters from
+    the loaded fp32 values (all ranks)."""
     wrapper, optimizer = optimizer, _inner(optimizer)
-    meta = _load(path, optimizer, load_params)
+    meta = _load(path, optimizer, load_params, load_state)
     if load_params and wrapper is not optimizer and hasattr(wrapper, "main_params_changed"):
         wrapper.main_params_changed()
     return meta
 
 
-def _load(path: str, optimizer: ShardedOptimizer, load_params: bool) -> dict[str, Any]:
+def _load(path: str, optimizer: ShardedOptimizer, load_params: bool, load_state: bool = True) -> dict[str, Any]:
     target = state_path(path)
     meta = read_metadata(target)
     if meta["optimizer"] != type(optimizer).__name__:
@@ -83,7 +86,9 @@ def _load(path: str, optimizer: ShardedOptimizer, load_params: bool) -> dict[str
         raise CheckpointError(f"{path}: incomplete, {len(missing)} tensors missing (e.g. {missing[0]!r})")
     matched = _saved_groups(path, optimizer, meta["param_groups"])  # before anything loads: a mismatch loads nothing
     with StateReader(target, meta) as reader:
-        import_from(optimizer, reader, meta["kinds"], load_params=load_params)
+        import_from(optimizer, reader, meta["kinds"], load_params=load_params, load_state=load_state)
+    if not load_state:
+        return meta
     for group, saved in zip(optimizer.param_groups, matched):
         for k, v in saved.items():
             if v is not None and k in group and k not in _STRUCTURE:
