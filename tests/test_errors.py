@@ -54,8 +54,11 @@ DS_CASES = [
     ({**BASE, "shardopt": {"optimizer": "scale", "params": {"bogus": 1}}},
      r"shardopt\.params\.bogus: unknown hyperparameter"),
     ({**BASE, "shardopt": {"optimizer": "muon9"}}, r"shardopt\.optimizer: unknown optimizer 'muon9'"),
-    ({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}},
-      "shardopt": {"optimizer": "scale"}}, r"zero_optimization\.offload_optimizer\.device"),
+    # CPU offload is supported (issue 56); NVMe offload is refused naming CPU offload
+    ({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+      "shardopt": {"optimizer": "scale"}}, r"zero_optimization\.offload_optimizer\.device = 'nvme'.*use CPU offload"),
+    ({**BASE, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+      "shardopt": {"optimizer": "scale"}}, r"offload_optimizer\.device = 'cpu' needs zero_optimization\.stage 1, 2"),
 ]
 
 

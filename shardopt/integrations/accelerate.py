@@ -27,10 +27,12 @@ import weakref
 import torch
 
 from ..optim.base import ShardedOptimizer
+from ..optim.describe import expose_describe
 from ..plugin.fsdp1 import adopt
 from ..plugin.wrapped import engine_hooked, map_deepspeed, rekey_names
+from ..sharding.precision import model_arrival_dtypes, record_arrival_dtypes
 
-__all__ = ["prepare", "after_prepare", "patch_prepare", "patch_checkpoints", "unwrap_optimizer", "rekey_names",
+__all__ = ["prepare", "after_prepare", "keep_optimizer_under_offload", "patch_prepare", "patch_checkpoints", "unwrap_optimizer", "rekey_names",
            "fsdp1_optimizer_io", "FSDP1_OPTIMIZER_DIR"]
 
 
@@ -50,6 +52,8 @@ def unwrap_optimizer(obj: Any) -> ShardedOptimizer | None:
 def after_prepare(accelerator: Any, objects: Any) -> None:
     """Map what ``accelerator.prepare`` built around a shardopt optimizer (see the module docstring)."""
     objects = objects if isinstance(objects, (tuple, list)) else (objects,)
+    # the prepared optimizer and (DeepSpeed) engine get describe(): the role table (optim.describe)
+    expose_describe(*(obj for obj in objects if isinstance(obj, (torch.optim.Optimizer, torch.nn.Module))))
     wrapped = getattr(accelerator, "deepspeed_engine_wrapped", None)
     engine = getattr(wrapped, "engine", None)
     if engine is not None:
@@ -63,6 +67,8 @@ def after_prepare(accelerator: Any, objects: Any) -> None:
         if opt is not None:
             rekey_names(opt)
             adopt(models, opt)
+            for model in models:  # FSDP2's mixed precision is known only now (numerical-zero cutoffs follow it)
+                record_arrival_dtypes(opt, model_arrival_dtypes(model))
 
 
 def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
@@ -85,11 +91,29 @@ def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
     return args[:models[0] + 1] + (opt,) + args[models[0] + 1:]
 
 
+def keep_optimizer_under_offload(accelerator: Any, args: tuple) -> None:
+    """With a DeepSpeed plugin whose config offloads the optimizer (``zero_optimization.offload_optimizer.device``
+    ``"cpu"``) and a shardopt optimizer among ``args``: set ``"zero_force_ds_cpu_optimizer": false`` (and
+    ``"zero_allow_untested_optimizer": true``) in that config, in place, before accelerate reads it. Left at its
+    default (true), accelerate's ``prepare`` replaces any optimizer by ``DeepSpeedCPUAdam`` (its
+    ``map_pytorch_optim_to_deepspeed``) and the shardopt optimizer is lost. NVMe offload is refused with the key
+    named (``deepspeed_engine.offload_devices``)."""
+    plugin = getattr(getattr(accelerator, "state", None), "deepspeed_plugin", None)
+    config = getattr(getattr(plugin, "hf_ds_config", None), "config", None)
+    if not isinstance(config, dict) or not any(unwrap_optimizer(a) is not None for a in args):
+        return
+    from ..plugin.deepspeed_engine import apply_offload_keys
+
+    apply_offload_keys(config, where="accelerate's DeepSpeed config (DeepSpeedPlugin(hf_ds_config=...))")
+
+
 def prepare(accelerator: Any, *args: Any, **kwargs: Any) -> Any:
     """``accelerator.prepare(*args, **kwargs)``, then shardopt's mapping of the engine or the DTensors; returns
     what ``accelerator.prepare`` returns. With a DeepSpeed config holding a ``"shardopt"`` section and no
-    optimizer in ``args``, the section's optimizer is built and returned after the model."""
+    optimizer in ``args``, the section's optimizer is built and returned after the model. With optimizer offload
+    the keys that keep the shardopt optimizer are set (``keep_optimizer_under_offload``)."""
     args = _optimizer_from_section(accelerator, args)
+    keep_optimizer_under_offload(accelerator, args)
     result = accelerator.prepare(*args, **kwargs)
     after_prepare(accelerator, result)
     patch_checkpoints(accelerator)
@@ -105,6 +129,7 @@ def patch_prepare(accelerator: Any) -> None:
     original = accelerator.prepare
 
     def prepare_and_map(*args: Any, **kwargs: Any) -> Any:
+        keep_optimizer_under_offload(accelerator, args)
         result = original(*args, **kwargs)
         after_prepare(accelerator, result)
         return result

@@ -9,7 +9,9 @@ head, hidden matrices, GPT-2's ``Conv1D`` stored in x out, vectors to AdamW), an
   optimizer and its hyperparameters can come from a ``"shardopt"`` section of that config (then ``enable(trainer)``
   needs no arguments; keyword arguments override the section); ZeRO's flat partitions are mapped to matrices and
   ``save_steps`` / ``resume_from_checkpoint`` save and restore shardopt's state through DeepSpeed's checkpoint
-  directory, resumable at another world size or ZeRO stage.
+  directory, resumable at another world size or ZeRO stage. ZeRO-Offload (``offload_optimizer`` / ``offload_param``
+  device ``"cpu"``) is supported: ``enable`` sets ``"zero_force_ds_cpu_optimizer": false`` for it, without which
+  accelerate would replace the optimizer by ``DeepSpeedCPUAdam``; NVMe offload is refused.
 * FSDP2 (``fsdp_config={"fsdp_version": 2}``): DTensor shards, checkpoints through the Trainer's own DCP path.
 * Legacy FSDP (``fsdp="full_shard"``, ``fsdp_version`` 1, either ``use_orig_params``): the wrapped model's layouts
   (``shardopt.plugin.fsdp1``); ``save_steps`` / ``resume_from_checkpoint`` keep shardopt's logical state in the
@@ -29,7 +31,7 @@ import pydantic
 
 from ..optim.config import format_errors
 from ..optim.registry import OPTIMIZERS, ConfigError, build_optimizer, validate_hyperparameters
-from ..plugin.deepspeed_engine import ShardoptSection
+from ..plugin.deepspeed_engine import ShardoptSection, apply_offload_keys
 from .accelerate import patch_prepare, with_fsdp1_optimizer_io
 
 __all__ = ["enable", "resolve_settings"]
@@ -115,6 +117,9 @@ def enable(trainer: Any, optimizer: str | None = None, routing: Mapping[str, str
                           "shardopt.integrations.transformers.enable pass optimizers=(None, None) and let enable "
                           "build it (under DeepSpeed the Trainer would drop a given optimizer anyway)")
     name, cfg, route = resolve_settings(trainer, optimizer, routing, hyperparameters)
+    ds = _deepspeed_config(trainer)
+    if ds is not None:  # ZeRO-Offload: the keys that keep this optimizer (accelerate would swap in DeepSpeedCPUAdam)
+        apply_offload_keys(ds, where="the Trainer's DeepSpeed config (TrainingArguments(deepspeed=...))")
 
     def create_optimizer(model: Any = None) -> Any:
         """shardopt's optimizer for the Trainer's model (``Trainer.create_optimizer``'s contract: build once)."""

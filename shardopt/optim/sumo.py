@@ -30,6 +30,7 @@ import torch
 from ..sharding.iterative import steps_to_converge
 from ..sharding.matfun import polar_factor, polar_kept
 from ..sharding.orientation import stored_transposed
+from ..sharding.precision import arrival_dtype, noise_rtol
 from ..sharding.matrix_ops import OpCost
 from ..sharding.subspace import range_basis, refresh_reduced
 from ..sharding.stacking import group_indices, stack_stored, unstack_into
@@ -203,14 +204,15 @@ class SUMO(ShardedOptimizer):
         if due:
             self._refresh(group, items, ops, blocks if blocks is not None else
                           [_whole_block(p, it.grad) for p, it in zip(plans, items)], due)
+        arrival = [arrival_dtype(self, it.frag.name, it.tensor) for it in items]  # the same on every rank
         if local:
             active = list(range(n))
             groups = group_indices(active, lambda i: (plans[i].transpose, items[i].layout.shape,
-                                                      states[i]["M"].shape))
+                                                      states[i]["M"].shape, arrival[i]))
         else:
             active = [i for i in range(n) if ops.active(i)]
             groups = group_indices(active, lambda i: (blocks[i].shape, blocks[i].stride(), states[i]["M"].shape,
-                                                      items[i].layout.shape))
+                                                      items[i].layout.shape, arrival[i]))
         # per group: this rank's rows of the bases, Q^T A in one batched product
         stacked_q, projections = [], []
         parts: dict[int, torch.Tensor] = {}
@@ -233,12 +235,13 @@ class SUMO(ShardedOptimizer):
                 if any(i in summed for i in idx):
                     projections[g] = torch.stack([summed.get(i, projections[g][j]) for j, i in enumerate(idx)])
         # per moment shape (groups merged): M = mu M + Q^T A, polar factor, limiter
+        # (and arrival precision: a moment built from bf16/fp16 gradients drops the directions rounding can make)
         by_moment: dict[tuple, list[int]] = {}
         for g, idx in enumerate(groups):
-            by_moment.setdefault(tuple(states[idx[0]]["M"].shape), []).append(g)
+            by_moment.setdefault((tuple(states[idx[0]]["M"].shape), arrival[idx[0]]), []).append(g)
         polar: list[torch.Tensor] = [None] * len(groups)  # type: ignore[list-item]
         mu = group["momentum"]
-        for gs in by_moment.values():
+        for (_, dtype), gs in by_moment.items():
             idx = [i for g in gs for i in groups[g]]
             moments = [states[i]["M"] for i in idx]
             mom = torch.stack(moments)
@@ -252,7 +255,7 @@ class SUMO(ShardedOptimizer):
                 mom[stepped] = mom[stepped].mul_(mu).add_(proj[stepped])
             if gate is not None:  # a skipped step: back to the old moments (a select: the new may overflow)
                 keep_unless_gated(gate, mom, before)
-            o = polar_factor(mom, rtol=max(mom.shape[-2:]) * _EPS32)
+            o = polar_factor(mom, rtol=noise_rtol(dtype, mom.shape, max(mom.shape[-2:]) * _EPS32))
             prevs = [states[i]["prev_onorm"] for i in idx]
             prev = torch.stack(prevs)
             o, norms = _limit_growth_stacked(o, prev, group["gamma"])

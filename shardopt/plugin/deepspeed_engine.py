@@ -22,9 +22,11 @@ from torch import nn
 
 from ..optim.base import ShardedOptimizer
 from ..optim.config import OptimizerConfig, format_errors
+from ..optim.describe import expose_describe
 from ..optim.registry import ConfigError, build_param_groups, optimizer_class, validate_hyperparameters
 from ..optim.routing import RoleTable
 from ..sharding.fragment import Fragment
+from ..sharding.precision import LOW_PRECISION, record_arrival_dtypes
 from .zero_layouts import flat_fragments, zero3_fragments
 
 __all__ = ["initialize", "ShardoptSection", "load_config", "parse_section", "parse_shardopt_section",
@@ -400,6 +402,7 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
     if wrapper is opt:
         return  # stage 0 without a wrapper: real parameters, whole matrices
     flat: list[tuple[torch.Tensor, list[Fragment]]] = []
+    bit16: list[torch.Tensor] = []  # the model's weights, whose dtype the gradients arrive in
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
         for g, partition in enumerate(wrapper.single_partition_of_fp32_groups):
             pg = wrapper.real_dp_process_group[g]
@@ -409,6 +412,7 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
                 wrapper.bit16_groups_flat[g].numel() // world, dist.get_rank(group=pg), world, pg, names,
                 lambda p: tuple(p.shape))
             flat.append((partition, frags))
+            bit16.extend(wrapper.round_robin_bit16_groups[g])
     elif isinstance(wrapper, BF16_Optimizer):
         for g, partition in enumerate(wrapper.fp32_groups_flat_partition):
             pg = wrapper.real_dp_process_group[g]
@@ -418,6 +422,7 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             frags = _flat_layouts(order, offsets, wrapper.bf16_groups_flat[g].numel() // world,
                                   dist.get_rank(group=pg), world, pg, names, lambda p: tuple(p.shape))
             flat.append((partition, frags))
+            bit16.extend(order)
     elif isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
         for sg, partition in enumerate(wrapper.fp32_partitioned_groups_flat):
             pg = wrapper.sub_group_process_groups[sg] if hasattr(wrapper, "sub_group_process_groups") \
@@ -428,12 +433,15 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             frags, _ = zero3_fragments([names[id(p)] for p in params], [tuple(p.ds_shape) for p in params], world,
                                        rank, pg, partition_numels=[p.partition_numel() for p in params])
             flat.append((partition, frags))
+            bit16.extend(params)
     else:
         raise NotImplementedError(
             f"DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, which shardopt cannot map to "
             "matrices; use zero_optimization.stage 1, 2 or 3 (or stage 0 with fp32)")
     opt.use_layouts(flat=flat)
     opt.engine_skips_nonfinite = _skips_nonfinite_steps(wrapper)
+    # bf16/fp16 weights: the rules' numerical-zero cutoffs follow that precision, not the fp32 partitions'
+    record_arrival_dtypes(opt, {names[id(p)]: p.dtype for p in bit16 if id(p) in names and p.dtype in LOW_PRECISION})
 
 
 def _skips_nonfinite_steps(wrapper: Any) -> bool:
@@ -468,6 +476,9 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     refuse_unsupported(model)
     cfg = load_config(config)
     section, hp = parse_section(cfg)
+    from .deepspeed_checkpoint import refuse_load_universal
+
+    refuse_load_universal(cfg)
     cfg["zero_allow_untested_optimizer"] = True
     names = {id(p): n for n, p in model.named_parameters()}
     stage = pipeline_stage(model)
@@ -492,6 +503,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     opt.param_names.update(names)
     attach_zero_layouts(engine, opt, names)
     install_checkpoint_hooks(engine, opt, names)
+    expose_describe(engine, result[1])  # engine.describe(), optimizer.describe(): the role table (optim.describe)
     if stage is not None:
         balance_stage_norms(engine)
     return result
@@ -530,59 +542,114 @@ def _sync_bit16_params(engine: Any, reader: Any, names: Mapping[int, str]) -> No
                     p.data.copy_(buf.view_as(p.data).to(p.dtype))
 
 
+def _committed_save(engine: Any, save_dir: str, tag: str, save_latest: bool, ds_save: Any, ours: Any) -> Any:
+    """A DeepSpeed save that is complete or invisible (``shardopt.checkpoint.commit``): DeepSpeed's files (without
+    its ``latest``, which it writes before the ranks meet) and shardopt's, fsynced on every rank; after the ranks
+    agree, rank 0 writes the tag's marker, then ``latest``, atomically, and removes interrupted saves' leftovers.
+    A rank killed anywhere before the marker leaves ``latest`` naming the previous checkpoint."""
+    from ..checkpoint import commit
+    from ..checkpoint.errors import CheckpointError
+
+    tag_dir = os.path.join(save_dir, tag)
+    rank = dist.get_rank()
+    if rank == 0 and os.path.isdir(tag_dir):
+        commit.remove_marker(tag_dir)  # a tag saved again is incomplete until its new marker
+    dist.barrier()
+    result = ds_save()
+    ours(tag_dir)
+    error = None
+    try:
+        commit.fsync_dir(tag_dir)
+    except OSError as err:
+        error = f"rank {rank} could not flush its files ({err})"
+    errors: list = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    failed = [e for e in errors if e]
+    if failed:
+        raise CheckpointError(f"{tag_dir}: not saved, {failed[0]}; 'latest' still names the previous checkpoint")
+    if rank == 0:
+        commit.write_marker(tag_dir, {"global_steps": int(engine.global_steps), "tag": tag})
+        if save_latest:
+            commit.write_atomic(os.path.join(save_dir, "latest"), tag)
+        commit.clean(save_dir)
+    dist.barrier()
+    return result
+
+
+def _incomplete(load_dir: str, tag: str | None, module_only: bool) -> str | None:
+    """Why tag ``tag`` of ``load_dir`` must not load (``commit.incomplete``), or None. A module-only load also
+    takes a DeepSpeed checkpoint written without shardopt (no shardopt file, no marker)."""
+    from ..checkpoint import commit
+
+    if tag is None:  # no 'latest': DeepSpeed's own load says so
+        return None
+    return commit.incomplete(load_dir, tag, needs_shardopt=not module_only)
+
+
 def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str]) -> None:
-    """Make ``engine.save_checkpoint`` also write shardopt's logical state into ``<dir>/<tag>/``, and
-    ``engine.load_checkpoint`` fall back to it when DeepSpeed's own files cannot be used (another data-parallel
-    size or ZeRO stage, or a checkpoint converted from FSDP2)."""
+    """Make ``engine.save_checkpoint`` also write shardopt's logical state into ``<dir>/<tag>/`` and commit the tag
+    only when every rank's files are in place (``_committed_save``), and ``engine.load_checkpoint`` refuse an
+    incomplete tag on every rank and fall back to it when DeepSpeed's own files cannot be used (another data-parallel
+    size or ZeRO stage, or a checkpoint converted from FSDP2), with DeepSpeed's load options and return value
+    (``deepspeed_checkpoint.load_resharded``)."""
     from .. import checkpoint as ckpt
+    from .deepspeed_checkpoint import mark_not_universal
 
     ds_save, ds_load = engine.save_checkpoint, engine.load_checkpoint
 
     def save_checkpoint(save_dir, tag=None, client_state={}, save_latest=True, **kwargs):  # noqa: B006
         tag = tag if tag is not None else f"global_step{engine.global_steps}"
-        result = ds_save(save_dir, tag=tag, client_state=client_state, save_latest=save_latest, **kwargs)
-        extra = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                 "zero_stage": engine.zero_optimization_stage(), "client_state": client_state,
-                 "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None}
-        ckpt.save(os.path.join(str(save_dir), str(tag)), opt, engine="deepspeed", extra=extra)
-        return result
+
+        def ours(tag_dir: str) -> None:
+            extra = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+                     "zero_stage": engine.zero_optimization_stage(), "client_state": client_state,
+                     "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                     "commit": "marker"}  # complete only with the tag's marker (checkpoint.commit)
+            ckpt.save(tag_dir, opt, engine="deepspeed", extra=extra)
+
+        marked = mark_not_universal(client_state)  # ds_to_universal stops at once, naming shardopt's route
+        return _committed_save(engine, str(save_dir), str(tag), save_latest,
+                               lambda: ds_save(save_dir, tag=tag, client_state=marked, save_latest=False,
+                                               **kwargs), ours)
 
     def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, **kwargs):
-        def native():
-            return ds_load(load_dir, tag=tag, load_module_strict=load_module_strict,
-                           load_optimizer_states=load_optimizer_states,
-                           load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                           **kwargs)
+                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **kwargs):
+        options = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
+                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
+                       custom_load_fn=custom_load_fn)
 
         # Decide on rank 0 and share it: the two paths issue different collectives, so a rank that sees the
         # files differently (node-local disk, a lagging shared filesystem) must not choose on its own.
-        decision = [None, None]
+        decision = [None, None, None]
         if dist.get_rank() == 0:
-            t = tag if tag is not None else _latest_tag(str(load_dir))
-            ours = ckpt.state_path(os.path.join(str(load_dir), str(t))) if t is not None else None
-            use_ours = False
-            if ours is not None and os.path.isfile(ours):
-                meta = ckpt.read_metadata(ours)
-                extra = meta.get("extra") or {}
-                use_ours = not (meta.get("engine") == "deepspeed" and meta.get("world_size") == dist.get_world_size()
-                                and extra.get("zero_stage") == engine.zero_optimization_stage())
-            decision = [t, use_ours]
+            t, use_ours = tag, False
+            try:
+                t = tag if tag is not None else _latest_tag(str(load_dir))
+                # an incomplete checkpoint (a save interrupted, a file lost or cut) is refused on every rank alike
+                problem = _incomplete(str(load_dir), t, load_module_only)
+                ours = ckpt.state_path(os.path.join(str(load_dir), str(t))) if t is not None else None
+                use_ours = False
+                if problem is None and ours is not None and os.path.isfile(ours):
+                    meta = ckpt.read_metadata(ours)
+                    extra = meta.get("extra") or {}
+                    use_ours = not (meta.get("engine") == "deepspeed"
+                                    and meta.get("world_size") == dist.get_world_size()
+                                    and extra.get("zero_stage") == engine.zero_optimization_stage())
+            except ckpt.CheckpointError as err:
+                problem = str(err)
+            decision = [t, use_ours, problem]
         dist.broadcast_object_list(decision, src=0)
-        tag, use_ours = decision
+        tag, use_ours, problem = decision
+        if problem is not None:
+            raise ckpt.CheckpointError(problem)
         if not use_ours:
-            return native()
-        ours = ckpt.state_path(os.path.join(str(load_dir), str(tag)))
-        extra = ckpt.read_metadata(ours).get("extra") or {}
-        ckpt.load(ours, opt, load_params=True)
-        with ckpt.StateReader(ours) as reader:
-            _sync_bit16_params(engine, reader, names)
-        if load_lr_scheduler_states and extra.get("lr_scheduler") and engine.lr_scheduler is not None:
-            engine.lr_scheduler.load_state_dict(extra["lr_scheduler"])
-        if "global_steps" in extra:
-            engine.global_steps = extra["global_steps"]
-            engine.global_samples = extra.get("global_samples", engine.global_samples)
-        return os.path.join(str(load_dir), str(tag)), extra.get("client_state") or {}
+            return ds_load(load_dir, tag=tag, **options, **kwargs)
+        if kwargs:
+            raise TypeError(f"engine.load_checkpoint: {sorted(kwargs)} are not DeepSpeed's load options, which "
+                            "shardopt's resharding load takes (another world size or ZeRO stage)")
+        from .deepspeed_checkpoint import load_resharded
+
+        return load_resharded(engine, opt, names, str(load_dir), str(tag), sync_bit16=_sync_bit16_params, **options)
 
     engine.save_checkpoint = save_checkpoint
     engine.load_checkpoint = load_checkpoint

@@ -31,6 +31,7 @@ import torch
 
 from ..optim import hooks
 from ..optim.routing import declare_module_roles, logical_shape, param_roles, warn_unknown_matrices
+from ..sharding.precision import model_arrival_dtypes, record_arrival_dtypes
 
 __all__ = ["UnmappedTensorError", "check_stepped_tensors", "rekey_names", "find_deepspeed_caller", "map_deepspeed",
            "engine_hooked", "names_from_trainer", "watch_model"]
@@ -108,6 +109,9 @@ def map_deepspeed(opt: Any, wrapper: Any, engine: Any = None) -> None:
     if engine is not None and not engine_hooked(engine):
         install_checkpoint_hooks(engine, opt, names)
         _HOOKED_ENGINES.add(engine)
+    from ..optim.describe import expose_describe
+
+    expose_describe(engine, wrapper)  # their describe(): the role table (optim.describe)
 
 
 def _describe(opt: Any, p: torch.Tensor) -> str:
@@ -249,12 +253,30 @@ class _WatchEngine:
                 return
             inner = getattr(inner, "optimizer", None)
         client = type(getattr(engine, "basic_optimizer", None) or engine.optimizer).__name__
+        if client.startswith("DeepSpeedCPU") and _offloads_optimizer(engine) and "accelerate" in sys.modules:
+            raise UnmappedTensorError(
+                f"a shardopt {self.who} optimizer was built for this model, but the DeepSpeed engine running it "
+                f"steps {client}: accelerate's Accelerator.prepare (which the Hugging Face Trainer calls too) "
+                "replaced it (accelerate.utils.map_pytorch_optim_to_deepspeed), because the DeepSpeed config "
+                "offloads the optimizer (zero_optimization.offload_optimizer.device 'cpu') and leaves "
+                '"zero_force_ds_cpu_optimizer" at its default, true. Fix: set "zero_force_ds_cpu_optimizer": false '
+                "in the DeepSpeed config, or prepare with shardopt.integrations.accelerate.prepare(accelerator, "
+                "model, optimizer) (with the Trainer: shardopt.integrations.transformers.enable(trainer, ...)), "
+                "which sets it")
         raise UnmappedTensorError(
             f"a shardopt {self.who} optimizer was built for this model, but the DeepSpeed engine running it steps "
             f"{client}: the wrapper that set DeepSpeed up dropped the shardopt optimizer (Hugging Face Trainer "
             "does so with Trainer(optimizers=(opt, None)) under DeepSpeed). Fix: with the Trainer call "
             "shardopt.integrations.transformers.enable(trainer, ...) and pass no optimizer; with DeepSpeed "
             "directly use shardopt.deepspeed.initialize(model=..., config=...)")
+
+
+def _offloads_optimizer(engine: Any) -> bool:
+    """Whether a DeepSpeed engine's config offloads the optimizer (ZeRO-Offload, CPU or NVMe)."""
+    try:
+        return bool(engine.zero_use_cpu_optimizer())
+    except Exception:  # noqa: BLE001 - an engine without that method or config: no offload to blame
+        return False
 
 
 def watch_model(model: torch.nn.Module, who: str) -> None:
@@ -267,6 +289,8 @@ def _watch_created(model: Any, opt: Any) -> None:
     """``hooks.model_watchers`` entry: ``create_optimizer`` built ``opt`` for ``model``."""
     if isinstance(model, torch.nn.Module):
         watch_model(model, type(opt).__name__)
+        # bf16/fp16 weights or FSDP2 mixed precision: the rules' numerical-zero cutoffs follow that precision
+        record_arrival_dtypes(opt, model_arrival_dtypes(model))
 
 
 hooks.register_pre_step_check(check_stepped_tensors)

@@ -28,6 +28,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from . import staging
 from .comm import collective_counter
 from .layout import Block, ColFlatPiece, ColPiece, FlatPiece, MatrixLayout, RectPiece
 
@@ -511,8 +512,6 @@ def _exchange(plans: Sequence[RowPlan], send_parts: list[dict[int, list[torch.Te
 
     Only the ranks an entry exchanges with appear in its maps (never this rank), so the work is proportional
     to the pieces that move, not to the world size; the buffers are laid out by rank, then entry."""
-    import torch.distributed as dist
-
     lay = plans[0].layout
     world, me = lay.world, lay.rank
     by_dst: dict[int, list[torch.Tensor]] = {}
@@ -537,7 +536,7 @@ def _exchange(plans: Sequence[RowPlan], send_parts: list[dict[int, list[torch.Te
     out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
     by_tag = {tag: n * inp.element_size() for tag, n in by_tag.items()}
     collective_counter.record(inp, "gather" if "gather" in by_tag else tags[0], by_tag)
-    dist.all_to_all_single(out, inp.contiguous(), out_sizes, in_sizes, group=lay.group)
+    staging.all_to_all_single(out, inp.contiguous(), out_sizes, in_sizes, lay.group)  # CPU pieces on NCCL
     result: list[dict[int, torch.Tensor]] = [{} for _ in plans]
     pos = 0
     for s, e, k in arrivals:

@@ -15,6 +15,7 @@ import weakref
 
 import torch
 
+from . import staging
 from .layout import MatrixLayout
 
 _device_copies: "weakref.WeakKeyDictionary[torch.Tensor, dict]" = weakref.WeakKeyDictionary()
@@ -86,7 +87,7 @@ def _all_reduce(buf: torch.Tensor, group: Any) -> None:
     import torch.distributed as dist
 
     collective_counter.record(buf)
-    dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    staging.all_reduce(buf, group, dist.ReduceOp.SUM)  # through the device for CPU buffers on NCCL (offload)
 
 
 def world_group_allreduce_max(flag: torch.Tensor) -> None:
@@ -95,7 +96,7 @@ def world_group_allreduce_max(flag: torch.Tensor) -> None:
 
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         collective_counter.record(flag)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        staging.all_reduce(flag, None, dist.ReduceOp.MAX)
 
 
 class Round:

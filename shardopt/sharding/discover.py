@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from . import staging
 from .batched import box_fragments, split_flat
 from .fragment import Fragment
 from .layout import ColPiece, FlatPiece, MatrixLayout, RectPiece
@@ -178,7 +179,6 @@ def complete_partial_grads(params) -> None:
     """Gradients that DTensor leaves as partial sums made complete in place (``Partial`` -> ``Replicate`` on those
     mesh dimensions) before the optimizer reads their local values: one all-reduce per mesh dimension and dtype
     for all of them (the same on every rank: placements are static)."""
-    import torch.distributed as dist
     from torch.distributed.tensor import DTensor, Replicate
 
     buckets: dict[tuple, list] = {}
@@ -199,7 +199,7 @@ def complete_partial_grads(params) -> None:
         locals_ = [p.grad.to_local() for p in ps]
         flat = torch.cat([t.reshape(-1) for t in locals_])
         for i in dims:
-            dist.all_reduce(flat, group=mesh.get_group(i))
+            staging.all_reduce(flat, mesh.get_group(i))  # FSDP2 CPU offload on NCCL: through the device
             if getattr(ps[0].grad.placements[i], "reduce_op", "sum") == "avg":
                 flat /= mesh.size(i)
         pos = 0

@@ -45,6 +45,7 @@ from typing import Callable, Literal, Sequence
 
 import torch
 
+from . import staging
 from .blocks import RowPlan, from_blocks, to_blocks
 from .comm import collective_counter
 from .layout import MatrixLayout
@@ -1032,8 +1033,6 @@ class MatrixOps:
         member does); others are returned as they are (their ranks already hold every row). ``symmetric``:
         every part is a symmetric ``k x k`` matrix; its upper triangle is sent (half the bytes) and the sum
         comes back exactly symmetric."""
-        import torch.distributed as dist
-
         buckets: dict[tuple, list[int]] = {}
         for i in sorted(parts):
             if self.split(i):
@@ -1049,7 +1048,7 @@ class MatrixOps:
             flat = torch.cat(pieces) if len(pieces) > 1 else pieces[0].clone()
             collective_counter.record(flat, "distributed")
             group = lay.group if key[1] is None else team_group(lay.group, key[1])
-            dist.all_reduce(flat, group=group)
+            staging.all_reduce(flat, group)  # through the device for CPU pieces on NCCL (offload)
             pos = 0
             for i, piece in zip(idx, pieces):
                 k = piece.numel()

@@ -22,6 +22,7 @@ sharded run equals the single-process run at the same precision.
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Callable, Iterator
 
 import torch
@@ -84,3 +85,78 @@ def matmul_in(precision: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
 
 def low_precision(precision: str) -> bool:
     return precision in ("bf16", "tf32")
+
+
+# ---------------------------------------------------------------------------------- the gradient's arrival precision
+#: Where a rule drops singular or eigen-directions as numerically zero, the cutoff follows the precision the gradient
+#: was computed in (bf16 or fp16 parameters, FSDP2's ``MixedPrecisionPolicy.param_dtype``, DeepSpeed's bit16
+#: weights), not only the fp32 it is upcast to: rounding a gradient ``A`` to a unit roundoff ``u`` moves it by ``E``
+#: with ``|E_ij| <= u |A_ij|``, so ``|E|_2 <= u |A|_F <= u sqrt(k) sigma_1`` (``k = min(m, n)``): a direction below
+#: ``sqrt(k) eps sigma_1`` (``eps = 2u``, a factor-2 margin) can be rounding alone, and an orthogonalization would give
+#: it unit weight, so it differs with the batching (issue 56: SUMO 80% between world sizes 1 and 2 in bf16). fp32
+#: gradients keep each rule's fp32 cutoff, which is larger than this bound: fp32 runs are unchanged.
+LOW_PRECISION = (torch.bfloat16, torch.float16)
+
+__all__ += ["LOW_PRECISION", "arrival_dtype", "noise_rtol", "noise_eig_rtol", "model_arrival_dtypes",
+            "record_arrival_dtypes"]
+
+
+def arrival_dtype(opt: object, name: str, tensor: torch.Tensor) -> torch.dtype:
+    """The precision matrix ``name``'s gradient arrived in: recorded by an engine adapter
+    (``record_arrival_dtypes``: DeepSpeed's bit16 weights, FSDP2's mixed-precision policy), else the stepped
+    tensor's own dtype where it is bf16/fp16 (a bf16 model stepped whole), else fp32."""
+    recorded = getattr(opt, "grad_dtypes", None)
+    if recorded and name in recorded:
+        return recorded[name]
+    return tensor.dtype if tensor.dtype in LOW_PRECISION else torch.float32
+
+
+def noise_rtol(dtype: torch.dtype, shape: tuple[int, ...], fp32_rtol: float) -> float:
+    """The relative singular-value cutoff for a ``shape`` matrix built from ``dtype`` gradients: the rule's own
+    ``fp32_rtol``, raised to ``sqrt(min(m, n)) eps(dtype)`` for bf16/fp16 (see above)."""
+    if dtype not in LOW_PRECISION:
+        return fp32_rtol
+    return max(fp32_rtol, math.sqrt(min(shape[-2:])) * torch.finfo(dtype).eps)
+
+
+def noise_eig_rtol(dtype: torch.dtype, k: int, fp32_rtol: float) -> float:
+    """The same for the eigenvalues of a ``k x k`` Gram or second-moment statistic (squared singular values):
+    ``fp32_rtol`` (relative to the largest eigenvalue), raised to ``k eps(dtype)^2`` for bf16/fp16."""
+    if dtype not in LOW_PRECISION:
+        return fp32_rtol
+    return max(fp32_rtol, k * torch.finfo(dtype).eps ** 2)
+
+
+def model_arrival_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
+    """``{parameter name: bf16/fp16}`` for the parameters of ``model`` whose gradients are computed in low
+    precision: FSDP2's ``MixedPrecisionPolicy.param_dtype`` (the sharded parameter stays fp32) or the parameter's
+    own dtype. fp32 parameters are left out."""
+    policy: dict[int, torch.dtype] = {}
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        try:
+            groups = get_state()._fsdp_param_groups
+        except Exception:  # noqa: BLE001 - torch internals moved: the parameters' own dtypes still apply
+            continue
+        for group in groups:
+            dtype = getattr(getattr(group, "mp_policy", None), "param_dtype", None)
+            for fsdp_param in getattr(group, "fsdp_params", []):
+                if dtype is not None:
+                    policy[id(fsdp_param.sharded_param)] = dtype
+    out = {}
+    for name, p in model.named_parameters():
+        dtype = policy.get(id(p), p.dtype)
+        if dtype in LOW_PRECISION:
+            out[name] = dtype
+    return out
+
+
+def record_arrival_dtypes(opt: object, dtypes: dict[str, torch.dtype]) -> None:
+    """Remember, on ``opt``, the precision each named matrix's gradient arrives in (``arrival_dtype`` reads it)."""
+    recorded = getattr(opt, "grad_dtypes", None)
+    if recorded is None:
+        recorded = {}
+        setattr(opt, "grad_dtypes", recorded)
+    recorded.update(dtypes)

@@ -33,6 +33,7 @@ from typing import Any, Sequence
 
 import torch
 
+from . import staging
 from .blocks import RowPlan
 from .comm import collective_counter
 
@@ -161,8 +162,6 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
     entries gather among its members, on the team's own group (every member passes them, the other ranks
     none). Every rank of a group must pass the same entries in the same order; a share of the wrong shape
     raises ``StateShapeError`` naming the matrix before any collective runs."""
-    import torch.distributed as dist
-
     from .teams import team_group
 
     for plan, local, shape, dim, name in entries:
@@ -191,7 +190,7 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
         recv = [torch.empty_like(send) for _ in range(world)]
         collective_counter.record(send, "state")
         group = plan0.group if plan0.members is None else team_group(plan0.group, plan0.members)
-        dist.all_gather(recv, send, group=group)
+        staging.all_gather(recv, send, group)
         offsets = [0] * world
         for k, e in enumerate(idx):
             plan, _, shape, dim, _ = entries[e]
@@ -216,8 +215,6 @@ def _even(length: int, world: int, rank: int) -> tuple[int, int]:
 def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int]], to_even: bool) -> list[torch.Tensor]:
     """Move each entry's split dimension between the plan's shares and even (``torch.chunk``) chunks: one
     ``all_to_all_single`` per process group for all entries. ``entries[e] = (plan, local, logical shape, dim)``."""
-    import torch.distributed as dist
-
     out: list[torch.Tensor | None] = [None] * len(entries)
     for idx in _by_group(entries):
         plan0 = entries[idx[0]][0]
@@ -260,7 +257,7 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
             for e, t in zip(idx, out_local):
                 out[e] = t
             continue
-        dist.all_to_all_single(recv, send, recv_sizes, [t.numel() for t in flat], group=plan0.group)
+        staging.all_to_all_single(recv, send, recv_sizes, [t.numel() for t in flat], plan0.group)
         pos = [sum(recv_sizes[:q]) for q in range(world)]
         for k, e in enumerate(idx):
             plan, _, shape, dim = entries[e]

@@ -1,0 +1,155 @@
+"""ZeRO-Offload settings (issue 56), without launching DeepSpeed: what each front door sets and refuses, where a
+collective on CPU-resident partitions runs (``sharding.staging``'s routing decision), the lost-optimizer message,
+and the precision-aware cutoffs (``sharding.precision``)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardopt.optim.registry import ConfigError
+from shardopt.plugin.deepspeed_engine import OFFLOAD_KEYS, apply_offload_keys, offload_devices, parse_section
+from shardopt.sharding import precision, staging
+
+SECTION = {"optimizer": "scale", "params": {"lr": 1e-3}}
+
+
+def config(stage: int, **zero) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, **zero},
+            "shardopt": dict(SECTION)}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_cpu_offload_sets_the_keys_deepspeed_would_ask_for(stage: int) -> None:
+    cfg = config(stage, offload_optimizer={"device": "cpu"},
+                 **({"offload_param": {"device": "cpu"}} if stage == 3 else {}))
+    parse_section(cfg)
+    assert {k: cfg[k] for k in OFFLOAD_KEYS} == OFFLOAD_KEYS
+
+
+def test_no_offload_leaves_the_force_key_alone() -> None:
+    cfg = config(2)
+    parse_section(cfg)
+    assert "zero_force_ds_cpu_optimizer" not in cfg
+    assert offload_devices(cfg) == {"offload_optimizer": "none", "offload_param": "none"}
+
+
+@pytest.mark.parametrize("key", ["offload_optimizer", "offload_param"])
+def test_nvme_is_refused_naming_cpu(key: str) -> None:
+    cfg = config(3, **{key: {"device": "nvme", "nvme_path": "/tmp"}})
+    with pytest.raises(ConfigError, match=rf"zero_optimization\.{key}\.device = 'nvme'.*\"device\": \"cpu\""):
+        parse_section(cfg)
+
+
+@pytest.mark.parametrize("stage,zero,match", [
+    (0, {"offload_optimizer": {"device": "cpu"}}, r"offload_optimizer.device = 'cpu' needs zero_optimization.stage"),
+    (2, {"offload_param": {"device": "cpu"}}, r"offload_param.device = 'cpu' needs zero_optimization.stage 3"),
+    (2, {"offload_optimizer": "cpu"}, r"zero_optimization.offload_optimizer: expected an object"),
+])
+def test_offload_where_deepspeed_would_ignore_it_is_refused(stage: int, zero: dict, match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        apply_offload_keys(config(stage, **zero))
+
+
+def test_force_cpu_optimizer_true_is_refused_with_its_name() -> None:
+    cfg = {**config(2, offload_optimizer={"device": "cpu"}), "zero_force_ds_cpu_optimizer": True}
+    with pytest.raises(ConfigError, match=r"zero_force_ds_cpu_optimizer = True in the DeepSpeed config.*false"):
+        parse_section(cfg)
+
+
+def test_accelerate_front_door_sets_the_key_before_prepare() -> None:
+    """``integrations.accelerate.keep_optimizer_under_offload`` edits the plugin's config in place (what
+    accelerate reads in ``prepare``), only when a shardopt optimizer is prepared."""
+    from types import SimpleNamespace
+
+    import shardopt
+    from shardopt.integrations.accelerate import keep_optimizer_under_offload
+
+    cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
+    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
+        hf_ds_config=SimpleNamespace(config=cfg))))
+    model = torch.nn.Linear(4, 4)
+    keep_optimizer_under_offload(acc, (model, torch.optim.SGD(model.parameters(), lr=0.1)))
+    assert "zero_force_ds_cpu_optimizer" not in cfg  # not ours to change
+    keep_optimizer_under_offload(acc, (model, shardopt.create_optimizer(model, "scale", lr=1e-3)))
+    assert cfg["zero_force_ds_cpu_optimizer"] is False and cfg["zero_allow_untested_optimizer"] is True
+
+
+# ------------------------------------------------------------------------------------------ staging decision
+@pytest.mark.parametrize("backend,device,expected", [
+    ("gloo", "cpu", None),                      # CPU tests, and gloo DP groups: as before
+    ("nccl", "cuda", None),                     # partitions on the GPU: as before
+    ("nccl", "cpu", "cuda:0"),                  # ZeRO-Offload on NCCL: through the device
+    ("cpu:gloo,cuda:nccl", "cpu", None),        # a group with a CPU backend takes it directly
+    ("cpu:gloo,cuda:nccl", "cuda", None),
+    ("hccl", "cpu", "cuda:0"),                  # any device-only backend
+    ("mpi", "cpu", None),
+])
+def test_staging_decision(backend: str, device: str, expected: str | None) -> None:
+    got = staging.staging_device(torch.device(device), backend, torch.device("cuda", 0))
+    assert (None if got is None else str(got)) == expected
+
+
+def test_staging_without_a_device_names_the_fix() -> None:
+    with pytest.raises(RuntimeError, match=r"'nccl' process group got a cpu tensor.*torch.cuda.set_device"):
+        staging.staging_device(torch.device("cpu"), "nccl", None)
+
+
+def test_staged_collective_runs_where_the_backend_takes_it(monkeypatch) -> None:
+    """A CPU buffer on a (pretended) NCCL group is reduced on the staging device and copied back in place; on
+    this CPU host the 'device' is the CPU itself, so the wrapper's copies are what is checked."""
+    import torch.distributed as dist
+
+    seen = []
+    monkeypatch.setattr(staging, "_backend", lambda group: "nccl")
+    monkeypatch.setattr(staging, "accelerator_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(staging, "takes_device", lambda backend, kind: kind == "meta")
+    monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: seen.append(t.device.type))
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src: seen.append(("copy", src.device.type)) or self)
+    staging.all_reduce(torch.ones(3))
+    assert seen == ["meta", ("copy", "meta")]
+
+
+# ----------------------------------------------------------------------------------- precision-aware cutoffs
+def test_cutoffs_follow_the_arrival_precision_and_keep_fp32() -> None:
+    fp32 = 64 * torch.finfo(torch.float32).eps
+    assert precision.noise_rtol(torch.float32, (4, 64), fp32) == fp32  # fp32 runs: unchanged
+    assert precision.noise_rtol(torch.bfloat16, (4, 64), fp32) == pytest.approx(2 * 2 ** -7)
+    assert precision.noise_rtol(torch.float16, (4, 64), fp32) == pytest.approx(2 * 2 ** -10)
+    assert precision.noise_eig_rtol(torch.float32, 8, 1e-6) == 1e-6
+    assert precision.noise_eig_rtol(torch.bfloat16, 8, 1e-6) == pytest.approx(8 * 2 ** -14)
+
+
+def test_arrival_dtype_sources() -> None:
+    from types import SimpleNamespace
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2).to(torch.bfloat16))
+    assert precision.model_arrival_dtypes(model) == {"1.weight": torch.bfloat16, "1.bias": torch.bfloat16}
+    opt = SimpleNamespace()
+    precision.record_arrival_dtypes(opt, {"0.weight": torch.float16})
+    assert precision.arrival_dtype(opt, "0.weight", torch.zeros(1)) == torch.float16
+    assert precision.arrival_dtype(opt, "x", torch.zeros(1, dtype=torch.bfloat16)) == torch.bfloat16
+    assert precision.arrival_dtype(opt, "x", torch.zeros(1)) == torch.float32
+
+
+def test_sumo_drops_bf16_rounding_directions_only_for_bf16_gradients() -> None:
+    """A rank-1 gradient plus bf16-sized noise: with fp32 arrival SUMO's moment keeps the noise directions (unit
+    weight in the polar factor); recorded as bf16 they are dropped, and the update is the rank-1 one."""
+    import shardopt
+
+    torch.manual_seed(0)
+    u, v = torch.randn(16, 1), torch.randn(1, 32)
+    g = u @ v
+    g = g + 2 ** -9 * g.abs().mean() * torch.randn_like(g)
+    updates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.nn.Parameter(torch.zeros(16, 32))
+        opt = shardopt.create_optimizer([("w", w)], "sumo", lr=1.0, rank=4)
+        precision.record_arrival_dtypes(opt, {"w": dtype})
+        w.grad = g.clone()
+        opt.step()
+        updates[dtype] = -w.detach()
+    s32 = torch.linalg.svdvals(updates[torch.float32])
+    s16 = torch.linalg.svdvals(updates[torch.bfloat16])
+    assert (s32 > 1e-3 * s32[0]).sum() >= 2  # fp32 arrival: the noise directions get weight
+    assert (s16 > 1e-3 * s16[0]).sum() == 1  # bf16 arrival: only the signal
+

@@ -1,0 +1,198 @@
+"""Worker for tests_dist/test_offload.py (issue 56): a tiny Hugging Face LLaMA trained with a shardopt optimizer
+under DeepSpeed ZeRO-Offload through each front door, and the bf16 spread runs.
+
+``--mode offload``: ``--api initialize`` (``shardopt.deepspeed.initialize``), ``trainer``
+(``transformers.Trainer`` + ``shardopt.integrations.transformers.enable``) or ``accelerate``
+(``shardopt.integrations.accelerate.prepare``), ``--engine`` ``zero2`` / ``zero3`` (``offload_optimizer`` cpu) or
+``zero3p`` (and ``offload_param`` cpu). Rank 0 writes every parameter (whole, fp32) per optimizer, plus what ran
+(the optimizer DeepSpeed steps, the partitions' device), for comparison with ``hf_worker.py --api reference``.
+
+``--mode spread``: ``--engine`` ``zero2_bf16`` / ``zero3_bf16`` (DeepSpeed ``bf16``) or ``fsdp2_bf16`` (FSDP2
+``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), each optimizer and torch's AdamW in the same
+harness: 3 steps of 8 samples split over the ranks; rank 0 writes the initial and final parameters.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import warnings
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+warnings.filterwarnings("ignore")
+from hf_worker import HP, describe_engine, full_params, reset_accelerate, samples, tiny_model  # noqa: E402
+
+SPREAD_SAMPLES = 8
+
+
+def offload_config(engine: str, batch: int) -> dict:
+    zero: dict = {"stage": 3 if engine.startswith("zero3") else 2, "overlap_comm": False,
+                  "offload_optimizer": {"device": "cpu"}}
+    if engine == "zero3p":
+        zero["offload_param"] = {"device": "cpu"}
+    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+            "zero_optimization": zero}
+
+
+def _partition_device(opt: object) -> str:
+    from shardopt.integrations.accelerate import unwrap_optimizer
+
+    inner = unwrap_optimizer(opt)
+    tensors = [t for t, _ in getattr(inner, "_attached", {}).values()] if isinstance(
+        getattr(inner, "_attached", None), dict) else []
+    if not tensors:
+        tensors = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
+    return ",".join(sorted({t.device.type for t in tensors})) or "?"
+
+
+def offload_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
+    import shardopt
+
+    cfg = offload_config(args.engine, args.batch)
+    data, rank = samples(), dist.get_rank()
+
+    def train(model, step_fn, backward) -> None:
+        for step in range(args.steps):
+            lo = (2 * step + rank) * args.batch
+            ids = torch.stack([c["input_ids"] for c in data[lo:lo + args.batch]])
+            backward(model(input_ids=ids, labels=ids).loss)
+            step_fn()
+
+    if args.api == "initialize":
+        import shardopt.deepspeed
+
+        cfg["shardopt"] = {"optimizer": args.optimizer, "params": HP[args.optimizer]}
+        engine, opt, _, _ = shardopt.deepspeed.initialize(model=tiny_model(), config=cfg)
+        train(engine, engine.step, engine.backward)
+        meta.update(describe_engine(engine, opt), stepped=type(engine.optimizer.optimizer).__name__,
+                    force_key=engine._config.zero_force_ds_cpu_optimizer)
+        return full_params(engine.module)
+    if args.api == "accelerate":
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin
+
+        import shardopt.integrations.accelerate as acc
+
+        accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
+        model = tiny_model()
+        opt = shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
+        model, opt = acc.prepare(accelerator, model, opt)
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+
+        train(model, step, accelerator.backward)
+        meta.update(describe_engine(model, opt), stepped=type(model.optimizer.optimizer).__name__)
+        return full_params(model.module)
+    from transformers import Trainer, TrainingArguments
+
+    import shardopt.integrations.transformers as hf
+
+    cfg = {**cfg, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+           "gradient_clipping": "auto", "shardopt": {"optimizer": args.optimizer, "params": HP[args.optimizer]}}
+    targs = TrainingArguments(
+        output_dir=os.path.join(args.dir, args.optimizer), per_device_train_batch_size=args.batch,
+        max_steps=args.steps, report_to="none", max_grad_norm=0.0, train_sampling_strategy="sequential",
+        lr_scheduler_type="constant", save_strategy="no", logging_steps=1000, dataloader_drop_last=True, seed=0,
+        disable_tqdm=True, use_cpu=True, deepspeed=cfg)
+    trainer = Trainer(model=tiny_model(), args=targs, train_dataset=samples())
+    hf.enable(trainer)
+    trainer.train()
+    wrapped = trainer.model_wrapped
+    meta.update(describe_engine(wrapped, trainer.optimizer), stepped=type(wrapped.optimizer.optimizer).__name__)
+    return full_params(wrapped.module)
+
+
+def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
+    """3 steps of ``SPREAD_SAMPLES`` samples in bf16, this rank's share of each; the initial parameters under
+    ``init.<name>``."""
+    import shardopt
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    micro = SPREAD_SAMPLES // ws
+    data = samples()
+    model = tiny_model()
+    init = {f"init.{n}": p.detach().float().clone() for n, p in model.named_parameters()}
+    adamw = args.optimizer == "adamw"
+    if args.engine.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        kw = {"mesh": init_device_mesh("cpu", (ws,)),
+              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
+        for layer in model.model.layers:
+            fully_shard(layer, **kw)
+        fully_shard(model, **kw)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw else \
+            shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
+        engine, backward = model, lambda loss: loss.backward()
+
+        def step() -> None:
+            opt.step()
+            opt.zero_grad()
+    else:
+        cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+               "bf16": {"enabled": True},
+               "zero_optimization": {"stage": int(args.engine[4]), "overlap_comm": False}}
+        if adamw:
+            import deepspeed
+
+            engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(
+                model.parameters(), lr=1e-2), config={**cfg, "zero_allow_untested_optimizer": True})
+        else:
+            import shardopt.deepspeed
+
+            cfg["shardopt"] = {"optimizer": args.optimizer, "params": HP[args.optimizer]}
+            engine, opt, _, _ = shardopt.deepspeed.initialize(model=model, config=cfg)
+        backward, step = engine.backward, engine.step
+    for s in range(args.steps):
+        lo = s * SPREAD_SAMPLES + rank * micro
+        ids = torch.stack([c["input_ids"] for c in data[lo:lo + micro]])
+        backward(engine(input_ids=ids, labels=ids).loss)
+        step()
+    if args.engine.startswith("fsdp2"):
+        final = full_params(model)
+    elif int(args.engine[4]) == 3:
+        final = full_params(engine.module)
+    else:  # bf16 ZeRO-1/2: the fp32 masters live in the flat partitions
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        final = {n: safe_get_full_fp32_param(p).float().clone() for n, p in engine.module.named_parameters()}
+    return {**final, **init}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mode", choices=("offload", "spread"), default="offload")
+    ap.add_argument("--api", choices=("initialize", "trainer", "accelerate"), default="initialize")
+    ap.add_argument("--engine", default="zero2")
+    ap.add_argument("--optimizer", default="scale", help="comma-separated optimizers")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=2, help="per-device batch at world size 2 (offload mode)")
+    ap.add_argument("--dir", default="/tmp/shardopt_offload")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")
+    results = {}
+    for name in args.optimizer.split(","):
+        run = argparse.Namespace(**{**vars(args), "optimizer": name})
+        meta: dict = {}
+        results[name] = offload_run(run, meta) if args.mode == "offload" else spread_run(run, meta)
+        results[name]["__meta__"] = meta
+        reset_accelerate()
+    if dist.get_rank() == 0:
+        torch.save(results, args.out)
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    from launch import settle_heap
+
+    settle_heap()
+    main()
