@@ -6,7 +6,9 @@ front door makes is read back: the rule of every parameter, by name. One process
 reference: an engine that hides shapes (FSDP1's flat parameters, ZeRO-3's partitions, ``zero.Init``) must give every
 parameter the same rule, and where one process refuses a layout (a rule that is not transpose-symmetric on
 ``Conv1D``) the engine must refuse it too, with the same error type. A user's routing to AdamW is honoured alike.
-Nothing is stepped: this is about routing, the parity suites check the numbers.
+Each record also holds the role tables (``describe()``) of what the front door handed the user: the optimizer (for
+DeepSpeed the ZeRO wrapper ``initialize`` returns, and ``shardopt.describe(engine)``), which must print one process's
+table. Nothing is stepped: this is about routing, the parity suites check the numbers.
 """
 from __future__ import annotations
 
@@ -53,8 +55,9 @@ def _ds_config(name: str, stage: int, routing: dict) -> dict:
             "shardopt": {"optimizer": name, "params": {"lr": 1e-3}, "routing": routing}}
 
 
-def engine_rules(engine: str, kind: str, name: str, routing: dict) -> dict[str, str]:
-    """The optimizer ``engine``'s front door builds for model ``kind``: its rules by parameter name."""
+def engine_rules(engine: str, kind: str, name: str, routing: dict) -> tuple[dict[str, str], dict[str, str]]:
+    """The optimizer ``engine``'s front door builds for model ``kind``: its rules by parameter name, and the role
+    tables of the objects the front door returned."""
     if engine.startswith("zero"):
         stage = int(engine[4])
         cfg = _ds_config(name, stage, routing)
@@ -65,8 +68,10 @@ def engine_rules(engine: str, kind: str, name: str, routing: dict) -> dict[str, 
                 model = build_model(kind)
         else:
             model = build_model(kind)
-        eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=cfg)
-        return rules_of(eng.optimizer.optimizer if hasattr(eng.optimizer, "optimizer") else eng.optimizer)
+        eng, returned, _, _ = shardopt.deepspeed.initialize(model=model, config=cfg)
+        inner = eng.optimizer.optimizer if hasattr(eng.optimizer, "optimizer") else eng.optimizer
+        return rules_of(inner), {"optimizer": returned.describe(), "engine": eng.describe(),
+                                 "shardopt.describe(engine)": shardopt.describe(eng)}
     model = build_model(kind)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -88,13 +93,20 @@ def engine_rules(engine: str, kind: str, name: str, routing: dict) -> dict[str, 
         model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=engine == "fsdp1",
                      auto_wrap_policy=ModuleWrapPolicy({layer}))
         opt = shardopt.create_optimizer(model, name, routing=routing, lr=1e-3)
-    return rules_of(opt)
+    return rules_of(opt), {"optimizer": opt.describe()}
+
+
+def one_process(kind: str, name: str, routing: dict) -> tuple[dict[str, str], dict[str, str]]:
+    opt = shardopt.create_optimizer(build_model(kind), name, routing=routing, lr=1e-3)
+    return rules_of(opt), {"optimizer": opt.describe()}
 
 
 def outcome(build) -> dict:
-    """``{"rules": ...}`` or ``{"refused": error type}``: a refusal is an answer (the same as one process's)."""
+    """``{"rules": ..., "tables": ...}`` or ``{"refused": error type}``: a refusal is an answer (the same as one
+    process's)."""
     try:
-        return {"rules": build()}
+        rules, tables = build()
+        return {"rules": rules, "tables": tables}
     except (ValueError, NotImplementedError) as err:
         return {"refused": type(err).__name__, "message": str(err)[:300]}
 
@@ -115,8 +127,7 @@ def main() -> None:
         kind, name, *flags = spec.split(":")
         routing = USER_ROUTING if "routed" in flags else {}
         record_case(records, {"case": spec, "engine": "one process"},
-                    lambda: outcome(lambda: rules_of(shardopt.create_optimizer(build_model(kind), name,
-                                                                               routing=routing, lr=1e-3))))
+                    lambda: outcome(lambda: one_process(kind, name, routing)))
         for engine in args.engines.split(","):
             record_case(records, {"case": spec, "engine": engine},
                         lambda: outcome(lambda: engine_rules(engine, kind, name, routing)))

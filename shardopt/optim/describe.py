@@ -17,6 +17,8 @@ logical parameter, with the model's names and shapes: the same table as one proc
 """
 from __future__ import annotations
 
+import functools
+import sys
 from typing import Any, Mapping
 
 from torch import nn
@@ -25,7 +27,7 @@ from .base import ShardedOptimizer
 from .registry import build_param_groups, validate_hyperparameters
 from .routing import describe_groups, format_table
 
-__all__ = ["describe", "describe_roles", "describe_groups", "find_optimizers"]
+__all__ = ["describe", "describe_roles", "describe_groups", "find_optimizers", "expose_describe"]
 
 #: where front doors keep what they wrap: DeepSpeed's engine and ZeRO / bf16 wrappers, accelerate's optimizer and
 #: the Trainer (``optimizer``), accelerate's DeepSpeed wrapper (``engine``), shardopt's Megatron wrapper
@@ -63,10 +65,7 @@ def _pipeline_group(obj: Any) -> Any:
     grid = getattr(obj, "grid", None)
     if grid is not None and hasattr(grid, "get_pipe_parallel_group"):
         return grid.get_pipe_parallel_group() if grid.get_pipe_parallel_world_size() > 1 else None
-    try:
-        from megatron.core import parallel_state as ps
-    except ImportError:
-        ps = None
+    ps = sys.modules.get("megatron.core.parallel_state")  # not imported: Megatron's parallelism is not set up
     if ps is not None and ps.model_parallel_is_initialized():
         return ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
     if hasattr(obj, "zero_optimization_stage"):  # a DeepSpeed engine without pipeline: one stage
@@ -115,9 +114,24 @@ def describe(obj: Any, optimizer: str | None = None, routing: Mapping[str, str] 
     return format_table(_gather_stages(rows, group) if group is not None else rows)
 
 
+def expose_describe(*holders: Any) -> None:
+    """Give each front door's object that holds a shardopt optimizer and has no ``describe`` of its own (DeepSpeed's
+    engine and ZeRO wrapper, accelerate's ``AcceleratedOptimizer``) a ``describe(**kwargs)``: ``shardopt.describe``
+    of that object, so ``optimizer.describe()`` works on whatever the front door returned."""
+    for holder in holders:
+        if holder is None or isinstance(holder, ShardedOptimizer):
+            continue
+        if getattr(type(holder), "describe", None) is not None or "describe" in vars(holder):
+            continue
+        if find_optimizers(holder):
+            holder.describe = functools.partial(describe, holder)
+
+
 def describe_roles(model: nn.Module, optimizer: str, routing: Mapping[str, str] | None = None,
                    **hyperparameters: Any) -> str:
     """The table for ``shardopt.create_optimizer(model, optimizer, routing, **hyperparameters)``, without
     building the optimizer (so also for a model on the meta device)."""
     cfg = validate_hyperparameters(optimizer, hyperparameters, where="describe_roles")
-    return describe_groups(build_param_groups(model, optimizer, cfg, routing))
+    defaults = cfg.group_defaults()  # what the optimizer's groups take from its defaults (SUMO's momentum)
+    return describe_groups([g if g["treatment"] == "adamw" else {**defaults, **g}
+                            for g in build_param_groups(model, optimizer, cfg, routing)])

@@ -356,6 +356,13 @@ def _make_wrapper_class():
             self.optimizer = opt
             self.shardopt = opt
 
+        def describe(self, all_stages: bool = False) -> str:
+            """The role table of this stage's parameters as one process prints it (``shardopt.describe``);
+            ``all_stages=True`` gathers every pipeline stage's rows (a collective over the pipeline group)."""
+            from ..optim.describe import describe
+
+            return describe(self.shardopt, all_stages=all_stages)
+
         # ---------------------------------------------------------------- Megatron's views of the inner groups
         def get_parameters(self) -> list:
             """The main pieces, without the 0-element stand-ins (grad norm, clipping, zero counts: Megatron's
