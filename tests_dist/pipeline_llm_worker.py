@@ -162,11 +162,14 @@ def case(name: str, tied: bool, root: str, clip: float = 0.0) -> dict:
     stage_rules: list = [None] * dist.get_world_size()
     dist.all_gather_object(stage_rules, rules(eng.module, opt))
     got_rules = sorted({r for rs in stage_rules for r in rs})
+    table = eng.describe(all_stages=True)  # every stage's rows, gathered over the stages (shardopt.describe)
+    want_table = shardopt.create_optimizer(Reference(tied), name, **OPTIONS[name]).describe()
     groups: list = [None] * dist.get_world_size()
     dist.all_gather_object(groups, len(opt._groups()))
     norms: list = [None] * dist.get_world_size()
     dist.all_gather_object(norms, train(eng, 0, STEPS))
     out = {"rules": got_rules, "same_rules": got_rules == want_rules, "groups_per_rank": groups,
+           "table": table.splitlines(), "one_process_table": want_table.splitlines(),
            "max_abs_diff": worst(params(eng), want), "grad_norms": norms}
     mine = {n: float((p - want[n]).abs().max()) for n, p in params(eng).items()}
     per_param: list = [None] * dist.get_world_size()

@@ -41,6 +41,10 @@ def test_pipelined_llm_like_one_process(name: str, tied: bool, clip: float) -> N
     print(f"{name} tied={tied} (param groups per rank {rec['groups_per_rank']}): {rec['max_abs_diff']:.2e} after 3 "
           f"steps, resume {rec['resume_max_abs_diff']:.2e}, 6 steps {rec['six_steps_max_abs_diff']:.2e}")
     assert rec["same_rules"], rec["rules"]
+    # engine.describe(all_stages=True): every stage's parameters, each row as one process prints it (the role's source
+    # aside: the pipeline's layer specs declare what one process finds from the modules), on every rank
+    got, want = (sorted(line.split(maxsplit=4) for line in rec[k][1:]) for k in ("table", "one_process_table"))
+    assert [r[:3] + r[4:] for r in got] == [r[:3] + r[4:] for r in want], "\n".join(rec["table"])
     head = "tied_modules.embed.weight" if tied else "4.weight"
     assert any(r.startswith(f"{head} lm_head ") for r in rec["rules"]), rec["rules"]
     if name in ("scale", "racs"):  # these stages form different numbers of param groups
