@@ -40,7 +40,25 @@ def describe_engine(wrapped: torch.nn.Module, opt: object) -> dict:
     return {"engine": type(wrapped).__name__, "zero_stage": stage, "optimizer": type(inner).__name__,
             "flat_tensors_mapped": len(inner._attached) if inner is not None else 0, "dtensor_params": dtensors,
             "flat_views": sum(1 for p in stepped if p.dim() == 1 and getattr(p, "_fsdp_flattened", True)),
-            "rules": rules}
+            "rules": rules, "options": rule_options(inner)}
+
+
+def rule_options(opt: object) -> dict[str, list]:
+    """Per parameter, the options that say on which axes its rule works: treatment, ``transposed`` (a weight stored
+    in x out stepped as its logical matrix, ``optim.transposed``), SCALE's ``norm_dim``."""
+    if opt is None:
+        return {}
+    return {n.removeprefix("_orig_mod."): [g["treatment"], bool(g.get("transposed")), g.get("norm_dim")]
+            for g, names in zip(opt._groups(), opt.group_param_names) for n in names}
+
+
+def logical_state(opt: object) -> dict[str, torch.Tensor]:
+    """The optimizer state as whole logical tensors (``shardopt.checkpoint.export_state``, collective; rank 0's),
+    without the parameters: what a checkpoint of it means, whatever the engine."""
+    from shardopt.checkpoint import export_state
+
+    full, _ = export_state(opt, include_params=False)
+    return {k.removeprefix("_orig_mod."): v for k, v in full.items()}
 
 
 #: the decoder layer class of each tiny model (legacy FSDP wraps one unit per layer)
@@ -143,11 +161,17 @@ def reference(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     for step in range(args.steps):
         chunk = data[step * batch:(step + 1) * batch]
         ids = torch.stack([c["input_ids"] for c in chunk])
-        loss = model(input_ids=ids, labels=ids).loss
+        # --trainer-loss: the Trainer's normalization, by the label count before the shift (7/8 of the mean here)
+        extra = {"num_items_in_batch": ids.numel()} if args.trainer_loss else {}
+        loss = model(input_ids=ids, labels=ids, **extra).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
-    return full_params(model)
+    out = full_params(model)
+    out["__meta__"] = {"options": rule_options(opt)}
+    if args.state:
+        out["__state__"] = logical_state(opt)
+    return out
 
 
 def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
@@ -194,6 +218,10 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         print("fsdp", trainer.is_fsdp_enabled, trainer.accelerator.distributed_type)
     trainer.train(resume_from_checkpoint=args.resume)
     META.update(describe_engine(trainer.model_wrapped, trainer.optimizer), global_step=trainer.state.global_step)
+    if args.state:
+        from shardopt.integrations.accelerate import unwrap_optimizer
+
+        META["state"] = logical_state(unwrap_optimizer(trainer.optimizer))
     if args.engine.startswith("fsdp1"):  # the root FSDP unit's full state dict
         return full_params(trainer.model_wrapped)
     return full_params(trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model)
@@ -332,6 +360,9 @@ def main() -> None:
     ap.add_argument("--auto", action="store_true")
     ap.add_argument("--pretrained", action="store_true", help="load the model with from_pretrained after the "
                                                               "TrainingArguments (ZeRO-3: partitioned at load)")
+    ap.add_argument("--state", action="store_true", help="also return the optimizer state as logical tensors")
+    ap.add_argument("--trainer-loss", action="store_true", help="reference: the loss normalized as the Trainer "
+                                                                "does (num_items_in_batch), not the mean")
     ap.add_argument("--dir", default="/tmp/wt17_hf")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -354,6 +385,8 @@ def main() -> None:
         else:
             results[name] = trainer_run(run) if args.api == "trainer" else accelerate_run(run)
         results[name]["__meta__"] = dict(META)
+        if "state" in META:
+            results[name]["__state__"] = results[name]["__meta__"].pop("state")
         reset_accelerate()
     if dist.get_rank() == 0:
         torch.save(results, args.out)

@@ -54,8 +54,8 @@ def run(api: str, args: list[str], nproc: int = 2) -> dict:
 
 
 def max_diff(a: dict, b: dict) -> float:
-    names = [k for k in a if k != "__meta__"]
-    assert sorted(names) == sorted(k for k in b if k != "__meta__")
+    names = [k for k in a if not k.startswith("__")]  # "__meta__", "__state__": what ran, not parameters
+    assert sorted(names) == sorted(k for k in b if not k.startswith("__"))
     return max((a[k] - b[k]).abs().max().item() for k in names)
 
 
@@ -169,6 +169,39 @@ def test_accelerate_save_load_state(auto: bool) -> None:
             diff = max_diff(whole[name], resumed[name])
             print(f"accelerate ZeRO-2 {name} (auto={auto}): max |resumed - uninterrupted| = {diff:.3g}")
             assert diff <= TOL
+
+
+#: every rule on GPT-2 (issue 52, item 4): its Conv1D weights are stored in x out (role matrix_transposed), its
+#: attn.c_proj square (where a rule's orientation tie must fall on the logical side)
+EVERY_RULE = ("sinkgd", "racs", "dasgo", "muon", "scale", "swan", "asgo", "sumo", "alice", "alice0")
+#: CI: ZeRO-2 (flat partitions cutting rows anywhere) with a row/column-statistics rule and a whole-matrix one
+CI_GPT2 = ("zero2", "racs,asgo")
+GPT2_RUNS = [CI_GPT2, ("zero2", ",".join(r for r in EVERY_RULE if r not in CI_GPT2[1].split(","))),
+             ("zero3", ",".join(EVERY_RULE)), ("fsdp2", ",".join(EVERY_RULE))]
+
+
+@pytest.mark.parametrize("engine,names", tiered(GPT2_RUNS, [CI_GPT2], f"{CI_GPT2}"))
+def test_gpt2_every_rule_matches_single_process(engine: str, names: str) -> None:
+    """GPT-2 through the Trainer on DeepSpeed ZeRO-2/3 and FSDP2, 3 steps: every rule steps the Conv1D weights (none
+    refuses them) as one process does, within 1e-5, with the same rule options for every parameter; the optimizer
+    state exported as logical tensors (a checkpoint's meaning) equals one process's too, so RACS's q of a Conv1D
+    weight is per output unit under every layout."""
+    args = ["--model", "gpt2", "--optimizer", names, "--steps", "3", "--schedule", "constant", "--state"]
+    ref = run("reference", [*args, "--trainer-loss"])  # the Trainer's loss normalization (num_items_in_batch)
+    got = run("trainer", ["--engine", engine, *args])
+    for name in names.split(","):
+        meta = got[name]["__meta__"]
+        diff = max_diff(ref[name], got[name])
+        want_state, got_state = ref[name]["__state__"], got[name]["__state__"]
+        state_diff = max(((want_state[k] - got_state[k]).abs().max() / want_state[k].abs().max().clamp_min(1e-30))
+                         .item() for k in want_state if want_state[k].numel())  # relative to each tensor's largest
+        print(f"trainer {engine} gpt2 {name}: max |sharded - single| = {diff:.3g}, state (relative) {state_diff:.3g}")
+        assert meta["optimizer"].lower() == name
+        assert meta["options"] == ref[name]["__meta__"]["options"]
+        conv = [n for n in meta["options"] if n.endswith(("c_attn.weight", "c_proj.weight", "c_fc.weight"))]
+        assert len(conv) == 8 and all(meta["options"][n][0] == name for n in conv)
+        assert sorted(got_state) == sorted(want_state)
+        assert diff <= 1e-5 and state_diff <= 1e-5
 
 
 SCENARIOS = "trainer_cls_kwargs,trainer_subclass,accelerate_section,trainer_optimizers_arg"
