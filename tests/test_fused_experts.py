@@ -299,6 +299,9 @@ def test_trainer_moe_experts_on_the_rule(tmp_path) -> None:
     rule = {id(p): g["treatment"] for g in opt.param_groups for p in g["params"]}
     assert all(rule[id(p)] == "sumo" for p in experts.values())
     assert all(not torch.equal(before[n], p) for n, p in experts.items())
+    # the Trainer's (accelerate-wrapped) optimizer prints one process's role table (issue 52, item 5)
+    table = shardopt.create_optimizer(_moe_models()["mixtral"](), "sumo", lr=0.01, rank=2).describe()
+    assert trainer.optimizer.describe() == shardopt.describe(trainer) == table
 
 
 class GroupedExperts(nn.Module):
