@@ -3,7 +3,7 @@ restart that must resume from the last complete checkpoint, or stop on every ran
 
 ``--phase crash``: train 2 steps, save A, train 2 more, write the parameters (the uninterrupted run's at step 4:
 B's, and A's resumed for 2 steps), then save B with the kill armed at ``--point``; the launch ends when the rank
-dies. ``--phase resume`` (one launch for several crash directories): for each, a fresh engine loads what a
+dies (``--engine fsdp2``: ``shardopt.checkpoint.save`` of A and B, no pointer). ``--phase resume`` (one launch for several crash directories): for each, a fresh engine loads what a
 restart would, trains up to step 4 and reports the parameters' difference from the uninterrupted run; a load that
 names B explicitly reports its error; copies of A with bytes flipped in shardopt's files report theirs.
 
@@ -35,10 +35,12 @@ from launch import finish_worker  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
 
-#: kill point -> (rank killed, resumed checkpoint: "A" or "B")
+#: kill point -> (rank killed, what ``load_checkpoint(dir)`` resumes, whether B itself is complete: after its
+#: marker, B loads when named even though ``latest`` still names A)
 POINTS = {
-    "ds_before": (1, "A"), "ds_half": (1, "A"), "part_half": (1, "A"), "part_after": (1, "A"),
-    "main_half": (0, "A"), "marker_before": (0, "A"), "latest_before": (0, "A"), "latest_after": (0, "B"),
+    "ds_before": (1, "A", False), "ds_half": (1, "A", False), "part_half": (1, "A", False),
+    "part_after": (1, "A", False), "main_half": (0, "A", False), "marker_before": (0, "A", False),
+    "latest_before": (0, "A", True), "latest_after": (0, "B", True),
 }
 OPTIMIZER = "racs"
 STEPS_A, STEPS_B = 2, 4
@@ -64,7 +66,7 @@ def arm(point: str, engine) -> None:
 
     from shardopt.checkpoint import commit, logical
 
-    victim, _ = POINTS[point]
+    victim = POINTS[point][0]
     if dist.get_rank() != victim:
         return
     if point in ("ds_before", "ds_half"):
@@ -117,6 +119,32 @@ def arm(point: str, engine) -> None:
         commit.write_atomic = write_atomic
 
 
+#: the kill points of ``shardopt.checkpoint.save`` (FSDP2): there is no pointer, B is complete once its main file is
+FSDP2_POINTS = ("part_half", "part_after", "main_half")
+
+
+class Fsdp2:
+    """FSDP2 with ``shardopt.checkpoint``: the restart loads A by name (the caller keeps its own pointer)."""
+
+    def __init__(self):
+        from reliability_worker import fsdp2
+
+        torch.manual_seed(0)
+        self.model = fsdp2(make_model())
+        self.opt = shardopt.create_optimizer(self.model, OPTIMIZER, **OPTIMIZERS[OPTIMIZER])
+        self.step = 0
+
+    def train(self, start: int, stop: int) -> None:
+        for s in range(start, stop):
+            self.opt.zero_grad()
+            loss_fn(self.model, local_batch(s)).backward()
+            self.opt.step()
+        self.step = stop
+
+    def params(self) -> dict[str, list]:
+        return {n: p.full_tensor().detach().reshape(-1).tolist() for n, p in self.model.named_parameters()}
+
+
 def build(stage: int):
     kw = dict(OPTIMIZERS[OPTIMIZER])
     config = {"train_batch_size": GLOBAL_BATCH,
@@ -144,6 +172,45 @@ def params(eng, stage: int) -> dict[str, list]:
     ps = list(eng.module.parameters())
     with zero.GatheredParameters(ps) if stage == 3 else contextlib.nullcontext():
         return {n: p.detach().float().reshape(-1).tolist() for n, p in eng.module.named_parameters()}
+
+
+def crash_fsdp2(args) -> None:
+    run = Fsdp2()
+    run.train(0, STEPS_A)
+    ckpt.save(os.path.join(args.dir, "A"), run.opt, extra={"step": STEPS_A})
+    run.train(STEPS_A, STEPS_B)
+    want = run.params()
+    if dist.get_rank() == 0:
+        with open(os.path.join(args.dir, "uninterrupted.json"), "w") as f:
+            json.dump(want, f)
+    dist.barrier()
+    arm(args.point, None)
+    ckpt.save(os.path.join(args.dir, "B"), run.opt, extra={"step": STEPS_B})
+    raise SystemExit(f"the kill at {args.point} did not happen")
+
+
+def resume_fsdp2(args) -> list:
+    out = []
+    for d in args.dirs:
+        rec: dict = {"dir": d, "rank": dist.get_rank()}
+        try:
+            run = Fsdp2()
+            try:
+                ckpt.load(os.path.join(d, "B"), run.opt)
+                rec["named_b"] = None
+            except ckpt.CheckpointError as err:
+                rec["named_b"] = str(err)
+            meta = ckpt.load(os.path.join(d, "A"), run.opt)
+            rec["loaded"], rec["resumed_at"] = "A", int(meta["extra"]["step"])
+            run.train(rec["resumed_at"], STEPS_B)
+            got, want = run.params(), json.load(open(os.path.join(d, "uninterrupted.json")))
+            rec["diff"] = max((torch.tensor(got[n]) - torch.tensor(want[n])).abs().max().item() for n in want)
+        except Exception:
+            rec["error"] = traceback.format_exc()
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, rec)
+        out.append(everyone)
+    return out
 
 
 def crash(args, stage: int) -> None:
@@ -227,7 +294,7 @@ def resume(args, stage: int) -> list:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--phase", choices=["crash", "resume"], required=True)
-    ap.add_argument("--stage", type=int, default=2)
+    ap.add_argument("--engine", default="zero2", choices=["zero2", "zero3", "fsdp2"])
     ap.add_argument("--point", choices=sorted(POINTS))
     ap.add_argument("--dir", help="crash: the save directory")
     ap.add_argument("--dirs", nargs="*", default=[], help="resume: the crash directories")
@@ -236,10 +303,12 @@ def main() -> None:
     args = ap.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    if args.phase == "crash":
-        crash(args, args.stage)
+    if args.engine == "fsdp2":
+        crash_fsdp2(args) if args.phase == "crash" else finish_worker(resume_fsdp2(args), args.out)
+    elif args.phase == "crash":
+        crash(args, int(args.engine[-1]))
     else:
-        finish_worker(resume(args, args.stage), args.out)
+        finish_worker(resume(args, int(args.engine[-1])), args.out)
 
 
 if __name__ == "__main__":

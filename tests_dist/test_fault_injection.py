@@ -12,7 +12,7 @@ import tempfile
 
 import pytest
 
-from fault_worker import POINTS
+from fault_worker import FSDP2_POINTS, POINTS
 from launch import run_ranks
 from tiers import FULL, full_only
 
@@ -24,21 +24,21 @@ def _launch(args: list[str], timeout: float = 300):
     return run_ranks("fault_worker.py", 2, args, timeout=timeout)
 
 
-def results(stage: int, points: tuple[str, ...]) -> dict[str, list]:
+def results(engine: str, points: tuple[str, ...]) -> dict[str, list]:
     """Per kill point, every rank's record of the restart."""
-    key = (stage, points)
+    key = (engine, points)
     if key not in _cache:
-        root = tempfile.mkdtemp(prefix=f"shardopt-fault-z{stage}-")
+        root = tempfile.mkdtemp(prefix=f"shardopt-fault-{engine}-")
         dirs = []
         for point in points:
             d = os.path.join(root, point)
             os.makedirs(d)
-            proc = _launch(["--phase", "crash", "--stage", str(stage), "--point", point, "--dir", d])
+            proc = _launch(["--phase", "crash", "--engine", engine, "--point", point, "--dir", d])
             assert proc.returncode != 0, f"{point}: the launch did not fail:\n{proc.stdout[-2000:]}"
             assert "did not happen" not in proc.stdout + proc.stderr, f"{point}: {proc.stderr[-2000:]}"
             dirs.append(d)
         out = os.path.join(root, "resume.json")
-        proc = _launch(["--phase", "resume", "--stage", str(stage), "--flip", "--out", out, "--dirs", *dirs])
+        proc = _launch(["--phase", "resume", "--engine", engine, "--flip", "--out", out, "--dirs", *dirs])
         if proc.returncode != 0:
             pytest.fail(f"resume launch failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         recs = json.load(open(out))
@@ -47,14 +47,14 @@ def results(stage: int, points: tuple[str, ...]) -> dict[str, list]:
 
 
 def _check_resume(point: str, ranks: list) -> None:
-    _, expect = POINTS[point]
+    _, expect, b_complete = POINTS[point]
     for rec in ranks:
         assert "error" not in rec, f"{point} rank {rec['rank']}: {rec['error']}"
         print(f"{point} rank {rec['rank']}: resumed from {rec['loaded']} (step {rec['resumed_at']}), "
               f"max |resumed - uninterrupted| at step 4 = {rec['diff']:.3g}")
         assert rec["loaded"] == expect, (point, rec)
         assert rec["diff"] == 0.0, (point, rec["diff"])
-        if expect == "A":  # B named explicitly: refused, naming B as incomplete and A as the last complete one
+        if not b_complete:  # B named explicitly: refused, naming B as incomplete and A as the last complete one
             msg = rec["named_b"]
             assert msg is not None, f"{point}: loading the interrupted B did not fail on rank {rec['rank']}"
             assert f"{os.path.join(rec['dir'], 'B')} is incomplete" in msg, msg
@@ -72,18 +72,32 @@ def _check_flips(ranks: list) -> None:
             assert f"{path}: checksum mismatch in tensor {tensor!r}" in got["error"], got["error"]
 
 
-STAGES = [2, pytest.param(3, marks=full_only("ZeRO-2"))]
+ENGINES = ["zero2", pytest.param("zero3", marks=full_only("ZeRO-2"))]
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_rank_killed_in_a_save_resumes_from_the_last_complete_checkpoint(stage):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_rank_killed_in_a_save_resumes_from_the_last_complete_checkpoint(engine):
     points = tuple(POINTS) if FULL else CI_POINTS
-    for point, ranks in results(stage, points).items():
+    for point, ranks in results(engine, points).items():
         _check_resume(point, ranks)
 
 
-@pytest.mark.parametrize("stage", STAGES)
-def test_flipped_bytes_in_shardopt_files_are_refused_on_every_rank(stage):
+@pytest.mark.parametrize("engine", ENGINES)
+def test_flipped_bytes_in_shardopt_files_are_refused_on_every_rank(engine):
     points = tuple(POINTS) if FULL else CI_POINTS
-    for ranks in results(stage, points).values():
+    for ranks in results(engine, points).values():
         _check_flips(ranks)
+
+
+@full_only("ZeRO-2's kills (shardopt's part file included)")
+def test_fsdp2_rank_killed_in_shardopt_checkpoint_save():
+    """``shardopt.checkpoint.save`` on FSDP2: B interrupted is refused on every rank as interrupted, naming A;
+    A resumes exactly."""
+    for point, ranks in results("fsdp2", FSDP2_POINTS).items():
+        for rec in ranks:
+            assert "error" not in rec, f"{point} rank {rec['rank']}: {rec['error']}"
+            print(f"fsdp2 {point} rank {rec['rank']}: B refused ({rec['named_b']}); from A: {rec['diff']:.3g}")
+            assert rec["diff"] == 0.0, (point, rec["diff"])
+            assert rec["named_b"] and "the save was interrupted" in rec["named_b"], rec["named_b"]
+            assert f"last complete checkpoint beside it is {os.path.join(rec['dir'], 'A')}" in rec["named_b"]
+        assert len({r["named_b"] for r in ranks}) == 1

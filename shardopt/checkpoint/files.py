@@ -180,8 +180,13 @@ def _interrupted(path: str) -> str:
     left = sorted(n for n in names if n.startswith(".tmp-") or (n.startswith(stem + ".") and ".r" in n))
     if not left:
         return f"{path}: no shardopt state file here (expected {STATE_FILE})"
+    parent = os.path.dirname(directory)
+    done = [os.path.join(parent, n) for n in os.listdir(parent)
+            if os.path.isfile(os.path.join(parent, n, os.path.basename(path)))] if os.path.isdir(parent) else []
+    last = max(done, key=lambda d: os.path.getmtime(os.path.join(d, os.path.basename(path))), default=None)
     return (f"{path}: incomplete checkpoint, the save was interrupted before its main file was written (found "
-            f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); load the checkpoint saved before it")
+            f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); "
+            + (f"the last complete checkpoint beside it is {last}" if last else "load the checkpoint saved before it"))
 
 
 def read_metadata(path: str) -> dict[str, Any]:

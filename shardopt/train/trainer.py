@@ -311,6 +311,8 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------ checkpoints
     def _save(self) -> None:
+        from ..checkpoint import commit
+
         root = self.cfg.checkpoint_dir
         tag = f"step_{self.step}"
         os.makedirs(root, exist_ok=True)
@@ -335,10 +337,12 @@ class Trainer:
                         "param_names": [[names.get(id(p), "") for p in g["params"]]
                                         for g in self.optimizer.param_groups]},
                        os.path.join(root, tag, f"rank{self.rank}.pt"))
+        if self.engine_name != "deepspeed":  # DeepSpeed's save commits its tag itself (plugin.deepspeed_engine)
+            commit.fsync_dir(os.path.join(root, tag))  # every rank's files on disk before the pointer names them
         self._barrier()
         if self.rank == 0 and self.engine_name != "deepspeed":
-            with open(os.path.join(root, "latest"), "w") as f:
-                f.write(tag)
+            commit.write_atomic(os.path.join(root, "latest"), tag)  # a crash leaves the old pointer, never half
+            commit.clean(root)  # leftovers of interrupted saves
         self._barrier()
         self.log(f"checkpoint step {self.step} -> {os.path.join(root, tag)}")
 
