@@ -340,28 +340,31 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
         if ops is not None:
             profile = ops.profile
             for i, kind in enumerate(ops.kinds):
+                # a group inside one node moves over the node's links (issue 53: two-level profiles)
+                bw = ops.profile.intra_bandwidth if ops._group_on_node(i) else ops.profile.bandwidth
                 if kind == "team":  # holders send their pieces and get results; members per the plan
                     sent_el = torch.tensor(ops.plans[i].sent, dtype=torch.float64)
                     out_b, in_b = 4 * ops.cost_of(i).channels * sent_el, 4 * sent_el
-                    seconds += torch.maximum(out_b, in_b) / ops.profile.bandwidth
+                    seconds += torch.maximum(out_b, in_b) / bw
                     net += out_b + in_b
                     for r in ops.teams[i]:
                         own = ops._team_cost(i, len(ops.teams[i]), ops.factor_owners[i] == r, rank=r)
                         own.rounds = 0.0
-                        seconds[r] += own.seconds(ops.profile) - float(torch.maximum(out_b[r], in_b[r])) / ops.profile.bandwidth
-                        net[r] += own.sent + own.received - float(out_b[r] + in_b[r])
+                        seconds[r] += own.seconds(ops.profile) - float(torch.maximum(out_b[r], in_b[r])) / bw
+                        net[r] += own.sent + own.received + own.node_sent + own.node_received - float(out_b[r] + in_b[r])
                 elif kind == "gather":
                     pieces = piece_numels(ops.plans[i].layout).double() * 4
                     own = ops.op_cost(i, "gather")
-                    seconds += pieces / ops.profile.bandwidth
+                    seconds += pieces / bw
                     net += 2 * pieces
-                    seconds[ops.owners[i]] += own.seconds(ops.profile) - float(pieces[ops.owners[i]]) / ops.profile.bandwidth
-                    net[ops.owners[i]] += own.sent + own.received - 2 * float(pieces[ops.owners[i]])
+                    seconds[ops.owners[i]] += own.seconds(ops.profile) - float(pieces[ops.owners[i]]) / bw
+                    net[ops.owners[i]] += own.sent + own.received + own.node_sent + own.node_received \
+                        - 2 * float(pieces[ops.owners[i]])
                 else:  # every rank its rows; a shared factorization on its factorization owner only
                     c = ops.op_cost(i, kind, owner=kind == "local")
                     c.rounds = 0.0
                     seconds += c.seconds(ops.profile)
-                    net += c.sent + c.received
+                    net += c.sent + c.received + c.node_sent + c.node_received
                     split = ops.cost_of(i)
                     if kind == "distributed" and split.shared:
                         seconds[ops.factor_owners[i]] += ops.profile.seconds(
@@ -380,9 +383,11 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
         profile = resolve_profile(default_profile)
     seconds += mem / profile.memory_bandwidth
     ring = 2.0 * (world - 1) / world
-    seconds += ring * 4 * line / profile.bandwidth + LINE_ROUNDS.get(name, 0) * profile.latency
+    one_node = profile.within_node(range(world))  # line statistics reduce over the whole group
+    bw, lat = (profile.intra_bandwidth, profile.intra_latency) if one_node else (profile.bandwidth, profile.latency)
+    seconds += ring * 4 * line / bw + LINE_ROUNDS.get(name, 0) * lat
     net += 2 * ring * 4 * line
-    seconds += profile.latency * sum(kinds.values())
+    seconds += lat * sum(kinds.values())
     busiest = int(seconds.argmax())
     return {"modeled_s": float(seconds[busiest]), "modeled_rank": busiest, "traffic_busiest_bytes": float(net.max()),
             "modeled_mean_s": float(seconds.mean()), "profile": profile.describe()}

@@ -208,3 +208,41 @@ def test_auto_places_owners_within_the_budget_instead_of_distributing():
     even = sum(c.state for c in auto.costs) / world
     for r, held in enumerate(per):
         assert held <= (1 + BUDGET_SLACK) * even + _largest_owned(auto, r) + STATE_SLACK_ELEMENTS + 1e-6, (r, held)
+
+
+# ---------------------------------------------------------------------------------------------- two levels (issue 53)
+def test_two_level_profile_ranks_per_node(monkeypatch):
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    gpu = resolve_profile("gpu")
+    assert gpu.ranks_per_node == 8 and gpu.intra_bandwidth == 360e9 and gpu.bandwidth == 25e9
+    assert gpu.within_node((8, 15)) and not gpu.within_node((7, 8))
+    assert "8 ranks per node" in gpu.describe()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun's processes per node
+    assert resolve_profile("gpu").ranks_per_node == 4
+    assert resolve_profile({"base": "gpu", "ranks_per_node": 2}).ranks_per_node == 2  # explicit wins
+    with pytest.raises(ValueError, match="ranks_per_node"):
+        resolve_profile({"ranks_per_node": 1.5})
+    cost = StepCost(sent=1e9, received=1e9, rounds=1)
+    assert cost.on_node().seconds(gpu) == pytest.approx(1e9 / 360e9 + 10e-6)
+    assert cost.seconds(gpu) == pytest.approx(1e9 / 25e9 + 20e-6)
+
+
+def _swan(a_shape, parts=1):
+    from shardopt.optim.swan import SWAN
+
+    return SWAN.whole_matrix_cost(None, {"whitening": "newton_schulz", "ns_steps": 12}, a_shape, parts)
+
+
+def test_auto_splits_roots_on_teams_inside_a_node(monkeypatch):
+    """SWAN on 7B-like 4096-wide matrices, fewer than the ranks (16 on 64): auto puts each on a team inside one
+    node whose members split the root's products, and the busiest rank is well below the single-link profile's
+    (where a team cannot split a 4096 x 4096 product for less than moving it)."""
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    world, shapes = 64, [(4096, 4096)] * 8 + [(11008, 4096)] * 8
+    two = _plan(shapes, "auto", _swan, world, profile="gpu")
+    one = _plan(shapes, "auto", _swan, world, profile={"base": "gpu", "ranks_per_node": 1})
+    assert set(two.kinds) == {"team"} and all(two.split_roots)
+    assert all(len({r // 8 for r in t}) == 1 for t in two.teams)  # never straddling a node
+    assert not any(one.split_roots)
+    t_two, t_one = _busiest_seconds(two, world), _busiest_seconds(one, world)
+    assert t_two < 0.5 * t_one, (t_two, t_one)

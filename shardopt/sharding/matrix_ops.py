@@ -856,15 +856,16 @@ class MatrixOps:
                 a0, a1 = plan.rows(r)
                 back = (a1 - a0) * plan.a_shape[1] - (plan.moved(r, r) if a1 > a0 else 0)
                 out["gather"] += _B * (c.channels * plan.sent[r] + back)
-                if r in self.teams[i] and self.split_roots[i]:  # its blocks of the split root's all-gathers
-                    from .iterative import split_exchange
+                if r in self.teams[i]:
+                    if self.split_roots[i]:  # its blocks of the split root's all-gathers, no shared result
+                        from .iterative import split_exchange
 
-                    g = len(self.teams[i])
-                    gathers, _ = split_exchange(steps or c.split_steps, c.split_residual)
-                    out["distributed"] += _B * (c.reduced + (c.refresh_reduced if refresh else 0.0)) + (
-                        gathers * -(-c.split_k // g) * c.split_k + (1 if c.split_residual else 0)) * c.split_itemsize
-                elif r in self.teams[i]:
-                    out["distributed"] += _B * (c.reduced + c.shared + (c.refresh_reduced if refresh else 0.0))
+                        g = len(self.teams[i])
+                        gathers, _ = split_exchange(steps or c.split_steps, c.split_residual)
+                        out["distributed"] += _B * (c.reduced + (c.refresh_reduced if refresh else 0.0)) + (
+                            gathers * -(-c.split_k // g) * c.split_k + (1 if c.split_residual else 0)) * c.split_itemsize
+                    else:
+                        out["distributed"] += _B * (c.reduced + c.shared + (c.refresh_reduced if refresh else 0.0))
                     out["state"] += _B * (state_share(i, r) if state_share is not None else
                                           c.moving_state / len(self.teams[i]))
             elif kind == "distributed":
