@@ -231,7 +231,7 @@ def train(ddps, opt, steps) -> None:
 
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
     mbs = GLOBAL // (dp * MICRO)
-    fb = get_forward_backward_func()
+    fb = get_forward_backward_func()  # the interleaved schedule when there are virtual stages
     for s in steps:
         x = batch(s)
         per = MICRO * mbs
