@@ -3,9 +3,10 @@ restart that must resume from the last complete checkpoint, or stop on every ran
 
 ``--phase crash``: train 2 steps, save A, train 2 more, write the parameters (the uninterrupted run's at step 4:
 B's, and A's resumed for 2 steps), then save B with the kill armed at ``--point``; the launch ends when the rank
-dies (``--engine fsdp2``: ``shardopt.checkpoint.save`` of A and B, no pointer). ``--phase resume`` (one launch for several crash directories): for each, a fresh engine loads what a
-restart would, trains up to step 4 and reports the parameters' difference from the uninterrupted run; a load that
-names B explicitly reports its error; copies of A with bytes flipped in shardopt's files report theirs.
+dies (``--engine fsdp2``: ``shardopt.checkpoint.save`` of A and B, no pointer). ``--phase resume`` (one launch for
+several crash directories): for each, a fresh engine loads what a restart would, trains up to step 4 and reports
+the parameters' difference from the uninterrupted run; a load that names B explicitly reports its error; copies
+of A with bytes flipped in shardopt's files report theirs.
 
 Kill points (``POINTS``): DeepSpeed's files (``ds_before``: before rank 1 writes any; ``ds_half``: halfway through
 rank 1's optimizer file), shardopt's files (``part_half``: halfway through rank 1's part file; ``part_after``:

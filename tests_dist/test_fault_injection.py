@@ -101,3 +101,35 @@ def test_fsdp2_rank_killed_in_shardopt_checkpoint_save():
             assert rec["named_b"] and "the save was interrupted" in rec["named_b"], rec["named_b"]
             assert f"last complete checkpoint beside it is {os.path.join(rec['dir'], 'A')}" in rec["named_b"]
         assert len({r["named_b"] for r in ranks}) == 1
+
+
+@full_only("shardopt's DeepSpeed save through engine.save_checkpoint (ZeRO-2 above)")
+def test_trainer_rank_killed_in_a_save_resumes_from_the_last_complete_step(tmp_path):
+    """``python -m shardopt.train`` on DeepSpeed (demo config, 2 ranks): rank 1 killed halfway through its
+    optimizer file of step 4; ``--resume`` continues from step 2 and ends where the uninterrupted run ends."""
+    import sys
+
+    from launch import ROOT, free_port, run_bounded
+    from test_train_dist import _env, _summary, _trainer_args
+
+    steps = ["--set", "train.steps=6", "--set", "checkpoint.every=2", "--set", "eval.every=0",
+             "--set", "eval.max_sequences=16"]
+
+    def launch(run, extra, env):
+        args = _trainer_args("demo.json", run, steps + extra)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
+               f"--master_port={free_port()}", str(ROOT / "tests_dist" / "trainer_fault.py"), *args[2:]]
+        return run_bounded(cmd, env=env, timeout=300)
+
+    full = tmp_path / "full"
+    assert launch(full, [], _env()).returncode == 0
+    run = tmp_path / "killed"
+    crashed = launch(run, [], dict(_env(), FAULT_TAG="step_4", FAULT_RANK="1"))
+    assert crashed.returncode != 0
+    assert (run / "checkpoints" / "latest").read_text().strip() == "step_2"
+    resumed = launch(run, ["--resume"], _env())
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    got, want = _summary(run), _summary(full)
+    print(f"trainer: resumed at step {got['start_step']}, end val loss {got['end_val_loss']} "
+          f"(uninterrupted {want['end_val_loss']})")
+    assert got["start_step"] == 2 and got["end_val_loss"] == want["end_val_loss"]
