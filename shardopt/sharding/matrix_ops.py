@@ -51,7 +51,7 @@ from .comm import collective_counter
 from .layout import MatrixLayout
 from .owner import owner_plan, sole_holder
 from .state_split import Placement
-from .teams import RowExchange, TeamCost, TeamPlan, choose, node_sizes, team_group, team_sizes
+from .teams import RowExchange, TeamCost, TeamPlan, choose, team_group, team_sizes
 from .time_model import HardwareProfile, StepCost, resolve_profile
 
 __all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUDGET_SLACK",
@@ -339,7 +339,7 @@ class MatrixOps:
             if self.team_size is not None:
                 sizes = [min(self.team_size, world)]
             else:
-                sizes = [g for g in node_sizes(team_sizes(world), self._ranks_per_node(idx[0])) if g >= 2] or [world]
+                sizes = [g for g in self._node_team_sizes(idx[0], team_sizes(world)) if g >= 2] or [world]
             sole = {i: sole_holder(layouts[i]) if layouts[i].holders <= 1 else None for i in idx}
             t_gather = {i: self.seconds(i, "gather") for i in idx}
             costs = {i: self._team_costs(i, [1] if sole[i] is not None or world < 2 else sizes, t_gather[i])
@@ -507,8 +507,12 @@ class MatrixOps:
         return out
 
     # ------------------------------------------------------------------ nodes and split roots (issue 53)
-    def _ranks_per_node(self, i: int) -> int:
-        return self.profile.ranks_per_node
+    def _node_team_sizes(self, i: int, sizes: Sequence[int]) -> list[int]:
+        """The team sizes whose aligned blocks of matrix ``i``'s group all lie within one node, where such teams of
+        2 or more exist (else every size: no team can avoid straddling nodes): ``auto`` never puts a matrix on a
+        team across nodes where one inside a node exists (issue 53)."""
+        local = [g for g in sizes if self._blocks_on_node(i, g)]
+        return local if any(g >= 2 for g in local) else list(sizes)
 
     def _global_ranks(self, i: int) -> tuple[int, ...]:
         """The default group's ranks of matrix ``i``'s group, by group rank (cached per group)."""
@@ -538,9 +542,13 @@ class MatrixOps:
 
     def _blocks_on_node(self, i: int, g: int) -> bool:
         """Whether every aligned block of ``g`` ranks of matrix ``i``'s group lies within one node."""
-        ranks = self._global_ranks(i)
-        span = len(ranks) // g * g
-        return all(self.profile.within_node(ranks[b: b + g]) for b in range(0, span, g))
+        cache = self.__dict__.setdefault("_blocks_local", {})
+        key = (id(self._layouts[i].group), g)
+        if key not in cache:
+            ranks = self._global_ranks(i)
+            span = len(ranks) // g * g
+            cache[key] = all(self.profile.within_node(ranks[b: b + g]) for b in range(0, span, g))
+        return cache[key]
 
     @staticmethod
     def _split_share(c: OpCost, g: int) -> float:
@@ -629,7 +637,7 @@ class MatrixOps:
         if world < 2:
             return
         lays = self._layouts
-        sizes = node_sizes(team_sizes(world), self._ranks_per_node(idx[0]))
+        sizes = self._node_team_sizes(idx[0], team_sizes(world))
         sole = {i: sole_holder(lays[i]) if lays[i].holders <= 1 else None for i in idx}
         state = {i: self.costs[i].state for i in idx}
         costs = {i: self._team_costs(i, [1] if sole[i] is not None else sizes, t_gather[i]) for i in idx}

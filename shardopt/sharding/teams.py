@@ -28,7 +28,7 @@ from typing import Any, Sequence
 import torch
 
 __all__ = ["TeamCost", "TeamPlan", "pack", "choose", "team_sizes", "team_group", "create_team_groups", "global_team",
-           "RowExchange", "node_sizes"]
+           "RowExchange"]
 
 
 @dataclass(frozen=True)
@@ -61,15 +61,6 @@ def team_sizes(world: int, smallest: int = 1) -> list[int]:
     if world >= smallest and world not in sizes:
         sizes.append(world)
     return sizes
-
-
-def node_sizes(sizes: Sequence[int], ranks_per_node: int) -> list[int]:
-    """The team sizes whose aligned blocks lie within one node (``ranks_per_node``, 0: one node for all): those
-    that divide it. Where a node holds several ranks, only these are candidates, so ``auto`` never puts a
-    matrix on a team that straddles nodes (issue 53); torchrun numbers ranks node by node."""
-    if ranks_per_node <= 1:
-        return list(sizes)
-    return [g for g in sizes if ranks_per_node % g == 0]
 
 
 def pack(order: Sequence[int], sizes: dict[int, int], costs: dict[int, dict[int, TeamCost]], world: int,
