@@ -107,6 +107,21 @@ def offload_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]
     return full_params(wrapped.module)
 
 
+def reference(name: str, steps: int, batch: int) -> dict[str, torch.Tensor]:
+    """One process, no engine: ``steps`` steps of ``batch`` sequences, the global batches of the offload runs."""
+    import shardopt
+
+    model = tiny_model()
+    opt = shardopt.create_optimizer(model, name, **HP[name])
+    data = samples()
+    for step in range(steps):
+        ids = torch.stack([c["input_ids"] for c in data[step * batch:(step + 1) * batch]])
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+
 def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
     """3 steps of ``SPREAD_SAMPLES`` samples in bf16, this rank's share of each; the initial parameters under
     ``init.<name>``."""
@@ -173,6 +188,8 @@ def main() -> None:
     ap.add_argument("--optimizer", default="scale", help="comma-separated optimizers")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2, help="per-device batch at world size 2 (offload mode)")
+    ap.add_argument("--reference", action="store_true", help="rank 0 also runs the single-process reference of each "
+                    "optimizer (offload mode; hf_worker.reference: the same global batches), under 'reference.<name>'")
     ap.add_argument("--dir", default="/tmp/shardopt_offload")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -186,6 +203,9 @@ def main() -> None:
         results[name] = offload_run(run, meta) if args.mode == "offload" else spread_run(run, meta)
         results[name]["__meta__"] = meta
         reset_accelerate()
+    if args.reference:  # in this process (no second interpreter to start: CI time), on every rank: the optimizer's
+        for name in args.optimizer.split(","):  # checks issue world collectives, which every rank must meet
+            results[f"reference.{name}"] = reference(name, args.steps, 2 * args.batch)
     if dist.get_rank() == 0:
         torch.save(results, args.out)
     dist.barrier()
