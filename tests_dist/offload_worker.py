@@ -26,6 +26,9 @@ warnings.filterwarnings("ignore")
 from hf_worker import HP, describe_engine, full_params, reset_accelerate, samples, tiny_model  # noqa: E402
 
 SPREAD_SAMPLES = 8
+#: where the model computes: the CPU (gloo, the tests), or each rank's GPU with ``--backend nccl``
+#: (benchmarks/gpu_checks.sh: the optimizer's partitions in CPU memory, its collectives on NCCL)
+DEVICE = torch.device("cpu")
 
 
 def offload_config(engine: str, batch: int) -> dict:
@@ -52,12 +55,12 @@ def offload_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]
     import shardopt
 
     cfg = offload_config(args.engine, args.batch)
-    data, rank = samples(), dist.get_rank()
+    data, rank, world = samples(), dist.get_rank(), dist.get_world_size()
 
     def train(model, step_fn, backward) -> None:
         for step in range(args.steps):
-            lo = (2 * step + rank) * args.batch
-            ids = torch.stack([c["input_ids"] for c in data[lo:lo + args.batch]])
+            lo = (step * world + rank) * args.batch
+            ids = torch.stack([c["input_ids"] for c in data[lo:lo + args.batch]]).to(DEVICE)
             backward(model(input_ids=ids, labels=ids).loss)
             step_fn()
 
@@ -187,15 +190,20 @@ def main() -> None:
     ap.add_argument("--engine", default="zero2")
     ap.add_argument("--optimizer", default="scale", help="comma-separated optimizers")
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--batch", type=int, default=2, help="per-device batch at world size 2 (offload mode)")
+    ap.add_argument("--batch", type=int, default=2, help="per-device batch (offload mode)")
     ap.add_argument("--reference", action="store_true", help="rank 0 also runs the single-process reference of each "
                     "optimizer (offload mode; hf_worker.reference: the same global batches), under 'reference.<name>'")
+    ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--dir", default="/tmp/shardopt_offload")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    global DEVICE
+    if args.backend == "nccl":
+        DEVICE = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(DEVICE)
     if not dist.is_initialized():
-        dist.init_process_group("gloo")
+        dist.init_process_group(args.backend)
     results = {}
     for name in args.optimizer.split(","):
         run = argparse.Namespace(**{**vars(args), "optimizer": name})
@@ -205,7 +213,7 @@ def main() -> None:
         reset_accelerate()
     if args.reference:  # in this process (no second interpreter to start: CI time), on every rank: the optimizer's
         for name in args.optimizer.split(","):  # checks issue world collectives, which every rank must meet
-            results[f"reference.{name}"] = reference(name, args.steps, 2 * args.batch)
+            results[f"reference.{name}"] = reference(name, args.steps, dist.get_world_size() * args.batch)
     if dist.get_rank() == 0:
         torch.save(results, args.out)
     dist.barrier()
