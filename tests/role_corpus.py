@@ -55,6 +55,15 @@ class TitanLlama(nn.Module):
         self.output = nn.Linear(H, V, bias=False) if with_head else None
 
 
+class TiedBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln, self.fc1, self.fc2 = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(self.ln(x))))
+
+
 class FunctionalTiedLM(nn.Module):
     """The issue's functional tied head: token embedding 50 x 16, learned positions 16 x 16, two MLP blocks, logits
     ``F.linear(x, wte.weight)``. No Linear is the head (the last ``fc2`` used to be taken for it)."""
@@ -63,14 +72,13 @@ class FunctionalTiedLM(nn.Module):
         super().__init__()
         self.wte = nn.Embedding(50, 16)
         self.wpe = nn.Embedding(16, 16)
-        self.blocks = nn.ModuleList(nn.ModuleDict({"ln": nn.LayerNorm(16), "fc1": nn.Linear(16, 32),
-                                                   "fc2": nn.Linear(32, 16)}) for _ in range(2))
+        self.blocks = nn.ModuleList(TiedBlock() for _ in range(2))
         self.ln_f = nn.LayerNorm(16)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
         for b in self.blocks:
-            x = x + b["fc2"](F.gelu(b["fc1"](b["ln"](x))))
+            x = b(x)
         return F.linear(self.ln_f(x), self.wte.weight)
 
 

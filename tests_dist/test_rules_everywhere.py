@@ -20,7 +20,7 @@ import pytest
 
 from launch import run_ranks
 from rules_worker import ENGINES, MODELS, USER_ROUTING
-from tiers import FULL
+from tiers import CI_LAYOUT_OPTIMIZERS, FULL, selected
 
 CASES = ([f"{m}:{o}" for m in MODELS for o in ("scale", "racs", "sumo")] + ["llama:scale:routed"] if FULL
          else ["mixtral:racs", "gpt2:sumo"])
@@ -74,3 +74,32 @@ def test_describe_prints_the_one_process_table(case: str, engine: str) -> None:
     assert len(table.splitlines()) == 1 + len(want["rules"]), table  # a row per parameter
     for holder, text in got["tables"].items():
         assert text == table, f"{engine} {holder}:\n{text}\n\none process:\n{table}"
+
+
+#: the functional tied head (logits from the embedding's weight) on ZeRO-2, ZeRO-3 and FSDP2, 3 steps (issue 52):
+#: every rule in the full tier (one launch, 14 s on 2 cores); CI the layout suites' three (SCALE, RACS, SUMO)
+TIED_OPTIMIZERS = selected(("scale", "sinkgd", "racs", "muon", "swan", "dasgo", "asgo", "sumo", "alice", "alice0"),
+                           CI_LAYOUT_OPTIMIZERS)
+_tied: list = []
+
+
+def tied_records() -> list:
+    if not _tied:
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            proc = run_ranks("tied_head_worker.py", 2, ["--out", out.name, "--optimizers", ",".join(TIED_OPTIMIZERS)],
+                             timeout=1800)
+            if proc.returncode != 0:
+                pytest.fail(f"tied head worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            _tied.extend(json.load(open(out.name)))
+    return _tied
+
+
+@pytest.mark.parametrize("engine", ("zero2", "zero3", "fsdp2"))
+@pytest.mark.parametrize("name", TIED_OPTIMIZERS)
+def test_functional_tied_head_like_one_process(name: str, engine: str) -> None:
+    rec = next(r for r in tied_records() if (r["optimizer"], r["engine"]) == (name, engine))
+    assert "error" not in rec, rec["error"]
+    print(f"{name} {engine}: max |engine - one process| = {rec['max_abs_diff']:.2e} after 3 steps")
+    assert rec["rows"] == rec["reference_rows"]
+    assert not any(row[2] == "lm_head" for row in rec["rows"])  # no Linear is taken for the head
+    assert rec["max_abs_diff"] <= 1e-5
