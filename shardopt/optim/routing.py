@@ -41,8 +41,10 @@ class ConfigError(ValueError):
 class RoutingError(ConfigError):
     """A routing rule that cannot apply (unknown role, no match, a non-matrix sent to a matrix rule)."""
 
-#: matrix rules whose update of W^T is the transpose of their update of W (they orient by shape), so a weight
-#: stored in x out needs nothing special (tests/test_hf_roles.py checks it); the others refuse such weights
+#: matrix rules whose update of W^T is the transpose of their update of W on non-square matrices (they orient by
+#: shape; tests/test_hf_roles.py checks it). Every rule steps a weight stored in x out (``matrix_transposed``) as its
+#: logical matrix through its role table's ``transposed`` option (``optim.transposed``: square ones too); a role table
+#: of one's own without that entry gets the matrix options with ``transposed`` for these rules only
 TRANSPOSE_SYMMETRIC = ("asgo", "sumo", "swan", "alice", "alice0")
 
 ROLES = ("embedding", "lm_head", "router", "matrix", "matrix_transposed", "vector", "adamw")
@@ -637,12 +639,12 @@ def route(
                 break
         if role == "adamw":
             options = {"treatment": "adamw"}
-        elif role not in role_table:  # matrix_transposed under a rule that depends on the orientation
+        elif role not in role_table:  # a role table of one's own without matrix_transposed (built-in ones have it)
             raise RoutingError(
                 f"parameter {name!r} of shape {logical_shape(p)} is stored in x out (role {role!r}, by {why}), and "
-                f"{optimizer_name}'s matrix rule is not symmetric under transposition, so applying it to the stored "
-                f"layout would normalize the wrong axis; route it explicitly: routing={{'{name}': 'adamw'}}, or "
-                f"'matrix' to apply the rule to the stored (in x out) layout on purpose")
+                f"{optimizer_name}'s role table has no 'matrix_transposed' entry (the built-in ones give the matrix "
+                f"rule with 'transposed': True, shardopt.optim.transposed); add one, or route it explicitly: "
+                f"routing={{'{name}': 'adamw'}}")
         else:
             options = dict(role_table[role])
         if options["treatment"] != "adamw" and logical_dim(p) not in (2, 3):
