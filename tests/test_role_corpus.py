@@ -87,6 +87,11 @@ def test_position_tables_never_define_the_vocabulary() -> None:
     model.fc1, model.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
     roles = find_roles(model).roles
     assert roles["fc1.weight"] == roles["fc2.weight"] == "matrix"
+    nested = nn.Module()  # the table's name read from its own module, not its parent's (``decoder.embed_positions``)
+    nested.decoder = nn.Module()
+    nested.decoder.embed_tokens, nested.decoder.embed_positions = nn.Embedding(50, 8), nn.Embedding(16, 8)
+    nested.decoder.fc = nn.Linear(8, 16)
+    assert find_roles(nested).roles["decoder.fc.weight"] == "matrix"
 
 
 def test_a_user_routing_beats_a_declaration() -> None:
@@ -208,3 +213,17 @@ def test_megatron_gptmodel_stages_get_the_roles_one_process_gives() -> None:
     assert out["whole"]["roles"]["embedding.word_embeddings.weight"] == "embedding"
     assert out["first-tied"]["roles"]["embedding.word_embeddings.weight"] == "lm_head"
     assert out["last-tied"]["roles"]["output_layer.weight"] == "lm_head"
+
+
+def test_torch_style_named_groups_record_where_roles_came_from() -> None:
+    """``SCALE(model.named_parameters())`` (names only): embeddings and heads are guesses, matrices and vectors
+    follow from shapes; no row is left without a source."""
+    import shardopt
+
+    model = build("llama").to_empty(device="cpu")
+    rows = [line.split() for line in shardopt.SCALE(model.named_parameters(), lr=1e-3).describe().splitlines()[1:]]
+    by_name = {r[0]: r[3] for r in rows}
+    assert by_name["model.embed_tokens.weight"] == "guessed"
+    assert by_name["lm_head.weight"] == "guessed"
+    assert by_name["model.layers.0.self_attn.q_proj.weight"] == "type"
+    assert "?" not in by_name.values()

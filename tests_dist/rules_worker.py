@@ -31,10 +31,19 @@ MODELS = ("llama", "gpt2", "mixtral")
 USER_ROUTING = {"model.layers.0.self_attn.q_proj.weight": "adamw"}
 
 
+#: architectures of the role corpus (``tests/role_corpus.py``) that the full tier also builds on every engine
+CORPUS_MODELS = ("gemma", "opt", "bert_cls", "vit_cls", "t5", "qwen3_moe", "torchtitan_llama", "functional_tied")
+
+
 def build_model(kind: str) -> torch.nn.Module:
     import transformers as tf
 
     torch.manual_seed(0)
+    if kind in CORPUS_MODELS:
+        sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+        from role_corpus import CORPUS
+
+        return CORPUS[kind]()
     common = dict(vocab_size=48, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
                   max_position_embeddings=16)
     if kind == "gpt2":
@@ -43,6 +52,13 @@ def build_model(kind: str) -> torch.nn.Module:
         return tf.MixtralForCausalLM(tf.MixtralConfig(**common, intermediate_size=24, num_local_experts=4,
                                                       num_experts_per_tok=2))
     return tf.LlamaForCausalLM(tf.LlamaConfig(**common, intermediate_size=40, tie_word_embeddings=False))
+
+
+def layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks an FSDP user wraps: the entries of the model's first list of two or more modules (the
+    decoder layers; T5's encoder and decoder blocks alike, being of one type, through the auto-wrap policy)."""
+    lists = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList | torch.nn.ModuleDict) and len(m) > 1]
+    return list(lists[0].values() if isinstance(lists[0], torch.nn.ModuleDict) else lists[0])
 
 
 def rules_of(opt) -> dict[str, str]:
@@ -81,7 +97,7 @@ def engine_rules(engine: str, kind: str, name: str, routing: dict) -> tuple[dict
     elif engine == "fsdp2":
         from torch.distributed.fsdp import fully_shard
 
-        for layer in model.model.layers if hasattr(model, "model") else model.transformer.h:
+        for layer in layers_of(model):
             fully_shard(layer)
         fully_shard(model)
         opt = shardopt.create_optimizer(model, name, routing=routing, lr=1e-3)
@@ -89,9 +105,8 @@ def engine_rules(engine: str, kind: str, name: str, routing: dict) -> tuple[dict
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        layer = type(model.model.layers[0] if hasattr(model, "model") else model.transformer.h[0])
         model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=engine == "fsdp1",
-                     auto_wrap_policy=ModuleWrapPolicy({layer}))
+                     auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in layers_of(model)}))
         opt = shardopt.create_optimizer(model, name, routing=routing, lr=1e-3)
     return rules_of(opt), {"optimizer": opt.describe()}
 

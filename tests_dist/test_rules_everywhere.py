@@ -19,11 +19,11 @@ import tempfile
 import pytest
 
 from launch import run_ranks
-from rules_worker import ENGINES, MODELS, USER_ROUTING
+from rules_worker import CORPUS_MODELS, ENGINES, MODELS, USER_ROUTING
 from tiers import CI_LAYOUT_OPTIMIZERS, FULL, selected
 
-CASES = ([f"{m}:{o}" for m in MODELS for o in ("scale", "racs", "sumo")] + ["llama:scale:routed"] if FULL
-         else ["mixtral:racs", "gpt2:sumo"])
+CASES = ([f"{m}:{o}" for m in MODELS + CORPUS_MODELS for o in ("scale", "racs", "sumo")] + ["llama:scale:routed"]
+         if FULL else ["mixtral:racs", "gpt2:sumo"])
 RUN = ENGINES if FULL else ("fsdp1_flat", "zero2", "zero3_init")
 _cache: list = []
 

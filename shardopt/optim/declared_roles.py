@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -52,19 +53,20 @@ def _weight(m: object) -> torch.Tensor | None:
     return w if isinstance(w, torch.Tensor) else None
 
 
-def _last_linear(m: nn.Module) -> nn.Module | None:
+def _last_linear(m: nn.Module, dim_of: Callable[[torch.Tensor], int]) -> nn.Module | None:
     """``m`` itself if it holds a 2-D weight, else its last descendant that does (a classification head that is a
     small module: dense, activation, dropout, output projection)."""
-    w = _weight(m)
-    if w is not None and (w.dim() == 2 or getattr(w, "ds_shape", None) is not None):
+    def is_matrix(c: nn.Module) -> bool:
+        w = _weight(c)
+        return w is not None and dim_of(w) == 2 and not isinstance(c, nn.Embedding)
+
+    if is_matrix(m):
         return m
-    found = [c for c in m.modules() if c is not m and _weight(c) is not None and
-             (_weight(c).dim() == 2 or getattr(_weight(c), "ds_shape", None) is not None)
-             and not isinstance(c, nn.Embedding)]
+    found = [c for c in m.modules() if c is not m and is_matrix(c)]
     return found[-1] if found else None
 
 
-def _transformers(model: nn.Module, out: Declaration) -> None:
+def _transformers(model: nn.Module, out: Declaration, dim_of: Callable[[torch.Tensor], int]) -> None:
     for m in model.modules():
         get_in, get_out = getattr(m, "get_input_embeddings", None), getattr(m, "get_output_embeddings", None)
         if not (callable(get_in) and callable(get_out) and hasattr(m, "config")):
@@ -85,7 +87,7 @@ def _transformers(model: nn.Module, out: Declaration) -> None:
         if HEAD_CLASS_PATTERN.search(type(m).__name__):
             for attr in _HEAD_ATTRS:
                 holder = getattr(m, attr, None)
-                last = _last_linear(holder) if isinstance(holder, nn.Module) else None
+                last = _last_linear(holder, dim_of) if isinstance(holder, nn.Module) else None
                 if last is not None:
                     out.heads.add(id(_weight(last)))
                     break
@@ -94,7 +96,7 @@ def _transformers(model: nn.Module, out: Declaration) -> None:
             out.who.append(f"transformers {type(m).__name__}")
 
 
-def _megatron(model: nn.Module, out: Declaration) -> None:
+def _megatron(model: nn.Module, out: Declaration, dim_of: Callable[[torch.Tensor], int]) -> None:
     for m in model.modules():
         if not (hasattr(m, "pre_process") and hasattr(m, "post_process")):
             continue
@@ -115,7 +117,7 @@ def _megatron(model: nn.Module, out: Declaration) -> None:
         out.who.append(f"Megatron {type(m).__name__}")
 
 
-def _torchtitan(model: nn.Module, out: Declaration) -> None:
+def _torchtitan(model: nn.Module, out: Declaration, dim_of: Callable[[torch.Tensor], int]) -> None:
     for m in model.modules():
         if not (hasattr(m, "tok_embeddings") and hasattr(m, "output")):
             continue
@@ -130,10 +132,12 @@ def _torchtitan(model: nn.Module, out: Declaration) -> None:
         out.who.append(f"torchtitan-style {type(m).__name__} (tok_embeddings / output)")
 
 
-def declared_roles(model: nn.Module) -> Declaration:
-    """Everything ``model`` (and the models inside it) state about embeddings and output layers."""
+def declared_roles(model: nn.Module, dim_of: Callable[[torch.Tensor], int] = torch.Tensor.dim) -> Declaration:
+    """Everything ``model`` (and the models inside it) state about embeddings and output layers. ``dim_of``: a
+    tensor's number of dimensions as the model defines it (``routing.logical_dim``: engines flatten or partition
+    parameters)."""
     out = Declaration()
     for reader in (_transformers, _megatron, _torchtitan):
-        reader(model, out)
+        reader(model, out, dim_of)
     out.embeddings -= out.heads  # a tied weight is the head, as one process names it
     return out

@@ -12,7 +12,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .routing import (module_role, named_or_unnamed, record_role, roles_from_names, unnamed_roles,
+from .routing import (module_role, module_role_source, name_sources, named_or_unnamed, record_role,
+                      roles_from_names, unnamed_roles,
                       warn_unknown_batches, warn_unnamed_once)
 
 __all__ = ["normalize_param_groups", "tensor_names"]
@@ -38,19 +39,19 @@ def _as_groups(params: Any) -> list[dict]:
 
 
 def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], named: bool,
-                   role_options: RoleOptions) -> list[dict]:
+                   role_options: RoleOptions, sources: list[str]) -> list[dict]:
     """One group per distinct role option set, in order of first appearance; the user's own group keys
     (``lr``, ``weight_decay``, ...) apply to every part."""
     user = {k: v for k, v in group.items() if k not in ("params", "param_names")}
     names = group.get("param_names") or [None] * len(tensors)
     parts: dict[tuple, dict] = {}
-    for p, name, role in zip(tensors, names, roles):
+    for p, name, role, source in zip(tensors, names, roles, sources):
         options = role_options(role)
         part = parts.setdefault(tuple(sorted(options.items(), key=lambda kv: kv[0])),
                                 {**options, **user, "params": [], **({"param_names": []} if named else {}),
                                  "roles": []})
         part["params"].append(p)
-        record_role(p, role)  # for describe()
+        record_role(p, role, source)  # for describe()
         if named:
             part["param_names"].append(name)
         if role not in part["roles"]:
@@ -104,10 +105,11 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
         per_group.append((tensors, names, each))
     named_all = [(n, t) for tensors, names, _ in per_group if names for n, t in zip(names, tensors)]
     roles_by_name = roles_from_names(named_all) if named_all else {}
+    sources_by_name = name_sources(roles_by_name)
     for n, t in named_all:  # roles found from the model's module types (HF Trainer's groups) beat the names
         role = module_role(t)  # routing.declare_module_roles (shardopt.plugin.wrapped.names_from_trainer)
         if role is not None:
-            roles_by_name[n] = role
+            roles_by_name[n], sources_by_name[n] = role, module_role_source(t) or "type"
     routed = [(n, t) for g, (tensors, names, _) in zip(groups, per_group) if names and "treatment" not in g
               for n, t in zip(names, tensors)]
     warn_unknown_batches(routed, roles_by_name, {}, who, stacklevel=stacklevel + 1)
@@ -124,7 +126,8 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
             out.append(g if "treatment" in g else {**role_options("vector"), **g})
             continue
         roles = [roles_by_name[n] for n in names] if names else unnamed_roles(tensors)
-        parts = _split_by_role(g, tensors, roles, names is not None, role_options)
+        sources = [sources_by_name[n] for n in names] if names else ["type"] * len(tensors)
+        parts = _split_by_role(g, tensors, roles, names is not None, role_options, sources)
         if names is None and len(parts) > 1:  # a model's list (matrices and vectors), not a list of matrices
             warn_unnamed_once(who, role_options("matrix")["treatment"], stacklevel=stacklevel + 1)
         out.extend(parts)

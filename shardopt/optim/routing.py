@@ -173,16 +173,23 @@ def role_of(tensor: torch.Tensor, default: str = "?") -> str:
     return _ROLE_OF.get(tensor, default)
 
 
-def declare_module_roles(roles: Iterable[tuple[torch.Tensor, str]]) -> None:
-    """Declare roles found from the model's module types (``param_roles``) for tensors that will reach an
-    optimizer by name only (``shardopt.plugin.wrapped.names_from_trainer``)."""
-    for tensor, role in roles:
-        _MODULE_ROLES[tensor] = role
+def declare_module_roles(roles: Iterable[tuple[torch.Tensor, str] | tuple[torch.Tensor, str, str]]) -> None:
+    """Declare roles found from the model (``find_roles``), optionally with their source, for tensors that will
+    reach an optimizer by name only (``shardopt.plugin.wrapped.names_from_trainer``)."""
+    for tensor, role, *source in roles:
+        _MODULE_ROLES[tensor] = (role, source[0] if source else "type")
 
 
 def module_role(tensor: torch.Tensor) -> str | None:
     """The role declared for ``tensor`` by ``declare_module_roles``, if any."""
-    return _MODULE_ROLES.get(tensor)
+    found = _MODULE_ROLES.get(tensor)
+    return found[0] if found else None
+
+
+def module_role_source(tensor: torch.Tensor) -> str | None:
+    """The source of the role declared for ``tensor`` by ``declare_module_roles``, if any."""
+    found = _MODULE_ROLES.get(tensor)
+    return found[1] if found else None
 
 
 def _is_embedding(m: nn.Module) -> bool:
@@ -317,12 +324,11 @@ _NOT_VOCAB_WORDS = {"pos", "position", "positions", "positional", "wpe", "type",
                     "segments", "rel", "relative", "time", "patch", "bias"}
 
 
-def _is_vocab_table(name: str) -> bool:
+def _is_vocab_table(module_name: str) -> bool:
     """A token embedding by its module's name (``embed_tokens``, ``wte``, ``word_embeddings``), not a positions or
-    token-type table (``wpe``, ``embed_positions``, ``token_type_embeddings``)."""
-    module = name.rsplit(".", 1)[0] if "." in name else name
-    words = set(re.split(r"[_\-.]", module.rsplit(".", 1)[-1].lower()))
-    return not words & _NOT_VOCAB_WORDS
+    token-type table (``wpe``, ``embed_positions``, ``token_type_embeddings``); wrappers' prefixes aside."""
+    last = clean_name(module_name + ".").rstrip(".").rsplit(".", 1)[-1]
+    return not set(re.split(r"[_\-]", last.lower())) & _NOT_VOCAB_WORDS
 
 
 class RoleTable(NamedTuple):
@@ -367,7 +373,7 @@ def find_roles(model: nn.Module) -> RoleTable:
         if tensor_id in names:
             roles[names[tensor_id]], sources[names[tensor_id]] = role, source
 
-    declared = declared_roles(model)
+    declared = declared_roles(model, logical_dim)
     embeddings = [m for m in model.modules() if _is_embedding(m)]
     emb_ids = {id(m.weight) for m in embeddings}
     module_names = {id(m): n for n, m in model.named_modules()}
@@ -536,7 +542,7 @@ def warn_unnamed_once(who: str, treatment: str, stacklevel: int = 2) -> None:
                   stacklevel=stacklevel + 1)
 
 
-def _name_sources(roles: Mapping[str, str]) -> dict[str, str]:
+def name_sources(roles: Mapping[str, str]) -> dict[str, str]:
     """Sources of roles found from names alone: embeddings, heads and routers are guesses; matrices and vectors
     follow from the shapes."""
     return {n: "guessed" if r in ("embedding", "lm_head", "router") else "type" for n, r in roles.items()}
@@ -557,7 +563,7 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
     if names is not None:
         named = list(zip(names, tensors))
         roles = roles_from_names(named)
-        return named, RoleTable(roles, _name_sources(roles), []), "torch"
+        return named, RoleTable(roles, name_sources(roles), []), "torch"
     named = [(f"param_{i}", t) for i, t in enumerate(tensors)]
     if len({logical_dim(t) == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
         warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..optim import hooks
-from ..optim.routing import declare_module_roles, logical_shape, param_roles, warn_unknown_matrices
+from ..optim.routing import declare_module_roles, find_roles, logical_shape, warn_unknown_matrices
 from ..sharding.precision import model_arrival_dtypes, record_arrival_dtypes
 
 __all__ = ["UnmappedTensorError", "check_stepped_tensors", "rekey_names", "find_deepspeed_caller", "map_deepspeed",
@@ -192,7 +192,7 @@ def names_from_trainer(params: Any, who: str) -> Any:
     """Hugging Face ``Trainer.create_optimizer`` passes decay / no-decay groups of unnamed tensors, which would
     lose shardopt's roles (embedding normalized per row, LM head without momentum, GPT-2's Conv1D on the wrong
     axis). Called from there, name every tensor from the Trainer's model and give it its role from the model's
-    module types (``routing.param_roles``); any other call is returned unchanged."""
+    module types (``routing.find_roles``); any other call is returned unchanged."""
     if not isinstance(params, (list, tuple)) or not params or not all(isinstance(g, dict) for g in params):
         return params
     model = _trainer_model()
@@ -202,13 +202,14 @@ def names_from_trainer(params: Any, who: str) -> Any:
     tensors = [t for g in params for t in (g["params"] if isinstance(g["params"], (list, tuple)) else [g["params"]])]
     if not all(isinstance(t, torch.Tensor) and id(t) in names for t in tensors):
         return params  # named already, or not the model's parameters: leave torch.optim's rules to apply
-    roles = param_roles(model)
+    table = find_roles(model)
+    roles, sources = table.roles, table.sources
     warn_unknown_matrices(model, {}, who)
     out = []
     for g in params:
         group = dict(g)
         group["params"] = [(names[id(t)], t) for t in group["params"]]
-        declare_module_roles((t, roles[n]) for n, t in group["params"])  # groups.normalize_param_groups reads them
+        declare_module_roles((t, roles[n], sources[n]) for n, t in group["params"])  # groups.normalize_param_groups reads them
         out.append(group)
     return out
 
