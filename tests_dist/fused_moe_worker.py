@@ -45,20 +45,31 @@ import shardopt.checkpoint as sckpt  # noqa: E402
 
 VOCAB, DIM, FFN, SEQ, MICRO = 23, 8, 4, 4, 2
 STEPS = 3
-ENGINES = ("fsdp2", "fsdp2_e4", "fsdp2_rows", "fsdp2_cols", "ep", "ep_fsdp", "zero2", "zero3")
+#: ``_in_out``: the experts stored in x out (GPT-OSS, ``is_transposed=True``; role ``matrix_transposed``)
+IN_OUT = "_in_out"
+ENGINES = ("fsdp2", "fsdp2_e4", "fsdp2_rows", "fsdp2_cols", "ep", "ep_fsdp", "zero2", "zero3",
+           "fsdp2_rows" + IN_OUT, "zero2" + IN_OUT)
+
+
+def storage(engine: str) -> tuple[str, bool]:
+    """The engine without its storage suffix, and whether the experts are stored in x out."""
+    return engine.removesuffix(IN_OUT), engine.endswith(IN_OUT)
 
 
 class Experts(nn.Module):
     """transformers 5's fused experts (``MixtralExperts``): expert ``e`` is ``F.linear(x, W[e])``."""
 
-    def __init__(self, experts: int):
+    def __init__(self, experts: int, transposed: bool = False):
         super().__init__()
-        self.num_experts, self.is_transposed = experts, False
-        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * FFN, DIM) * 0.3)
-        self.down_proj = nn.Parameter(torch.randn(experts, DIM, FFN) * 0.3)
+        self.num_experts, self.is_transposed = experts, transposed
+        up, down = torch.randn(experts, 2 * FFN, DIM) * 0.3, torch.randn(experts, DIM, FFN) * 0.3
+        self.gate_up_proj = nn.Parameter(up.mT.contiguous() if transposed else up)  # GPT-OSS: (E, in, out)
+        self.down_proj = nn.Parameter(down.mT.contiguous() if transposed else down)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         up_w, down_w = _whole(self.gate_up_proj), _whole(self.down_proj)
+        if self.is_transposed:
+            up_w, down_w = up_w.mT, down_w.mT
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             gate, up = F.linear(x, up_w[e]).chunk(2, dim=-1)
@@ -86,22 +97,22 @@ def _whole(w: torch.Tensor) -> torch.Tensor:
 
 
 class SparseMoeBlock(nn.Module):
-    def __init__(self, experts: int):
+    def __init__(self, experts: int, transposed: bool = False):
         super().__init__()
         self.gate = nn.Linear(DIM, experts, bias=False)
-        self.experts = Experts(experts)
+        self.experts = Experts(experts, transposed)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return self.experts(h, self.gate(h).softmax(-1))
 
 
 class Net(nn.Module):
-    def __init__(self, experts: int):
+    def __init__(self, experts: int, transposed: bool = False):
         super().__init__()
         torch.manual_seed(0)
         self.embed = nn.Embedding(VOCAB, DIM)
         self.proj = nn.Linear(DIM, DIM, bias=False)
-        self.moe = SparseMoeBlock(experts)
+        self.moe = SparseMoeBlock(experts, transposed)
         self.norm = nn.LayerNorm(DIM)
         self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
 
@@ -126,12 +137,12 @@ def local_batch(step: int) -> torch.Tensor:
 _REFERENCE: dict = {}
 
 
-def reference(name: str, experts: int, worlds: tuple[int, ...]) -> dict[str, torch.Tensor]:
+def reference(name: str, experts: int, worlds: tuple[int, ...], transposed: bool = False) -> dict[str, torch.Tensor]:
     """One process on the global batch of each step (the mean over every rank's sequences; step ``s`` ran at world
     size ``worlds[s]``)."""
-    key = (name, experts, worlds)
+    key = (name, experts, worlds, transposed)
     if key not in _REFERENCE:
-        model = Net(experts)
+        model = Net(experts, transposed)
         opt = shardopt.create_optimizer(model, name, **OPTIONS[name])
         for s, world in enumerate(worlds):
             opt.zero_grad()
@@ -143,15 +154,16 @@ def reference(name: str, experts: int, worlds: tuple[int, ...]) -> dict[str, tor
 
 def experts_of(engine: str) -> int:
     """3 experts where that leaves a rank with none (FSDP2's chunks at world size 4), else 4."""
-    return 3 if engine == "fsdp2" else 4
+    return 3 if storage(engine)[0] == "fsdp2" else 4
 
 
 class Run:
     """One engine and optimizer on a fresh model."""
 
     def __init__(self, engine: str, name: str, experts: int):
+        engine, transposed = storage(engine)
         self.engine, self.name = engine, name
-        model = Net(experts)
+        model = Net(experts, transposed)
         kw = dict(OPTIONS[name])
         self.deepspeed = engine.startswith("zero")
         if engine.startswith("fsdp2"):
@@ -251,6 +263,7 @@ def rules(run: Run) -> dict[str, str]:
 
 def runs_at(engine: str, world: int) -> bool:
     """The ep meshes are 2 x 2; FSDP2 refuses uneven shards of dims other than 0 (world size 3 here)."""
+    engine = storage(engine)[0]
     if engine.startswith("ep"):
         return world == 4
     if engine in ("fsdp2_rows", "fsdp2_cols"):
@@ -270,8 +283,8 @@ def train_case(name: str, engine: str, root: str) -> dict:
     experts = experts_of(engine)
     run = Run(engine, name, experts)
     run.train(0, STEPS)
-    out = {"experts": experts,
-           "max_abs_diff": max_abs_diff(run.params(), reference(name, experts, (dist.get_world_size(),) * STEPS)),
+    want = reference(name, experts, (dist.get_world_size(),) * STEPS, storage(engine)[1])
+    out = {"experts": experts, "max_abs_diff": max_abs_diff(run.params(), want),
            "rules": rules(run)}
     held = [f.name for p in run.inner.stepped_tensors() for f in run.inner.fragments(p)
             if f.index is not None and f.numel]
@@ -291,11 +304,12 @@ def train_case(name: str, engine: str, root: str) -> dict:
 
 def reload_case(name: str, engine: str, root: str, saved_at: int = 4) -> dict:
     experts = experts_of(engine)
-    target = "zero2" if engine == "zero3" else "zero3" if engine == "zero2" else "fsdp2"
-    run = Run(target, name, experts)
+    base, transposed = storage(engine)
+    target = "zero2" if base == "zero3" else "zero3" if base == "zero2" else "fsdp2"
+    run = Run(target + (IN_OUT if transposed else ""), name, experts)
     run.load(case_root(root, name, engine), same_engine=False)
     run.train(STEPS, 2 * STEPS)
-    want = reference(name, experts, (saved_at,) * STEPS + (dist.get_world_size(),) * STEPS)
+    want = reference(name, experts, (saved_at,) * STEPS + (dist.get_world_size(),) * STEPS, transposed)
     return {"target": target, "max_abs_diff": max_abs_diff(run.params(), want)}
 
 

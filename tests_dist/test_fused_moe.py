@@ -6,7 +6,9 @@ steps, every expert on the requested rule, resume exact, and a reload at another
 
 CI runs world size 4 (where the uneven experts leave a rank empty and the ep mesh exists) for SCALE, RACS, SUMO,
 Alice and ASGO on FSDP2, ep x FSDP and ZeRO-3, and the reload at world size 2; the full tier adds every optimizer,
-every engine (ZeRO-2 among them), and training at world sizes 2 and 3.
+every engine (ZeRO-2 among them), and training at world sizes 2 and 3, and experts stored in x out (GPT-OSS,
+``is_transposed``; ``*_in_out``: FSDP2 row shards and ZeRO-2, issue 52 item 4), which every rule steps as their logical
+out x in matrices, resumed and reloaded at another world size through the logical checkpoint.
 """
 from __future__ import annotations
 
