@@ -54,6 +54,19 @@ def build_model(kind: str) -> torch.nn.Module:
     return tf.LlamaForCausalLM(tf.LlamaConfig(**common, intermediate_size=40, tie_word_embeddings=False))
 
 
+def _weights_loaded_later(kind: str):
+    """What ``from_pretrained`` does under ``zero.Init``: no initialization of the partitioned weights (they are
+    loaded afterwards). Building a corpus model's class directly would initialize them, and transformers' padding-row
+    initialization indexes a partitioned (empty) embedding."""
+    import contextlib
+
+    if kind not in CORPUS_MODELS:
+        return contextlib.nullcontext()
+    from transformers.initialization import no_init_weights
+
+    return no_init_weights()
+
+
 def layers_of(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks an FSDP user wraps: the entries of the model's first list of two or more modules (the
     decoder layers; T5's encoder and decoder blocks alike, being of one type, through the auto-wrap policy)."""
@@ -80,8 +93,10 @@ def engine_rules(engine: str, kind: str, name: str, routing: dict) -> tuple[dict
         if engine == "zero3_init":  # what from_pretrained does under a ZeRO-3 config
             from deepspeed import zero
 
-            with zero.Init(config_dict_or_path=cfg):
+            with zero.Init(config_dict_or_path=cfg), _weights_loaded_later(kind):
                 model = build_model(kind)
+            if kind in CORPUS_MODELS and hasattr(model, "tie_weights"):
+                model.tie_weights()  # as from_pretrained does once the weights are loaded
         else:
             model = build_model(kind)
         eng, returned, _, _ = shardopt.deepspeed.initialize(model=model, config=cfg)

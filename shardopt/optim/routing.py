@@ -1,11 +1,12 @@
-"""Which parameter gets which rule: roles found from module types, then the optimizer's table.
+"""Which parameter gets which rule: roles the model declares, then module types, then the optimizer's table.
 
-Roles: ``embedding`` (``nn.Embedding`` weights), ``lm_head`` (the output projection: a Linear whose weight
-is tied to an embedding, or the last Linear whose ``out_features`` equals an embedding's vocabulary size),
+Roles: ``embedding`` (``nn.Embedding`` weights), ``lm_head`` (the output layer: the one the model declares, an
+LM's vocabulary projection or a classifier, ``declared_roles``; where nothing is declared, a Linear whose weight is
+tied to an embedding, or the model's last 2-D layer when it is as wide as a token vocabulary: ``find_roles``),
 ``router`` (the Linear that scores experts in a mixture-of-experts layer: DeepSpeed's ``TopKGate.wg``, the
 ``gate`` / ``router`` Linear of a Hugging Face MoE block; AdamW by default, like the other small routing weights),
 ``matrix`` (every other 2-D Linear weight), ``matrix_transposed`` (a 2-D weight stored ``in x out``, as
-``transformers.pytorch_utils.Conv1D`` in GPT-2: each rule either knows that orientation or refuses it),
+``transformers.pytorch_utils.Conv1D`` in GPT-2: every rule steps it as its logical out x in matrix),
 ``vector`` (everything else: norms, biases, convolution kernels, and 2-D or 3-D weights of module types routing
 does not know, which ``route`` names in a warning).
 Fused mixture-of-experts weights are 3-D ``(E, m, n)`` batches of matrices (``sharding.batched``): the 3-D weights
