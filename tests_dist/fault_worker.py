@@ -276,12 +276,17 @@ def resume(args, stage: int) -> list:
                     dst = os.path.join(d, f"A_flipped_{'main' if main else 'part'}")
                     holder = [_flipped_copy(os.path.join(d, "A"), dst, main) if dist.get_rank() == 0 else None]
                     dist.broadcast_object_list(holder, src=0)
-                    try:
-                        ckpt.load(dst, getattr(opt, "optimizer", opt))  # the shardopt one in the wrapper
-                        flips["main" if main else "part"] = {"error": None, "where": holder[0]}
-                    except CheckpointError as err:
-                        flips["main" if main else "part"] = {"error": str(err), "where": holder[0]}
-                    dist.barrier()
+                    for how in ("shardopt", "engine"):  # shardopt.checkpoint.load; the engine's (DeepSpeed's files)
+                        try:
+                            if how == "shardopt":
+                                ckpt.load(dst, getattr(opt, "optimizer", opt))  # the shardopt one in the wrapper
+                            else:
+                                eng.load_checkpoint(d, tag=os.path.basename(dst))
+                            error = None
+                        except CheckpointError as err:
+                            error = str(err)
+                        flips[f"{'main' if main else 'part'} via {how}"] = {"error": error, "where": holder[0]}
+                        dist.barrier()
                 rec["flipped"] = flips
             del eng, opt
         except Exception:

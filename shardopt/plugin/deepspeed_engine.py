@@ -635,6 +635,10 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
                     use_ours = not (meta.get("engine") == "deepspeed"
                                     and meta.get("world_size") == dist.get_world_size()
                                     and extra.get("zero_stage") == engine.zero_optimization_stage())
+                    if not use_ours:  # DeepSpeed's files load, but a damaged tag is refused now, not at a reshard
+                        with ckpt.StateReader(ours, meta) as reader:
+                            if reader.verify:
+                                reader.check_files(meta["index"])
             except ckpt.CheckpointError as err:
                 problem = str(err)
             decision = [t, use_ours, problem]
