@@ -567,12 +567,22 @@ def _committed_save(engine: Any, save_dir: str, tag: str, save_latest: bool, ds_
     failed = [e for e in errors if e]
     if failed:
         raise CheckpointError(f"{tag_dir}: not saved, {failed[0]}; 'latest' still names the previous checkpoint")
-    if rank == 0:
-        commit.write_marker(tag_dir, {"global_steps": int(engine.global_steps), "tag": tag})
-        if save_latest:
-            commit.write_atomic(os.path.join(save_dir, "latest"), tag)
-        commit.clean(save_dir)
-    dist.barrier()
+    outcome: list = [None]
+    if rank == 0:  # its failure is every rank's (shared below), so no rank waits in a collective rank 0 skipped
+        try:
+            commit.write_marker(tag_dir, {"global_steps": int(engine.global_steps), "tag": tag})
+            if save_latest:
+                commit.write_atomic(os.path.join(save_dir, "latest"), tag)
+        except OSError as err:
+            outcome[0] = f"{tag_dir}: not committed, rank 0 could not write its marker or 'latest' ({err})"
+        else:
+            try:
+                commit.clean(save_dir)
+            except OSError:
+                pass  # leftovers stay for the next save or `shardopt checkpoint clean`
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise CheckpointError(outcome[0])
     return result
 
 
@@ -639,8 +649,8 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
                         with ckpt.StateReader(ours, meta) as reader:
                             if reader.verify:
                                 reader.check_files(meta["index"])
-            except ckpt.CheckpointError as err:
-                problem = str(err)
+            except (ckpt.CheckpointError, OSError, ValueError) as err:  # raised below on every rank, not here alone
+                problem = str(err) if isinstance(err, ckpt.CheckpointError) else f"{load_dir}: {err}"
             decision = [t, use_ours, problem]
         dist.broadcast_object_list(decision, src=0)
         tag, use_ours, problem = decision
