@@ -204,6 +204,13 @@ def main() -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     records: list = []
     (phase_save if args.phase == "save" else phase_resume)(args.dir, records)
+    # DeepSpeed's load options on a model with frozen weights and buffers (ckpt_options_worker's CI case)
+    from ckpt_options_worker import ci_load, ci_save
+
+    rec = (ci_save if args.phase == "save" else ci_load)(args.dir)
+    if dist.get_rank() == 0:
+        print(json.dumps(rec), flush=True)
+    records.append(rec)
     finish_worker(records, args.out)
 
 

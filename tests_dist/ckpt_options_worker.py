@@ -19,6 +19,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 
@@ -185,12 +186,12 @@ def phase_save(root: str, names: list[str], records: list) -> None:
         dist.barrier()
 
 
-def ds_to_universal(base: str, out: str) -> str:
+def ds_to_universal(base: str, out: str, tag: str = "step3") -> str:
     """DeepSpeed's converter on the checkpoint: the message it stops with."""
     from deepspeed.checkpoint import ds_to_universal as conv
 
     argv = sys.argv
-    sys.argv = ["ds_to_universal", "--input_folder", os.path.join(base, "step3"), "--output_folder", out,
+    sys.argv = ["ds_to_universal", "--input_folder", os.path.join(base, tag), "--output_folder", out,
                 "--inject_missing_state"]
     try:
         with quiet():
@@ -273,6 +274,78 @@ def options_record(opt_name: str, base: str, stage: int, saved: dict, refs: dict
         rec["error"] = traceback.format_exc()
     if dist.get_rank() == 0:
         print(json.dumps(rec), flush=True)
+    return rec
+
+
+CI_OPTIMIZER = "scale"
+
+
+def ci_save(root: str) -> dict:
+    """CI's case, in ``checkpoint_worker``'s save launch (world size 2): the model above saved at ZeRO-2 after 3
+    steps, the reference of ``load_optimizer_states=False`` (a fresh optimizer on the saved weights with the saved
+    scheduler), and that option after a stage change (ZeRO-2 -> ZeRO-3): frozen weights and buffers against the
+    saved ones, 3 steps against the reference; the ZeRO-3 engine saved in turn, and ``ds_to_universal`` on it."""
+    base = os.path.join(root, "options")
+    rec = {"phase": "options", "case": "zero2 -> zero3", "world_size": dist.get_world_size()}
+    start = time.perf_counter()
+    try:
+        with quiet():
+            first = engine(CI_OPTIMIZER, 2, make_net(SAVED_SEED))
+            train(first, 0, SPLIT)
+            first.save_checkpoint(base, tag="step3", client_state=CLIENT)
+            saved, sched = snapshot(first), first.lr_scheduler.state_dict()
+            model = make_net(OTHER_SEED)
+            model.load_state_dict({n: v for n, v in saved.items() if n in model.state_dict()})
+            ref = engine(CI_OPTIMIZER, 2, model)
+            ref.lr_scheduler.load_state_dict(sched)
+            train(ref, SPLIT, TOTAL)
+            refs = {"no_optimizer": snapshot(ref)}
+            if dist.get_rank() == 0:
+                torch.save({"saved": saved, "refs": refs}, os.path.join(base, "expected.pt"))
+            rec.update(check_load(base, 3, saved, refs["no_optimizer"]))
+    except Exception:
+        rec["error"] = traceback.format_exc()
+    dist.barrier()
+    if dist.get_rank() == 0 and "error" not in rec:
+        rec["universal_zero3"] = ds_to_universal(base, os.path.join(root, "options-universal"), tag="zero3")
+    rec["seconds"] = time.perf_counter() - start
+    return rec
+
+
+def check_load(base: str, stage: int, saved: dict, ref: dict) -> dict:
+    """``load_optimizer_states=False`` into another random init at ``stage``, then 3 steps (ZeRO-3: saved again
+    under tag ``zero3``, for ``ds_to_universal``)."""
+    rec: dict = {}
+    eng = engine(CI_OPTIMIZER, stage, make_net(OTHER_SEED))
+    path, client = eng.load_checkpoint(base, tag="step3", load_optimizer_states=False)
+    now = snapshot(eng)
+    rec["frozen_buffers_vs_saved"] = diff(now, saved, frozen_and_buffers(eng.module))
+    rec["trained_vs_saved"] = diff(now, saved, trainable(eng.module))
+    rec["global_steps"], rec["client_epoch"] = eng.global_steps, client.get("epoch")
+    rec["path"] = os.path.relpath(path, base)
+    train(eng, SPLIT, TOTAL)
+    after = snapshot(eng)
+    rec["vs_reference"] = diff(after, ref, ref)
+    rec["calls"] = int(after["calls"])
+    if stage == 3:
+        eng.save_checkpoint(base, tag="zero3", save_latest=False)
+    return rec
+
+
+def ci_load(root: str) -> dict:
+    """CI's case at another world size (``checkpoint_worker``'s resume launch): the ZeRO-2 checkpoint of
+    ``ci_save`` with ``load_optimizer_states=False``."""
+    base = os.path.join(root, "options")
+    rec = {"phase": "options", "case": f"ws 2 -> {dist.get_world_size()}", "world_size": dist.get_world_size()}
+    start = time.perf_counter()
+    try:
+        expected = torch.load(os.path.join(base, "expected.pt"), weights_only=True)
+        with quiet():
+            rec.update(check_load(base, 2, expected["saved"], expected["refs"]["no_optimizer"]))
+    except Exception:
+        rec["error"] = traceback.format_exc()
+    dist.barrier()
+    rec["seconds"] = time.perf_counter() - start
     return rec
 
 

@@ -216,14 +216,35 @@ def refuse_load_universal(cfg: Mapping[str, Any]) -> None:
                           "and call engine.load_checkpoint on the directory shardopt's engine saved")
 
 
-def mark_not_universal(client_state: Mapping[str, Any]) -> dict[str, Any]:
-    """The client state DeepSpeed saves, with a ``universal_checkpoint_info`` that makes ``ds_to_universal``
-    stop at once on a ZeRO-1/2 checkpoint with ``UNIVERSAL_ROUTE`` (its check of unsupported parameters runs
-    before it reads any optimizer state, which would fail with ``KeyError: 'exp_avg'``)."""
+#: DeepSpeed's key for AutoEP layer metadata, which ``ds_to_universal`` validates first on a ZeRO-3 checkpoint
+_AUTOEP_LAYERS = "ds_autoep_layers"
+
+
+def _zero3_stop(message: str) -> list[dict]:
+    """Two AutoEP layer entries with the same ``moe_layer_id``: ``ds_to_universal`` validates them before it
+    reads any ZeRO-3 optimizer file and stops with ``RuntimeError: ds_autoep_layers metadata has duplicate
+    moe_layer_id: <message>``. Nothing else reads them on a model without MoE layers (DeepSpeed's load reads them
+    only for MoE layers, ``zero_to_fp32`` only entries of the partitioned format, which these are not)."""
+    entry = {"moe_layer_id": message, "module_path": "", "num_experts": 1, "num_local_experts": 1, "ep_size": 1,
+             "expert_key_prefix": ""}
+    return [entry, {**entry, "expert_key_prefix": "-"}]
+
+
+def mark_not_universal(client_state: Mapping[str, Any], engine: Any = None) -> dict[str, Any]:
+    """The client state DeepSpeed saves, marked so that ``ds_to_universal`` stops at once with
+    ``UNIVERSAL_ROUTE`` before it reads any optimizer state (which would fail with ``KeyError: 'exp_avg'``):
+    on ZeRO-1/2 a ``universal_checkpoint_info`` whose unsupported-parameter check runs first, on ZeRO-3 AutoEP
+    metadata that its first validation refuses (``_zero3_stop``). An engine with DeepSpeed MoE layers is left
+    unmarked: its save reserves both keys for DeepSpeed's own metadata."""
     from deepspeed.checkpoint.constants import (AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
                                                 UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
 
+    if engine is not None and getattr(engine, "has_moe_layers", False):
+        return dict(client_state)
     info = dict(client_state.get(UNIVERSAL_CHECKPOINT_INFO) or {})
     info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
     info[AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS] = {".*": UNIVERSAL_ROUTE}
-    return {**client_state, UNIVERSAL_CHECKPOINT_INFO: info}
+    marked = {**client_state, UNIVERSAL_CHECKPOINT_INFO: info}
+    if engine is not None and engine.zero_optimization_stage() == 3 and _AUTOEP_LAYERS not in client_state:
+        marked[_AUTOEP_LAYERS] = _zero3_stop(f"not convertible, shardopt's checkpoint: {UNIVERSAL_ROUTE}")
+    return marked

@@ -617,7 +617,7 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
                      "commit": "marker"}  # complete only with the tag's marker (checkpoint.commit)
             ckpt.save(tag_dir, opt, engine="deepspeed", extra=extra)
 
-        marked = mark_not_universal(client_state)  # ds_to_universal stops at once, naming shardopt's route
+        marked = mark_not_universal(client_state, engine)  # ds_to_universal stops at once, naming shardopt's route
         return _committed_save(engine, str(save_dir), str(tag), save_latest,
                                lambda: ds_save(save_dir, tag=tag, client_state=marked, save_latest=False,
                                                **kwargs), ours)
