@@ -43,10 +43,15 @@ def _inner(optimizer: Any) -> ShardedOptimizer:
     return inner if isinstance(inner, ShardedOptimizer) else optimizer
 
 
-def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra: dict | None = None) -> str:
+def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra: dict | None = None,
+         model: Any = None) -> str:
     """Write ``optimizer``'s logical state and stepped parameters to ``path`` (a directory or a
     ``.safetensors`` file; several ranks add part files beside it). Collective: call on every rank. Returns
-    the main file written (on every rank). ``optimizer`` may also be ``shardopt.megatron``'s optimizer."""
+    the main file written (on every rank). ``optimizer`` may also be ``shardopt.megatron``'s optimizer.
+    ``model``: also its frozen parameters and persistent buffers (what the optimizer does not step), so that
+    ``load(..., model=model)`` restores the whole model (``shardopt.checkpoint.module_state``)."""
+    from .module_state import module_records
+
     optimizer = _inner(optimizer)
     groups = [{**{k: _json_safe(v) for k, v in g.items() if k != "params"}, "params": names}
               for g, names in zip(optimizer.param_groups, optimizer.group_param_names)]
@@ -56,18 +61,38 @@ def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra
         "engine": engine,
         "extra": {k: _json_safe(v) for k, v in (extra or {}).items()},
     }
-    return save_sharded(state_path(path), optimizer, meta)
+    records = module_records(model) if model is not None else None
+    if records is not None:
+        meta["module_entries"] = sorted(r.key for r in records)
+    return save_sharded(state_path(path), optimizer, meta, extra=records)
 
 
 def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True,
-         load_state: bool = True) -> dict[str, Any]:
+         load_state: bool = True, model: Any = None, strict: bool = True) -> dict[str, Any]:
     """Load a logical checkpoint into ``optimizer`` on this rank (each rank reads only the slices that overlap
     its pieces). Restores param-group hyperparameters (``lr`` etc.). Returns the checkpoint's metadata.
     ``load_state=False`` loads the parameters only: the optimizer's state and hyperparameters stay as they are
-    (a warm start with a fresh optimizer). ``shardopt.megatron``'s optimizer also gets its model parameters from
-    the loaded fp32 values (all ranks)."""
+    (a warm start with a fresh optimizer). ``model``: also its frozen parameters and persistent buffers, saved
+    with ``save(..., model=model)``; ``strict=False`` keeps the model's own values where the checkpoint has
+    none (``strict=True`` refuses before anything loads). ``shardopt.megatron``'s optimizer also gets its model
+    parameters from the loaded fp32 values (all ranks)."""
     wrapper, optimizer = optimizer, _inner(optimizer)
+    if model is not None:  # checked before anything loads: a refusal changes nothing
+        from .module_state import check_module_state
+
+        with StateReader(state_path(path)) as reader:
+            missing = check_module_state(reader, model)
+        if missing and strict:
+            raise CheckpointError(
+                f"{path}: the checkpoint has no saved value for {missing}: it was saved without model= "
+                "(shardopt.checkpoint.save(path, optimizer, model=model)) or from another model; pass strict=False "
+                "to keep the model's own values for them")
     meta = _load(path, optimizer, load_params, load_state)
+    if model is not None:
+        from .module_state import load_module_state
+
+        with StateReader(state_path(path), meta) as reader:
+            load_module_state(reader, model, strict=False)
     if load_params and wrapper is not optimizer and hasattr(wrapper, "main_params_changed"):
         wrapper.main_params_changed()
     return meta

@@ -184,10 +184,12 @@ def _assign(descriptors: list[list[tuple[str, int]]], stem: str, save_id: str) -
     return plan
 
 
-def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include_params: bool = True) -> str:
-    """Write ``opt``'s state (and stepped parameters) at ``path`` (the main ``.safetensors`` file). Collective;
-    each rank writes only its own pieces. Returns ``path`` on every rank."""
-    records = local_records(opt, include_params)
+def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include_params: bool = True,
+                 extra: list[Record] | None = None) -> str:
+    """Write ``opt``'s state (and stepped parameters) at ``path`` (the main ``.safetensors`` file), with this
+    rank's ``extra`` records (the model's frozen parameters and buffers). Collective; each rank writes only its
+    own pieces. Returns ``path`` on every rank."""
+    records = local_records(opt, include_params) + list(extra or ())
     rank = dist.get_rank() if _dist() else 0
     world = dist.get_world_size() if _dist() else 1
     descs = [(r.ident, r.data.numel() * 4) for r in records]
