@@ -9,7 +9,12 @@ under DeepSpeed ZeRO-Offload through each front door, and the bf16 spread runs.
 
 ``--mode spread``: ``--engine`` ``zero2_bf16`` / ``zero3_bf16`` (DeepSpeed ``bf16``) or ``fsdp2_bf16`` (FSDP2
 ``MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)``), each optimizer and torch's AdamW in the same
-harness: 3 steps of 8 samples split over the ranks; rank 0 writes the initial and final parameters.
+harness: 3 steps of 8 samples split over the ranks; rank 0 writes the initial and final parameters. ``--model``
+``mlp`` (default): ``SpreadMLP``, matrices with more columns than a step's 8 samples, so every gradient and the
+first moments are rank-deficient (the small-batch fine-tuning case where SUMO's exact polar factor met bf16
+rounding: 80% before the precision-aware cutoff); each rule at its defaults (SUMO's rank 128, clamped to the
+matrix). ``llama``: the tiny LLaMA with ``hf_worker.HP`` (64 tokens a step: full-rank gradients).
+``--no-cutoff`` runs SUMO with its fp32 cutoff whatever the gradients' precision (to show what the cutoff does).
 """
 from __future__ import annotations
 
@@ -26,6 +31,25 @@ warnings.filterwarnings("ignore")
 from hf_worker import HP, describe_engine, full_params, reset_accelerate, samples, tiny_model  # noqa: E402
 
 SPREAD_SAMPLES = 8
+
+
+class SpreadMLP(torch.nn.Module):
+    """24-40-40-8 tanh MLP (``ckpt_options_worker.Net``'s widths, no frozen or tied parts), MSE against random
+    targets: with 8 samples a step each weight's gradient has rank <= 8 < its columns."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.fc2, self.fc3 = torch.nn.Linear(24, 40), torch.nn.Linear(40, 40), torch.nn.Linear(40, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))))
+
+
+def spread_batch(step: int, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(500 + step)
+    x, y = torch.randn(SPREAD_SAMPLES, 24, generator=g), torch.randn(SPREAD_SAMPLES, 8, generator=g)
+    return x[lo:hi].to(DEVICE, dtype), y[lo:hi].to(DEVICE, dtype)
 #: where the model computes: the CPU (gloo, the tests), or each rank's GPU with ``--backend nccl``
 #: (benchmarks/gpu_checks.sh: the optimizer's partitions in CPU memory, its collectives on NCCL)
 DEVICE = torch.device("cpu")
@@ -133,20 +157,27 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
     ws, rank = dist.get_world_size(), dist.get_rank()
     micro = SPREAD_SAMPLES // ws
     data = samples()
-    model = tiny_model()
+    mlp = args.model == "mlp"
+    model = SpreadMLP() if mlp else tiny_model()
+    hp = {} if mlp else HP.get(args.optimizer, {})
     init = {f"init.{n}": p.detach().float().clone() for n, p in model.named_parameters()}
     adamw = args.optimizer == "adamw"
-    if args.engine.startswith("fsdp2"):
+    if args.no_cutoff:
+        import shardopt.optim.sumo as sumo
+
+        sumo.noise_rtol = lambda dtype, shape, fp32_rtol: fp32_rtol
+    fsdp = args.engine.startswith("fsdp2")
+    if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         kw = {"mesh": init_device_mesh("cpu", (ws,)),
               "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-        for layer in model.model.layers:
+        for layer in ([model.fc1, model.fc2] if mlp else model.model.layers):
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw else \
-            shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
+            shardopt.create_optimizer(model, args.optimizer, **hp)
         engine, backward = model, lambda loss: loss.backward()
 
         def step() -> None:
@@ -164,13 +195,19 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
         else:
             import shardopt.deepspeed
 
-            cfg["shardopt"] = {"optimizer": args.optimizer, "params": HP[args.optimizer]}
+            cfg["shardopt"] = {"optimizer": args.optimizer, "params": hp}
             engine, opt, _, _ = shardopt.deepspeed.initialize(model=model, config=cfg)
         backward, step = engine.backward, engine.step
     for s in range(args.steps):
-        lo = s * SPREAD_SAMPLES + rank * micro
-        ids = torch.stack([c["input_ids"] for c in data[lo:lo + micro]])
-        backward(engine(input_ids=ids, labels=ids).loss)
+        if mlp:  # FSDP2 casts the inputs to its param_dtype; DeepSpeed bf16 takes them in bf16
+            x, y = spread_batch(s, rank * micro, (rank + 1) * micro, torch.float32 if fsdp else torch.bfloat16)
+            out = engine(x)
+            loss = torch.nn.functional.mse_loss(out.float(), y.float())
+        else:
+            lo = s * SPREAD_SAMPLES + rank * micro
+            ids = torch.stack([c["input_ids"] for c in data[lo:lo + micro]])
+            loss = engine(input_ids=ids, labels=ids).loss
+        backward(loss)
         step()
     if args.engine.startswith("fsdp2"):
         final = full_params(model)
@@ -193,6 +230,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=2, help="per-device batch (offload mode)")
     ap.add_argument("--reference", action="store_true", help="rank 0 also runs the single-process reference of each "
                     "optimizer (offload mode; hf_worker.reference: the same global batches), under 'reference.<name>'")
+    ap.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="spread mode's model")
+    ap.add_argument("--no-cutoff", action="store_true", help="spread mode: SUMO keeps its fp32 cutoff in bf16")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--dir", default="/tmp/shardopt_offload")
     ap.add_argument("--out", required=True)
