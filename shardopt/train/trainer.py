@@ -381,7 +381,9 @@ class Trainer:
             path = os.path.join(root, tag, f"rank{self.rank}.pt")
             ck = load_plain(path, map_location=self.device)
             if ck.get("world", 1) != self.world:
-                raise RuntimeError(f"{path} was written by {ck.get('world')} ranks; resume with the same world size")
+                raise RuntimeError(f"{path} was written by {ck.get('world')} ranks, this run has {self.world}: resume "
+                                   "with the same world size, or convert the run (shardopt checkpoint convert "
+                                   f"{root} <out> --to deepspeed|dcp) for an engine that reshards")
             self.module.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optim"])
             self.scheduler.load_state_dict(ck["scheduler"])
