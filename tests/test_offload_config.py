@@ -153,3 +153,23 @@ def test_sumo_drops_bf16_rounding_directions_only_for_bf16_gradients() -> None:
     assert (s32 > 1e-3 * s32[0]).sum() >= 2  # fp32 arrival: the noise directions get weight
     assert (s16 > 1e-3 * s16[0]).sum() == 1  # bf16 arrival: only the signal
 
+
+
+def test_alice_noise_floor_follows_the_arrival_precision() -> None:
+    """Alice's per-entry noise floor (``drop_noise_directions``, ``residual_energy``) is ``fp32_floor`` for fp32
+    gradients, bit for bit, and ``eps(bf16)`` for bf16-arrived ones; a stack mixing both gets one floor each."""
+    from types import SimpleNamespace
+
+    import shardopt
+    from shardopt.sharding.subspace import fp32_floor
+
+    w = [torch.nn.Parameter(torch.zeros(16, 32)) for _ in range(2)]
+    opt = shardopt.create_optimizer([("a", w[0]), ("b", w[1])], "alice", rank=4, leading=2)
+    items = [SimpleNamespace(frag=SimpleNamespace(name=n), tensor=t) for n, t in (("a", w[0]), ("b", w[1]))]
+    stack = SimpleNamespace(rows=16, cols=32, idx=[0, 1])
+    assert opt._noise_floor(stack, items) == fp32_floor((16, 32))
+    precision.record_arrival_dtypes(opt, {"a": torch.bfloat16, "b": torch.bfloat16})
+    assert opt._noise_floor(stack, items) == torch.finfo(torch.bfloat16).eps
+    precision.record_arrival_dtypes(opt, {"b": torch.float32})
+    mixed = opt._noise_floor(stack, items)
+    assert mixed.tolist() == pytest.approx([torch.finfo(torch.bfloat16).eps, fp32_floor((16, 32))])

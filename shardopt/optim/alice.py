@@ -36,6 +36,7 @@ import torch
 
 from ..sharding.draws import seeded_permutation
 from ..sharding.orientation import mm_like
+from ..sharding.precision import LOW_PRECISION, arrival_dtype
 from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.subspace import (complete_basis, determined_floor, fill_draw, fp32_floor, range_basis,
                                  signal_directions, signal_range)
@@ -405,6 +406,18 @@ class Alice(ShardedOptimizer):
         ops.account()
         apply_items(items, pieces, group["lr"], group["weight_decay"], gate=gate)
 
+    def _noise_floor(self, s: "_Stack", items: list) -> float | torch.Tensor:
+        """The relative level at which a stack's ``sigma`` entries and residual energies are rounding:
+        ``fp32_floor``, raised to ``eps(dtype)`` (the rounding bound ``u |a_j|`` of a unit vector times a
+        column rounded at ``u``, a factor-2 margin) for a matrix whose gradient arrived in bf16/fp16
+        (``sharding.precision``); a float when the stack's matrices agree, else one per matrix."""
+        fp32 = fp32_floor((s.rows, s.cols))
+        floors = [max(fp32, torch.finfo(d).eps) if d in LOW_PRECISION else fp32
+                  for d in (arrival_dtype(self, items[i].frag.name, items[i].tensor) for i in s.idx)]
+        if all(f == floors[0] for f in floors):
+            return floors[0]
+        return torch.tensor(floors, dtype=torch.float32, device=items[s.idx[0]].tensor.device)
+
     def _stack_updates(self, group: dict, plan: "_BucketPlan", items: list, a_stacks: list, u_stacks: list,
                        sigmas: list, a_energy: list) -> list[torch.Tensor]:
         """Statistics, compensation, limiter and the update of every stack (``plan.stacks``, not empty), with
@@ -418,10 +431,11 @@ class Alice(ShardedOptimizer):
         cur = [{key: s.gather(key, [st[key] for st in sts]) for key in keys} for s, sts in zip(plan.stacks, states)]
         moved = [k for k, s in enumerate(plan.stacks) if s.has_grad]
         before = None if gate is None else {k: {key: cur[k][key].clone() for key in keys} for k in moved}
-        floors = [fp32_floor((s.rows, s.cols)) for s in plan.stacks]
+        floors = [self._noise_floor(s, items) for s in plan.stacks]
         for sigma, energy, floor in zip(sigmas, a_energy, floors):
-            drop_noise_directions(sigma, energy, floor)
-        energies = [residual_energy(e, s, f) for e, s, f in zip(a_energy, sigmas, floors)]
+            drop_noise_directions(sigma, energy, floor if isinstance(floor, float) else floor[:, None, None])
+        energies = [residual_energy(e, s, f if isinstance(f, float) else f[:, None])
+                    for e, s, f in zip(a_energy, sigmas, floors)]
         if moved:
             update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
                            [cur[k]["Q_tilde"] for k in moved] if tracking else None,
