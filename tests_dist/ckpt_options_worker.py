@@ -308,8 +308,29 @@ def ci_save(root: str) -> dict:
     dist.barrier()
     if dist.get_rank() == 0 and "error" not in rec:
         rec["universal_zero3"] = ds_to_universal(base, os.path.join(root, "options-universal"), tag="zero3")
+        rec.update(converted(base, saved))
     rec["seconds"] = time.perf_counter() - start
     return rec
+
+
+def converted(base: str, saved: dict) -> dict:
+    """What ``shardopt checkpoint convert`` reads from the ZeRO-2 and ZeRO-3 tags: frozen weights and buffers
+    from DeepSpeed's model-states files beside shardopt's (ZeRO-3's tag was saved 3 steps later: its frozen
+    weights and ``shift`` are the saved ones, ``calls`` is 6)."""
+    from shardopt.checkpoint.convert import read
+
+    out = {}
+    fixed = ["frozen.weight", "frozen.bias", "shift"]
+    for tag, names in (("step3", fixed + ["calls"]), ("zero3", fixed)):
+        tensors = read(os.path.join(base, tag)).tensors
+        got = {n: tensors.get(f"{n}::param") for n in names + ["calls"]}
+        missing = [n for n, v in got.items() if v is None]
+        out[f"convert_{tag}_missing"] = missing
+        if not missing:
+            out[f"convert_{tag}_vs_saved"] = max((got[n].reshape(-1) - saved[n].reshape(-1)).abs().max().item()
+                                                 for n in names)
+            out[f"convert_{tag}_calls"] = int(got["calls"])
+    return out
 
 
 def check_load(base: str, stage: int, saved: dict, ref: dict) -> dict:

@@ -102,6 +102,10 @@ def test_load_options_after_a_stage_change_and_ds_to_universal_on_zero3() -> Non
     msg = rec["universal_zero3"]  # ZeRO-3: stops before reading optimizer state, naming shardopt's route
     assert msg.startswith("RuntimeError") and "engine.load_checkpoint" in msg and \
         "shardopt checkpoint convert" in msg and "exp_avg" in msg, msg
+    # shardopt checkpoint convert reads frozen weights and buffers from DeepSpeed's files (ZeRO-2 and ZeRO-3)
+    assert rec["convert_step3_missing"] == [] and rec["convert_zero3_missing"] == [], rec
+    assert rec["convert_step3_vs_saved"] == 0.0 and rec["convert_zero3_vs_saved"] == 0.0, rec
+    assert rec["convert_step3_calls"] == 3 and rec["convert_zero3_calls"] == 6, rec
 
 
 @pytest.mark.parametrize("ws", world_sizes((1, 2, 3, 4), ci=(3,)))

@@ -78,15 +78,12 @@ def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True,
     parameters from the loaded fp32 values (all ranks)."""
     wrapper, optimizer = optimizer, _inner(optimizer)
     if model is not None:  # checked before anything loads: a refusal changes nothing
-        from .module_state import check_module_state
+        from .module_state import check_module_state, missing_message
 
         with StateReader(state_path(path)) as reader:
             missing = check_module_state(reader, model)
         if missing and strict:
-            raise CheckpointError(
-                f"{path}: the checkpoint has no saved value for {missing}: it was saved without model= "
-                "(shardopt.checkpoint.save(path, optimizer, model=model)) or from another model; pass strict=False "
-                "to keep the model's own values for them")
+            raise CheckpointError(missing_message(path, missing))
     meta = _load(path, optimizer, load_params, load_state)
     if model is not None:
         from .module_state import load_module_state

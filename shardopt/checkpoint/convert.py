@@ -47,6 +47,42 @@ def _deepspeed_state(path: str) -> str:
     return target
 
 
+def _deepspeed_module_entries(tag_dir: str, have: dict[str, torch.Tensor], notes: list[str]) -> dict[str, torch.Tensor]:
+    """What DeepSpeed's model-states files of a tag hold beyond shardopt's file: frozen parameters and persistent
+    buffers (ZeRO-0/1/2's module state dict; ZeRO-3's buffers and every rank's frozen fragments), as
+    ``<name>::param`` entries, so a conversion carries the whole model. Read without full pickle; a tied weight's
+    second name (DeepSpeed's ``shared_params``) is left out, as shardopt's file leaves it out."""
+    import glob
+    import re
+
+    plain = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
+    ranked = sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")),
+                    key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)))
+    files = [plain] if os.path.isfile(plain) else ranked
+    if not files:
+        return {}
+    try:
+        states = [load_plain(f) for f in files]
+    except Exception as err:  # noqa: BLE001 - a file the restricted reader refuses: the optimizer's part converts
+        notes.append(f"DeepSpeed's model-states files of {tag_dir} not read ({err}); frozen parameters and buffers "
+                     "are not in the conversion")
+        return {}
+    first = states[0]
+    shared = set((first.get("shared_params") or {}).keys())
+    out: dict[str, torch.Tensor] = {}
+    for name, value in (first.get("module") or {}).items():
+        key = f"{name}{SEP}{PARAM_KEY}"
+        if key not in have and name not in shared and isinstance(value, torch.Tensor) and value.numel():
+            out[key] = value.detach().float().clone()
+    for name, shape in (first.get("frozen_param_shapes") or {}).items():  # ZeRO-3: padded partitions, in rank order
+        frags = [s.get("frozen_param_fragments", {}).get(name) for s in states]
+        key = f"{name}{SEP}{PARAM_KEY}"
+        if files is ranked and key not in have and all(f is not None for f in frags):
+            flat = torch.cat([f.reshape(-1).float() for f in frags])
+            out[key] = flat[: torch.Size(shape).numel()].view(tuple(shape)).clone()
+    return out
+
+
 def _check_dcp_files(path: str) -> None:
     """Name a missing or truncated shard file before DCP fails deep inside its reader (the metadata is read
     by the restricted unpickler: nothing in a crafted file runs)."""
@@ -111,8 +147,12 @@ def read(path: str) -> Checkpoint:
     notes = [found.note] if found.note else []
     if found.kind == "file":
         tensors, meta = read_state_file(found.path)
+        if meta.get("engine") == "deepspeed":  # a tag directory of DeepSpeed's engine, named directly
+            tensors.update(_deepspeed_module_entries(os.path.dirname(found.path), tensors, notes))
     elif found.kind == "deepspeed":
-        tensors, meta = read_state_file(_deepspeed_state(found.path))
+        state = _deepspeed_state(found.path)
+        tensors, meta = read_state_file(state)
+        tensors.update(_deepspeed_module_entries(os.path.dirname(state), tensors, notes))
     elif found.kind == "ddp":
         tensors, meta = read_ddp(found.path)
     else:

@@ -20,7 +20,7 @@ from .errors import CheckpointError
 from .files import _natural_view
 from .logical import PARAM_KEY, SEP, Record
 
-__all__ = ["module_tensors", "module_records", "check_module_state", "load_module_state"]
+__all__ = ["check_module_state", "load_module_state", "missing_message", "module_records", "module_tensors"]
 
 
 def module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -77,6 +77,14 @@ def module_records(model: nn.Module) -> list[Record]:
     return records
 
 
+def missing_message(path: str, missing: list[str]) -> str:
+    """The refusal of a strict load that lacks ``missing``, with the ways out."""
+    return (f"{path}: the checkpoint has no saved value for {missing}: it was saved without model= "
+            "(shardopt.checkpoint.save(path, optimizer, model=model)), from another model, or by DeepSpeed's "
+            "engine, whose files beside it hold them (`shardopt checkpoint convert <dir> <out> --to file` puts them "
+            "in one file); pass strict=False to keep the model's own values for them")
+
+
 def check_module_state(reader: Any, model: nn.Module) -> list[str]:
     """The names of ``module_tensors(model)`` the checkpoint lacks or holds with another number of elements."""
     missing = []
@@ -93,10 +101,7 @@ def load_module_state(reader: Any, model: nn.Module, strict: bool = True) -> lis
     missing keeps the model's own value. Returns the names not loaded."""
     missing = check_module_state(reader, model)
     if missing and strict:
-        raise CheckpointError(
-            f"{reader.path}: the checkpoint has no saved value for {missing}: it was saved without "
-            "model= (shardopt.checkpoint.save(path, optimizer, model=model)) or from another model; pass "
-            "strict=False to keep the model's own values for them")
+        raise CheckpointError(missing_message(reader.path, missing))
     todo = {n: t for n, t in module_tensors(model).items() if n not in missing}
     reader.check_files([f"{n}{SEP}{PARAM_KEY}" for n in todo])
     with torch.no_grad():
