@@ -102,6 +102,7 @@ def test_staged_collective_runs_where_the_backend_takes_it(monkeypatch) -> None:
     seen = []
     monkeypatch.setattr(staging, "_backend", lambda group: "nccl")
     monkeypatch.setattr(staging, "accelerator_device", lambda: torch.device("meta"))
+    monkeypatch.setattr(staging, "_host_only", lambda: False)  # as on a host with an accelerator
     monkeypatch.setattr(staging, "takes_device", lambda backend, kind: kind == "meta")
     monkeypatch.setattr(dist, "all_reduce", lambda t, op=None, group=None: seen.append(t.device.type))
     monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src: seen.append(("copy", src.device.type)) or self)

@@ -83,7 +83,20 @@ def _backend(group: Any) -> str:
     return hit[1]
 
 
+_HOST_ONLY: list[bool] = []
+
+
+def _host_only() -> bool:
+    """No accelerator in this process (asked once): a CPU buffer has nowhere to be staged, so the group's backend
+    moves it or refuses it itself, and no backend needs to be looked up."""
+    if not _HOST_ONLY:
+        _HOST_ONLY.append(accelerator_device() is None)
+    return _HOST_ONLY[0]
+
+
 def _target(t: torch.Tensor, group: Any) -> torch.device | None:
+    if t.device.type == "cpu" and _host_only():
+        return None
     backend = _backend(group)
     if takes_device(backend, t.device.type):  # the common case, decided without asking for the accelerator
         return None
