@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="train until this many optimizer steps in all")
     ap.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) at the end")
     ap.add_argument("--load", metavar="DIR", help="engine.load_checkpoint(DIR) first (any world size or ZeRO stage)")
+    ap.add_argument("--roles", action="store_true", help="print each parameter's role and rule (rank 0)")
     args = ap.parse_args()
     rank, world, device = init_distributed()
     model = tiny_llama()
@@ -38,6 +39,8 @@ def main() -> None:
 
     schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     engine, optimizer, _, scheduler = shardopt.deepspeed.initialize(model=model, config=config, lr_scheduler=schedule)
+    if args.roles and rank == 0:
+        print(optimizer.describe())  # or engine.describe(), shardopt.describe(engine)
     if args.load:
         engine.load_checkpoint(args.load)
         if rank == 0:

@@ -36,10 +36,13 @@ def main() -> None:
     ap.add_argument("--stage", type=int, default=2, help="ZeRO stage (1, 2 or 3)")
     ap.add_argument("--save", metavar="DIR", help="accelerator.save_state(DIR) at the end")
     ap.add_argument("--load", metavar="DIR", help="accelerator.load_state(DIR) first")
+    ap.add_argument("--offload", action="store_true", help="ZeRO-Offload: the optimizer's partitions on the CPU")
     args = ap.parse_args()
 
     config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
               "gradient_clipping": 1.0, "zero_optimization": {"stage": args.stage}}
+    if args.offload:  # prepare sets zero_force_ds_cpu_optimizer false, so accelerate keeps shardopt's optimizer
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
     model = tiny_llama()
     optimizer = shardopt.create_optimizer(model, "scale", lr=1e-2)
