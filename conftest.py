@@ -1,4 +1,5 @@
 """Set-up shared by tests/ and tests_dist/ (pytest loads this rootdir conftest for both)."""
+
 import os
 import sys
 

@@ -7,6 +7,7 @@ SCALE. After two steps a sampling thread records the resident memory every 2 ms 
 runs DCP's ``get_state_dict`` + ``dcp.save``. Steady state is the rank's anonymous resident memory right
 before the save; the figure is peak / steady (the issue's bound: 1.25).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,8 +21,15 @@ import time
 from .launch import finish_worker, gather, init_worker, run_workers
 from .results import QUICK_DIR, markdown_table, write_results
 
-CASES = [("fsdp2", "sumo"), ("fsdp2", "alice"), ("fsdp2", "asgo"), ("fsdp2", "scale"),
-         ("zero2", "sumo"), ("zero2", "alice"), ("zero2", "scale")]
+CASES = [
+    ("fsdp2", "sumo"),
+    ("fsdp2", "alice"),
+    ("fsdp2", "asgo"),
+    ("fsdp2", "scale"),
+    ("zero2", "sumo"),
+    ("zero2", "alice"),
+    ("zero2", "scale"),
+]
 QUICK = [("fsdp2", "sumo"), ("zero2", "sumo")]
 
 
@@ -88,7 +96,7 @@ def worker(args: argparse.Namespace) -> None:
     rank, world = init_worker()
     torch.manual_seed(0)
     records = []
-    for engine, name in (QUICK if args.quick else CASES):
+    for engine, name in QUICK if args.quick else CASES:
         model = _model(args.model)
         vocab = VOCAB
         kw = {"matrix_ops": {"strategy": "distributed"}} if name in ("sumo", "alice", "asgo") else {}
@@ -105,8 +113,13 @@ def worker(args: argparse.Namespace) -> None:
         else:
             import shardopt.deepspeed
 
-            config = {"train_micro_batch_size_per_gpu": 1, "train_batch_size": world, "gradient_clipping": 0.0,
-                      "zero_optimization": {"stage": 2}, "shardopt": {"optimizer": name, "params": kw}}
+            config = {
+                "train_micro_batch_size_per_gpu": 1,
+                "train_batch_size": world,
+                "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": 2},
+                "shardopt": {"optimizer": name, "params": kw},
+            }
             step_model, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
             opt = step_model.optimizer.optimizer
         for s in range(2):
@@ -131,8 +144,15 @@ def worker(args: argparse.Namespace) -> None:
         with meter:
             ckpt.load(root[0], opt)
         load_peak, load_rss = meter.peak, meter.peak_rss
-        rec = {"engine": engine, "optimizer": name, "rank": rank, "steady_mib": steady / 2**20,
-               "save": save_peak / steady, "load": load_peak / steady, "load_rss": load_rss / steady_rss}
+        rec = {
+            "engine": engine,
+            "optimizer": name,
+            "rank": rank,
+            "steady_mib": steady / 2**20,
+            "save": save_peak / steady,
+            "load": load_peak / steady,
+            "load_rss": load_rss / steady_rss,
+        }
         if engine == "fsdp2":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -162,18 +182,46 @@ def main(argv: list[str] | None = None) -> None:
         return
     extra = ["--model", args.model] + (["--quick"] if args.quick else [])
     records = run_workers("benchmarks.checkpoint_memory", 2, extra, timeout=3600)
-    rows = [(r["engine"], r["optimizer"], r["rank"], f"{r['steady_mib']:.0f}", f"{r['save']:.3f}",
-             f"{r['load']:.3f}", f"{r['load_rss']:.3f}", f"{r['dcp_save']:.3f}" if "dcp_save" in r else "")
-            for r in records]
-    table = markdown_table(["engine", "optimizer", "rank", "steady anon. memory (MiB)", "save peak / steady",
-                            "load peak / steady", "load peak / steady (RSS incl. mapped file)",
-                            "DCP save peak / steady"], rows)
+    rows = [
+        (
+            r["engine"],
+            r["optimizer"],
+            r["rank"],
+            f"{r['steady_mib']:.0f}",
+            f"{r['save']:.3f}",
+            f"{r['load']:.3f}",
+            f"{r['load_rss']:.3f}",
+            f"{r['dcp_save']:.3f}" if "dcp_save" in r else "",
+        )
+        for r in records
+    ]
+    table = markdown_table(
+        [
+            "engine",
+            "optimizer",
+            "rank",
+            "steady anon. memory (MiB)",
+            "save peak / steady",
+            "load peak / steady",
+            "load peak / steady (RSS incl. mapped file)",
+            "DCP save peak / steady",
+        ],
+        rows,
+    )
     print(table)
     worst = max(max(r["save"], r["load"], r.get("dcp_save", 0)) for r in records)
-    notes = [f"model {args.model}, 2 ranks, anonymous resident memory (RssAnon) sampled every 2 ms; worst peak / "
-             f"steady {worst:.3f} (bound 1.25); the RSS column adds the mapped checkpoint pages (page cache)"]
-    write_results("checkpoint_memory", {"model": args.model, "quick": args.quick}, records, table, notes,
-                  out_dir=QUICK_DIR if args.quick else None)
+    notes = [
+        f"model {args.model}, 2 ranks, anonymous resident memory (RssAnon) sampled every 2 ms; worst peak / "
+        f"steady {worst:.3f} (bound 1.25); the RSS column adds the mapped checkpoint pages (page cache)"
+    ]
+    write_results(
+        "checkpoint_memory",
+        {"model": args.model, "quick": args.quick},
+        records,
+        table,
+        notes,
+        out_dir=QUICK_DIR if args.quick else None,
+    )
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ verification's own cost, not the disk's), best of ``--repeat`` alternated runs. 
 the CRC-32 it now computes, and both checksum passes alone (the saves' and loads' totals include fsync and the
 disk, which vary from run to run on a shared machine by more than the checksums cost). Prints a table; CPU only.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
-    layers = max(1, round(args.params / args.width ** 2))
+    layers = max(1, round(args.params / args.width**2))
     torch.manual_seed(0)
     model = nn.Sequential(*[nn.Linear(args.width, args.width, bias=False) for _ in range(layers)])
     opt = shardopt.create_optimizer(model, "scale", routing={"*": "adamw"})
@@ -52,14 +53,14 @@ def main() -> None:
         nbytes = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
         t = {"save": [], "save_plain": [], "verified": [], "skipped": []}
         for rep in range(args.repeat):  # alternated, each first every other time: drift (page cache, writeback,
-            for crc in ((True, False) if rep % 2 == 0 else (False, True)):  # other load) hits both alike
+            for crc in (True, False) if rep % 2 == 0 else (False, True):  # other load) hits both alike
                 files._crc = real_crc if crc else (lambda x: 0)
                 try:
                     t["save" if crc else "save_plain"].append(_best(lambda: ckpt.save(d, opt), 1))
                 finally:
                     files._crc = real_crc
             ckpt.save(d, opt)
-            for verify in (("1", "0") if rep % 2 == 0 else ("0", "1")):
+            for verify in ("1", "0") if rep % 2 == 0 else ("0", "1"):
                 os.environ["SHARDOPT_CHECKPOINT_VERIFY"] = verify
                 t["verified" if verify == "1" else "skipped"].append(_best(lambda: ckpt.load(d, opt), 1))
             os.environ.pop("SHARDOPT_CHECKPOINT_VERIFY")
@@ -73,8 +74,9 @@ def main() -> None:
     print(f"| save (with CRC-32) | {save_s:.2f} |\n| save (CRC-32 replaced by 0) | {save_plain_s:.2f} |")
     print(f"| load, checksums verified | {verified:.2f} |\n| load, SHARDOPT_CHECKPOINT_VERIFY=0 | {skipped:.2f} |")
     print(f"| CRC-32 of the saved tensors alone (the save's added work) | {crc:.2f} |")
-    print(f"| verification alone (verify_file, files in the page cache) | {check:.2f} "
-          f"({nbytes / 1e9 / check:.1f} GB/s) |")
+    print(
+        f"| verification alone (verify_file, files in the page cache) | {check:.2f} ({nbytes / 1e9 / check:.1f} GB/s) |"
+    )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
 """Command-line plumbing shared by the benchmark scripts."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,8 +16,9 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None, quick: dict[
     defaults (flags given explicitly still win) and results go to ``runs/benchmarks/quick`` (not committed), so a
     smoke run never overwrites the results the README table is built from."""
     ap.add_argument("--results-dir", type=Path, default=RESULTS_DIR, help="where the JSON/markdown files go")
-    ap.add_argument("--quick", action="store_true",
-                    help="smoke run: " + ", ".join(f"{k}={v}" for k, v in quick.items()))
+    ap.add_argument(
+        "--quick", action="store_true", help="smoke run: " + ", ".join(f"{k}={v}" for k, v in quick.items())
+    )
     first, _ = ap.parse_known_args(argv)
     if first.quick:
         ap.set_defaults(**quick, results_dir=QUICK_DIR)

@@ -13,6 +13,7 @@ step is repeated with two layer counts: a call count that does not change shows 
 number of matrices (3 and 5 layers by default: odd counts put ZeRO partition boundaries inside matrices,
 as in real models).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,9 +55,18 @@ def measure_case(layout: str, name: str, layers: int, args: argparse.Namespace) 
             per_step.append(counts)
     last = per_step[-1]
     steady = all((c["calls"], c["bytes"]) == (last["calls"], last["bytes"]) for c in per_step)
-    return {"layout": layout, "optimizer": name, "layers": layers, "calls": last["calls"], "bytes": last["bytes"],
-            "flops": last["flops"], "by_kind": last["by_kind"], "steady": steady,
-            "grad_bytes": 4 * sizes["params"], "gather_bytes": 4 * sizes["matrix"]}
+    return {
+        "layout": layout,
+        "optimizer": name,
+        "layers": layers,
+        "calls": last["calls"],
+        "bytes": last["bytes"],
+        "flops": last["flops"],
+        "by_kind": last["by_kind"],
+        "steady": steady,
+        "grad_bytes": 4 * sizes["params"],
+        "gather_bytes": 4 * sizes["matrix"],
+    }
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -68,8 +78,12 @@ def worker(args: argparse.Namespace) -> None:
                 try:
                     rec = measure_case(layout, name, layers, args)
                 except Exception as exc:  # one broken case must not hide the others; ranks fail together
-                    rec = {"layout": layout, "optimizer": name, "layers": layers,
-                           "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300]}
+                    rec = {
+                        "layout": layout,
+                        "optimizer": name,
+                        "layers": layers,
+                        "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:300],
+                    }
                 per_rank = gather(rec)
                 if rank == 0:
                     records.append(combine(per_rank, world))
@@ -84,12 +98,17 @@ def combine(per_rank: list[dict[str, Any]], world: int) -> dict[str, Any]:
     out = {k: first[k] for k in ("layout", "optimizer", "layers")} | {"world_size": world}
     if errors:
         return out | {"error": errors[0]}
-    out |= {"calls": max(r["calls"] for r in per_rank),
-            "calls_equal_on_ranks": len({r["calls"] for r in per_rank}) == 1,
-            "bytes_max": max(r["bytes"] for r in per_rank), "bytes_per_rank": [r["bytes"] for r in per_rank],
-            "flops_per_rank": [r["flops"] for r in per_rank], "by_kind_rank0": first["by_kind"],
-            "steady": all(r["steady"] for r in per_rank), "grad_bytes": first["grad_bytes"],
-            "gather_bytes": first["gather_bytes"]}
+    out |= {
+        "calls": max(r["calls"] for r in per_rank),
+        "calls_equal_on_ranks": len({r["calls"] for r in per_rank}) == 1,
+        "bytes_max": max(r["bytes"] for r in per_rank),
+        "bytes_per_rank": [r["bytes"] for r in per_rank],
+        "flops_per_rank": [r["flops"] for r in per_rank],
+        "by_kind_rank0": first["by_kind"],
+        "steady": all(r["steady"] for r in per_rank),
+        "grad_bytes": first["grad_bytes"],
+        "gather_bytes": first["gather_bytes"],
+    }
     out["fraction_of_grad"] = out["bytes_max"] / out["grad_bytes"]
     out["fraction_of_gather"] = out["bytes_max"] / out["gather_bytes"] if out["gather_bytes"] else None
     return out
@@ -116,8 +135,10 @@ def summarize(records: list[dict[str, Any]], layer_counts: list[int]) -> list[di
             rows.append(row | {"error": bad[0]["error"] if bad else "missing"})
             continue
         calls = {layers: r["calls"] for layers, r in case.items()}
-        row |= {k: big[k] for k in ("calls", "bytes_max", "grad_bytes", "gather_bytes", "fraction_of_grad",
-                                    "fraction_of_gather")}
+        row |= {
+            k: big[k]
+            for k in ("calls", "bytes_max", "grad_bytes", "gather_bytes", "fraction_of_grad", "fraction_of_gather")
+        }
         row["calls_by_layers"] = calls
         row["calls_independent"] = len(set(calls.values())) == 1
         if name in targets.COMM_TARGET_OPTIMIZERS:
@@ -134,15 +155,34 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
             continue
         calls = " / ".join(str(c) for _, c in sorted(r["calls_by_layers"].items()))
         target = "" if "target_met" not in r else ("met" if r["target_met"] else "missed")
-        table.append([str(r["world_size"]), r["layout"], r["optimizer"], f"{r['bytes_max']:,}",
-                      fmt(100 * r["fraction_of_grad"], ".3f"),
-                      fmt(100 * r["fraction_of_gather"] if r["fraction_of_gather"] is not None else None, ".2f"),
-                      calls, fmt(r["calls_independent"]), target])
+        table.append(
+            [
+                str(r["world_size"]),
+                r["layout"],
+                r["optimizer"],
+                f"{r['bytes_max']:,}",
+                fmt(100 * r["fraction_of_grad"], ".3f"),
+                fmt(100 * r["fraction_of_gather"] if r["fraction_of_gather"] is not None else None, ".2f"),
+                calls,
+                fmt(r["calls_independent"]),
+                target,
+            ]
+        )
     layers = sorted(next((r["calls_by_layers"] for r in rows if "calls_by_layers" in r), {}))
     return markdown_table(
-        ["ws", "layout", "optimizer", "bytes/step/rank", "% of gradient", "% of full-matrix gather",
-         f"calls/step ({' / '.join(f'{n} layers' for n in layers)})", "calls independent of #matrices",
-         f"target (<= {100 * targets.COMM_FRACTION_OF_GRAD:g}% of grad)"], table)
+        [
+            "ws",
+            "layout",
+            "optimizer",
+            "bytes/step/rank",
+            "% of gradient",
+            "% of full-matrix gather",
+            f"calls/step ({' / '.join(f'{n} layers' for n in layers)})",
+            "calls independent of #matrices",
+            f"target (<= {100 * targets.COMM_FRACTION_OF_GRAD:g}% of grad)",
+        ],
+        table,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,22 +192,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizers", default=None, help="comma list (default: all registered)")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--vocab", type=int, default=4096)
-    ap.add_argument("--layers", default="3,5",
-                    help="two layer counts for the call-count check (odd: with even counts the tiny model's ZeRO "
-                         "partitions can end exactly between matrices, which hides the boundary traffic)")
+    ap.add_argument(
+        "--layers",
+        default="3,5",
+        help="two layer counts for the call-count check (odd: with even counts the tiny model's ZeRO "
+        "partitions can end exactly between matrices, which hides the boundary traffic)",
+    )
     ap.add_argument("--steps", type=int, default=2, help="counted steps after one uncounted step")
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--seq", type=int, default=32)
     ap.add_argument("--out", default="comm")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parse_args(ap, argv, dict(world_sizes="2", layouts="zero2,fsdp2", steps=1,
-                                     optimizers="scale,sinkgd,racs"))
+    args = parse_args(ap, argv, dict(world_sizes="2", layouts="zero2,fsdp2", steps=1, optimizers="scale,sinkgd,racs"))
     if args.worker:
         return worker(args)
     args.optimizers = ",".join(optimizers.select(args.optimizers, optimizers.registered()))
-    passed = ["--layouts", args.layouts, "--optimizers", args.optimizers, "--preset", args.preset, "--vocab",
-              str(args.vocab), "--layers", args.layers, "--steps", str(args.steps), "--batch", str(args.batch),
-              "--seq", str(args.seq)]
+    passed = [
+        "--layouts",
+        args.layouts,
+        "--optimizers",
+        args.optimizers,
+        "--preset",
+        args.preset,
+        "--vocab",
+        str(args.vocab),
+        "--layers",
+        args.layers,
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+    ]
     records: list[dict[str, Any]] = []
     for ws in (int(w) for w in args.world_sizes.split(",")):
         print(f"== world size {ws} ==", flush=True)
@@ -176,11 +233,13 @@ def main(argv: list[str] | None = None) -> None:
             print(_line(r))
         records += got
     rows = summarize(records, [int(x) for x in args.layers.split(",")])
-    notes = ["bytes: what this rank puts into shardopt's collectives in one optimizer step (the busiest rank); "
-             "gradient: 4 B x all parameters; full-matrix gather: 4 B x sum of m*n over the matrices the rule steps.",
-             "The engine's own collectives (ZeRO reduce-scatter / all-gather, FSDP2) are not counted; they are the "
-             "same for every optimizer, AdamW included.",
-             "ZeRO-3 calls step() once per sub-group; counts are per engine step (all sub-groups)."]
+    notes = [
+        "bytes: what this rank puts into shardopt's collectives in one optimizer step (the busiest rank); "
+        "gradient: 4 B x all parameters; full-matrix gather: 4 B x sum of m*n over the matrices the rule steps.",
+        "The engine's own collectives (ZeRO reduce-scatter / all-gather, FSDP2) are not counted; they are the "
+        "same for every optimizer, AdamW included.",
+        "ZeRO-3 calls step() once per sub-group; counts are per engine step (all sub-groups).",
+    ]
     config = {k: v for k, v in vars(args).items() if k != "worker"}
     path = write_results(args.out, config, rows, to_markdown(rows), notes, raw=records, out_dir=args.results_dir)
     print(f"wrote {path} and {path.with_suffix('.md')}")

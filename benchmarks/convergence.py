@@ -14,6 +14,7 @@ shows the best run's curves.
 Runs go to ``runs/benchmarks/convergence/`` (``--quick``: ``runs/benchmarks/quick/convergence/``), results to
 ``benchmarks/results/``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,14 +42,29 @@ def run_one(name: str, mult: float, args: argparse.Namespace, tag: str = "") -> 
     root = os.path.join(QUICK_DIR, "convergence") if args.quick else RUN_ROOT  # a smoke run keeps the full runs
     run_dir = os.path.join(root, f"{name}_x{mult:g}" + (f"_{tag}" if tag else ""))
     params = {} if name in peers.PEERS else optimizers.sweep_hyperparameters(name, mult)
-    cfg = make_config(BASE_CONFIG, name, params, [
-        f"run_dir={run_dir}", f"seed={args.seed}", f"train.steps={args.steps}",
-        f"train.micro_batch_size={args.batch}", f"data.seq_len={args.seq}", f"eval.every={args.eval_every}",
-        f"eval.max_sequences={args.eval_sequences}", "eval.at_start=false", "train.log_every=5",
-        "checkpoint.every=0"])
+    cfg = make_config(
+        BASE_CONFIG,
+        name,
+        params,
+        [
+            f"run_dir={run_dir}",
+            f"seed={args.seed}",
+            f"train.steps={args.steps}",
+            f"train.micro_batch_size={args.batch}",
+            f"data.seq_len={args.seq}",
+            f"eval.every={args.eval_every}",
+            f"eval.max_sequences={args.eval_sequences}",
+            "eval.at_start=false",
+            "train.log_every=5",
+            "checkpoint.every=0",
+        ],
+    )
     hidden = PRESETS[cfg.model.preset]["hidden_size"]
-    rec: dict[str, Any] = {"optimizer": name, "lr_mult": mult,
-                           "hyperparameters": peers.recipe(name, hidden, mult) if name in peers.PEERS else params}
+    rec: dict[str, Any] = {
+        "optimizer": name,
+        "lr_mult": mult,
+        "hyperparameters": peers.recipe(name, hidden, mult) if name in peers.PEERS else params,
+    }
     t0 = time.perf_counter()
     try:
         summary = train(cfg, peer=name if name in peers.PEERS else None, peer_multiplier=mult)
@@ -57,11 +73,15 @@ def run_one(name: str, mult: float, args: argparse.Namespace, tag: str = "") -> 
     except Exception as exc:  # a broken optimizer is reported in its row; the other runs go on
         return rec | {"error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
     metrics = read_metrics(run_dir)
-    rec |= {"val_loss": summary["end_val_loss"], "tokens_per_s": summary["tokens_per_s"],
-            "state_bytes": summary["state_bytes"], "tokens": summary["steps"] * summary["tokens_per_step"],
-            "wall_s": time.perf_counter() - t0,
-            "train_curve": [(m["tokens"], m["loss"]) for m in metrics if "loss" in m],
-            "val_curve": [(m["step"] * summary["tokens_per_step"], m["val_loss"]) for m in metrics if "val_loss" in m]}
+    rec |= {
+        "val_loss": summary["end_val_loss"],
+        "tokens_per_s": summary["tokens_per_s"],
+        "state_bytes": summary["state_bytes"],
+        "tokens": summary["steps"] * summary["tokens_per_step"],
+        "wall_s": time.perf_counter() - t0,
+        "train_curve": [(m["tokens"], m["loss"]) for m in metrics if "loss" in m],
+        "val_curve": [(m["step"] * summary["tokens_per_step"], m["val_loss"]) for m in metrics if "val_loss" in m],
+    }
     return rec
 
 
@@ -137,15 +157,36 @@ def to_markdown(records: list[dict[str, Any]], mults: list[float], unavailable: 
         cells = [_outcome(by_mult[m]) if m in by_mult else "" for m in mults]
         extra = "; ".join(f"x{m:g}: {_outcome(by_mult[m])}" for m in sorted(by_mult) if m not in mults)
         b = best.get(name)
-        rows.append([name, *cells, extra or "-",
-                     (f"x{b['lr_mult']:g}" + (" (end)" if at_edge(runs, b) else "")) if b else "n/a",
-                     fmt(b["val_loss"], ".3f") if b else "n/a", fmt(math.exp(b["val_loss"]), ".1f") if b else "n/a",
-                     fmt(b["tokens_per_s"], ",.0f") if b else "n/a",
-                     fmt(b["state_bytes"] / 2**20, ".2f") if b else "n/a"])
+        rows.append(
+            [
+                name,
+                *cells,
+                extra or "-",
+                (f"x{b['lr_mult']:g}" + (" (end)" if at_edge(runs, b) else "")) if b else "n/a",
+                fmt(b["val_loss"], ".3f") if b else "n/a",
+                fmt(math.exp(b["val_loss"]), ".1f") if b else "n/a",
+                fmt(b["tokens_per_s"], ",.0f") if b else "n/a",
+                fmt(b["state_bytes"] / 2**20, ".2f") if b else "n/a",
+            ]
+        )
     for name, why in unavailable.items():
         rows.append([name, *["not run"] * len(mults), "", why, "", "", "", ""])
-    return markdown_table(["optimizer", *[f"val loss, lr x{m:g}" for m in mults], "sweep extended", "best lr",
-                           "best val loss", "val ppl", "tokens/s", "state MiB"], rows) + "\n![curves](convergence.png)\n"
+    return (
+        markdown_table(
+            [
+                "optimizer",
+                *[f"val loss, lr x{m:g}" for m in mults],
+                "sweep extended",
+                "best lr",
+                "best val loss",
+                "val ppl",
+                "tokens/s",
+                "state MiB",
+            ],
+            rows,
+        )
+        + "\n![curves](convergence.png)\n"
+    )
 
 
 def add_run_arguments(ap: argparse.ArgumentParser) -> None:
@@ -161,16 +202,24 @@ def add_run_arguments(ap: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--optimizers", default=None,
-                    help="comma list from adamw, the registered names and the peers (default: all of them)")
+    ap.add_argument(
+        "--optimizers",
+        default=None,
+        help="comma list from adamw, the registered names and the peers (default: all of them)",
+    )
     ap.add_argument("--lr-mults", default="0.5,1,2", help="learning-rate multipliers on each optimizer's defaults")
-    ap.add_argument("--extend", type=int, default=2,
-                    help="extra runs per optimizer while its best rate is the largest or smallest tried (x2 or /2 "
-                         "each time), so the sweep brackets the optimum; 0 keeps exactly --lr-mults")
+    ap.add_argument(
+        "--extend",
+        type=int,
+        default=2,
+        help="extra runs per optimizer while its best rate is the largest or smallest tried (x2 or /2 "
+        "each time), so the sweep brackets the optimum; 0 keeps exactly --lr-mults",
+    )
     add_run_arguments(ap)
     ap.add_argument("--out", default="convergence")
-    args = parse_args(ap, argv, dict(steps=10, lr_mults="1", eval_every=5, optimizers="adamw,scale,torch_muon",
-                                     extend=0))
+    args = parse_args(
+        ap, argv, dict(steps=10, lr_mults="1", eval_every=5, optimizers="adamw,scale,torch_muon", extend=0)
+    )
     torch.set_num_threads(args.threads)
     names = optimizers.select(args.optimizers, ["adamw", *optimizers.registered(), *peers.PEERS])
     mults = [float(m) for m in args.lr_mults.split(",")]
@@ -183,8 +232,11 @@ def main(argv: list[str] | None = None) -> None:
             mult = queue.pop(0)
             rec = run_one(name, mult, args)
             runs.append(rec)
-            outcome = (f"val loss {rec['val_loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s  {rec['wall_s']:.0f}s"
-                       if "val_loss" in rec else rec.get("diverged") or rec["error"])
+            outcome = (
+                f"val loss {rec['val_loss']:.4f}  {rec['tokens_per_s']:,.0f} tok/s  {rec['wall_s']:.0f}s"
+                if "val_loss" in rec
+                else rec.get("diverged") or rec["error"]
+            )
             print(f"{name:12s} lr x{mult:<4g} {outcome}", flush=True)
             if not queue and len(runs) < len(mults) + args.extend:
                 following = next_multiplier(runs)
@@ -196,11 +248,13 @@ def main(argv: list[str] | None = None) -> None:
     figure = args.results_dir / f"{args.out}.png"
     plot(records, str(figure))
     markdown = to_markdown(records, mults, unavailable).replace("convergence.png", figure.name)
-    notes = [f"Same budget for every run: {args.steps} steps x {args.batch} x {args.seq} tokens on one process.",
-             f"Sweep: lr x {args.lr_mults} of each optimizer's defaults; where the best was the largest or smallest "
-             f"rate tried, up to {args.extend} more runs at twice / half that rate ('sweep extended'). '(end)': the "
-             "best is still at an end of the sweep, so its loss is an upper bound on the optimum.",
-             "Peers not run here: " + ("; ".join(f"{k}: {v}" for k, v in unavailable.items()) or "none")]
+    notes = [
+        f"Same budget for every run: {args.steps} steps x {args.batch} x {args.seq} tokens on one process.",
+        f"Sweep: lr x {args.lr_mults} of each optimizer's defaults; where the best was the largest or smallest "
+        f"rate tried, up to {args.extend} more runs at twice / half that rate ('sweep extended'). '(end)': the "
+        "best is still at an end of the sweep, so its loss is an upper bound on the optimum.",
+        "Peers not run here: " + ("; ".join(f"{k}: {v}" for k, v in unavailable.items()) or "none"),
+    ]
     config = vars(args) | {"unavailable": unavailable}
     path = write_results(args.out, config, records, markdown, notes, out_dir=args.results_dir)
     print(f"wrote {path}, {path.with_suffix('.md')} and {figure}")

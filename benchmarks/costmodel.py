@@ -6,11 +6,20 @@ Alice-0 may share one rule) and read hyperparameters from the matrix's param gro
 interval set by the user is what gets counted. A name without a formula gives ``None``: the tables then
 say "n/a" instead of guessing.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-__all__ = ["matrix_view", "state_elements", "traffic_elements", "matrix_flops", "find_hyper", "refresh_interval", "low_rank"]
+__all__ = [
+    "matrix_view",
+    "state_elements",
+    "traffic_elements",
+    "matrix_flops",
+    "find_hyper",
+    "refresh_interval",
+    "low_rank",
+]
 
 Rule = Callable[[int, int, Mapping[str, Any]], float]
 
@@ -59,23 +68,25 @@ def interval_of(opt: Any) -> tuple[str, int] | None:
 
 def _ranked(rule: Callable[[int, int, int], float]) -> Rule:
     """A low-rank formula at r = min(rank, m, n): a rank above the smaller side cannot exist."""
+
     def apply(m: int, n: int, hp: Mapping[str, Any]) -> float | None:
         r = low_rank(hp)
         return None if r is None else rule(m, n, min(r, m, n))
+
     return apply
 
 
 # Persistent optimizer state per matrix routed to the optimizer's matrix rule (elements).
 _STATE: dict[str, Rule] = {
-    "adamw": lambda m, n, hp: 2 * m * n,                                   # exp_avg + exp_avg_sq
-    "scale": lambda m, n, hp: m * n if hp.get("momentum", 0) else 0,       # docs/algorithms/scale.md: LM head only
-    "sinkgd": lambda m, n, hp: 0,                                          # docs/algorithms/sinkgd.md: stateless
-    "swan": lambda m, n, hp: 0,                                            # docs/algorithms/swan.md
-    "racs": lambda m, n, hp: m + n + 1,                                    # docs/algorithms/racs.md: q, s, phi
-    "muon": lambda m, n, hp: m * n,                                        # momentum
-    "asgo": lambda m, n, hp: m * n + 2 * min(m, n) ** 2,                   # docs/algorithms/asgo.md: M, V, P
-    "dasgo": lambda m, n, hp: m * n + n,                                   # docs/algorithms/asgo.md: M, v (columns)
-    "sumo": _ranked(lambda m, n, r: (m + n) * r),                          # docs/algorithms/sumo.md: Q, M
+    "adamw": lambda m, n, hp: 2 * m * n,  # exp_avg + exp_avg_sq
+    "scale": lambda m, n, hp: m * n if hp.get("momentum", 0) else 0,  # docs/algorithms/scale.md: LM head only
+    "sinkgd": lambda m, n, hp: 0,  # docs/algorithms/sinkgd.md: stateless
+    "swan": lambda m, n, hp: 0,  # docs/algorithms/swan.md
+    "racs": lambda m, n, hp: m + n + 1,  # docs/algorithms/racs.md: q, s, phi
+    "muon": lambda m, n, hp: m * n,  # momentum
+    "asgo": lambda m, n, hp: m * n + 2 * min(m, n) ** 2,  # docs/algorithms/asgo.md: M, V, P
+    "dasgo": lambda m, n, hp: m * n + n,  # docs/algorithms/asgo.md: M, v (columns)
+    "sumo": _ranked(lambda m, n, r: (m + n) * r),  # docs/algorithms/sumo.md: Q, M
     # docs/algorithms/alice.md (rows <= cols): U k x r, M and V r x K, p K, Q~ r x r, phi
     "alice": _ranked(lambda m, n, r: min(m, n) * r + 2 * max(m, n) * r + max(m, n) + r * r + 1),
     "alice0": _ranked(lambda m, n, r: min(m, n) * r + 2 * max(m, n) * r + max(m, n) + 1),
@@ -98,7 +109,7 @@ def traffic_elements(name: str, m: int, n: int, hp: Mapping[str, Any]) -> float 
 
 def _ns_quintic(m: int, n: int, steps: int) -> float:
     k, big = min(m, n), max(m, n)
-    return steps * (4.0 * k * k * big + 2.0 * k ** 3)  # X X^T, (bA + cA^2), B X per step
+    return steps * (4.0 * k * k * big + 2.0 * k**3)  # X X^T, (bA + cA^2), B X per step
 
 
 def _interval(hp: Mapping[str, Any]) -> int:
@@ -110,8 +121,10 @@ def _interval(hp: Mapping[str, Any]) -> int:
 _FLOPS: dict[str, Rule] = {
     "muon": lambda m, n, hp: _ns_quintic(m, n, int(hp.get("ns_steps", 5))),
     # Gram + apply (2 k^2 K each) and a coupled Newton-Schulz step of 3 k x k products (6 k^3)
-    "swan": lambda m, n, hp: int(hp.get("iterations", 1)) * (
-        4.0 * min(m, n) ** 2 * max(m, n) + int(hp.get("ns_steps", 12)) * 6.0 * min(m, n) ** 3),
+    "swan": lambda m, n, hp: (
+        int(hp.get("iterations", 1))
+        * (4.0 * min(m, n) ** 2 * max(m, n) + int(hp.get("ns_steps", 12)) * 6.0 * min(m, n) ** 3)
+    ),
     # Gram and apply (2 K k^2 each), eigh ~10 k^3 every tau steps (docs/algorithms/asgo.md)
     "asgo": lambda m, n, hp: 4.0 * max(m, n) * min(m, n) ** 2 + 10.0 * min(m, n) ** 3 / _interval(hp),
     # project and back-project (2 m n r each); the refresh (QR/SVD of an m x r or m x n block) is left out

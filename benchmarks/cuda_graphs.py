@@ -13,6 +13,7 @@ non-finite check reads a device value on the host, so it is off (``on_nonfinite=
 
 Each optimizer runs in a process of its own: a capture that fails can leave the CUDA context unusable.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -93,8 +94,19 @@ def probe(name: str, size: str, steps: int, repeats: int) -> dict[str, Any]:
 
 def run_one(name: str, size: str, steps: int, repeats: int, timeout: float) -> dict[str, Any]:
     """``probe`` in a child process (a failed capture may poison the CUDA context)."""
-    cmd = [sys.executable, "-m", "benchmarks.cuda_graphs", "--child", name, "--sizes", size,
-           "--steps", str(steps), "--repeats", str(repeats)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.cuda_graphs",
+        "--child",
+        name,
+        "--sizes",
+        size,
+        "--steps",
+        str(steps),
+        "--repeats",
+        str(repeats),
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=os.environ.copy())
     except subprocess.TimeoutExpired:
@@ -102,8 +114,12 @@ def run_one(name: str, size: str, steps: int, repeats: int, timeout: float) -> d
     for line in reversed(done.stdout.splitlines()):
         if line.startswith("{"):
             return json.loads(line)
-    return {"optimizer": name, "size": size, "captured": None,
-            "error": f"exit {done.returncode}: " + (done.stderr.strip().splitlines() or ["no output"])[-1][:300]}
+    return {
+        "optimizer": name,
+        "size": size,
+        "captured": None,
+        "error": f"exit {done.returncode}: " + (done.stderr.strip().splitlines() or ["no output"])[-1][:300],
+    }
 
 
 def to_markdown(records: list[dict[str, Any]], roofline: dict[str, float]) -> str:
@@ -112,13 +128,39 @@ def to_markdown(records: list[dict[str, Any]], roofline: dict[str, float]) -> st
         floor_ms = None
         if r.get("floor_bytes") is not None:
             floor_ms = 1e3 * max(r["floor_bytes"] / roofline["bandwidth"], (r.get("flops") or 0.0) / roofline["flops"])
-        ratio = (lambda key: fmt(r[key] / floor_ms) if floor_ms and r.get(key) else "")
+        ratio = lambda key: fmt(r[key] / floor_ms) if floor_ms and r.get(key) else ""
         drift = r.get("drift") or {}
-        rows.append([r["size"], r["optimizer"], {True: "yes", False: "no", None: "?"}[r.get("captured")],
-                     fmt(r.get("eager_ms")), fmt(r.get("graph_ms")), fmt(floor_ms), ratio("eager_ms"),
-                     ratio("graph_ms"), fmt(drift.get("matrices")), fmt(drift.get("vectors")), r.get("error", "")])
-    return markdown_table(["size", "optimizer", "captured", "eager ms", "graph ms", "floor ms", "eager / floor",
-                           "graph / floor", "drift matrices", "drift vectors", "why not"], rows)
+        rows.append(
+            [
+                r["size"],
+                r["optimizer"],
+                {True: "yes", False: "no", None: "?"}[r.get("captured")],
+                fmt(r.get("eager_ms")),
+                fmt(r.get("graph_ms")),
+                fmt(floor_ms),
+                ratio("eager_ms"),
+                ratio("graph_ms"),
+                fmt(drift.get("matrices")),
+                fmt(drift.get("vectors")),
+                r.get("error", ""),
+            ]
+        )
+    return markdown_table(
+        [
+            "size",
+            "optimizer",
+            "captured",
+            "eager ms",
+            "graph ms",
+            "floor ms",
+            "eager / floor",
+            "graph / floor",
+            "drift matrices",
+            "drift vectors",
+            "why not",
+        ],
+        rows,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -145,14 +187,23 @@ def main(argv: list[str] | None = None) -> None:
             rec = run_one(name.strip(), size.strip(), args.steps, args.repeats, args.timeout)
             print(json.dumps(rec), flush=True)
             records.append(rec)
-    notes = ["Single process, random gradients held at the same addresses; both copies take the same warm-up steps.",
-             "drift: max |W_eager - W_graph| / max |W_eager - W_start| over the compared steps, per role; a "
-             "replay repeats the captured kernels with the values the Python code had at capture (a step count, "
-             "a refresh decision), so a rule whose kernels take such values drifts.",
-             "floor: benchmarks.step_time's (compulsory bytes at the measured bandwidth, or matrix FLOPs at the "
-             "measured fp32 matmul rate)."]
-    path = write_results("cuda_graphs_cuda", vars(args) | {"roofline": roofline}, records,
-                         to_markdown(records, roofline), notes, device="cuda", out_dir=args.results_dir)
+    notes = [
+        "Single process, random gradients held at the same addresses; both copies take the same warm-up steps.",
+        "drift: max |W_eager - W_graph| / max |W_eager - W_start| over the compared steps, per role; a "
+        "replay repeats the captured kernels with the values the Python code had at capture (a step count, "
+        "a refresh decision), so a rule whose kernels take such values drifts.",
+        "floor: benchmarks.step_time's (compulsory bytes at the measured bandwidth, or matrix FLOPs at the "
+        "measured fp32 matmul rate).",
+    ]
+    path = write_results(
+        "cuda_graphs_cuda",
+        vars(args) | {"roofline": roofline},
+        records,
+        to_markdown(records, roofline),
+        notes,
+        device="cuda",
+        out_dir=args.results_dir,
+    )
     print(f"wrote {path} and {path.with_suffix('.md')}")
 
 

@@ -6,6 +6,7 @@ root, as the trainer does) and ``zero1`` / ``zero2`` / ``zero3`` (DeepSpeed thro
 engine's optimizer step, and the shardopt optimizer inside it (whose own ``step`` time is measured by
 wrapping it, so ZeRO's parameter all-gather after the step is not charged to the optimizer).
 """
+
 from __future__ import annotations
 
 import time
@@ -95,7 +96,7 @@ def _zero(model: torch.nn.Module, stage: int, name: str, hp: dict[str, Any], mic
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
-        "steps_per_print": 10 ** 9,
+        "steps_per_print": 10**9,
         "zero_optimization": {"stage": stage},
         "shardopt": {"optimizer": name, "params": dict(hp)},
     }
@@ -109,8 +110,9 @@ def _zero(model: torch.nn.Module, stage: int, name: str, hp: dict[str, Any], mic
     return EngineRun(forward_backward, engine.step, shardopt_of(engine.optimizer))
 
 
-def prepare(layout: str, model: torch.nn.Module, name: str, hp: dict[str, Any] | None = None,
-            micro_batch: int = 2) -> EngineRun:
+def prepare(
+    layout: str, model: torch.nn.Module, name: str, hp: dict[str, Any] | None = None, micro_batch: int = 2
+) -> EngineRun:
     """``model`` (plain, on CPU) wrapped by ``layout`` with shardopt optimizer ``name``."""
     hp = dict(hp or {})
     if layout == "single":

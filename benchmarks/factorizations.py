@@ -10,6 +10,7 @@ TF32 and bf16 give the time model's rates (``shardopt.sharding.time_model``), th
 per-call latencies, the iterative rows what CUDA runs in their place. Each case is timed as the median of a few calls after one
 warm-up call; the ``per matrix`` column divides by the batch.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,8 +32,8 @@ def _spd(batch: int, k: int, dtype: torch.dtype, device: torch.device, gen: torc
 
 def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], Callable[[], Any]]]:
     from shardopt.sharding.iterative import cholesky_qr2_checked, inverse_sqrt_checked, polar_from_gram_checked
-    from shardopt.sharding.precision import matmul_in
     from shardopt.sharding.matfun import coupled_inverse_sqrt, inverse_root, polar_factor
+    from shardopt.sharding.precision import matmul_in
 
     gen = torch.Generator().manual_seed(0)
     out = []
@@ -44,8 +45,13 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
             out.append((f"cholesky {tag}", (batch, k, k), lambda a=a: torch.linalg.cholesky_ex(a)))
         a32 = _spd(batch, k, torch.float32, device, gen)
         for steps in (8, 20):
-            out.append((f"coupled NS root fp32, {steps} steps", (batch, k, k),
-                        lambda a=a32, s=steps: coupled_inverse_sqrt(a, s, 1e-30)))
+            out.append(
+                (
+                    f"coupled NS root fp32, {steps} steps",
+                    (batch, k, k),
+                    lambda a=a32, s=steps: coupled_inverse_sqrt(a, s, 1e-30),
+                )
+            )
         out.append(("one fp32 product", (batch, k, k), lambda a=a32: a @ a))
         out.append(("one tf32 product", (batch, k, k), lambda a=a32, mm=matmul_in("tf32"): mm(a, a)))
         a16 = a32.bfloat16()
@@ -65,12 +71,18 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
             out.append((f"cholesky r x r {tag}", (batch, r, r), lambda s=s: torch.linalg.cholesky_ex(s)))
         moment = torch.randn(batch, r, m, generator=gen).to(device)
         tol = m * torch.finfo(torch.float32).eps
-        out.append(("checked fp64 polar (iterative)", (batch, r, m),
-                    lambda x=moment.double(), t=tol: polar_from_gram_checked(x, t)))
+        out.append(
+            (
+                "checked fp64 polar (iterative)",
+                (batch, r, m),
+                lambda x=moment.double(), t=tol: polar_from_gram_checked(x, t),
+            )
+        )
         out.append(("SUMO polar, auto route", (batch, r, m), lambda x=moment, t=tol: polar_factor(x, rtol=t)))
         sketch = torch.randn(batch, m, r + 10, generator=gen).to(device, torch.float64)
-        out.append(("Cholesky-QR2 m x w fp64 (iterative)", (batch, m, r + 10),
-                    lambda x=sketch: cholesky_qr2_checked(x)))
+        out.append(
+            ("Cholesky-QR2 m x w fp64 (iterative)", (batch, m, r + 10), lambda x=sketch: cholesky_qr2_checked(x))
+        )
         out.append(("qr m x w fp64", (batch, m, r + 10), lambda x=sketch: torch.linalg.qr(x)))
     return out
 
@@ -88,11 +100,16 @@ def main(argv: list[str] | None = None) -> None:
     for name, shape, fn in cases(device, args.scale):
         t = statistics.median(repeat_timing(fn, device, args.repeats, warmup=1))
         records.append({"case": name, "shape": list(shape), "ms": t * 1e3, "ms_per_matrix": t * 1e3 / shape[0]})
-        print(f"  {name:34s} {str(tuple(shape)):20s} {t * 1e3:10.2f} ms  {t * 1e3 / shape[0]:8.3f} ms/matrix",
-              flush=True)
-    md = markdown_table(["case", "batch x shape", "ms", "ms per matrix"],
-                        [[r["case"], " x ".join(map(str, r["shape"])), fmt(r["ms"], ".2f"),
-                          fmt(r["ms_per_matrix"], ".3f")] for r in records])
+        print(
+            f"  {name:34s} {str(tuple(shape)):20s} {t * 1e3:10.2f} ms  {t * 1e3 / shape[0]:8.3f} ms/matrix", flush=True
+        )
+    md = markdown_table(
+        ["case", "batch x shape", "ms", "ms per matrix"],
+        [
+            [r["case"], " x ".join(map(str, r["shape"])), fmt(r["ms"], ".2f"), fmt(r["ms_per_matrix"], ".3f")]
+            for r in records
+        ],
+    )
     stem = args.out or ("factorizations" if args.device == "cpu" else "factorizations_cuda")
     path = write_results(stem, vars(args), records, md, device=args.device, out_dir=args.results_dir)
     print(f"wrote {path}")

@@ -4,6 +4,7 @@ A distributed benchmark is one module with two halves: the launcher (``main``) c
 each world size; the worker half (the same module with ``--worker``) calls ``init_worker`` and, at the end,
 ``finish_worker`` to hand its per-rank records back through a JSON file written by rank 0.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,8 +39,20 @@ def run_workers(module: str, nproc: int, args: list[str], timeout: float = 1800)
     env["PYTHONPATH"] = os.pathsep.join([str(REPO_ROOT), env.get("PYTHONPATH", "")])
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "records.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-               f"--master_port={_free_port()}", "-m", module, "--worker", "--out", out, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={_free_port()}",
+            "-m",
+            module,
+            "--worker",
+            "--out",
+            out,
+            *args,
+        ]
         try:
             proc = subprocess.run(cmd, env=env, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired as exc:

@@ -10,6 +10,7 @@
    each optimizer; every rank reports its optimizer state bytes (from the state tensors it holds) and its
    peak resident memory (``ru_maxrss``, which includes Python, torch, DeepSpeed and the data).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,16 +55,25 @@ def state_vs_formula(name: str, size: str, vocab: int) -> dict[str, Any]:
                 continue
             total_formula += expect
             if got != expect:
-                mismatches.append({"param": names.get(id(p), "?"), "shape": [m, n], "rule": rule,
-                                   "measured": got, "formula": expect})
+                mismatches.append(
+                    {"param": names.get(id(p), "?"), "shape": [m, n], "rule": rule, "measured": got, "formula": expect}
+                )
     scalars_only = all(0 < x["measured"] - x["formula"] <= SCALAR_SLACK for x in mismatches)
     n_params = sum(p.numel() for p in model.parameters())
-    rec = {"optimizer": name, "size": size, "params": n_params, "state_bytes": state_bytes(opt),
-           "state_bytes_no_counters": state_bytes(opt, include_counters=False),
-           "measured_elements": total_measured, "formula_elements": total_formula if known else None,
-           "adamw_elements": 2 * n_params, "mismatches": mismatches[:20], "n_mismatches": len(mismatches),
-           "match": ("exact" if not mismatches else "scalars" if scalars_only else "no") if known else "no formula",
-           "max_extra_scalars": max((x["measured"] - x["formula"] for x in mismatches), default=0)}
+    rec = {
+        "optimizer": name,
+        "size": size,
+        "params": n_params,
+        "state_bytes": state_bytes(opt),
+        "state_bytes_no_counters": state_bytes(opt, include_counters=False),
+        "measured_elements": total_measured,
+        "formula_elements": total_formula if known else None,
+        "adamw_elements": 2 * n_params,
+        "mismatches": mismatches[:20],
+        "n_mismatches": len(mismatches),
+        "match": ("exact" if not mismatches else "scalars" if scalars_only else "no") if known else "no formula",
+        "max_extra_scalars": max((x["measured"] - x["formula"] for x in mismatches), default=0),
+    }
     rec["vs_adamw"] = total_measured / rec["adamw_elements"]
     del opt, model
     gc.collect()
@@ -76,13 +86,24 @@ def demo_worker(args: argparse.Namespace) -> None:
 
     init_worker()
     with tempfile.TemporaryDirectory() as tmp:
-        cfg = make_config(DEMO_CONFIG, args.optimizer, {}, [
-            f"train.steps={args.steps}", "eval.every=0", "eval.at_start=false", "eval.max_sequences=16",
-            f"run_dir={tmp}/run", "checkpoint.every=0"])
+        cfg = make_config(
+            DEMO_CONFIG,
+            args.optimizer,
+            {},
+            [
+                f"train.steps={args.steps}",
+                "eval.every=0",
+                "eval.at_start=false",
+                "eval.max_sequences=16",
+                f"run_dir={tmp}/run",
+                "checkpoint.every=0",
+            ],
+        )
         summary = train(cfg)
     per_rank = gather({k: summary[k] for k in ("state_bytes", "peak_rss_bytes", "params")})
-    finish_worker([{"optimizer": args.optimizer, "per_rank": per_rank,
-                    "tokens_per_s": summary["tokens_per_s"]}], args.out)
+    finish_worker(
+        [{"optimizer": args.optimizer, "per_rank": per_rank, "tokens_per_s": summary["tokens_per_s"]}], args.out
+    )
 
 
 def demo_runs(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -95,8 +116,14 @@ def demo_runs(names: list[str], args: argparse.Namespace) -> list[dict[str, Any]
         if "per_rank" in rec:
             rec["peak_rss_max"] = max(r["peak_rss_bytes"] for r in rec["per_rank"])
             rec["state_bytes_per_rank"] = [r["state_bytes"] for r in rec["per_rank"]]
-        print(f"demo {name}: " + (rec.get("error") or f"peak RSS {rec['peak_rss_max'] / 2**20:.0f} MiB, "
-                                  f"state {rec['state_bytes_per_rank']} B"), flush=True)
+        print(
+            f"demo {name}: "
+            + (
+                rec.get("error")
+                or f"peak RSS {rec['peak_rss_max'] / 2**20:.0f} MiB, state {rec['state_bytes_per_rank']} B"
+            ),
+            flush=True,
+        )
         out.append(rec)
     return out
 
@@ -110,13 +137,22 @@ def _match_cell(r: dict[str, Any]) -> str:
 
 
 def to_markdown(states: list[dict[str, Any]], demos: list[dict[str, Any]], nproc: int) -> str:
-    rows = [[r["size"], r["optimizer"], fmt(r["state_bytes"] / 2**20, ".2f"), fmt(r["vs_adamw"], ".3f"),
-             fmt(r["measured_elements"], ",d"),
-             fmt(int(r["formula_elements"]) if r["formula_elements"] is not None else None, ",d"),
-             _match_cell(r)] for r in states]
+    rows = [
+        [
+            r["size"],
+            r["optimizer"],
+            fmt(r["state_bytes"] / 2**20, ".2f"),
+            fmt(r["vs_adamw"], ".3f"),
+            fmt(r["measured_elements"], ",d"),
+            fmt(int(r["formula_elements"]) if r["formula_elements"] is not None else None, ",d"),
+            _match_cell(r),
+        ]
+        for r in states
+    ]
     out = "## Optimizer state, single process (one step on the real module)\n\n" + markdown_table(
-        ["size", "optimizer", "state MiB", "state / AdamW state", "state elements", "card formula",
-         "matches formula"], rows)
+        ["size", "optimizer", "state MiB", "state / AdamW state", "state elements", "card formula", "matches formula"],
+        rows,
+    )
     if not demos:
         return out
     base = next((d for d in demos if d["optimizer"] == "adamw" and "peak_rss_max" in d), None)
@@ -125,13 +161,18 @@ def to_markdown(states: list[dict[str, Any]], demos: list[dict[str, Any]], nproc
         if "error" in d:
             drows.append([d["optimizer"], d["error"][:80], "", "", ""])
             continue
-        drows.append([d["optimizer"], fmt(d["peak_rss_max"] / 2**20, ".0f"),
-                      fmt((d["peak_rss_max"] - base["peak_rss_max"]) / 2**20, "+.0f") if base else "n/a",
-                      " / ".join(fmt(b / 2**20, ".2f") for b in d["state_bytes_per_rank"]),
-                      fmt(d["tokens_per_s"], ",.0f")])
-    out += (f"\n## Demo job (configs/train/demo.json: tiny LLaMA, DeepSpeed ZeRO-2, {nproc} ranks)\n\n"
-            + markdown_table(["optimizer", "peak RSS MiB (max over ranks)", "vs AdamW MiB",
-                              "state MiB per rank", "tokens/s"], drows))
+        drows.append(
+            [
+                d["optimizer"],
+                fmt(d["peak_rss_max"] / 2**20, ".0f"),
+                fmt((d["peak_rss_max"] - base["peak_rss_max"]) / 2**20, "+.0f") if base else "n/a",
+                " / ".join(fmt(b / 2**20, ".2f") for b in d["state_bytes_per_rank"]),
+                fmt(d["tokens_per_s"], ",.0f"),
+            ]
+        )
+    out += f"\n## Demo job (configs/train/demo.json: tiny LLaMA, DeepSpeed ZeRO-2, {nproc} ranks)\n\n" + markdown_table(
+        ["optimizer", "peak RSS MiB (max over ranks)", "vs AdamW MiB", "state MiB per rank", "tokens/s"], drows
+    )
     return out
 
 
@@ -160,12 +201,17 @@ def main(argv: list[str] | None = None) -> None:
                 print(f"state {size} {name}: ERROR {exc}")
                 continue
             states.append(rec)
-            print(f"state {size} {name}: {rec['state_bytes'] / 2**20:.2f} MiB ({rec['vs_adamw']:.3f} of AdamW), "
-                  f"formula: {_match_cell(rec)}", flush=True)
+            print(
+                f"state {size} {name}: {rec['state_bytes'] / 2**20:.2f} MiB ({rec['vs_adamw']:.3f} of AdamW), "
+                f"formula: {_match_cell(rec)}",
+                flush=True,
+            )
     demos = [] if args.skip_demo else demo_runs(names, args)
-    notes = ["State elements leave out per-tensor step counters; 'state MiB' includes them.",
-             "Peak RSS is the whole process (Python, torch, DeepSpeed, data); on the tiny demo model the optimizer "
-             "state is a small part of it."]
+    notes = [
+        "State elements leave out per-tensor step counters; 'state MiB' includes them.",
+        "Peak RSS is the whole process (Python, torch, DeepSpeed, data); on the tiny demo model the optimizer "
+        "state is a small part of it.",
+    ]
     config = {k: v for k, v in vars(args).items() if k not in ("worker", "optimizer")}
     records = [{"kind": "state", **r} for r in states] + [{"kind": "demo", **d} for d in demos]
     markdown = to_markdown(states, demos, args.nproc)

@@ -4,6 +4,7 @@ The optimizer step does not care where gradients come from, so step-time and mem
 real module (its routing roles: embedding, LM head, matrices, norm gains) and fill ``.grad`` with random
 values instead of running a forward pass.
 """
+
 from __future__ import annotations
 
 import torch
@@ -16,8 +17,13 @@ __all__ = ["GALORE_VOCAB", "build_llama", "build_moe", "MOE_PRESETS", "random_gr
 GALORE_VOCAB = 32000
 
 
-def build_llama(preset: str, vocab_size: int = GALORE_VOCAB, device: str | torch.device = "cpu",
-                num_layers: int | None = None, seed: int = 0) -> Llama:
+def build_llama(
+    preset: str,
+    vocab_size: int = GALORE_VOCAB,
+    device: str | torch.device = "cpu",
+    num_layers: int | None = None,
+    seed: int = 0,
+) -> Llama:
     """The trainer's ``preset`` (tiny, 20m, 60m, 130m, ...) with ``vocab_size`` on ``device``."""
     torch.manual_seed(seed)
     with torch.device(device):
@@ -35,8 +41,10 @@ def random_grads(model: torch.nn.Module, seed: int = 0, scale: float = 1e-3) -> 
 
 def describe(model: Llama) -> str:
     c = model.config
-    return (f"{count_str(model.num_parameters())} params: hidden {c.hidden_size}, MLP {c.intermediate_size}, "
-            f"{c.num_layers} layers, vocab {c.vocab_size}")
+    return (
+        f"{count_str(model.num_parameters())} params: hidden {c.hidden_size}, MLP {c.intermediate_size}, "
+        f"{c.num_layers} layers, vocab {c.vocab_size}"
+    )
 
 
 #: mixture-of-experts shapes for the plan benchmarks: the 1B LLaMA's attention and widths with every MLP replaced by
@@ -57,8 +65,9 @@ class _Experts(torch.nn.Module):
 class _MoeBlock(torch.nn.Module):
     def __init__(self, hidden: int, ffn: int, experts: int):
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (torch.nn.Linear(hidden, hidden, bias=False)
-                                                              for _ in range(4))
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (
+            torch.nn.Linear(hidden, hidden, bias=False) for _ in range(4)
+        )
         self.input_norm, self.post_norm = torch.nn.RMSNorm(hidden), torch.nn.RMSNorm(hidden)
         self.mlp = torch.nn.Module()
         self.mlp.gate = torch.nn.Linear(hidden, experts, bias=False)

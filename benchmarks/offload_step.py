@@ -12,6 +12,7 @@ having the same shapes. Steps are timed after one warm-up step (state allocation
 Alice and ASGO): refresh-based rules are reported at their steady step; their refresh (every ``refresh_interval``
 steps, default 200 for SUMO) is one more range finder per matrix.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -73,20 +74,39 @@ def main() -> None:
         t2 = step_seconds(name, args.preset, 2, args.steps, args.vocab)
         layer = max(t2 - t1, 0.0)
         total = t1 + (args.layers - 1) * layer
-        records.append({"optimizer": name, "one_layer_s": t1, "two_layers_s": t2, "per_layer_s": layer,
-                        "model_step_s": total})
+        records.append(
+            {"optimizer": name, "one_layer_s": t1, "two_layers_s": t2, "per_layer_s": layer, "model_step_s": total}
+        )
         print(f"{name}: 1 layer {t1:.3f} s, 2 layers {t2:.3f} s -> {args.layers} layers {total:.2f} s", flush=True)
     base = next((r["model_step_s"] for r in records if r["optimizer"] == "ds_cpu_adam"), None)
-    rows = [[r["optimizer"], fmt(r["one_layer_s"]), fmt(r["per_layer_s"]), fmt(r["model_step_s"]),
-             fmt(r["model_step_s"] / base) if base else "-"] for r in records]
-    md = markdown_table(["optimizer", "embedding + head + 1 layer (s)", "per layer (s)",
-                         f"{args.preset} step, {args.layers} layers (s)", "x DeepSpeedCPUAdam"], rows)
-    notes = [f"LLaMA-{args.preset} shapes (vocab {args.vocab}), one process, {args.threads} CPU thread(s), fp32 "
-             "partitions in CPU memory (ZeRO-Offload's world-size-1 partition; P ranks each step about 1/P of it)",
-             f"the {args.layers}-layer step is t(1 layer) + {args.layers - 1} x (t(2 layers) - t(1 layer)); "
-             f"mean of {args.steps} steps after one warm-up step (refreshes excluded: steady steps)",
-             "ds_cpu_adam: deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode), the optimizer DeepSpeed runs under "
-             "offload; torch_adamw: torch.optim.AdamW(foreach=True)"]
+    rows = [
+        [
+            r["optimizer"],
+            fmt(r["one_layer_s"]),
+            fmt(r["per_layer_s"]),
+            fmt(r["model_step_s"]),
+            fmt(r["model_step_s"] / base) if base else "-",
+        ]
+        for r in records
+    ]
+    md = markdown_table(
+        [
+            "optimizer",
+            "embedding + head + 1 layer (s)",
+            "per layer (s)",
+            f"{args.preset} step, {args.layers} layers (s)",
+            "x DeepSpeedCPUAdam",
+        ],
+        rows,
+    )
+    notes = [
+        f"LLaMA-{args.preset} shapes (vocab {args.vocab}), one process, {args.threads} CPU thread(s), fp32 "
+        "partitions in CPU memory (ZeRO-Offload's world-size-1 partition; P ranks each step about 1/P of it)",
+        f"the {args.layers}-layer step is t(1 layer) + {args.layers - 1} x (t(2 layers) - t(1 layer)); "
+        f"mean of {args.steps} steps after one warm-up step (refreshes excluded: steady steps)",
+        "ds_cpu_adam: deepspeed.ops.adam.DeepSpeedCPUAdam (adamw_mode), the optimizer DeepSpeed runs under "
+        "offload; torch_adamw: torch.optim.AdamW(foreach=True)",
+    ]
     write_results(args.name, vars(args), records, md, notes)
 
 

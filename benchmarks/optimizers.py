@@ -3,14 +3,14 @@
 Every name in shardopt's registry (so optimizers added later appear without touching the benchmarks) plus
 the ``torch.optim.AdamW`` baselines. ``--optimizers`` takes a comma list or ``all``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
 
 import torch
 
-__all__ = ["registered", "select", "build", "default_lr", "sweep_hyperparameters", "shardopt_of",
-           "ADAMW_VARIANTS"]
+__all__ = ["registered", "select", "build", "default_lr", "sweep_hyperparameters", "shardopt_of", "ADAMW_VARIANTS"]
 
 #: torch.optim.AdamW implementations compared in the step-time benchmark
 ADAMW_VARIANTS = ("adamw_foreach", "adamw_fused")
@@ -34,8 +34,9 @@ def select(arg: str | None, available: Sequence[str]) -> list[str]:
     return names
 
 
-def build(name: str, model: torch.nn.Module, on_nonfinite: str | None = None,
-          **hyperparameters: Any) -> torch.optim.Optimizer:
+def build(
+    name: str, model: torch.nn.Module, on_nonfinite: str | None = None, **hyperparameters: Any
+) -> torch.optim.Optimizer:
     """``adamw`` / ``adamw_foreach`` / ``adamw_fused`` (torch, over every parameter) or a shardopt optimizer;
     ``on_nonfinite`` (None: the optimizer's default) goes to shardopt's optimizers only (torch's AdamW checks
     nothing).

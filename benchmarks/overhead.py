@@ -10,6 +10,7 @@ executed in groups, which is what torch's foreach and fused AdamW do. Each optim
 reported with the number of aten ops the profiler records per step, and as a ratio to fused AdamW measured in
 the same run (on the engines: to AdamW over the same engine's shards, the engine's own step excluded).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,11 @@ def tiny_llama(layers: int, device: str | torch.device = "cpu", seed: int = 0) -
 
     torch.manual_seed(seed)
     with torch.device(device):
-        return Llama(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=2,
-                                 num_layers=layers, max_seq_len=16))
+        return Llama(
+            LlamaConfig(
+                vocab_size=64, hidden_size=16, intermediate_size=32, num_heads=2, num_layers=layers, max_seq_len=16
+            )
+        )
 
 
 def matrix_count(model: torch.nn.Module) -> int:
@@ -83,10 +87,13 @@ def single_process(layers: int, names: list[str], device: torch.device, args: ar
             records.append({"engine": "single", "layers": layers, "optimizer": name, "error": str(exc)[:80]})
             continue
         rec = measure(opt.step, device, args.warmup, args.repeats)
-        records.append({"engine": "single", "layers": layers, "matrices": matrix_count(model), "optimizer": name,
-                        **rec})
-        print(f"  single {layers:2d} layers {name:14s} {rec['median_s'] * 1e3:8.2f} ms {rec['aten_ops']:7d} ops",
-              flush=True)
+        records.append(
+            {"engine": "single", "layers": layers, "matrices": matrix_count(model), "optimizer": name, **rec}
+        )
+        print(
+            f"  single {layers:2d} layers {name:14s} {rec['median_s'] * 1e3:8.2f} ms {rec['aten_ops']:7d} ops",
+            flush=True,
+        )
         del opt, model
         gc.collect()
     base = next((r for r in records if r["optimizer"] == "adamw_fused" and "median_s" in r), None)
@@ -118,8 +125,16 @@ def ratios(records: list[dict], baseline: str) -> list[dict]:
 # ---- the 2-rank half: one process per rank under torch.distributed.run (gloo, CPU) ----
 
 #: the torch.distributed calls whose time a step spends waiting on the other ranks
-_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
-                "broadcast", "reduce_scatter_tensor", "barrier")
+_COLLECTIVES = (
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "all_to_all",
+    "all_to_all_single",
+    "broadcast",
+    "reduce_scatter_tensor",
+    "barrier",
+)
 
 
 class _CollectiveClock:
@@ -227,8 +242,13 @@ def _engine_step(engine: str, model: torch.nn.Module, name: str) -> tuple[Callab
 
     import shardopt.deepspeed as sds
 
-    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-              "steps_per_print": 10 ** 9, "zero_optimization": {"stage": 2}}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "steps_per_print": 10**9,
+        "zero_optimization": {"stage": 2},
+    }
     if name == "adamw":
         inner = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
         ds_engine, _, _, _ = deepspeed.initialize(model=model, optimizer=inner, config=config)
@@ -286,13 +306,25 @@ def worker(args: argparse.Namespace) -> None:
                 engine_step()
                 slowest = max(gather(statistics.median(times)))  # a step ends when its slowest rank does
                 slowest_net = max(gather(statistics.median(net)))
-                records.append({"engine": engine, "layers": layers, "matrices": matrix_count(model),
-                                "optimizer": name, "median_s": slowest, "net_s": slowest_net,
-                                "collectives": calls, "aten_ops": sum(timer.ops), "allreduce_s": latency})
+                records.append(
+                    {
+                        "engine": engine,
+                        "layers": layers,
+                        "matrices": matrix_count(model),
+                        "optimizer": name,
+                        "median_s": slowest,
+                        "net_s": slowest_net,
+                        "collectives": calls,
+                        "aten_ops": sum(timer.ops),
+                        "allreduce_s": latency,
+                    }
+                )
                 if rank == 0:
-                    print(f"  {engine} {layers:2d} layers {name:8s} {slowest * 1e3:8.2f} ms "
-                          f"({slowest_net * 1e3:.2f} ms without {calls} collectives) {sum(timer.ops):7d} ops",
-                          flush=True)
+                    print(
+                        f"  {engine} {layers:2d} layers {name:8s} {slowest * 1e3:8.2f} ms "
+                        f"({slowest_net * 1e3:.2f} ms without {calls} collectives) {sum(timer.ops):7d} ops",
+                        flush=True,
+                    )
                 del model, engine_step, timer
                 gc.collect()
     finish_worker(records, args.out)
@@ -314,9 +346,11 @@ def latency_floors(records: list[dict]) -> list[str]:
         lat, ref = r.get("allreduce_s"), base.get((r["engine"], r["layers"]))
         if r.get("collectives") and lat and ref and r.get("target") and r.get("vs_adamw", 0) > r["target"]:
             floor = r["collectives"] * lat
-            out.append(f"{r['optimizer']} on {r['engine']}, {r['layers']} layers: {r['collectives']} "
-                       f"collective{'s' if r['collectives'] != 1 else ''} "
-                       f">= {floor * 1e3:.2f} ms = {floor / ref:.1f}x AdamW's step (wall {r['vs_adamw']:.1f}x)")
+            out.append(
+                f"{r['optimizer']} on {r['engine']}, {r['layers']} layers: {r['collectives']} "
+                f"collective{'s' if r['collectives'] != 1 else ''} "
+                f">= {floor * 1e3:.2f} ms = {floor / ref:.1f}x AdamW's step (wall {r['vs_adamw']:.1f}x)"
+            )
     return out
 
 
@@ -330,17 +364,26 @@ def to_markdown(records: list[dict]) -> str:
         for name in names:
             row: list[Any] = [name]
             for layers in layers_seen:
-                r = next((r for r in records if (r["engine"], r["layers"], r["optimizer"]) == (engine, layers, name)), {})
+                r = next(
+                    (r for r in records if (r["engine"], r["layers"], r["optimizer"]) == (engine, layers, name)), {}
+                )
                 if "median_s" not in r:
                     row += [r.get("error", ""), "", ""]
                     continue
                 if with_net:  # the verdict on host time; the wall clock, collectives included, beside it
                     host_ratio = r.get("net_vs_adamw")
-                    row += [fmt(r.get("net_s", 0) * 1e3, ".2f"), fmt(host_ratio, ".1f") + _verdict(r, host_ratio),
-                            fmt(r["median_s"] * 1e3, ".2f"), fmt(r.get("vs_adamw"), ".1f"),
-                            str(r.get("collectives", ""))]
+                    row += [
+                        fmt(r.get("net_s", 0) * 1e3, ".2f"),
+                        fmt(host_ratio, ".1f") + _verdict(r, host_ratio),
+                        fmt(r["median_s"] * 1e3, ".2f"),
+                        fmt(r.get("vs_adamw"), ".1f"),
+                        str(r.get("collectives", "")),
+                    ]
                 else:
-                    row += [fmt(r["median_s"] * 1e3, ".2f"), fmt(r.get("vs_adamw"), ".1f") + _verdict(r, r.get("vs_adamw"))]
+                    row += [
+                        fmt(r["median_s"] * 1e3, ".2f"),
+                        fmt(r.get("vs_adamw"), ".1f") + _verdict(r, r.get("vs_adamw")),
+                    ]
                 row.append(str(r["aten_ops"]))
             rows.append(row)
         headers = ["optimizer"]
@@ -383,35 +426,57 @@ def main(argv: list[str] | None = None) -> None:
         records += single_process(layers, list(optimizers.ADAMW_VARIANTS) + names, device, args)
     engines = [e for e in args.engines.split(",") if e] if args.device == "cpu" else []
     if engines:
-        dist_records = run_workers("benchmarks.overhead", 2, [
-            "--layers", str(args.layers), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
-            "--engines", ",".join(engines), "--names", ",".join(names)])
+        dist_records = run_workers(
+            "benchmarks.overhead",
+            2,
+            [
+                "--layers",
+                str(args.layers),
+                "--repeats",
+                str(args.repeats),
+                "--warmup",
+                str(args.warmup),
+                "--engines",
+                ",".join(engines),
+                "--names",
+                ",".join(names),
+            ],
+        )
         records += ratios(dist_records, "adamw")
-    notes = ["Host time per step = wall time of optimizer.step() with the device synchronized, median of the timed "
-             "steps, at hidden 16 (compute negligible). Ratios are to fused AdamW in the same run (single process) "
-             "or to torch AdamW (foreach) stepping the same engine's shards (2 ranks, gloo, slowest rank).",
-             "aten ops: events named aten::* that torch.profiler records during one step, nested ops included.",
-             "Single process, fused AdamW is measured first and again last; the lower of its two medians is the "
-             "baseline (a slow moment of the machine can only make the ratios larger).",
-             "2-rank engines: the ratio with the verdict is of host time per step, as the issue's criterion reads "
-             "(the same ratios within 1.5x: targets are the single-process ones x1.5): the slowest rank's wall time "
-             "of its optimizer calls minus the time spent inside their collectives (gloo latency and waiting for "
-             "the other rank). The wall time, collectives included, is beside it. 'collectives' is the number of "
-             "torch.distributed calls per step (bucketed: it does not grow with the number of matrices). The ranks "
-             "pass a barrier (not timed) before each optimizer call, so a step is not charged for the skew the "
-             "engine's backward left between them.",
-             "Refresh-based optimizers (SUMO, Alice) are reported by their median step, i.e. between refreshes."]
+    notes = [
+        "Host time per step = wall time of optimizer.step() with the device synchronized, median of the timed "
+        "steps, at hidden 16 (compute negligible). Ratios are to fused AdamW in the same run (single process) "
+        "or to torch AdamW (foreach) stepping the same engine's shards (2 ranks, gloo, slowest rank).",
+        "aten ops: events named aten::* that torch.profiler records during one step, nested ops included.",
+        "Single process, fused AdamW is measured first and again last; the lower of its two medians is the "
+        "baseline (a slow moment of the machine can only make the ratios larger).",
+        "2-rank engines: the ratio with the verdict is of host time per step, as the issue's criterion reads "
+        "(the same ratios within 1.5x: targets are the single-process ones x1.5): the slowest rank's wall time "
+        "of its optimizer calls minus the time spent inside their collectives (gloo latency and waiting for "
+        "the other rank). The wall time, collectives included, is beside it. 'collectives' is the number of "
+        "torch.distributed calls per step (bucketed: it does not grow with the number of matrices). The ranks "
+        "pass a barrier (not timed) before each optimizer call, so a step is not charged for the skew the "
+        "engine's backward left between them.",
+        "Refresh-based optimizers (SUMO, Alice) are reported by their median step, i.e. between refreshes.",
+    ]
     latency = next((r["allreduce_s"] for r in records if "allreduce_s" in r), None)
     if latency is not None:
         floors = latency_floors(records)
-        notes.append(f"One 16-float all-reduce between the 2 ranks with nothing else running took {latency * 1e3:.2f} ms "
-                     "(median); inside a step, where the ranks reach it at different times, a collective costs more. "
-                     "The collective schedule is fixed (the issue keeps it as it is), so the wall clock cannot go "
-                     "below the collectives' count times that latency"
-                     + (": " + "; ".join(floors) + "." if floors else "."))
-    path = write_results(args.out or ("overhead" if args.device == "cpu" else "overhead_cuda"),
-                         {k: v for k, v in vars(args).items() if k not in ("worker", "names")}, records,
-                         to_markdown(records), notes, device=args.device, out_dir=args.results_dir)
+        notes.append(
+            f"One 16-float all-reduce between the 2 ranks with nothing else running took {latency * 1e3:.2f} ms "
+            "(median); inside a step, where the ranks reach it at different times, a collective costs more. "
+            "The collective schedule is fixed (the issue keeps it as it is), so the wall clock cannot go "
+            "below the collectives' count times that latency" + (": " + "; ".join(floors) + "." if floors else ".")
+        )
+    path = write_results(
+        args.out or ("overhead" if args.device == "cpu" else "overhead_cuda"),
+        {k: v for k, v in vars(args).items() if k not in ("worker", "names")},
+        records,
+        to_markdown(records),
+        notes,
+        device=args.device,
+        out_dir=args.results_dir,
+    )
     print(to_markdown(records))
     print(f"wrote {path} and {path.with_suffix('.md')}")
 

@@ -11,6 +11,7 @@ package, which a run from elsewhere would import instead; see ``benchmarks/READM
 the machine and run of every file, are ``benchmarks/results/SUMMARY.md`` and the documentation's Benchmarks page
 (``docs/benchmarks.md``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,11 @@ STEP_SIZE, MEMORY_SIZE, THROUGHPUT_SIZE = "130m", "130m", "350m"
 def _by_optimizer(result: dict[str, Any] | None, **match: Any) -> dict[str, dict[str, Any]]:
     if result is None:
         return {}
-    return {r["optimizer"]: r for r in result["records"]
-            if "error" not in r and all(r.get(k) == v for k, v in match.items())}
+    return {
+        r["optimizer"]: r
+        for r in result["records"]
+        if "error" not in r and all(r.get(k) == v for k, v in match.items())
+    }
 
 
 def _best_convergence(result: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
@@ -54,16 +58,26 @@ def table(results_dir: Path = RESULTS_DIR) -> str:
     gpu = _by_optimizer(gpu_result, size=THROUGHPUT_SIZE)
     best = _best_convergence(read_results("convergence", results_dir))
     device = (gpu_result or {}).get("environment", {}).get("gpu", "GPU")
-    headers = ["optimizer", f"state / AdamW ({MEMORY_SIZE.upper()})", f"CPU step / AdamW ({STEP_SIZE.upper()})",
-               f"training tokens/s / AdamW ({device}, {THROUGHPUT_SIZE.upper()})", "best val. loss (lr sweep)"]
+    headers = [
+        "optimizer",
+        f"state / AdamW ({MEMORY_SIZE.upper()})",
+        f"CPU step / AdamW ({STEP_SIZE.upper()})",
+        f"training tokens/s / AdamW ({device}, {THROUGHPUT_SIZE.upper()})",
+        "best val. loss (lr sweep)",
+    ]
     rows = []
     for name in _order(sorted({"adamw"} | set(step) | set(memory) | set(gpu) | set(best))):
         b = best.get(name)
         ref = name == "adamw"  # the reference of the ratios (AdamW paired with itself gives the noise, ~1.00)
-        rows.append([f"`{name}`", fmt(memory.get(name, {}).get("vs_adamw"), ".2f"),
-                     "1 (reference)" if ref else fmt(step.get(name, {}).get("vs_adamw_foreach"), ".2f"),
-                     "1 (reference)" if ref else fmt(gpu.get(name, {}).get("vs_adamw_fused"), ".3f"),
-                     f"{b['val_loss']:.2f}" if b else ""])
+        rows.append(
+            [
+                f"`{name}`",
+                fmt(memory.get(name, {}).get("vs_adamw"), ".2f"),
+                "1 (reference)" if ref else fmt(step.get(name, {}).get("vs_adamw_foreach"), ".2f"),
+                "1 (reference)" if ref else fmt(gpu.get(name, {}).get("vs_adamw_fused"), ".3f"),
+                f"{b['val_loss']:.2f}" if b else "",
+            ]
+        )
     return markdown_table(headers, rows)
 
 
@@ -85,11 +99,21 @@ def figure(path: Path, results_dir: Path = RESULTS_DIR) -> None:
         r = best[name]
         tokens, loss = zip(*r["val_curve"])
         adamw = name == "adamw"
-        ax_l.plot([t / 1e3 for t in tokens], loss, marker="o", ms=3, lw=2.4 if adamw else 1.3,
-                  color="black" if adamw else color[name], ls="--" if adamw else "-",
-                  label=f"{name} {r['val_loss']:.2f} (lr x{r['lr_mult']:g})")
-    ax_l.set(xlabel="training tokens (k)", ylabel="validation loss",
-             title="Convergence: best learning rate of each optimizer (CPU, 200 steps)")
+        ax_l.plot(
+            [t / 1e3 for t in tokens],
+            loss,
+            marker="o",
+            ms=3,
+            lw=2.4 if adamw else 1.3,
+            color="black" if adamw else color[name],
+            ls="--" if adamw else "-",
+            label=f"{name} {r['val_loss']:.2f} (lr x{r['lr_mult']:g})",
+        )
+    ax_l.set(
+        xlabel="training tokens (k)",
+        ylabel="validation loss",
+        title="Convergence: best learning rate of each optimizer (CPU, 200 steps)",
+    )
     ax_l.legend(fontsize=7, ncol=2)
     ax_l.grid(alpha=0.3)
     names = [n for n in _order(list(gpu)) if n != "adamw"]
@@ -99,8 +123,11 @@ def figure(path: Path, results_dir: Path = RESULTS_DIR) -> None:
     for y, v in enumerate(ratios):
         ax_t.text(v - 0.015, y, f"{v:.3f}", va="center", ha="right", fontsize=8, color="white", weight="bold")
     device = (gpu_result or {}).get("environment", {}).get("gpu", "GPU")
-    ax_t.set(xlim=(0, 1.05), xlabel="training tokens/s / fused AdamW (dashed: AdamW)",
-             title=f"Throughput: LLaMA {THROUGHPUT_SIZE.upper()} on one {device}")
+    ax_t.set(
+        xlim=(0, 1.05),
+        xlabel="training tokens/s / fused AdamW (dashed: AdamW)",
+        title=f"Throughput: LLaMA {THROUGHPUT_SIZE.upper()} on one {device}",
+    )
     ax_t.invert_yaxis()
     ax_t.grid(axis="x", alpha=0.3)
     fig.tight_layout()
@@ -113,20 +140,23 @@ def readme_with_table(readme: str, body: str) -> str:
     if BEGIN not in readme or END not in readme:
         raise SystemExit(f"README: markers {BEGIN!r} and {END!r} not found; put them where the table goes")
     head, rest = readme.split(BEGIN, 1)
-    return head + BEGIN + "\n" + body + rest[rest.index(END):]
+    return head + BEGIN + "\n" + body + rest[rest.index(END) :]
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if README.md's table differs from the result files")
+    ap.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if README.md's table differs from the result files"
+    )
     args = ap.parse_args(argv)
     readme = REPO_ROOT / "README.md"
     updated = readme_with_table(readme.read_text(), table())
     if args.check:
         if readme.read_text() != updated:
-            raise SystemExit("README.md's results table is out of date with benchmarks/results; "
-                             "run `python -m benchmarks.overview` and commit")
+            raise SystemExit(
+                "README.md's results table is out of date with benchmarks/results; "
+                "run `python -m benchmarks.overview` and commit"
+            )
         print("README.md's results table agrees with benchmarks/results")
         return
     figure(RESULTS_DIR / FIGURE)

@@ -10,6 +10,7 @@
 Hidden matrices are the parameters shardopt's routing calls ``matrix`` (embedding, LM head and norm gains go
 to AdamW, as in those papers). A peer that cannot be imported is reported with the reason, never replaced.
 """
+
 from __future__ import annotations
 
 import importlib

@@ -4,6 +4,7 @@ Collectives come from ``optimizer.comm_stats()`` when the optimizer has it (by k
 "distributed", "local", each with calls, bytes sent and estimated FLOPs), else from shardopt's global
 ``collective_counter`` (calls and bytes only).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterator
@@ -52,8 +53,10 @@ def state_bytes(optimizer: torch.optim.Optimizer, include_counters: bool = True)
 
 def state_elements_by_param(optimizer: torch.optim.Optimizer) -> dict[int, int]:
     """Elements of state per parameter (``id(param)``), counters left out (single process, real params)."""
-    return {id(p): sum(_local(t).numel() for k, t in state_tensors(entry) if k not in COUNTER_KEYS)
-            for p, entry in optimizer.state.items()}
+    return {
+        id(p): sum(_local(t).numel() for k, t in state_tensors(entry) if k not in COUNTER_KEYS)
+        for p, entry in optimizer.state.items()
+    }
 
 
 class CommProbe:
@@ -75,9 +78,7 @@ class CommProbe:
         from shardopt.sharding import collective_counter
 
         if not self.native:
-            return {"calls": collective_counter.calls, "bytes": collective_counter.bytes, "flops": None,
-                    "by_kind": {}}
+            return {"calls": collective_counter.calls, "bytes": collective_counter.bytes, "flops": None, "by_kind": {}}
         kinds = self.optimizer.comm_stats(reset=True)
         total = {k: sum(float(v.get(k, 0)) for v in kinds.values()) for k in ("calls", "bytes", "flops")}
-        return {"calls": int(total["calls"]), "bytes": int(total["bytes"]), "flops": total["flops"],
-                "by_kind": kinds}
+        return {"calls": int(total["calls"]), "bytes": int(total["bytes"]), "flops": total["flops"], "by_kind": kinds}

@@ -3,6 +3,7 @@
 One writer, so every file records the same environment (versions, device, threads, commit) and the
 summary can trust the layout: ``{"benchmark", "environment", "config", "records", "notes"}``.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -18,8 +19,16 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 #: smoke runs (``--quick``) write here, under the git-ignored ``runs/``
 QUICK_DIR = REPO_ROOT / "runs" / "benchmarks" / "quick"
 
-__all__ = ["RESULTS_DIR", "REPO_ROOT", "QUICK_DIR", "environment", "markdown_table", "write_results", "read_results",
-           "fmt"]
+__all__ = [
+    "RESULTS_DIR",
+    "REPO_ROOT",
+    "QUICK_DIR",
+    "environment",
+    "markdown_table",
+    "write_results",
+    "read_results",
+    "fmt",
+]
 
 
 def _cpu_model() -> str:
@@ -39,8 +48,12 @@ def _git_commit() -> str:
     if os.environ.get("SHARDOPT_COMMIT"):
         return os.environ["SHARDOPT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True,
-                              text=True, timeout=10).stdout.strip() or "unknown"
+        return (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
 
@@ -87,9 +100,16 @@ def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str
     return "\n".join(lines) + "\n"
 
 
-def write_results(name: str, config: dict[str, Any], records: list[dict[str, Any]], markdown: str,
-                  notes: Sequence[str] = (), device: str = "cpu", out_dir: Path | None = None,
-                  raw: Any = None) -> Path:
+def write_results(
+    name: str,
+    config: dict[str, Any],
+    records: list[dict[str, Any]],
+    markdown: str,
+    notes: Sequence[str] = (),
+    device: str = "cpu",
+    out_dir: Path | None = None,
+    raw: Any = None,
+) -> Path:
     """Write ``<name>.json`` and ``<name>.md`` under ``out_dir`` (default ``benchmarks/results``); ``raw``
     (per-case measurements behind the records) goes into the JSON only."""
     out = Path(out_dir or RESULTS_DIR)
@@ -99,8 +119,10 @@ def write_results(name: str, config: dict[str, Any], records: list[dict[str, Any
     if raw is not None:
         payload["raw"] = raw
     (out / f"{name}.json").write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    header = (f"# {name}\n\n{env['date']}, commit {env['commit']}, torch {env['torch']}, "
-              f"{env.get('gpu', env['cpu'])}, {env['torch_threads']} thread(s)\n\n")
+    header = (
+        f"# {name}\n\n{env['date']}, commit {env['commit']}, torch {env['torch']}, "
+        f"{env.get('gpu', env['cpu'])}, {env['torch_threads']} thread(s)\n\n"
+    )
     tail = "".join(f"- {n}\n" for n in notes)
     (out / f"{name}.md").write_text(header + markdown + ("\n" + tail if tail else ""))
     return out / f"{name}.json"

@@ -15,6 +15,7 @@ the learning rate its sweep found best, ``BEST_MULT``) three times on one CPU pr
 The table gives each end validation loss, the relative gap of ``cuda`` to ``ieee`` and the seed spread beside it,
 and whether the gap is within 0.5% or within the spread (issue 42's criterion).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,16 +67,38 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
         by = {r["variant"]: r for r in records if r["optimizer"] == name}
         loss = {v: by[v].get("val_loss") for v in by}
         if any(x is None for x in loss.values()):
-            rows.append([name, *[fmt(loss.get(v), ".4f") for v in ("ieee", "ieee_seed2", "cuda")], "n/a", "n/a", "n/a", ""])
+            rows.append(
+                [name, *[fmt(loss.get(v), ".4f") for v in ("ieee", "ieee_seed2", "cuda")], "n/a", "n/a", "n/a", ""]
+            )
             continue
         gap = (loss["cuda"] - loss["ieee"]) / loss["ieee"]
         spread = abs(loss["ieee_seed2"] - loss["ieee"]) / loss["ieee"]
         ok = gap <= TOLERANCE or abs(gap) <= spread
-        rows.append([name, fmt(loss["ieee"], ".4f"), fmt(loss["ieee_seed2"], ".4f"), fmt(loss["cuda"], ".4f"),
-                     f"{100 * gap:+.2f}%", f"{100 * spread:.2f}%", "yes" if ok else "**no**",
-                     ", ".join(f"{k} {v}" for k, v in by["cuda"]["fallbacks"].items()) or "none"])
-    return markdown_table(["optimizer", "val loss, ieee", "ieee, seed 43", "cuda routes", "cuda vs ieee",
-                           "seed spread", "within 0.5% or spread", "fallbacks (cuda)"], rows)
+        rows.append(
+            [
+                name,
+                fmt(loss["ieee"], ".4f"),
+                fmt(loss["ieee_seed2"], ".4f"),
+                fmt(loss["cuda"], ".4f"),
+                f"{100 * gap:+.2f}%",
+                f"{100 * spread:.2f}%",
+                "yes" if ok else "**no**",
+                ", ".join(f"{k} {v}" for k, v in by["cuda"]["fallbacks"].items()) or "none",
+            ]
+        )
+    return markdown_table(
+        [
+            "optimizer",
+            "val loss, ieee",
+            "ieee, seed 43",
+            "cuda routes",
+            "cuda vs ieee",
+            "seed spread",
+            "within 0.5% or spread",
+            "fallbacks (cuda)",
+        ],
+        rows,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -90,12 +113,20 @@ def main(argv: list[str] | None = None) -> None:
         for variant in ("ieee", "ieee_seed2", "cuda"):
             rec = run_variant(name, variant, args)
             records.append(rec)
-            print(f"{name:8s} {variant:10s} " + (f"val loss {rec['val_loss']:.4f}  {rec['wall_s']:.0f}s"
-                                                 if "val_loss" in rec else str(rec.get("diverged") or rec.get("error"))),
-                  flush=True)
-    notes = [f"{args.steps} steps x {args.batch} x {args.seq} tokens on one CPU process; lr: each rule's best "
-             "multiplier in convergence.md. 'cuda routes': the iterative routes forced and matrix_ops.precision as "
-             "auto resolves it on CUDA (Muon bf16). Within: the gap at most +0.5% or inside the seed spread."]
+            print(
+                f"{name:8s} {variant:10s} "
+                + (
+                    f"val loss {rec['val_loss']:.4f}  {rec['wall_s']:.0f}s"
+                    if "val_loss" in rec
+                    else str(rec.get("diverged") or rec.get("error"))
+                ),
+                flush=True,
+            )
+    notes = [
+        f"{args.steps} steps x {args.batch} x {args.seq} tokens on one CPU process; lr: each rule's best "
+        "multiplier in convergence.md. 'cuda routes': the iterative routes forced and matrix_ops.precision as "
+        "auto resolves it on CUDA (Muon bf16). Within: the gap at most +0.5% or inside the seed spread."
+    ]
     path = write_results(args.out, vars(args), records, to_markdown(records), notes, out_dir=args.results_dir)
     print(f"wrote {path} and {path.with_suffix('.md')}")
 

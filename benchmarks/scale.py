@@ -40,6 +40,7 @@ identically, so this one process knows every rank's plan.
 * Modeled seconds (issue 27): the same plans under ``--profile`` (``shardopt.sharding.time_model``), busiest
   rank, against a forward+backward of 6 x params x max(4096, 4M / P) tokens at 40% of 989 TFLOP/s.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,6 +51,7 @@ import time
 from typing import Any
 
 import torch
+
 from shardopt.sharding.state_split import rows_aligned
 
 from . import optimizers
@@ -126,7 +128,7 @@ def attach_zero(opt: Any, shapes: dict[str, tuple[int, ...]], world: int, stage:
     fragments, as DeepSpeed's wrapper and ``attach_zero_layouts`` do; AdamW's per-rank elements (padded)."""
     import torch.distributed as dist
 
-    from shardopt.plugin.zero_layouts import zero12_fragments, zero3_fragments, zero3_partition_numel, zero3_sub_groups
+    from shardopt.plugin.zero_layouts import zero3_fragments, zero3_partition_numel, zero3_sub_groups, zero12_fragments
 
     group = dist.group.WORLD
     local = 0
@@ -227,8 +229,9 @@ def per_rank_state(opt: Any, world: int) -> dict[str, torch.Tensor]:
             out["vectors"] += opt.vector_state(group, lay.shape)
             if f.name in index:
                 i = index[f.name]
-                out["matrix"] += share_numels(ops.placements[i], opt.matrix_state_spec(group, ops.plans[i].a_shape),
-                                              world)
+                out["matrix"] += share_numels(
+                    ops.placements[i], opt.matrix_state_spec(group, ops.plans[i].a_shape), world
+                )
     return out
 
 
@@ -255,13 +258,13 @@ def traffic_and_flops(opt: Any, world: int) -> tuple[dict[str, float], torch.Ten
     for g in range(len(groups)):
         ops = opt.matrix_plan(g)
         if ops is not None:
-            _add_costs(ops, world, traffic, flops, kinds,
-                       lambda plan: opt.matrix_state_spec(groups[g], plan.a_shape))
+            _add_costs(ops, world, traffic, flops, kinds, lambda plan: opt.matrix_state_spec(groups[g], plan.a_shape))
     return traffic, flops, kinds
 
 
-def _add_costs(ops: Any, world: int, traffic: dict[str, float], flops: torch.Tensor, kinds: dict[str, int],
-               spec_of: Any) -> None:
+def _add_costs(
+    ops: Any, world: int, traffic: dict[str, float], flops: torch.Tensor, kinds: dict[str, int], spec_of: Any
+) -> None:
     for i, (kind, plan, owner, factor_owner) in enumerate(zip(ops.kinds, ops.plans, ops.owners, ops.factor_owners)):
         c = ops.cost_of(i)
         kinds[kind] = kinds.get(kind, 0) + 1
@@ -351,15 +354,18 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
                         own = ops._team_cost(i, len(ops.teams[i]), ops.factor_owners[i] == r, rank=r)
                         own.rounds = 0.0
                         seconds[r] += own.seconds(ops.profile) - float(torch.maximum(out_b[r], in_b[r])) / bw
-                        net[r] += own.sent + own.received + own.node_sent + own.node_received - float(out_b[r] + in_b[r])
+                        net[r] += (
+                            own.sent + own.received + own.node_sent + own.node_received - float(out_b[r] + in_b[r])
+                        )
                 elif kind == "gather":
                     pieces = piece_numels(ops.plans[i].layout).double() * 4
                     own = ops.op_cost(i, "gather")
                     seconds += pieces / bw
                     net += 2 * pieces
                     seconds[ops.owners[i]] += own.seconds(ops.profile) - float(pieces[ops.owners[i]]) / bw
-                    net[ops.owners[i]] += own.sent + own.received + own.node_sent + own.node_received \
-                        - 2 * float(pieces[ops.owners[i]])
+                    net[ops.owners[i]] += (
+                        own.sent + own.received + own.node_sent + own.node_received - 2 * float(pieces[ops.owners[i]])
+                    )
                 else:  # every rank its rows; a shared factorization on its factorization owner only
                     c = ops.op_cost(i, kind, owner=kind == "local")
                     c.rounds = 0.0
@@ -368,7 +374,8 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
                     split = ops.cost_of(i)
                     if kind == "distributed" and split.shared:
                         seconds[ops.factor_owners[i]] += ops.profile.seconds(
-                            split.small_matmul, split.small_flops, calls=split.small_calls)
+                            split.small_matmul, split.small_flops, calls=split.small_calls
+                        )
                 if kind != "local" and (ops.plans[i].layout.holders > 1 or kind != "gather"):
                     rounds = 2.0 if kind == "gather" else ops.cost_of(i).split_rounds()
                     kinds[kind] = max(kinds.get(kind, 0.0), rounds)
@@ -389,8 +396,13 @@ def modeled_time(opt: Any, world: int, name: str, default_profile: str = "gpu") 
     net += 2 * ring * 4 * line
     seconds += lat * sum(kinds.values())
     busiest = int(seconds.argmax())
-    return {"modeled_s": float(seconds[busiest]), "modeled_rank": busiest, "traffic_busiest_bytes": float(net.max()),
-            "modeled_mean_s": float(seconds.mean()), "profile": profile.describe()}
+    return {
+        "modeled_s": float(seconds[busiest]),
+        "modeled_rank": busiest,
+        "traffic_busiest_bytes": float(net.max()),
+        "modeled_mean_s": float(seconds.mean()),
+        "profile": profile.describe(),
+    }
 
 
 def busiest_transient(opt: Any, world: int) -> float | None:
@@ -426,9 +438,19 @@ def largest_owned_bytes(opt: Any, rank: int) -> int:
     return best
 
 
-def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, name: str, strategy: str | None,
-             single_bytes: int, n_params: int, samples: int, profile: str = "gpu",
-             hyperparameters: dict[str, Any] | None = None) -> dict[str, Any]:
+def run_case(
+    model_size: str,
+    layout: str,
+    world: int,
+    model: torch.nn.Module,
+    name: str,
+    strategy: str | None,
+    single_bytes: int,
+    n_params: int,
+    samples: int,
+    profile: str = "gpu",
+    hyperparameters: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     kw = {**(hyperparameters or {}), **({"matrix_ops": {"strategy": strategy, "profile": profile}} if strategy else {})}
     opt, plan_s, adamw = build(layout, model, name, kw, world)
     state = per_rank_state(opt, world)
@@ -443,23 +465,40 @@ def run_case(model_size: str, layout: str, world: int, model: torch.nn.Module, n
     timing = modeled_time(opt, world, name, profile)
     fwd_bwd = fwd_bwd_seconds(n_params, world)
     rec = {
-        "model": model_size, "layout": layout, "world_size": world, "optimizer": name, "strategy": strategy or "-",
-        **({"hyperparameters": hyperparameters} if hyperparameters else {}), "params": n_params, "single_bytes": single_bytes,
-        "busiest_bytes": int(total[busiest]), "busiest_rank": busiest, "mean_bytes": float(total.double().mean()),
-        "rank0_bytes": int(total[0]), "min_bytes": int(total.min()), "sum_over_single": float(total.sum()) / single_bytes,
+        "model": model_size,
+        "layout": layout,
+        "world_size": world,
+        "optimizer": name,
+        "strategy": strategy or "-",
+        **({"hyperparameters": hyperparameters} if hyperparameters else {}),
+        "params": n_params,
+        "single_bytes": single_bytes,
+        "busiest_bytes": int(total[busiest]),
+        "busiest_rank": busiest,
+        "mean_bytes": float(total.double().mean()),
+        "rank0_bytes": int(total[0]),
+        "min_bytes": int(total.min()),
+        "sum_over_single": float(total.sum()) / single_bytes,
         "busiest_by_kind": {k: 4 * int(v[busiest]) for k, v in state.items()},
-        "adamw_busiest_bytes": 4 * int(adamw.max()), "vs_adamw": float(total[busiest]) / (4 * int(adamw.max())),
-        "bound_bytes": bound, "within_bound": int(total[busiest]) <= bound,
+        "adamw_busiest_bytes": 4 * int(adamw.max()),
+        "vs_adamw": float(total[busiest]) / (4 * int(adamw.max())),
+        "bound_bytes": bound,
+        "within_bound": int(total[busiest]) <= bound,
         "bound_applies": strategy in (None, "auto", "distributed", "team"),
-        "plan_s": plan_s, "strategies": kinds,
+        "plan_s": plan_s,
+        "strategies": kinds,
         "traffic_bytes": {k: 4 * v for k, v in traffic.items() if k != "refresh"},
         "traffic_per_rank_bytes": 4 * per_step / world,
         "traffic_vs_grad": (4 * per_step / world) / (4 * n_params),
         "refresh_extra_bytes": 4 * traffic["refresh"],
-        "busiest_flops": float(flops.max()), "mean_flops": float(flops.mean()),
+        "busiest_flops": float(flops.max()),
+        "mean_flops": float(flops.mean()),
         "transient_busiest_bytes": 4 * transient if transient is not None else None,
-        "checked_ranks": len(checked), "largest_owned_bytes": owned,
-        **timing, "fwd_bwd_s": fwd_bwd, "time_ratio": timing["modeled_s"] / fwd_bwd,
+        "checked_ranks": len(checked),
+        "largest_owned_bytes": owned,
+        **timing,
+        "fwd_bwd_s": fwd_bwd,
+        "time_ratio": timing["modeled_s"] / fwd_bwd,
         "within_time": timing["modeled_s"] <= TIME_TARGET * fwd_bwd,
     }
     del opt
@@ -503,22 +542,42 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 for name, strategy in todo:
                     t0 = time.perf_counter()
                     try:
-                        rec = run_case(size, layout, world, model, name, strategy, singles[name], n_params,
-                                       args.check_ranks, args.profile, args.hyperparameters.get(name))
+                        rec = run_case(
+                            size,
+                            layout,
+                            world,
+                            model,
+                            name,
+                            strategy,
+                            singles[name],
+                            n_params,
+                            args.check_ranks,
+                            args.profile,
+                            args.hyperparameters.get(name),
+                        )
                     except Exception as err:  # a failing case is reported, the others still run
                         import traceback
 
                         traceback.print_exc()
-                        rec = {"model": size, "layout": layout, "world_size": world, "optimizer": name,
-                               "strategy": strategy or "-", "error": f"{type(err).__name__}: {err}"}
+                        rec = {
+                            "model": size,
+                            "layout": layout,
+                            "world_size": world,
+                            "optimizer": name,
+                            "strategy": strategy or "-",
+                            "error": f"{type(err).__name__}: {err}",
+                        }
                     records.append(rec)
                     gc.collect()
                     if "error" not in rec:
-                        print(f"{size} {layout:8s} P={world:5d} {name:7s} {rec['strategy']:11s} busiest "
-                              f"{rec['busiest_bytes'] / MIB:9.1f} MiB bound {rec['bound_bytes'] / MIB:9.1f} "
-                              f"{'ok ' if rec['within_bound'] else 'OVER'} time {rec['time_ratio']:6.3f}x fwd+bwd "
-                              f"{'ok ' if rec['within_time'] else 'SLOW'} plan {rec['plan_s']:6.2f} s "
-                              f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                        print(
+                            f"{size} {layout:8s} P={world:5d} {name:7s} {rec['strategy']:11s} busiest "
+                            f"{rec['busiest_bytes'] / MIB:9.1f} MiB bound {rec['bound_bytes'] / MIB:9.1f} "
+                            f"{'ok ' if rec['within_bound'] else 'OVER'} time {rec['time_ratio']:6.3f}x fwd+bwd "
+                            f"{'ok ' if rec['within_time'] else 'SLOW'} plan {rec['plan_s']:6.2f} s "
+                            f"({time.perf_counter() - t0:.1f} s)",
+                            flush=True,
+                        )
                 del model
         close_world()
     return records
@@ -565,23 +624,36 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
             s = f"{r['busiest_bytes'] / r['bound_bytes']:.2f}"
             return s if r["within_bound"] else (f"**{s}**" if r["bound_applies"] else f"({s})")
 
-        out.append(f"\n## {size}: busiest rank's state / bound (1.15 x single / P + largest owned matrix's state + 16 MiB)\n\n"
-                   "Above 1 misses the bound: **bold** where the bound applies (auto, distributed, optimizers "
-                   "without whole-matrix work), (parenthesized) under gather, which the bound does not cover.\n\n")
-        out.append(markdown_table(["optimizer (strategy)", *[f"{lay} P={w}" for lay, w in cols]],
-                                  [[lab, *[ratio(cell.get((lab, lay, w))) for lay, w in cols]] for lab in labels]))
+        out.append(
+            f"\n## {size}: busiest rank's state / bound (1.15 x single / P + largest owned matrix's state + 16 MiB)\n\n"
+            "Above 1 misses the bound: **bold** where the bound applies (auto, distributed, optimizers "
+            "without whole-matrix work), (parenthesized) under gather, which the bound does not cover.\n\n"
+        )
+        out.append(
+            markdown_table(
+                ["optimizer (strategy)", *[f"{lay} P={w}" for lay, w in cols]],
+                [[lab, *[ratio(cell.get((lab, lay, w))) for lay, w in cols]] for lab in labels],
+            )
+        )
+
         def timing(r: dict | None) -> str:
             if r is None:
                 return "error"
             s = f"{r['time_ratio']:.3f}"
             return s if r["within_time"] else (f"**{s}**" if r["strategy"] in ("-", "auto") else f"({s})")
 
-        out.append(f"\n## {size}: modeled optimizer seconds / forward+backward (issue 27; target <= {TIME_TARGET})\n\n"
-                   f"Busiest rank under the `{ok[0].get('profile', '?') if ok else '?'}` profile; forward+backward = "
-                   "6 x params x max(4096, 4M / P) tokens at 40% of 989 TFLOP/s. **Bold**: over target under auto "
-                   "(or an optimizer without whole-matrix work); (parenthesized): over under a forced strategy.\n\n")
-        out.append(markdown_table(["optimizer (strategy)", *[f"{lay} P={w}" for lay, w in cols]],
-                                  [[lab, *[timing(cell.get((lab, lay, w))) for lay, w in cols]] for lab in labels]))
+        out.append(
+            f"\n## {size}: modeled optimizer seconds / forward+backward (issue 27; target <= {TIME_TARGET})\n\n"
+            f"Busiest rank under the `{ok[0].get('profile', '?') if ok else '?'}` profile; forward+backward = "
+            "6 x params x max(4096, 4M / P) tokens at 40% of 989 TFLOP/s. **Bold**: over target under auto "
+            "(or an optimizer without whole-matrix work); (parenthesized): over under a forced strategy.\n\n"
+        )
+        out.append(
+            markdown_table(
+                ["optimizer (strategy)", *[f"{lay} P={w}" for lay, w in cols]],
+                [[lab, *[timing(cell.get((lab, lay, w))) for lay, w in cols]] for lab in labels],
+            )
+        )
         worlds = list(dict.fromkeys(w for _, w in cols))
         out.append(f"\n## {size}: plan building (s; construction + layouts + every group's plan), slowest layout\n\n")
         rows = []
@@ -592,39 +664,80 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                 row.append(fmt(max(t), ".2f") if t else "")
             rows.append(row)
         out.append(markdown_table(["optimizer (strategy)", *[f"P={w}" for w in worlds]], rows))
-        out.append(f"\n## {size}: every case\n\nMiB per rank; AdamW = torch AdamW's busiest rank in the same layout; "
-                   "traffic = estimated bytes sent per step between refreshes per rank (sum over ranks / P) by kind, "
-                   "and their sum over the fp32 gradient; at a refresh = what a refresh step adds (SUMO's new bases, "
-                   "Alice's switches: reductions where the rows are split; every K steps); FLOPs = busiest rank's whole-matrix work per step; transient = busiest rank's "
-                   "largest bucket of whole-matrix transients.\n\n")
+        out.append(
+            f"\n## {size}: every case\n\nMiB per rank; AdamW = torch AdamW's busiest rank in the same layout; "
+            "traffic = estimated bytes sent per step between refreshes per rank (sum over ranks / P) by kind, "
+            "and their sum over the fp32 gradient; at a refresh = what a refresh step adds (SUMO's new bases, "
+            "Alice's switches: reductions where the rows are split; every K steps); FLOPs = busiest rank's whole-matrix work per step; transient = busiest rank's "
+            "largest bucket of whole-matrix transients.\n\n"
+        )
         rows = []
         for r in rs:
             t = r["traffic_bytes"]
-            rows.append([r["layout"], str(r["world_size"]), _label(r), fmt(r["busiest_bytes"] / MIB, ".1f"),
-                         fmt(r["mean_bytes"] / MIB, ".1f"), fmt(r["rank0_bytes"] / MIB, ".1f"),
-                         fmt(r["adamw_busiest_bytes"] / MIB, ".1f"), fmt(r["vs_adamw"], ".3f"),
-                         fmt(r["single_bytes"] / r["world_size"] / MIB, ".1f"), fmt(r["bound_bytes"] / MIB, ".1f"),
-                         "yes" if r["within_bound"] else ("NO" if r["bound_applies"] else "no (gather)"),
-                         fmt(r["plan_s"], ".2f") + (f" (+{r['step_plan_s']:.2f}/step)" if r.get("step_plan_s") else ""),
-                         " / ".join(fmt(t[k] / r["world_size"] / MIB, ".1f") for k in ("gather", "realign", "allreduce",
-                                                                                         "state")),
-                         fmt(r.get("refresh_extra_bytes", 0.0) / r["world_size"] / MIB, ".1f"),
-                         fmt(r["traffic_vs_grad"], ".2f"), fmt(r["traffic_busiest_bytes"] / MIB, ".1f"),
-                         fmt(1e3 * r["modeled_s"], ".2f"), fmt(r["time_ratio"], ".3f"),
-                         fmt(r["busiest_flops"] / 1e9, ".1f"),
-                         fmt(r["transient_busiest_bytes"] / MIB if r["transient_busiest_bytes"] is not None else None,
-                             ".0f")])
-        out.append(markdown_table(["layout", "P", "optimizer (strategy)", "busiest", "mean", "rank 0", "AdamW",
-                                   "busiest / AdamW", "single / P", "bound", "within", "plan s",
-                                   "traffic MiB/rank: gather / realign / allreduce / state",
-                                   "at a refresh: + MiB/rank", "traffic / grad",
-                                   "busiest rank MiB sent+received", "modeled ms", "/ fwd+bwd",
-                                   "GFLOP busiest", "transient MiB"], rows))
+            rows.append(
+                [
+                    r["layout"],
+                    str(r["world_size"]),
+                    _label(r),
+                    fmt(r["busiest_bytes"] / MIB, ".1f"),
+                    fmt(r["mean_bytes"] / MIB, ".1f"),
+                    fmt(r["rank0_bytes"] / MIB, ".1f"),
+                    fmt(r["adamw_busiest_bytes"] / MIB, ".1f"),
+                    fmt(r["vs_adamw"], ".3f"),
+                    fmt(r["single_bytes"] / r["world_size"] / MIB, ".1f"),
+                    fmt(r["bound_bytes"] / MIB, ".1f"),
+                    "yes" if r["within_bound"] else ("NO" if r["bound_applies"] else "no (gather)"),
+                    fmt(r["plan_s"], ".2f") + (f" (+{r['step_plan_s']:.2f}/step)" if r.get("step_plan_s") else ""),
+                    " / ".join(
+                        fmt(t[k] / r["world_size"] / MIB, ".1f") for k in ("gather", "realign", "allreduce", "state")
+                    ),
+                    fmt(r.get("refresh_extra_bytes", 0.0) / r["world_size"] / MIB, ".1f"),
+                    fmt(r["traffic_vs_grad"], ".2f"),
+                    fmt(r["traffic_busiest_bytes"] / MIB, ".1f"),
+                    fmt(1e3 * r["modeled_s"], ".2f"),
+                    fmt(r["time_ratio"], ".3f"),
+                    fmt(r["busiest_flops"] / 1e9, ".1f"),
+                    fmt(
+                        r["transient_busiest_bytes"] / MIB if r["transient_busiest_bytes"] is not None else None, ".0f"
+                    ),
+                ]
+            )
+        out.append(
+            markdown_table(
+                [
+                    "layout",
+                    "P",
+                    "optimizer (strategy)",
+                    "busiest",
+                    "mean",
+                    "rank 0",
+                    "AdamW",
+                    "busiest / AdamW",
+                    "single / P",
+                    "bound",
+                    "within",
+                    "plan s",
+                    "traffic MiB/rank: gather / realign / allreduce / state",
+                    "at a refresh: + MiB/rank",
+                    "traffic / grad",
+                    "busiest rank MiB sent+received",
+                    "modeled ms",
+                    "/ fwd+bwd",
+                    "GFLOP busiest",
+                    "transient MiB",
+                ],
+                rows,
+            )
+        )
     errors = [r for r in records if "error" in r]
     if errors:
-        out.append("\n## errors\n\n" + markdown_table(["model", "layout", "P", "optimizer (strategy)", "error"],
-                                                     [[r["model"], r["layout"], str(r["world_size"]), _label(r),
-                                                       r["error"]] for r in errors]))
+        out.append(
+            "\n## errors\n\n"
+            + markdown_table(
+                ["model", "layout", "P", "optimizer (strategy)", "error"],
+                [[r["model"], r["layout"], str(r["world_size"]), _label(r), r["error"]] for r in errors],
+            )
+        )
     return "".join(out)
 
 
@@ -640,25 +753,38 @@ def notes_for(records: list[dict[str, Any]]) -> list[str]:
             key = r["optimizer"]
             if key not in worst or r["time_ratio"] > worst[key]["time_ratio"]:
                 worst[key] = r
-    time_note = (f"modeled optimizer time <= {TIME_TARGET} x forward+backward under auto: "
-                 + ("met in every case" if not slow else f"MISSED in {len(slow)} case(s)")
-                 + "; worst per optimizer: " + ", ".join(
-                     f"{k} {r['time_ratio']:.3f} ({r['model']} {r['layout']} P={r['world_size']})"
-                     for k, r in worst.items()))
-    notes = [time_note, f"bound (auto, distributed, optimizers without whole-matrix work): "
-             f"{'met in every case' if not miss else f'MISSED in {len(miss)} case(s)'}"
-             + "".join(f"; {r['model']} {r['layout']} P={r['world_size']} {_label(r)}: busiest (rank "
-                       f"{r['busiest_rank']}) {r['busiest_bytes'] / MIB:.1f} MiB (small matrix state "
-                       f"{r['busiest_by_kind']['matrix'] / MIB:.1f}, elementwise {r['busiest_by_kind']['elements'] / MIB:.1f})"
-                       f" > bound {r['bound_bytes'] / MIB:.1f} MiB, mean {r['mean_bytes'] / MIB:.1f} MiB, strategies "
-                       f"{r['strategies']}" for r in miss[:10]),
-             f"gather above the bound in {len(gather_miss)} of {sum(not r['bound_applies'] for r in ok)} case(s) "
-             "(one matrix's state cannot be split under gather)."]
+    time_note = (
+        f"modeled optimizer time <= {TIME_TARGET} x forward+backward under auto: "
+        + ("met in every case" if not slow else f"MISSED in {len(slow)} case(s)")
+        + "; worst per optimizer: "
+        + ", ".join(
+            f"{k} {r['time_ratio']:.3f} ({r['model']} {r['layout']} P={r['world_size']})" for k, r in worst.items()
+        )
+    )
+    notes = [
+        time_note,
+        f"bound (auto, distributed, optimizers without whole-matrix work): "
+        f"{'met in every case' if not miss else f'MISSED in {len(miss)} case(s)'}"
+        + "".join(
+            f"; {r['model']} {r['layout']} P={r['world_size']} {_label(r)}: busiest (rank "
+            f"{r['busiest_rank']}) {r['busiest_bytes'] / MIB:.1f} MiB (small matrix state "
+            f"{r['busiest_by_kind']['matrix'] / MIB:.1f}, elementwise {r['busiest_by_kind']['elements'] / MIB:.1f})"
+            f" > bound {r['bound_bytes'] / MIB:.1f} MiB, mean {r['mean_bytes'] / MIB:.1f} MiB, strategies "
+            f"{r['strategies']}"
+            for r in miss[:10]
+        ),
+        f"gather above the bound in {len(gather_miss)} of {sum(not r['bound_applies'] for r in ok)} case(s) "
+        "(one matrix's state cannot be split under gather).",
+    ]
     if slowest is not None:
-        notes.append(f"slowest plan building: {slowest['plan_s']:.2f} s ({slowest['model']} {slowest['layout']} "
-                     f"P={slowest['world_size']} {_label(slowest)}).")
-    notes.append("per-rank state of every rank computed from the plans and checked against "
-                 "planned_state_elements(r) on the ranks listed in 'checked_ranks' (all ranks when P <= 64).")
+        notes.append(
+            f"slowest plan building: {slowest['plan_s']:.2f} s ({slowest['model']} {slowest['layout']} "
+            f"P={slowest['world_size']} {_label(slowest)})."
+        )
+    notes.append(
+        "per-rank state of every rank computed from the plans and checked against "
+        "planned_state_elements(r) on the ranks listed in 'checked_ranks' (all ranks when P <= 64)."
+    )
     return notes
 
 
@@ -673,6 +799,7 @@ def merge_records(records: list[dict[str, Any]], out: str, results_dir: Any) -> 
     commit = environment("cpu")["commit"]
     for r in records:
         r.setdefault("commit", commit)
+
     def case(r: dict) -> tuple:
         return r["model"], r["layout"], r["world_size"], r["optimizer"]
 
@@ -683,34 +810,55 @@ def merge_records(records: list[dict[str, Any]], out: str, results_dir: Any) -> 
     by_case: dict[tuple, list] = {}
     for r in kept + records:
         by_case.setdefault(case(r), []).append(r)
-    merged = [r for c in dict.fromkeys([case(r) for r in old["records"]] + [case(r) for r in records])
-              for r in by_case[c]]
+    merged = [
+        r for c in dict.fromkeys([case(r) for r in old["records"]] + [case(r) for r in records]) for r in by_case[c]
+    ]
     names = sorted({r["optimizer"] for r in records})
     commits = sorted({r["commit"] for r in kept} - {commit})
-    return merged, (f"merged (--merge): {len(records)} records of {', '.join(names)} measured at commit {commit}; "
-                    f"the other {len(kept)} kept from {out}.json (commit {', '.join(commits) or commit}), whose plans "
-                    "the change did not move")
+    return merged, (
+        f"merged (--merge): {len(records)} records of {', '.join(names)} measured at commit {commit}; "
+        f"the other {len(kept)} kept from {out}.json (commit {', '.join(commits) or commit}), whose plans "
+        "the change did not move"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="1b,7b,moe-8x1b",
-                    help="model presets (shardopt.train.model.PRESETS, benchmarks.models.MOE_PRESETS)")
+    ap.add_argument(
+        "--models",
+        default="1b,7b,moe-8x1b",
+        help="model presets (shardopt.train.model.PRESETS, benchmarks.models.MOE_PRESETS)",
+    )
     ap.add_argument("--worlds", default=WORLDS, help="simulated world sizes")
-    ap.add_argument("--worlds-7b", default=None,
-                    help=f"simulated world sizes of the 7b model (default: --worlds, and 4096 with the default {WORLDS})")
+    ap.add_argument(
+        "--worlds-7b",
+        default=None,
+        help=f"simulated world sizes of the 7b model (default: --worlds, and 4096 with the default {WORLDS})",
+    )
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma list of {LAYOUTS}")
     ap.add_argument("--optimizers", default=None, help="comma list of shardopt names (default: all registered)")
     ap.add_argument("--strategies", default=",".join(STRATEGIES), help="whole-matrix strategies to run")
-    ap.add_argument("--check-ranks", type=int, default=4,
-                    help="random ranks (beyond 0, the busiest and the last) checked against planned_state_elements")
+    ap.add_argument(
+        "--check-ranks",
+        type=int,
+        default=4,
+        help="random ranks (beyond 0, the busiest and the last) checked against planned_state_elements",
+    )
     ap.add_argument("--profile", default="gpu", help="matrix_ops.profile of the modeled seconds (gpu, cpu)")
-    ap.add_argument("--set", action="append", default=[], metavar="OPTIMIZER:KEY=VALUE",
-                    help="a hyperparameter of one optimizer (repeatable), e.g. swan:whitening=svd; labelled in the tables")
+    ap.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="OPTIMIZER:KEY=VALUE",
+        help="a hyperparameter of one optimizer (repeatable), e.g. swan:whitening=svd; labelled in the tables",
+    )
     ap.add_argument("--out", default="scale", help="result file stem")
-    ap.add_argument("--merge", action="store_true",
-                    help="keep the other optimizers' records of an existing <out>.json and replace only those run "
-                         "now (after a change that moves only their plans; the notes say which records are new)")
+    ap.add_argument(
+        "--merge",
+        action="store_true",
+        help="keep the other optimizers' records of an existing <out>.json and replace only those run "
+        "now (after a change that moves only their plans; the notes say which records are new)",
+    )
     args = parse_args(ap, argv, dict(models="1b", worlds="8,64", optimizers="scale,muon,sumo,alice"))
     args.hyperparameters = parse_hyperparameters(args.set)
     for lay in args.layouts.split(","):

@@ -10,6 +10,7 @@ is element-wise and is listed for comparison. Step time is the shardopt ``step()
 backward), median over steps, on the slowest rank. On a machine with fewer cores than ranks the ranks share
 cores, so wall time cannot shrink there; the FLOPs column still shows the split.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,12 +60,20 @@ def worker(args: argparse.Namespace) -> None:
             if errors:
                 out["error"] = errors[0]
             else:
-                out |= {"step_s_per_rank": [r["step_s"] for r in per_rank],
-                        "flops_per_rank": [r["flops"] for r in per_rank],
-                        "strategies": sorted({k for r in per_rank for k in r["flops_by_kind"]})}
+                out |= {
+                    "step_s_per_rank": [r["step_s"] for r in per_rank],
+                    "flops_per_rank": [r["flops"] for r in per_rank],
+                    "strategies": sorted({k for r in per_rank for k in r["flops_by_kind"]}),
+                }
             records.append(out)
-            print(f"ws{world} {name}: " + (out.get("error") or f"step {max(out['step_s_per_rank']) * 1e3:.1f} ms, "
-                                            f"owner FLOPs per rank {out['flops_per_rank']}"), flush=True)
+            print(
+                f"ws{world} {name}: "
+                + (
+                    out.get("error")
+                    or f"step {max(out['step_s_per_rank']) * 1e3:.1f} ms, owner FLOPs per rank {out['flops_per_rank']}"
+                ),
+                flush=True,
+            )
     finish_worker(records, args.out)
 
 
@@ -79,8 +88,13 @@ def table(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             continue
         step = max(r["step_s_per_rank"])
         flops = [f or 0.0 for f in r["flops_per_rank"]]
-        row |= {"step_s": step, "owner_flops_max": max(flops), "owner_flops_mean": sum(flops) / len(flops),
-                "whole_matrix": max(flops) > 0, "strategies": r["strategies"]}
+        row |= {
+            "step_s": step,
+            "owner_flops_max": max(flops),
+            "owner_flops_mean": sum(flops) / len(flops),
+            "whole_matrix": max(flops) > 0,
+            "strategies": r["strategies"],
+        }
         if r["world_size"] == 1:
             base[r["optimizer"]] = {"step_s": step, "flops": max(flops)}
         ref = base.get(r["optimizer"])
@@ -98,12 +112,31 @@ def to_markdown(rows: list[dict[str, Any]]) -> str:
         if "error" in r:
             body.append([r["optimizer"], str(r["world_size"]), r["error"][:80], "", "", "", "", ""])
             continue
-        body.append([r["optimizer"] + ("" if r["whole_matrix"] else " (element-wise)"), str(r["world_size"]),
-                     fmt(r["step_s"] * 1e3, ".1f"), fmt(r.get("step_vs_ws1"), ".2f"),
-                     fmt(r["owner_flops_max"] / 1e9, ".3f"), fmt(r.get("owner_flops_vs_ws1"), ".2f"),
-                     fmt(r.get("ideal"), ".2f"), ", ".join(r["strategies"]) or "-"])
-    return markdown_table(["optimizer", "ws", "step ms (slowest rank)", "step / ws1", "owner GFLOP (busiest rank)",
-                           "owner work / ws1", "ideal 1/P", "whole-matrix strategy"], body)
+        body.append(
+            [
+                r["optimizer"] + ("" if r["whole_matrix"] else " (element-wise)"),
+                str(r["world_size"]),
+                fmt(r["step_s"] * 1e3, ".1f"),
+                fmt(r.get("step_vs_ws1"), ".2f"),
+                fmt(r["owner_flops_max"] / 1e9, ".3f"),
+                fmt(r.get("owner_flops_vs_ws1"), ".2f"),
+                fmt(r.get("ideal"), ".2f"),
+                ", ".join(r["strategies"]) or "-",
+            ]
+        )
+    return markdown_table(
+        [
+            "optimizer",
+            "ws",
+            "step ms (slowest rank)",
+            "step / ws1",
+            "owner GFLOP (busiest rank)",
+            "owner work / ws1",
+            "ideal 1/P",
+            "whole-matrix strategy",
+        ],
+        body,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -122,17 +155,33 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         return worker(args)
     args.optimizers = ",".join(optimizers.select(args.optimizers, optimizers.registered()))
-    passed = ["--layout", args.layout, "--optimizers", args.optimizers, "--preset", args.preset, "--vocab",
-              str(args.vocab), "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq)]
+    passed = [
+        "--layout",
+        args.layout,
+        "--optimizers",
+        args.optimizers,
+        "--preset",
+        args.preset,
+        "--vocab",
+        str(args.vocab),
+        "--steps",
+        str(args.steps),
+        "--batch",
+        str(args.batch),
+        "--seq",
+        str(args.seq),
+    ]
     records: list[dict[str, Any]] = []
     for ws in (int(w) for w in args.world_sizes.split(",")):
         print(f"== world size {ws} ==", flush=True)
         records += run_workers("benchmarks.scaling", ws, passed)
     rows = table(records)
     cores = os.cpu_count() or 1
-    notes = [f"{cores} CPU core(s) on this machine: world sizes above {cores} share cores, so their wall time "
-             "shows contention, not the split; the owner-FLOPs column shows the split.",
-             "Owner FLOPs come from optimizer.comm_stats() (the library's estimate of its whole-matrix work)."]
+    notes = [
+        f"{cores} CPU core(s) on this machine: world sizes above {cores} share cores, so their wall time "
+        "shows contention, not the split; the owner-FLOPs column shows the split.",
+        "Owner FLOPs come from optimizer.comm_stats() (the library's estimate of its whole-matrix work).",
+    ]
     config = {k: v for k, v in vars(args).items() if k != "worker"}
     path = write_results(args.out, config, rows, to_markdown(rows), notes, raw=records, out_dir=args.results_dir)
     print(f"wrote {path} and {path.with_suffix('.md')}")

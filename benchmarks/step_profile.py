@@ -9,6 +9,7 @@ synchronizations per step (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` r
 are counted apart, since device-to-device copies do not wait), and the operators with the most self device time (self CPU time on a CPU). What it is for: deciding what
 to change next in the GPU step (issue 29), with the figures recorded beside the code that produced them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -66,8 +67,10 @@ def profile_steps(name: str, model: torch.nn.Module, device: torch.device, args:
     ops = sorted((e for e in events if key(e) > 0 and not e.key.startswith("cuda")), key=key, reverse=True)
     total = sum(key(e) for e in ops) or 1.0
     rec["busy_ms"] = total * per / 1e3
-    rec["top"] = [{"op": e.key[:90], "ms_per_step": key(e) * per / 1e3, "share": key(e) / total,
-                   "calls_per_step": e.count * per} for e in ops[:args.top]]
+    rec["top"] = [
+        {"op": e.key[:90], "ms_per_step": key(e) * per / 1e3, "share": key(e) / total, "calls_per_step": e.count * per}
+        for e in ops[: args.top]
+    ]
     del opt
     return rec
 
@@ -76,14 +79,34 @@ def to_markdown(records: list[dict[str, Any]], device: str) -> str:
     busy = "device-busy ms" if device == "cuda" else "CPU-busy ms"
     out = []
     for size in dict.fromkeys(r["size"] for r in records):
-        rows = [[r["optimizer"], r.get("error") or fmt(r["step_ms"], ".2f"), fmt(r.get("busy_ms"), ".2f"),
-                 fmt(r.get("launches_per_step"), ".0f"), fmt(r.get("syncs_per_step"), ".0f"),
-                 fmt(r.get("memcpy_per_step"), ".0f"),
-                 "; ".join(f"{t['op']} {t['ms_per_step']:.2f}" for t in r.get("top", [])[:3])]
-                for r in records if r["size"] == size]
-        out.append(f"\n## {size}\n\n" + markdown_table(
-            ["optimizer", "wall ms / step", busy, "launches / step", "syncs / step", "memcpy / step",
-             "top 3 ops (ms / step)"], rows))
+        rows = [
+            [
+                r["optimizer"],
+                r.get("error") or fmt(r["step_ms"], ".2f"),
+                fmt(r.get("busy_ms"), ".2f"),
+                fmt(r.get("launches_per_step"), ".0f"),
+                fmt(r.get("syncs_per_step"), ".0f"),
+                fmt(r.get("memcpy_per_step"), ".0f"),
+                "; ".join(f"{t['op']} {t['ms_per_step']:.2f}" for t in r.get("top", [])[:3]),
+            ]
+            for r in records
+            if r["size"] == size
+        ]
+        out.append(
+            f"\n## {size}\n\n"
+            + markdown_table(
+                [
+                    "optimizer",
+                    "wall ms / step",
+                    busy,
+                    "launches / step",
+                    "syncs / step",
+                    "memcpy / step",
+                    "top 3 ops (ms / step)",
+                ],
+                rows,
+            )
+        )
     return "".join(out)
 
 
@@ -117,21 +140,35 @@ def main(argv: list[str] | None = None) -> None:
             if "error" in rec:
                 print(f"  {name:8s} {rec['error']}", flush=True)
                 continue
-            print(f"  {name:8s} {rec['step_ms']:9.2f} ms  busy {rec['busy_ms']:8.2f} ms  "
-                  f"launches {rec['launches_per_step']:6.0f}  syncs {rec['syncs_per_step']:4.0f}  "
-                  f"memcpy {rec['memcpy_per_step']:4.0f}", flush=True)
+            print(
+                f"  {name:8s} {rec['step_ms']:9.2f} ms  busy {rec['busy_ms']:8.2f} ms  "
+                f"launches {rec['launches_per_step']:6.0f}  syncs {rec['syncs_per_step']:4.0f}  "
+                f"memcpy {rec['memcpy_per_step']:4.0f}",
+                flush=True,
+            )
             for t in rec["top"][:6]:
-                print(f"      {t['ms_per_step']:8.2f} ms {t['share']:5.1%} x{t['calls_per_step']:5.0f}  {t['op']}",
-                      flush=True)
+                print(
+                    f"      {t['ms_per_step']:8.2f} ms {t['share']:5.1%} x{t['calls_per_step']:5.0f}  {t['op']}",
+                    flush=True,
+                )
         del model
         gc.collect()
     stem = args.out or ("step_profile" if args.device == "cpu" else "step_profile_cuda")
-    notes = ["Per step, averaged over the profiled steps. 'syncs': stream/device/event synchronize calls; "
-             "'memcpy': cudaMemcpy(Async) calls, device-to-host (a wait) and device-to-device (no wait) alike; "
-             "'launches': kernel launches. Device-busy time sums the "
-             "operators' self device time (overlap counted once per operator)."]
-    path = write_results(stem, vars(args), records, to_markdown(records, args.device), notes, device=args.device,
-                         out_dir=args.results_dir)
+    notes = [
+        "Per step, averaged over the profiled steps. 'syncs': stream/device/event synchronize calls; "
+        "'memcpy': cudaMemcpy(Async) calls, device-to-host (a wait) and device-to-device (no wait) alike; "
+        "'launches': kernel launches. Device-busy time sums the "
+        "operators' self device time (overlap counted once per operator)."
+    ]
+    path = write_results(
+        stem,
+        vars(args),
+        records,
+        to_markdown(records, args.device),
+        notes,
+        device=args.device,
+        out_dir=args.results_dir,
+    )
     print(f"wrote {path}")
 
 

@@ -11,6 +11,7 @@ write W and the state, ``benchmarks.costmodel``) at the measured streaming bandw
 FLOPs at the measured matmul rate, whichever is larger. A refresh-based optimizer (an interval hyperparameter K)
 is timed over K consecutive steps, which hold exactly one refresh whatever the phase, and reported per step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,18 +43,31 @@ def step_floor(name: str, opt: torch.optim.Optimizer) -> tuple[float | None, flo
     return traffic, flops
 
 
-def _paired(fn, reference, device: torch.device, args: argparse.Namespace, per_round: int = 1,
-            warmup: int = 0) -> dict[str, Any]:
+def _paired(
+    fn, reference, device: torch.device, args: argparse.Namespace, per_round: int = 1, warmup: int = 0
+) -> dict[str, Any]:
     """Rounds of (one AdamW foreach step, ``per_round`` steps of ``fn``): medians and the median round ratio."""
-    times, refs = paired_timing(fn, reference, device, max(1, args.repeats // per_round), per_round=per_round,
-                                warmup=warmup, max_seconds=args.max_seconds)
+    times, refs = paired_timing(
+        fn,
+        reference,
+        device,
+        max(1, args.repeats // per_round),
+        per_round=per_round,
+        warmup=warmup,
+        max_seconds=args.max_seconds,
+    )
     ratios = [t / r for t, r in zip(times, refs)]
-    return {"median_s": statistics.median(times), "times_s": times, "adamw_foreach_paired_s": refs,
-            "vs_adamw_foreach": statistics.median(ratios)}
+    return {
+        "median_s": statistics.median(times),
+        "times_s": times,
+        "adamw_foreach_paired_s": refs,
+        "vs_adamw_foreach": statistics.median(ratios),
+    }
 
 
-def time_steps(name: str, model: torch.nn.Module, reference: torch.optim.Optimizer, device: torch.device,
-               args: argparse.Namespace) -> dict[str, Any]:
+def time_steps(
+    name: str, model: torch.nn.Module, reference: torch.optim.Optimizer, device: torch.device, args: argparse.Namespace
+) -> dict[str, Any]:
     """Build ``name`` on ``model``, time its steps in rounds paired with ``reference`` steps, return one record."""
     rec: dict[str, Any] = {"optimizer": name}
     try:
@@ -69,17 +83,25 @@ def time_steps(name: str, model: torch.nn.Module, reference: torch.optim.Optimiz
         key, k = interval
         rec["interval"] = {"key": key, "steps": k}
         if k <= args.max_interval:  # any k consecutive steps hold exactly one refresh
-            rec.update(method=f"whole interval of {k} steps",
-                       **_paired(opt.step, reference.step, device, args, per_round=k))
+            rec.update(
+                method=f"whole interval of {k} steps", **_paired(opt.step, reference.step, device, args, per_round=k)
+            )
         else:
             rec.update(_two_part_estimate(name, opt, key, k, model, reference, device, args))
     rec["traffic_bytes"], rec["flops"] = step_floor(name, opt)
     return rec
 
 
-def _two_part_estimate(name: str, opt: torch.optim.Optimizer, key: str, k: int, model: torch.nn.Module,
-                       reference: torch.optim.Optimizer, device: torch.device,
-                       args: argparse.Namespace) -> dict[str, Any]:
+def _two_part_estimate(
+    name: str,
+    opt: torch.optim.Optimizer,
+    key: str,
+    k: int,
+    model: torch.nn.Module,
+    reference: torch.optim.Optimizer,
+    device: torch.device,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """For intervals too long to time whole here: plain steps, plus the same optimizer refreshing every step
     (each paired with AdamW steps); amortized = (refresh + (k - 1) * plain) / k, times and ratios alike."""
     plain = _paired(opt.step, reference.step, device, args, warmup=1)
@@ -91,14 +113,19 @@ def _two_part_estimate(name: str, opt: torch.optim.Optimizer, key: str, k: int, 
     except (RuntimeError, ValueError, TypeError) as exc:
         return {**plain, "method": f"plain steps only (refresh not timed: {exc})"}
     amortized = {f: (refresh[f] + (k - 1) * plain[f]) / k for f in ("median_s", "vs_adamw_foreach")}
-    return {"method": f"estimate: ({key}=1 step + {k - 1} plain steps) / {k}", **amortized,
-            "plain_s": plain["median_s"], "refresh_step_s": refresh["median_s"],
-            "times_s": plain["times_s"] + refresh["times_s"],
-            "adamw_foreach_paired_s": plain["adamw_foreach_paired_s"] + refresh["adamw_foreach_paired_s"]}
+    return {
+        "method": f"estimate: ({key}=1 step + {k - 1} plain steps) / {k}",
+        **amortized,
+        "plain_s": plain["median_s"],
+        "refresh_step_s": refresh["median_s"],
+        "times_s": plain["times_s"] + refresh["times_s"],
+        "adamw_foreach_paired_s": plain["adamw_foreach_paired_s"] + refresh["adamw_foreach_paired_s"],
+    }
 
 
-def run_size(size: str, names: list[str], device: torch.device, args: argparse.Namespace,
-             roofline: dict[str, float]) -> list[dict[str, Any]]:
+def run_size(
+    size: str, names: list[str], device: torch.device, args: argparse.Namespace, roofline: dict[str, float]
+) -> list[dict[str, Any]]:
     """Every optimizer on preset ``size``, each timed in rounds that alternate with AdamW (foreach) steps on the
     same parameters; the ratio is the median over rounds, so a shared machine's drifting load cancels."""
     model = build_llama(size, args.vocab, device, num_layers=args.layers)
@@ -113,10 +140,17 @@ def run_size(size: str, names: list[str], device: torch.device, args: argparse.N
         if device.type == "cuda":
             torch.cuda.empty_cache()
         records.append(rec)
-        print(f"  {name:14s} " + (rec.get("error") or f"{rec['median_s'] * 1e3:9.2f} ms  "
-                                  f"{rec['vs_adamw_foreach']:.2f}x AdamW foreach (paired median "
-                                  f"{statistics.median(rec['adamw_foreach_paired_s']) * 1e3:.2f} ms; "
-                                  f"{rec['method']})"), flush=True)
+        print(
+            f"  {name:14s} "
+            + (
+                rec.get("error")
+                or f"{rec['median_s'] * 1e3:9.2f} ms  "
+                f"{rec['vs_adamw_foreach']:.2f}x AdamW foreach (paired median "
+                f"{statistics.median(rec['adamw_foreach_paired_s']) * 1e3:.2f} ms; "
+                f"{rec['method']})"
+            ),
+            flush=True,
+        )
     fused = next((r.get("median_s") for r in records if r["optimizer"] == "adamw_fused"), None)
     for rec in records:
         t = rec.get("median_s")
@@ -135,25 +169,48 @@ def run_size(size: str, names: list[str], device: torch.device, args: argparse.N
 
 def to_markdown(records: list[dict[str, Any]], roofline: dict[str, float]) -> str:
     streams = ", ".join(f"{k} {v / 1e9:.1f}" for k, v in roofline["streams"].items() if k != "best")
-    out = [f"Streaming bandwidth {roofline['bandwidth'] / 1e9:.1f} GB/s (best of {streams} GB/s), fp32 matmul "
-           f"{roofline['flops'] / 1e9:.1f} GFLOP/s, measured in this run. Floor = max(compulsory bytes / "
-           "bandwidth, matrix FLOPs / matmul rate); compulsory bytes = read G, read and write W and every state "
-           "tensor once. Below ~50 MB of traffic (tiny shapes) data stays in cache and the floor is not binding.\n"]
+    out = [
+        f"Streaming bandwidth {roofline['bandwidth'] / 1e9:.1f} GB/s (best of {streams} GB/s), fp32 matmul "
+        f"{roofline['flops'] / 1e9:.1f} GFLOP/s, measured in this run. Floor = max(compulsory bytes / "
+        "bandwidth, matrix FLOPs / matmul rate); compulsory bytes = read G, read and write W and every state "
+        "tensor once. Below ~50 MB of traffic (tiny shapes) data stays in cache and the floor is not binding.\n"
+    ]
     for size in dict.fromkeys(r["size"] for r in records):
         rows = []
         for r in (r for r in records if r["size"] == size):
             if "error" in r:
                 rows.append([r["optimizer"], r["error"]] + [""] * 7)
                 continue
-            rows.append([r["optimizer"], fmt(r["median_s"] * 1e3, ".2f"), fmt(r.get("vs_adamw_foreach"), ".2f"),
-                         fmt(r.get("vs_adamw_fused"), ".2f"),
-                         fmt(r["traffic_bytes"] / 1e9 if r["traffic_bytes"] is not None else None, ".3f"),
-                         fmt(r["flops"] / 1e9, ".1f"), fmt(r["floor_s"] * 1e3 if r["floor_s"] else None, ".2f"),
-                         fmt(r["time_over_floor"], ".1f"),
-                         f"<= {r['target']}x: {r['verdict']}" if r["target"] else r["verdict"]])
-        out.append(f"\n## {size}\n\n" + markdown_table(
-            ["optimizer", "step ms", "/ AdamW foreach", "/ AdamW fused", "floor GB", "GFLOP", "floor ms",
-             "time / floor", "target"], rows))
+            rows.append(
+                [
+                    r["optimizer"],
+                    fmt(r["median_s"] * 1e3, ".2f"),
+                    fmt(r.get("vs_adamw_foreach"), ".2f"),
+                    fmt(r.get("vs_adamw_fused"), ".2f"),
+                    fmt(r["traffic_bytes"] / 1e9 if r["traffic_bytes"] is not None else None, ".3f"),
+                    fmt(r["flops"] / 1e9, ".1f"),
+                    fmt(r["floor_s"] * 1e3 if r["floor_s"] else None, ".2f"),
+                    fmt(r["time_over_floor"], ".1f"),
+                    f"<= {r['target']}x: {r['verdict']}" if r["target"] else r["verdict"],
+                ]
+            )
+        out.append(
+            f"\n## {size}\n\n"
+            + markdown_table(
+                [
+                    "optimizer",
+                    "step ms",
+                    "/ AdamW foreach",
+                    "/ AdamW fused",
+                    "floor GB",
+                    "GFLOP",
+                    "floor ms",
+                    "time / floor",
+                    "target",
+                ],
+                rows,
+            )
+        )
     return "".join(out)
 
 
@@ -164,16 +221,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizers", default=None, help="comma list of shardopt names (default: all registered)")
     ap.add_argument("--repeats", type=int, default=10, help="timed steps per optimizer (median reported)")
     ap.add_argument("--max-seconds", type=float, default=30.0, help="stop repeating after this much timed work")
-    ap.add_argument("--max-interval", type=int, default=50,
-                    help="time refresh intervals up to this many steps whole; estimate longer ones")
+    ap.add_argument(
+        "--max-interval",
+        type=int,
+        default=50,
+        help="time refresh intervals up to this many steps whole; estimate longer ones",
+    )
     ap.add_argument("--threads", type=int, default=1, help="CPU threads (torch.set_num_threads)")
     ap.add_argument("--vocab", type=int, default=GALORE_VOCAB)
     ap.add_argument("--layers", type=int, default=None, help="override the preset's layer count")
-    ap.add_argument("--on-nonfinite", default=None, choices=["skip", "raise", "ignore"],
-                    help="shardopt's non-finite check (default: the optimizer's, skip); 'ignore' reads no device "
-                         "value per step, as torch's AdamW")
-    ap.add_argument("--out", default=None,
-                    help="result file stem under benchmarks/results/ (default step_time, or step_time_cuda)")
+    ap.add_argument(
+        "--on-nonfinite",
+        default=None,
+        choices=["skip", "raise", "ignore"],
+        help="shardopt's non-finite check (default: the optimizer's, skip); 'ignore' reads no device "
+        "value per step, as torch's AdamW",
+    )
+    ap.add_argument(
+        "--out", default=None, help="result file stem under benchmarks/results/ (default step_time, or step_time_cuda)"
+    )
     args = parse_args(ap, argv, dict(sizes="tiny", vocab=4096, repeats=3, max_seconds=2.0, max_interval=5))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible to torch")
@@ -182,22 +248,28 @@ def main(argv: list[str] | None = None) -> None:
     names = list(optimizers.ADAMW_VARIANTS) + optimizers.select(args.optimizers, optimizers.registered())
     streams = stream_bandwidth(device)
     roofline = {"bandwidth": streams["best"], "flops": matmul_flops(device), "streams": streams}
-    print(f"device {device}: " + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in streams.items())
-          + f", matmul {roofline['flops'] / 1e9:.1f} GFLOP/s")
+    print(
+        f"device {device}: "
+        + ", ".join(f"{k} {v / 1e9:.1f} GB/s" for k, v in streams.items())
+        + f", matmul {roofline['flops'] / 1e9:.1f} GFLOP/s"
+    )
     records = []
     for size in args.sizes.split(","):
         records += run_size(size.strip(), names, device, args, roofline)
-    notes = ["'/ AdamW foreach': median over rounds of (this optimizer's step / an AdamW(foreach) step over every "
-             "parameter of the same model, timed back to back in the same round), so drifting machine load cancels; "
-             "the adamw_foreach row is AdamW against itself (the noise floor). '/ AdamW fused': against the fused "
-             "AdamW's median in this run.",
-             "Refresh-based optimizers: time per step over a whole refresh interval (see 'method' in the JSON).",
-             f"shardopt's non-finite check: on_nonfinite={args.on_nonfinite or 'skip'}"
-             + (" (the default: one host read of a device flag per step)" if args.on_nonfinite in (None, "skip") else "")]
+    notes = [
+        "'/ AdamW foreach': median over rounds of (this optimizer's step / an AdamW(foreach) step over every "
+        "parameter of the same model, timed back to back in the same round), so drifting machine load cancels; "
+        "the adamw_foreach row is AdamW against itself (the noise floor). '/ AdamW fused': against the fused "
+        "AdamW's median in this run.",
+        "Refresh-based optimizers: time per step over a whole refresh interval (see 'method' in the JSON).",
+        f"shardopt's non-finite check: on_nonfinite={args.on_nonfinite or 'skip'}"
+        + (" (the default: one host read of a device flag per step)" if args.on_nonfinite in (None, "skip") else ""),
+    ]
     config = {k: v for k, v in vars(args).items()} | {"roofline": roofline}
     stem = args.out or ("step_time" if args.device == "cpu" else "step_time_cuda")
-    path = write_results(stem, config, records, to_markdown(records, roofline), notes, device=args.device,
-                         out_dir=args.results_dir)
+    path = write_results(
+        stem, config, records, to_markdown(records, roofline), notes, device=args.device, out_dir=args.results_dir
+    )
     print(f"wrote {path} and {path.with_suffix('.md')}")
 
 

@@ -10,6 +10,7 @@ One row per optimizer, one column group per benchmark, then every issue-6 target
 A benchmark without a result file shows "not run"; nothing is filled in by hand, and a test runs ``--check``,
 so the summary cannot drift from the committed result files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,8 +47,10 @@ def _comm(data: dict[str, Any]) -> Columns:
             out[name] = {f"comm % of grad (ws {ws}, worst layout)": "error"}
             continue
         worst = 100 * max(r["fraction_of_grad"] for r in top) if top else None
-        out[name] = {f"comm % of grad (ws {ws}, worst layout)": fmt(worst, ".3f"),
-                     "calls independent of #matrices": fmt(all(r["calls_independent"] for r in rows))}
+        out[name] = {
+            f"comm % of grad (ws {ws}, worst layout)": fmt(worst, ".3f"),
+            "calls independent of #matrices": fmt(all(r["calls_independent"] for r in rows)),
+        }
     return out
 
 
@@ -77,8 +80,10 @@ def _convergence(data: dict[str, Any]) -> Columns:
     for name, r in best_runs(data["records"]).items():
         runs = [x for x in data["records"] if x["optimizer"] == name]
         where = f"lr x{r['lr_mult']:g}" + (", sweep end" if at_edge(runs, r) else "")
-        out[name] = {"val loss (best lr)": f"{fmt(r['val_loss'], '.3f')} ({where})",
-                     "tokens/s": fmt(r["tokens_per_s"], ",.0f")}
+        out[name] = {
+            "val loss (best lr)": f"{fmt(r['val_loss'], '.3f')} ({where})",
+            "tokens/s": fmt(r["tokens_per_s"], ",.0f"),
+        }
     for name, why in data["config"].get("unavailable", {}).items():
         out[name] = {"val loss (best lr)": "not run"}
     return out
@@ -104,35 +109,58 @@ def scale_section(data: dict[str, Any] | None) -> str:
         for m in models:
             at = [r for r in default if r["model"] == m and r["world_size"] == top[m]]
             worst = max(at, key=lambda r: r["busiest_bytes"], default=None)
-            row.append("n/a" if worst is None else
-                       f"{worst['busiest_bytes'] / mib:.1f} ({worst['vs_adamw']:.2f}x AdamW, {worst['layout']})")
+            row.append(
+                "n/a"
+                if worst is None
+                else f"{worst['busiest_bytes'] / mib:.1f} ({worst['vs_adamw']:.2f}x AdamW, {worst['layout']})"
+            )
         covered = [r for r in mine if r["bound_applies"]]
         miss = [r for r in covered if not r["within_bound"]]
-        row.append("met" if not miss else "MISSED: " + ", ".join(
-            f"{r['model']} {r['layout']} P={r['world_size']} {r['strategy']} "
-            f"({r['busiest_bytes'] / r['bound_bytes']:.2f}x)" for r in miss))
+        row.append(
+            "met"
+            if not miss
+            else "MISSED: "
+            + ", ".join(
+                f"{r['model']} {r['layout']} P={r['world_size']} {r['strategy']} "
+                f"({r['busiest_bytes'] / r['bound_bytes']:.2f}x)"
+                for r in miss
+            )
+        )
         gather = [r for r in mine if r["strategy"] == "gather"]
         row.append(fmt(max(r["busiest_bytes"] / r["bound_bytes"] for r in gather), ".2f") if gather else "-")
         timed = [r for r in default if "time_ratio" in r]
         if timed:
             worst = max(timed, key=lambda r: r["time_ratio"])
-            row.append(f"{worst['time_ratio']:.3f} ({worst['model']} {worst['layout']} P={worst['world_size']})"
-                       + ("" if worst["within_time"] else " **over 0.10**"))
+            row.append(
+                f"{worst['time_ratio']:.3f} ({worst['model']} {worst['layout']} P={worst['world_size']})"
+                + ("" if worst["within_time"] else " **over 0.10**")
+            )
         else:
             row.append("n/a")
         row.append(fmt(max(r["plan_s"] for r in mine), ".2f"))
         rows.append(row)
-    heads = ["optimizer", *[f"busiest MiB, {m} P={top[m]} (worst layout)" for m in models],
-             "bound (auto, distributed, team)", "gather: busiest / bound", "modeled s / fwd+bwd (auto, worst)",
-             "plan s (max)"]
-    return (f"Per-rank optimizer state at simulated scale (`benchmarks.scale`, {_describe_run(data)}; "
-            f"layouts {', '.join(dict.fromkeys(r['layout'] for r in recs))}; "
-            f"P = {', '.join(str(w) for w in dict.fromkeys(r['world_size'] for r in recs))}):\n\n"
-            + markdown_table(heads, rows))
+    heads = [
+        "optimizer",
+        *[f"busiest MiB, {m} P={top[m]} (worst layout)" for m in models],
+        "bound (auto, distributed, team)",
+        "gather: busiest / bound",
+        "modeled s / fwd+bwd (auto, worst)",
+        "plan s (max)",
+    ]
+    return (
+        f"Per-rank optimizer state at simulated scale (`benchmarks.scale`, {_describe_run(data)}; "
+        f"layouts {', '.join(dict.fromkeys(r['layout'] for r in recs))}; "
+        f"P = {', '.join(str(w) for w in dict.fromkeys(r['world_size'] for r in recs))}):\n\n"
+        + markdown_table(heads, rows)
+    )
 
 
 SOURCES: dict[str, Callable[[dict[str, Any]], Columns]] = {
-    "step_time": _step_time, "comm": _comm, "memory": _memory, "scaling": _scaling, "convergence": _convergence,
+    "step_time": _step_time,
+    "comm": _comm,
+    "memory": _memory,
+    "scaling": _scaling,
+    "convergence": _convergence,
 }
 
 
@@ -156,10 +184,12 @@ def target_lines(results: dict[str, dict[str, Any] | None]) -> list[str]:
             continue
         worst = max(recs, key=lambda r: r["fraction_of_grad"])
         ok = all(r.get("target_met") for r in recs)
-        lines.append(f"- comm {name} <= {100 * targets.COMM_FRACTION_OF_GRAD:g}% of gradient, calls independent of "
-                     f"#matrices: worst {100 * worst['fraction_of_grad']:.3f}% (ws {worst['world_size']}, "
-                     f"{worst['layout']}), calls independent: {all(r['calls_independent'] for r in recs)}: "
-                     f"{'met' if ok else 'MISSED'}")
+        lines.append(
+            f"- comm {name} <= {100 * targets.COMM_FRACTION_OF_GRAD:g}% of gradient, calls independent of "
+            f"#matrices: worst {100 * worst['fraction_of_grad']:.3f}% (ws {worst['world_size']}, "
+            f"{worst['layout']}), calls independent: {all(r['calls_independent'] for r in recs)}: "
+            f"{'met' if ok else 'MISSED'}"
+        )
     return lines
 
 
@@ -176,15 +206,21 @@ def summary_body(results_dir: Path = RESULTS_DIR) -> str:
             columns += [c for c in cells if c not in columns]
     body = [[n] + [table[n].get(c, "") for c in columns] for n in _ordered(table)]
     sources = "; ".join(f"`{n}`: {_describe_run(r)}" for n, r in results.items())
-    return (markdown_table(["optimizer", *columns], body) + "\nTargets (issue 6):\n\n"
-            + "\n".join(target_lines(results)) + f"\n\nSources: {sources}.\n\n"
-            + scale_section(read_results("scale", results_dir)))
+    return (
+        markdown_table(["optimizer", *columns], body)
+        + "\nTargets (issue 6):\n\n"
+        + "\n".join(target_lines(results))
+        + f"\n\nSources: {sources}.\n\n"
+        + scale_section(read_results("scale", results_dir))
+    )
 
 
 def build_summary(results_dir: Path = RESULTS_DIR) -> str:
     where = results_dir.relative_to(REPO_ROOT) if results_dir.is_relative_to(REPO_ROOT) else results_dir
-    return (f"# Benchmark summary\n\nGenerated by `python -m benchmarks.summarize` from `{where}/`; "
-            "`adamw` is `torch.optim.AdamW` (foreach), the reference of every ratio.\n\n" + summary_body(results_dir))
+    return (
+        f"# Benchmark summary\n\nGenerated by `python -m benchmarks.summarize` from `{where}/`; "
+        "`adamw` is `torch.optim.AdamW` (foreach), the reference of every ratio.\n\n" + summary_body(results_dir)
+    )
 
 
 def _describe_run(result: dict[str, Any] | None) -> str:
@@ -207,10 +243,12 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"summarize the smoke runs in {QUICK_DIR}")
     ap.add_argument("--results-dir", type=Path, default=None, help="default: benchmarks/results")
-    ap.add_argument("--scale", action="store_true",
-                    help="print the scale-simulation table (benchmarks.scale) and write nothing")
-    ap.add_argument("--check", action="store_true",
-                    help="write nothing; exit 1 if SUMMARY.md differs from the result files")
+    ap.add_argument(
+        "--scale", action="store_true", help="print the scale-simulation table (benchmarks.scale) and write nothing"
+    )
+    ap.add_argument(
+        "--check", action="store_true", help="write nothing; exit 1 if SUMMARY.md differs from the result files"
+    )
     args = ap.parse_args(argv)
     results_dir = args.results_dir or (QUICK_DIR if args.quick else RESULTS_DIR)
     if args.scale:
@@ -219,7 +257,9 @@ def main(argv: list[str] | None = None) -> None:
     text, path = build_summary(results_dir), results_dir / "SUMMARY.md"
     if args.check:
         if not path.exists() or path.read_text() != text:
-            raise SystemExit(f"{path} is out of date with {results_dir}; run `python -m benchmarks.summarize` and commit")
+            raise SystemExit(
+                f"{path} is out of date with {results_dir}; run `python -m benchmarks.summarize` and commit"
+            )
         print(f"SUMMARY.md agrees with {results_dir}")
         return
     path.write_text(text)

@@ -26,6 +26,7 @@ iterations would hold exactly one, but K = 200 iterations per optimizer would no
 rate is amortized: plain iterations (median) plus (refresh step - plain step) / K, the refresh step timed on a
 copy of the optimizer that refreshes at every step (``refresh_interval=1``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,13 +47,25 @@ from .results import fmt, markdown_table, write_results
 from .timing import repeat_timing, sync
 
 #: training throughput the papers report (tokens/s, optimizer / Adam), for the README's side-by-side table
-PAPER_RATIOS = {"scale": ("44.7k vs Adam 45.0k tokens/s at 1B (arXiv:2506.16659)", 44.7 / 45.0),
-                "racs": ("within 11% of Adam (arXiv:2502.07752)", 0.89),
-                "alice": ("within 15% of Adam (arXiv:2502.07752)", 0.85)}
+PAPER_RATIOS = {
+    "scale": ("44.7k vs Adam 45.0k tokens/s at 1B (arXiv:2506.16659)", 44.7 / 45.0),
+    "racs": ("within 11% of Adam (arXiv:2502.07752)", 0.89),
+    "alice": ("within 15% of Adam (arXiv:2502.07752)", 0.85),
+}
 
 #: issue 29's acceptance at 350M: tokens/s vs fused AdamW
-TARGETS = {"scale": 0.99, "sinkgd": 0.99, "dasgo": 0.99, "racs": 0.97, "muon": 0.97, "swan": 0.97,
-           "alice": 0.95, "alice0": 0.95, "sumo": 0.95, "asgo": 0.90}
+TARGETS = {
+    "scale": 0.99,
+    "sinkgd": 0.99,
+    "dasgo": 0.99,
+    "racs": 0.97,
+    "muon": 0.97,
+    "swan": 0.97,
+    "alice": 0.95,
+    "alice0": 0.95,
+    "sumo": 0.95,
+    "asgo": 0.90,
+}
 
 
 class _Timer:
@@ -89,8 +102,9 @@ def _autocast(device: torch.device, args: argparse.Namespace):
     return contextlib.nullcontext()
 
 
-def train_iterations(model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace,
-                     device: torch.device, count: int) -> tuple[list[float], list[float], float]:
+def train_iterations(
+    model: torch.nn.Module, opt: torch.optim.Optimizer, args: argparse.Namespace, device: torch.device, count: int
+) -> tuple[list[float], list[float], float]:
     """(iteration seconds, step seconds, last loss) over ``count`` iterations."""
     timer = _Timer(device)
     marks = []
@@ -132,8 +146,14 @@ def parse_variant(name: str) -> tuple[str, dict[str, Any]]:
     return base, hp
 
 
-def refresh_step_seconds(name: str, model: torch.nn.Module, key: str, device: torch.device, repeats: int = 3,
-                         hyperparameters: dict[str, Any] | None = None) -> float:
+def refresh_step_seconds(
+    name: str,
+    model: torch.nn.Module,
+    key: str,
+    device: torch.device,
+    repeats: int = 3,
+    hyperparameters: dict[str, Any] | None = None,
+) -> float:
     """Median seconds of an optimizer step that refreshes (``key = 1``), on the model's current gradients."""
     opt = optimizers.build(name, model, **{**(hyperparameters or {}), key: 1})
     times = repeat_timing(opt.step, device, repeats, warmup=1)  # the warm-up step allocates state
@@ -157,11 +177,17 @@ def run_optimizer(name: str, size: str, args: argparse.Namespace, device: torch.
         del model
         return {**rec, "error": f"{type(exc).__name__}: {exc}".splitlines()[0][:200]}
     it, st = statistics.median(iters), statistics.median(steps)
-    rec.update(iteration_s=it, step_s=st, loss=loss, iteration_times_s=iters, step_times_s=steps,
-               fallbacks=iterative.fallback_counts(reset=True))  # matrices the iterative routes left to eigh/svd/qr
+    rec.update(
+        iteration_s=it,
+        step_s=st,
+        loss=loss,
+        iteration_times_s=iters,
+        step_times_s=steps,
+        fallbacks=iterative.fallback_counts(reset=True),
+    )  # matrices the iterative routes left to eigh/svd/qr
     interval = costmodel.interval_of(opt)
     if device.type == "cuda":
-        rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2 ** 30
+        rec["peak_memory_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
     del opt
     if interval is not None:
         key, k = interval
@@ -189,19 +215,48 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
                 rows.append([r["optimizer"], r["error"]] + [""] * 9)
                 continue
             target = TARGETS.get(r["optimizer"])
-            verdict = "" if target is None or r.get("vs_adamw_fused") is None else (
-                f">= {target}: {'met' if r['vs_adamw_fused'] >= target else 'missed'}")
+            verdict = (
+                ""
+                if target is None or r.get("vs_adamw_fused") is None
+                else (f">= {target}: {'met' if r['vs_adamw_fused'] >= target else 'missed'}")
+            )
             global_rate = r.get("global_tokens_per_s")
             paper = PAPER_RATIOS.get(r["optimizer"], ("", None))[0]
             label = r["optimizer"] + (" (again, last)" if r.get("repeat") else "")
-            rows.append([label, fmt(r["tokens_per_s"] / 1e3, ".1f"), fmt(r.get("vs_adamw_fused"), ".3f"),
-                         fmt(r["amortized_step_s"] * 1e3, ".2f"), fmt(r["step_share"] * 100, ".1f"),
-                         fmt(r.get("peak_memory_gib"), ".2f"), verdict,
-                         fmt(global_rate / 1e3 if global_rate else None, ".1f"), fmt(r.get("vs_adamw_fused_global"), ".3f"),
-                         paper, str(sum(r.get("fallbacks", {}).values()))])
-        out.append(f"\n## {size}\n\n" + markdown_table(
-            ["optimizer", "k tokens/s", "/ AdamW fused", "step ms", "step % of iteration", "peak GiB",
-             "target (350m)", "global batch: k tokens/s", "/ AdamW fused", "paper", "fallbacks"], rows))
+            rows.append(
+                [
+                    label,
+                    fmt(r["tokens_per_s"] / 1e3, ".1f"),
+                    fmt(r.get("vs_adamw_fused"), ".3f"),
+                    fmt(r["amortized_step_s"] * 1e3, ".2f"),
+                    fmt(r["step_share"] * 100, ".1f"),
+                    fmt(r.get("peak_memory_gib"), ".2f"),
+                    verdict,
+                    fmt(global_rate / 1e3 if global_rate else None, ".1f"),
+                    fmt(r.get("vs_adamw_fused_global"), ".3f"),
+                    paper,
+                    str(sum(r.get("fallbacks", {}).values())),
+                ]
+            )
+        out.append(
+            f"\n## {size}\n\n"
+            + markdown_table(
+                [
+                    "optimizer",
+                    "k tokens/s",
+                    "/ AdamW fused",
+                    "step ms",
+                    "step % of iteration",
+                    "peak GiB",
+                    "target (350m)",
+                    "global batch: k tokens/s",
+                    "/ AdamW fused",
+                    "paper",
+                    "fallbacks",
+                ],
+                rows,
+            )
+        )
     return "".join(out)
 
 
@@ -212,21 +267,31 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--optimizers", default=None, help="comma list of shardopt names (default: all registered)")
     ap.add_argument("--batch", type=int, default=64, help="sequences per micro-batch")
     ap.add_argument("--seq", type=int, default=256, help="tokens per sequence (the presets' context, as GaLore's runs)")
-    ap.add_argument("--global-batch", type=int, default=512,
-                    help="sequences per optimizer step for the derived global-batch rate (GaLore's 130M/350M runs)")
+    ap.add_argument(
+        "--global-batch",
+        type=int,
+        default=512,
+        help="sequences per optimizer step for the derived global-batch rate (GaLore's 130M/350M runs)",
+    )
     ap.add_argument("--iters", type=int, default=10, help="timed iterations per optimizer (median reported)")
     ap.add_argument("--warmup", type=int, default=3, help="untimed iterations first")
     ap.add_argument("--vocab", type=int, default=GALORE_VOCAB)
     ap.add_argument("--fp32", action="store_true", help="no bf16 autocast on CUDA")
     ap.add_argument("--threads", type=int, default=None, help="CPU threads (torch.set_num_threads)")
-    ap.add_argument("--on-nonfinite", default=None, choices=["skip", "raise", "ignore"],
-                    help="shardopt's non-finite check (default: the optimizer's, skip); 'ignore' reads no device "
-                         "value per step, as torch's AdamW")
-    ap.add_argument("--variants", default=None,
-                    help="extra runs, optimizer[:key=value...][@precision] (default on CUDA: " + CUDA_VARIANTS + ")")
+    ap.add_argument(
+        "--on-nonfinite",
+        default=None,
+        choices=["skip", "raise", "ignore"],
+        help="shardopt's non-finite check (default: the optimizer's, skip); 'ignore' reads no device "
+        "value per step, as torch's AdamW",
+    )
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="extra runs, optimizer[:key=value...][@precision] (default on CUDA: " + CUDA_VARIANTS + ")",
+    )
     ap.add_argument("--out", default=None, help="result stem (default throughput or throughput_cuda)")
-    args = parse_args(ap, argv, dict(sizes="tiny", vocab=4096, batch=4, seq=64, iters=3, warmup=1,
-                                                 global_batch=32))
+    args = parse_args(ap, argv, dict(sizes="tiny", vocab=4096, batch=4, seq=64, iters=3, warmup=1, global_batch=32))
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda: no CUDA device visible to torch")
     if args.threads:
@@ -235,8 +300,12 @@ def main(argv: list[str] | None = None) -> None:
     names = ["adamw_fused" if device.type == "cuda" else "adamw_foreach"]
     names += optimizers.select(args.optimizers, optimizers.registered())
     variants = CUDA_VARIANTS if args.variants is None and device.type == "cuda" else (args.variants or "")
-    names += [v.strip() for v in variants.split(",") if v.strip()  # the default ones of the optimizers selected
-              and (args.variants is not None or parse_variant(v.strip())[0] in names)]
+    names += [
+        v.strip()
+        for v in variants.split(",")
+        if v.strip()  # the default ones of the optimizers selected
+        and (args.variants is not None or parse_variant(v.strip())[0] in names)
+    ]
     records = []
     for size in args.sizes.split(","):
         size = size.strip()
@@ -254,11 +323,17 @@ def main(argv: list[str] | None = None) -> None:
             if k == len(names):
                 rec["repeat"] = "baseline again, last"
             size_records.append(rec)
-            print(f"  {name:12s} " + (rec.get("error") or
-                  f"{rec['tokens_per_s'] / 1e3:9.1f} k tokens/s  step "
-                  f"{rec['amortized_step_s'] * 1e3:8.2f} ms ({rec['step_share']:.1%})  iteration "
-                  f"{rec['amortized_iteration_s'] * 1e3:8.2f} ms  peak {rec.get('peak_memory_gib', 0):.2f} GiB  "
-                  f"loss {rec['loss']:.3f}"), flush=True)
+            print(
+                f"  {name:12s} "
+                + (
+                    rec.get("error")
+                    or f"{rec['tokens_per_s'] / 1e3:9.1f} k tokens/s  step "
+                    f"{rec['amortized_step_s'] * 1e3:8.2f} ms ({rec['step_share']:.1%})  iteration "
+                    f"{rec['amortized_iteration_s'] * 1e3:8.2f} ms  peak {rec.get('peak_memory_gib', 0):.2f} GiB  "
+                    f"loss {rec['loss']:.3f}"
+                ),
+                flush=True,
+            )
         bases = [r for r in (size_records[0], size_records[-1]) if "tokens_per_s" in r]
         if bases:
             base = statistics.fmean(r["tokens_per_s"] for r in bases)
@@ -270,18 +345,21 @@ def main(argv: list[str] | None = None) -> None:
             drift = size_records[-1].get("tokens_per_s", base) / size_records[0].get("tokens_per_s", base) - 1
             print(f"  baseline drift over the run: {drift:+.1%}; ratios against the mean of both", flush=True)
         records += size_records
-    notes = [f"global batch: {args.global_batch} sequences per optimizer step, derived (module docstring).",
-             "tokens/s = tokens per iteration / median iteration time, amortized over the refresh interval where "
-             "an optimizer has one (see the module docstring); '/ AdamW fused': against the mean of the baseline's "
-             "two runs of the same size, the first and the last row (foreach AdamW on a CPU, which has no fused "
-             "kernel), so that drift over the run cancels; their difference is the run's drift.",
-             "step %: the optimizer step's share of the iteration (device events around step() and zero_grad).",
-             "paper: the throughput the optimizer's paper reports, on its own hardware and model.",
-             f"shardopt's non-finite check: on_nonfinite={args.on_nonfinite or 'skip'}"
-             + (" (the default: one host read of a device flag per step)" if args.on_nonfinite in (None, "skip") else "")]
+    notes = [
+        f"global batch: {args.global_batch} sequences per optimizer step, derived (module docstring).",
+        "tokens/s = tokens per iteration / median iteration time, amortized over the refresh interval where "
+        "an optimizer has one (see the module docstring); '/ AdamW fused': against the mean of the baseline's "
+        "two runs of the same size, the first and the last row (foreach AdamW on a CPU, which has no fused "
+        "kernel), so that drift over the run cancels; their difference is the run's drift.",
+        "step %: the optimizer step's share of the iteration (device events around step() and zero_grad).",
+        "paper: the throughput the optimizer's paper reports, on its own hardware and model.",
+        f"shardopt's non-finite check: on_nonfinite={args.on_nonfinite or 'skip'}"
+        + (" (the default: one host read of a device flag per step)" if args.on_nonfinite in (None, "skip") else ""),
+    ]
     stem = args.out or ("throughput" if args.device == "cpu" else "throughput_cuda")
-    path = write_results(stem, vars(args), records, to_markdown(records), notes, device=args.device,
-                         out_dir=args.results_dir)
+    path = write_results(
+        stem, vars(args), records, to_markdown(records), notes, device=args.device, out_dir=args.results_dir
+    )
     print(f"wrote {path}")
 
 

@@ -4,6 +4,7 @@ GPU work is asynchronous, so every timed region synchronizes before reading the 
 numbers (streaming bandwidth, matmul FLOP/s) are measured in the same process with the same threads, so
 "measured time / floor" compares like with like.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -29,8 +30,9 @@ def time_call(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - t0
 
 
-def repeat_timing(fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1,
-                  max_seconds: float | None = None) -> list[float]:
+def repeat_timing(
+    fn: Callable[[], object], device: torch.device, repeats: int, warmup: int = 1, max_seconds: float | None = None
+) -> list[float]:
     """Times of ``repeats`` calls after ``warmup`` untimed ones; stops early (never below one timed call)
     once ``max_seconds`` of timed calls have passed, so slow optimizers on a CPU stay affordable."""
     for _ in range(warmup):
@@ -43,8 +45,15 @@ def repeat_timing(fn: Callable[[], object], device: torch.device, repeats: int, 
     return times
 
 
-def paired_timing(fn: Callable[[], object], reference: Callable[[], object], device: torch.device, rounds: int,
-                  per_round: int = 1, warmup: int = 1, max_seconds: float | None = None) -> tuple[list[float], list[float]]:
+def paired_timing(
+    fn: Callable[[], object],
+    reference: Callable[[], object],
+    device: torch.device,
+    rounds: int,
+    per_round: int = 1,
+    warmup: int = 1,
+    max_seconds: float | None = None,
+) -> tuple[list[float], list[float]]:
     """Alternate one ``reference`` call with ``per_round`` calls of ``fn``, ``rounds`` times: (seconds per ``fn``
     call, seconds per reference call), one entry per round. Timing the two back to back in every round lets
     ``median(fn_i / reference_i)`` cancel the load drift of a shared machine, which timing one after the
@@ -65,12 +74,14 @@ def stream_bandwidth(device: torch.device, megabytes: int = 256, repeats: int = 
     """Bytes/s of large streaming kernels: ``copy`` (read + write), in-place ``scale`` (read + write the same
     array, what optimizer updates do) and ``read`` (a sum), and ``best`` of them: the practical ceiling.
     On CPUs a copy into another buffer can run at half the in-place rate (write-allocate traffic)."""
-    n = megabytes * 2 ** 20 // 4
+    n = megabytes * 2**20 // 4
     src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     kernels = {"copy": (lambda: dst.copy_(src), 2), "scale": (lambda: src.mul_(1.0), 2), "read": (src.sum, 1)}
-    out = {name: passes * n * 4 / statistics.median(repeat_timing(fn, device, repeats))
-           for name, (fn, passes) in kernels.items()}
+    out = {
+        name: passes * n * 4 / statistics.median(repeat_timing(fn, device, repeats))
+        for name, (fn, passes) in kernels.items()
+    }
     out["best"] = max(out.values())
     return out
 
@@ -82,4 +93,4 @@ def matmul_flops(device: torch.device, size: int | None = None, repeats: int = 3
     a = torch.randn(size, size, device=device)
     b = torch.randn(size, size, device=device)
     times = repeat_timing(lambda: a @ b, device, repeats)
-    return 2.0 * size ** 3 / statistics.median(times)
+    return 2.0 * size**3 / statistics.median(times)

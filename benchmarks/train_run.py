@@ -4,6 +4,7 @@ The trainer builds AdamW and shardopt optimizers itself; ``BenchTrainer`` only a
 single-process engine. A peer's config names ``adamw`` so that the trainer's validation accepts it, and
 the peer replaces that optimizer at build time.
 """
+
 from __future__ import annotations
 
 import json

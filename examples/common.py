@@ -1,5 +1,6 @@
 """What the examples share: a small LLaMA (``shardopt.train.model``) and learnable synthetic token batches,
 so every example runs in seconds on a CPU; swap in your own model and data."""
+
 from __future__ import annotations
 
 import os
@@ -33,12 +34,14 @@ def init_distributed() -> tuple[int, int, torch.device]:
 def tiny_llama() -> Llama:
     """The same initial weights on every rank and every run (seeded)."""
     torch.manual_seed(0)
-    return Llama(model_config("tiny", VOCAB, hidden_size=64, intermediate_size=176, num_heads=4, num_layers=2,
-                              max_seq_len=SEQ))
+    return Llama(
+        model_config("tiny", VOCAB, hidden_size=64, intermediate_size=176, num_heads=4, num_layers=2, max_seq_len=SEQ)
+    )
 
 
-def token_batches(start: int, stop: int, batch_size: int, rank: int,
-                  device: torch.device | str = "cpu") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+def token_batches(
+    start: int, stop: int, batch_size: int, rank: int, device: torch.device | str = "cpu"
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """(inputs, next-token labels) for steps ``[start, stop)``: arithmetic token sequences (learnable), a fixed
     function of (step, rank) so a resumed run reads what an uninterrupted one would."""
     for step in range(start, stop):

@@ -9,6 +9,7 @@ stage (or from a checkpoint ``shardopt checkpoint convert`` made). CPU (DS_ACCEL
 The DeepSpeed snippets of README.md and docs/guides/deepspeed.md are excerpts of this file (tests_dist/test_readme.py
 checks that they are).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,15 +20,18 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before DeepSpeed is imported
 
-import shardopt.deepspeed
-
 from common import finish, init_distributed, tiny_llama, token_batches
+
+import shardopt.deepspeed
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", default="configs/deepspeed/zero2_scale.json",
-                    help="a DeepSpeed JSON with a 'shardopt' section (configs/deepspeed/ has one per optimizer and stage)")
+    ap.add_argument(
+        "--config",
+        default="configs/deepspeed/zero2_scale.json",
+        help="a DeepSpeed JSON with a 'shardopt' section (configs/deepspeed/ has one per optimizer and stage)",
+    )
     ap.add_argument("--steps", type=int, default=4, help="train until this many optimizer steps in all")
     ap.add_argument("--save", metavar="DIR", help="engine.save_checkpoint(DIR) at the end")
     ap.add_argument("--load", metavar="DIR", help="engine.load_checkpoint(DIR) first (any world size or ZeRO stage)")
@@ -44,11 +48,17 @@ def main() -> None:
     if args.load:
         engine.load_checkpoint(args.load)
         if rank == 0:
-            print(f"resumed from {args.load} at step {engine.global_steps} on {world} ranks "
-                  f"(lr {scheduler.get_last_lr()[0]:.2e})")
-    batches = token_batches(engine.global_steps, args.steps, engine.train_micro_batch_size_per_gpu(), rank, engine.device)
+            print(
+                f"resumed from {args.load} at step {engine.global_steps} on {world} ranks "
+                f"(lr {scheduler.get_last_lr()[0]:.2e})"
+            )
+    batches = token_batches(
+        engine.global_steps, args.steps, engine.train_micro_batch_size_per_gpu(), rank, engine.device
+    )
     for x, y in batches:
-        loss = engine(x, y); engine.backward(loss); engine.step()
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
         if rank == 0:
             print(f"step {engine.global_steps}: loss {loss.item():.4f}, lr {scheduler.get_last_lr()[0]:.2e}")
     if args.save:

@@ -8,18 +8,18 @@
 The FSDP2 snippets of README.md, docs/guides/fsdp2.md and docs/checkpoints.md are excerpts of this file
 (tests_dist/test_readme.py checks that they are).
 """
+
 from __future__ import annotations
 
 import argparse
 
 import torch
 import torch.distributed.checkpoint as dcp
+from common import finish, init_distributed, tiny_llama, token_batches
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-import shardopt
 from torch.distributed.fsdp import fully_shard
 
-from common import finish, init_distributed, tiny_llama, token_batches
+import shardopt
 
 
 def save(path, model, opt, sched) -> None:
@@ -29,8 +29,10 @@ def save(path, model, opt, sched) -> None:
 
 def load(path, model, opt, sched) -> None:
     # later, at any world size: build model + fully_shard + create_optimizer + the scheduler, then
-    msd, osd = get_state_dict(model, opt); sd = {"model": msd, "optim": osd, "scheduler": sched.state_dict()}
-    dcp.load(sd, checkpoint_id=path); set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
+    msd, osd = get_state_dict(model, opt)
+    sd = {"model": msd, "optim": osd, "scheduler": sched.state_dict()}
+    dcp.load(sd, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     sched.load_state_dict(sd["scheduler"])
 
 
@@ -44,11 +46,11 @@ def main() -> None:
     rank, world, device = init_distributed()
     model = tiny_llama().to(device)
 
-    for block in model.layers:          # FSDP2 as usual (skip for single process / DDP)
+    for block in model.layers:  # FSDP2 as usual (skip for single process / DDP)
         fully_shard(block)
     fully_shard(model)
 
-    opt = shardopt.create_optimizer(model, "scale", lr=1e-3)   # or "sinkgd", "racs", "asgo", "sumo", "alice", ...
+    opt = shardopt.create_optimizer(model, "scale", lr=1e-3)  # or "sinkgd", "racs", "asgo", "sumo", "alice", ...
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
     start = 0
     if args.load:
@@ -59,7 +61,10 @@ def main() -> None:
     batches = token_batches(start, args.steps, args.batch_size, rank, device)
     for x, y in batches:
         loss = model(x, y)
-        loss.backward(); opt.step(); sched.step(); opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        opt.zero_grad()
         if rank == 0:
             print(f"step {sched.last_epoch}: loss {loss.item():.4f}, lr {sched.get_last_lr()[0]:.2e}")
     if args.save:

@@ -10,6 +10,7 @@ runs in seconds on a CPU (DS_ACCELERATOR=cpu, gloo).
 The accelerate snippets of README.md and docs/guides/accelerate.md are excerpts of this file (tests_dist/test_readme.py
 checks that they are).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,10 @@ if not torch.cuda.is_available():
 
 from accelerate import Accelerator
 from accelerate.utils import DeepSpeedPlugin
+from hf_trainer import tiny_llama, token_dataset
 
 import shardopt
 import shardopt.integrations.accelerate
-
-from hf_trainer import tiny_llama, token_dataset
 
 
 def main() -> None:
@@ -39,8 +39,12 @@ def main() -> None:
     ap.add_argument("--offload", action="store_true", help="ZeRO-Offload: the optimizer's partitions on the CPU")
     args = ap.parse_args()
 
-    config = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1,
-              "gradient_clipping": 1.0, "zero_optimization": {"stage": args.stage}}
+    config = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": args.stage},
+    }
     if args.offload:  # prepare sets zero_force_ds_cpu_optimizer false, so accelerate keeps shardopt's optimizer
         config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=config))
@@ -57,10 +61,11 @@ def main() -> None:
     data, rank, world = token_dataset(), torch.distributed.get_rank(), torch.distributed.get_world_size()
     for step in range(step, args.steps):
         lo = (step * world + rank) * args.batch
-        ids = torch.stack([d["input_ids"] for d in data[lo:lo + args.batch]]).to(accelerator.device)
+        ids = torch.stack([d["input_ids"] for d in data[lo : lo + args.batch]]).to(accelerator.device)
         loss = model(input_ids=ids, labels=ids).loss
-        accelerator.backward(loss)   # DeepSpeed steps the optimizer here
-        optimizer.step(); optimizer.zero_grad()
+        accelerator.backward(loss)  # DeepSpeed steps the optimizer here
+        optimizer.step()
+        optimizer.zero_grad()
         if rank == 0:
             print(f"step {step + 1}: loss {loss.item():.4f}")
     if args.save:

@@ -9,6 +9,7 @@ A tiny LLaMA built from its config on synthetic tokens, so it runs in seconds on
 The Trainer snippets of README.md and docs/guides/hf-trainer.md are excerpts of this file (tests_dist/test_readme.py
 checks that they are).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,17 @@ import shardopt.integrations.transformers
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=32))
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=32,
+        )
+    )
 
 
 def token_dataset(n: int = 256, seq: int = 32) -> list[dict]:
@@ -50,20 +60,32 @@ def main() -> None:
 
     model = tiny_llama()
     deepspeed_config = {
-        "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto", "gradient_clipping": "auto",
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
         "zero_optimization": {"stage": args.stage},
         "shardopt": {"optimizer": "scale", "params": {"lr": "auto", "adam_lr": "auto"}},
     }
     training_args = TrainingArguments(
-        output_dir=args.out, deepspeed=deepspeed_config, learning_rate=1e-2, max_steps=args.steps,
-        per_device_train_batch_size=args.batch, save_steps=2, logging_steps=1, report_to="none", use_cpu=True)
+        output_dir=args.out,
+        deepspeed=deepspeed_config,
+        learning_rate=1e-2,
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        save_steps=2,
+        logging_steps=1,
+        report_to="none",
+        use_cpu=True,
+    )
     trainer = Trainer(model=model, args=training_args, train_dataset=token_dataset())
-    shardopt.integrations.transformers.enable(trainer)   # the one line: shardopt from the "shardopt" section
+    shardopt.integrations.transformers.enable(trainer)  # the one line: shardopt from the "shardopt" section
     trainer.train(resume_from_checkpoint=args.resume or None)
     if trainer.is_world_process_zero():
         opt = shardopt.integrations.accelerate.unwrap_optimizer(trainer.optimizer)
-        print(f"trained to step {trainer.state.global_step} with {type(opt).__name__} under ZeRO-{args.stage} on "
-              f"{trainer.args.world_size} ranks; loss {trainer.state.log_history[-2]['loss']:.4f}")
+        print(
+            f"trained to step {trainer.state.global_step} with {type(opt).__name__} under ZeRO-{args.stage} on "
+            f"{trainer.args.world_size} ranks; loss {trainer.state.log_history[-2]['loss']:.4f}"
+        )
     # An orderly shutdown: ranks leave together and gloo's threads are joined before the interpreter exits (left
     # to exit handlers, a rank can abort with "terminate called without an active exception" after its work is done).
     if torch.distributed.is_initialized():

@@ -8,6 +8,7 @@ row shards at a simulated world size, with a hardware profile and memory budget 
 Nothing is allocated (meta device) and nothing is communicated: plans depend only on the shapes and on which
 rows each rank holds, which every rank derives identically, so one process can print any rank's plan.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,19 +30,26 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=float, default=None, help="matrix_ops.memory_budget_mib")
     ap.add_argument("--rows", type=int, default=12, help="matrices to list (0: all)")
     args = ap.parse_args()
-    profile = args.profile if ":" not in args.profile else {
-        k: (v if k == "base" else float(v)) for k, v in (kv.split(":") for kv in args.profile.split(","))}
+    profile = (
+        args.profile
+        if ":" not in args.profile
+        else {k: (v if k == "base" else float(v)) for k, v in (kv.split(":") for kv in args.profile.split(","))}
+    )
 
     with torch.device("meta"):
         model = Llama(model_config(args.model, 32000))
-    opt = shardopt.create_optimizer(model, args.optimizer, matrix_ops={
-        "profile": profile, "memory_budget_mib": args.budget_mib})
+    opt = shardopt.create_optimizer(
+        model, args.optimizer, matrix_ops={"profile": profile, "memory_budget_mib": args.budget_mib}
+    )
     group = object()  # stands for the process group: plans only compare it by identity
-    opt.use_layouts(lambda p: MatrixLayout.row_chunks(tuple(p.shape) if p.dim() == 2 else (p.numel(), 1),
-                                                      args.world, args.rank, group))
+    opt.use_layouts(
+        lambda p: MatrixLayout.row_chunks(
+            tuple(p.shape) if p.dim() == 2 else (p.numel(), 1), args.world, args.rank, group
+        )
+    )
     lines = opt.describe_plan().splitlines()
     if args.rows and len(lines) > args.rows + 3:
-        lines = lines[:args.rows + 2] + [f"... ({len(lines) - args.rows - 3} more matrices)"] + lines[-1:]
+        lines = lines[: args.rows + 2] + [f"... ({len(lines) - args.rows - 3} more matrices)"] + lines[-1:]
     print(f"{args.optimizer} on LLaMA-{args.model}, FSDP2 rows over {args.world} ranks, rank {args.rank}:")
     print("\n".join(lines))
 

@@ -7,31 +7,34 @@ the shardopt optimizer (here SCALE) is their inner optimizer. CPU (gloo) or GPUs
 
 The snippet of docs/guides/more-engines.md is an excerpt of this file (tests_dist/test_readme.py checks that it is).
 """
+
 from __future__ import annotations
 
 import argparse
 import warnings
 
+from common import finish, init_distributed, tiny_llama, token_batches
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import shardopt
-
-from common import finish, init_distributed, tiny_llama, token_batches
 
 
 def train(model, opt, steps: int, rank: int, device, name: str) -> None:
     ddp = DDP(model)
     for step, (x, y) in enumerate(token_batches(0, steps, 8, rank, device), 1):
         loss = ddp(x, y)
-        loss.backward(); opt.step(); opt.zero_grad()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
         if rank == 0:
             print(f"{name} step {step}: loss {loss.item():.4f}")
 
 
 def with_zero_redundancy(steps: int, rank: int, device) -> dict | None:
     model = tiny_llama().to(device)
-    groups = shardopt.param_groups(model, "scale", lr=1e-3)   # one named group per parameter, every hyperparameter
-    from torch.distributed.optim import ZeroRedundancyOptimizer          # torch
+    groups = shardopt.param_groups(model, "scale", lr=1e-3)  # one named group per parameter, every hyperparameter
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # torch
+
     opt = ZeroRedundancyOptimizer(groups, optimizer_class=shardopt.SCALE)
     train(model, opt, steps, rank, device, "ZeroRedundancyOptimizer")
     opt.consolidate_state_dict(to=0)
@@ -43,7 +46,7 @@ def with_oss(steps: int, rank: int, device) -> dict | None:
     groups = shardopt.param_groups(model, "scale", lr=1e-3)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fairscale 0.4.13 warns about deprecated torch APIs on import
-        from fairscale.optim import OSS                                         # fairscale (extra "engines")
+        from fairscale.optim import OSS  # fairscale (extra "engines")
     opt = OSS(groups, optim=shardopt.SCALE)
     train(model, opt, steps, rank, device, "OSS")
     opt.consolidate_state_dict(recipient_rank=0)
@@ -61,8 +64,10 @@ def main() -> None:
         if args.engine in (name, "both"):
             state = run(args.steps, rank, device)
             if rank == 0:
-                print(f"{name}: {world} ranks; the consolidated state dict on rank 0 holds "
-                      f"{len(state['state'])} parameters' state")
+                print(
+                    f"{name}: {world} ranks; the consolidated state dict on rank 0 holds "
+                    f"{len(state['state'])} parameters' state"
+                )
     finish()
 
 

@@ -18,15 +18,46 @@ The optimizers (vectors, and whatever the routing says, go to AdamW inside the s
 what ``torch.optim`` takes (``model.named_parameters()``, tensors, param groups). ``shardopt.describe(obj)`` prints
 which role and rule every parameter got, for whatever a front door returned (optimizer, engine, trainer).
 """
-from .optim import (ASGO, DASGO, RACS, SCALE, SUMO, SWAN, Alice, Alice0, ConfigError, Muon, ShardedOptimizer, SinkGD,
-                    create_optimizer, param_groups)
+
+from .optim import (
+    ASGO,
+    DASGO,
+    RACS,
+    SCALE,
+    SUMO,
+    SWAN,
+    Alice,
+    Alice0,
+    ConfigError,
+    Muon,
+    ShardedOptimizer,
+    SinkGD,
+    create_optimizer,
+    param_groups,
+)
 from .optim.describe import describe
-from .plugin import wrapped as _wrapped  # noqa: F401  registers its pre-step check, param source and model watcher
 from .plugin import fsdp1 as _fsdp1  # noqa: F401  registers legacy FSDP's model inspector, watcher and param source
+from .plugin import wrapped as _wrapped  # noqa: F401  registers its pre-step check, param source and model watcher
 
 __version__ = "0.1.0"
-__all__ = ["create_optimizer", "param_groups", "describe", "SCALE", "SinkGD", "RACS", "SWAN", "ASGO", "DASGO", "SUMO",
-           "Alice", "Alice0", "Muon", "ShardedOptimizer", "ConfigError", "__version__"]
+__all__ = [
+    "create_optimizer",
+    "param_groups",
+    "describe",
+    "SCALE",
+    "SinkGD",
+    "RACS",
+    "SWAN",
+    "ASGO",
+    "DASGO",
+    "SUMO",
+    "Alice",
+    "Alice0",
+    "Muon",
+    "ShardedOptimizer",
+    "ConfigError",
+    "__version__",
+]
 
 
 def __getattr__(name: str):

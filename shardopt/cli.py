@@ -1,6 +1,7 @@
 """``shardopt`` command line: ``shardopt checkpoint inspect PATH``, ``shardopt checkpoint convert SRC DST``,
 ``shardopt checkpoint clean DIR`` (leftovers of interrupted saves) and
 ``shardopt roles MODEL OPTIMIZER`` (each parameter's role and rule for a Hugging Face model config)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,8 +19,9 @@ def _counters(meta: dict) -> str:
     if step is None and not sched:
         return "no step counter or LR-scheduler state saved"
     where = sched.get("last_epoch", sched.get("last_batch_iteration")) if isinstance(sched, dict) else None
-    return (f"global step {step if step is not None else 'not saved'}, LR scheduler "
-            + (f"at step {where}" if where is not None else "state saved" if sched else "state not saved"))
+    return f"global step {step if step is not None else 'not saved'}, LR scheduler " + (
+        f"at step {where}" if where is not None else "state saved" if sched else "state not saved"
+    )
 
 
 def _inspect(path: str) -> int:
@@ -30,8 +32,10 @@ def _inspect(path: str) -> int:
     for note in ck.notes:
         print(f"{path}: {note}")
     optimizer = meta.get("optimizer") or "not a shardopt optimizer"
-    print(f"{ck.path}: {ck.kind} checkpoint, optimizer {optimizer}, engine {meta.get('engine')}, "
-          f"saved at world size {meta.get('world_size') or 'unknown'}")
+    print(
+        f"{ck.path}: {ck.kind} checkpoint, optimizer {optimizer}, engine {meta.get('engine')}, "
+        f"saved at world size {meta.get('world_size') or 'unknown'}"
+    )
     per_param: dict[str, list[str]] = defaultdict(list)
     total = 0
     steps = set()
@@ -62,8 +66,7 @@ def _convert(src: str, dst: str, to: str) -> int:
         out = convert.write_deepspeed(dst, ck.tensors, ck.meta)
     else:
         out = convert.write_dcp(dst, ck.tensors, ck.meta)
-    print(f"converted {ck.kind} checkpoint {ck.path} -> {to} {out} ({len(ck.tensors)} tensors; "
-          f"{_counters(ck.meta)})")
+    print(f"converted {ck.kind} checkpoint {ck.path} -> {to} {out} ({len(ck.tensors)} tensors; {_counters(ck.meta)})")
     return 0
 
 
@@ -114,8 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     roles = sub.add_parser("roles", help="each parameter's role and rule for a Hugging Face model (config only)")
     roles.add_argument("model", help="a directory or hub id with config.json (extra 'transformers')")
     roles.add_argument("optimizer", help="a shardopt optimizer name, e.g. scale")
-    roles.add_argument("--routing", action="append", default=[], metavar="PATTERN=ROLE",
-                       help="routing declaration, e.g. '*.c_attn.weight=matrix_transposed' (repeatable)")
+    roles.add_argument(
+        "--routing",
+        action="append",
+        default=[],
+        metavar="PATTERN=ROLE",
+        help="routing declaration, e.g. '*.c_attn.weight=matrix_transposed' (repeatable)",
+    )
     args = ap.parse_args(argv)
     if args.command == "roles":
         from .optim.registry import ConfigError

@@ -1,4 +1,5 @@
 """Slow float64 references written line by line from docs/algorithms/ and the papers (never used by the package)."""
+
 from __future__ import annotations
 
 import torch
@@ -20,9 +21,9 @@ def sr_sinkhorn(G, L):
     m, n = X.shape
     for _ in range(L):
         r = torch.sqrt((X * X).sum(1))
-        X = X * torch.where(r > 0, n ** 0.5 / torch.where(r > 0, r, 1), 0)[:, None]
+        X = X * torch.where(r > 0, n**0.5 / torch.where(r > 0, r, 1), 0)[:, None]
         c = torch.sqrt((X * X).sum(0))
-        X = X * torch.where(c > 0, m ** 0.5 / torch.where(c > 0, c, 1), 0)[None, :]
+        X = X * torch.where(c > 0, m**0.5 / torch.where(c > 0, c, 1), 0)[None, :]
     return X
 
 
@@ -73,8 +74,8 @@ def swan_direction(G, iterations=1, center=False):
     for _ in range(iterations):
         if center:
             X = X - X.mean(dim=1, keepdim=True)
-        X = X * _safe_scale(X.norm(dim=1, keepdim=True), k ** 0.5)
-        X = k ** 0.5 * polar(X)
+        X = X * _safe_scale(X.norm(dim=1, keepdim=True), k**0.5)
+        X = k**0.5 * polar(X)
     return X if m <= n else X.T
 
 
@@ -86,8 +87,9 @@ def inverse_sqrt(V, eps):
     return (E[:, keep] * lam[keep].rsqrt()) @ E[:, keep].T
 
 
-def asgo_step(W, G, st, lr, betas=(0.9, 0.95), eps=1e-6, tau=1, side="auto", statistic="gradient",
-              update_rms=None, wd=0.0):
+def asgo_step(
+    W, G, st, lr, betas=(0.9, 0.95), eps=1e-6, tau=1, side="auto", statistic="gradient", update_rms=None, wd=0.0
+):
     """docs/algorithms/asgo.md, ASGO: M = EMA(G); V = EMA of the Gram on the smaller side; P = (V + eps I)^-1/2
     refreshed at steps 1, 1 + tau, ...; W <- W (1 - lr wd) - lr (P M or M P)."""
     b1, b2 = betas
@@ -137,8 +139,25 @@ def sumo_step(W, G, st, lr, rank, alpha=0.25, mu=0.9, K=200, gamma=1.1, wd=0.0):
     return W * (1 - lr * wd) - lr * (D if left else D.T)
 
 
-def alice_step(W, G, st, lr, rank, leading, alpha=0.3, alpha_c=0.4, betas=(0.9, 0.9, 0.999), K=200, gamma=1.01,
-               eps=1e-8, tracking=True, reproject=True, complement_draw=None, signs=None, wd=0.0):
+def alice_step(
+    W,
+    G,
+    st,
+    lr,
+    rank,
+    leading,
+    alpha=0.3,
+    alpha_c=0.4,
+    betas=(0.9, 0.9, 0.999),
+    K=200,
+    gamma=1.01,
+    eps=1e-8,
+    tracking=True,
+    reproject=True,
+    complement_draw=None,
+    signs=None,
+    wd=0.0,
+):
     """docs/algorithms/alice.md, with exact linear algebra: the first basis is the top-r left singular basis of
     A; later switches are one Rayleigh-Ritz step on Q = b3 U Qt U^T + (1 - b3) A A^T, formed here. When l < r the
     r - l complement columns are ``complement_draw(count, switch)``: indices into the complete-QR complement
@@ -156,8 +175,14 @@ def alice_step(W, G, st, lr, rank, leading, alpha=0.3, alpha_c=0.4, betas=(0.9, 
     if t == 1 or t % K == 0:
         if "U" not in st:
             U1 = torch.linalg.svd(A, full_matrices=False).U[:, :r]
-            st.update(switches=0, Qt=torch.zeros(r, r, dtype=G.dtype), M=torch.zeros(r, cols, dtype=G.dtype),
-                      V=torch.zeros(r, cols, dtype=G.dtype), p=torch.zeros(cols, dtype=G.dtype), phi=0.0)
+            st.update(
+                switches=0,
+                Qt=torch.zeros(r, r, dtype=G.dtype),
+                M=torch.zeros(r, cols, dtype=G.dtype),
+                V=torch.zeros(r, cols, dtype=G.dtype),
+                p=torch.zeros(cols, dtype=G.dtype),
+                phi=0.0,
+            )
         else:
             U = st["U"]
             Q = b3 * U @ st["Qt"] @ U.T + (1 - b3) * A @ A.T

@@ -6,6 +6,7 @@ structure (tied or untied heads, learned positions as wide as the hidden size, f
 torchtitan-shaped llama, and a functional tied head (logits from the embedding's weight) with an MLP as wide as the
 vocabulary.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -24,12 +25,20 @@ def _hf(config: str, model: str, **kw) -> Callable[[], nn.Module]:
 
         cfg = getattr(transformers, config)(**kw)
         return getattr(transformers, model)(cfg)
+
     build.__doc__ = f"transformers {model}({config}({', '.join(f'{k}={v!r}' for k, v in kw.items())}))"
     return build
 
 
-_LLAMA = dict(vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH,
-              num_key_value_heads=1, max_position_embeddings=H)
+_LLAMA = dict(
+    vocab_size=V,
+    hidden_size=H,
+    intermediate_size=FF,
+    num_hidden_layers=L,
+    num_attention_heads=NH,
+    num_key_value_heads=1,
+    max_position_embeddings=H,
+)
 _MOE = dict(_LLAMA, num_local_experts=4, num_experts_per_tok=2)
 
 
@@ -39,8 +48,9 @@ class TitanBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(H)
         self.attention = nn.ModuleDict({w: nn.Linear(H, H, bias=False) for w in ("wq", "wk", "wv", "wo")})
         self.ffn_norm = nn.RMSNorm(H)
-        self.feed_forward = nn.ModuleDict({"w1": nn.Linear(H, V, bias=False), "w2": nn.Linear(V, H, bias=False),
-                                           "w3": nn.Linear(H, V, bias=False)})
+        self.feed_forward = nn.ModuleDict(
+            {"w1": nn.Linear(H, V, bias=False), "w2": nn.Linear(V, H, bias=False), "w3": nn.Linear(H, V, bias=False)}
+        )
 
 
 class TitanLlama(nn.Module):
@@ -91,32 +101,104 @@ CORPUS: dict[str, Callable[[], nn.Module]] = {
     "gemma": _hf("GemmaConfig", "GemmaForCausalLM", **_LLAMA, head_dim=8),  # tied
     # GPT-2: Conv1D (stored in x out), tied head, learned positions as many as the hidden width
     "gpt2": _hf("GPT2Config", "GPT2LMHeadModel", vocab_size=V, n_embd=H, n_layer=L, n_head=NH, n_positions=H),
-    "gpt_neox": _hf("GPTNeoXConfig", "GPTNeoXForCausalLM", vocab_size=V, hidden_size=H, intermediate_size=V,
-                    num_hidden_layers=L, num_attention_heads=NH, max_position_embeddings=H),
+    "gpt_neox": _hf(
+        "GPTNeoXConfig",
+        "GPTNeoXForCausalLM",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=V,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        max_position_embeddings=H,
+    ),
     # OPT: learned positions (offset 2), ffn as wide as the vocabulary
-    "opt": _hf("OPTConfig", "OPTForCausalLM", vocab_size=V, hidden_size=H, ffn_dim=V, num_hidden_layers=L,
-               num_attention_heads=NH, max_position_embeddings=H, word_embed_proj_dim=H),
+    "opt": _hf(
+        "OPTConfig",
+        "OPTForCausalLM",
+        vocab_size=V,
+        hidden_size=H,
+        ffn_dim=V,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        max_position_embeddings=H,
+        word_embed_proj_dim=H,
+    ),
     "bloom": _hf("BloomConfig", "BloomForCausalLM", vocab_size=V, hidden_size=H, n_layer=L, n_head=NH),
-    "phi": _hf("PhiConfig", "PhiForCausalLM", vocab_size=V, hidden_size=H, intermediate_size=FF, num_hidden_layers=L,
-               num_attention_heads=NH, max_position_embeddings=H),
-    "falcon": _hf("FalconConfig", "FalconForCausalLM", vocab_size=V, hidden_size=H, num_hidden_layers=L,
-                  num_attention_heads=NH),
+    "phi": _hf(
+        "PhiConfig",
+        "PhiForCausalLM",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=FF,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        max_position_embeddings=H,
+    ),
+    "falcon": _hf(
+        "FalconConfig", "FalconForCausalLM", vocab_size=V, hidden_size=H, num_hidden_layers=L, num_attention_heads=NH
+    ),
     "mixtral": _hf("MixtralConfig", "MixtralForCausalLM", **_MOE),
-    "qwen3_moe": _hf("Qwen3MoeConfig", "Qwen3MoeForCausalLM", vocab_size=V, hidden_size=H, intermediate_size=FF,
-                     moe_intermediate_size=8, num_hidden_layers=L, num_attention_heads=NH, num_key_value_heads=1,
-                     num_experts=4, num_experts_per_tok=2, head_dim=8),
-    "olmoe": _hf("OlmoeConfig", "OlmoeForCausalLM", vocab_size=V, hidden_size=H, intermediate_size=8,
-                 num_hidden_layers=L, num_attention_heads=NH, num_experts=4, num_experts_per_tok=2),
-    "t5": _hf("T5Config", "T5ForConditionalGeneration", vocab_size=V, d_model=H, d_kv=8, d_ff=V, num_layers=L,
-              num_heads=NH),
-    "bert_mlm": _hf("BertConfig", "BertForMaskedLM", vocab_size=V, hidden_size=H, intermediate_size=V,
-                    num_hidden_layers=L, num_attention_heads=NH, max_position_embeddings=H),
+    "qwen3_moe": _hf(
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=FF,
+        moe_intermediate_size=8,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        head_dim=8,
+    ),
+    "olmoe": _hf(
+        "OlmoeConfig",
+        "OlmoeForCausalLM",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=8,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        num_experts=4,
+        num_experts_per_tok=2,
+    ),
+    "t5": _hf(
+        "T5Config", "T5ForConditionalGeneration", vocab_size=V, d_model=H, d_kv=8, d_ff=V, num_layers=L, num_heads=NH
+    ),
+    "bert_mlm": _hf(
+        "BertConfig",
+        "BertForMaskedLM",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=V,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        max_position_embeddings=H,
+    ),
     # two labels, and a token-type table of two rows: the classifier is the head by declaration, not by the table
-    "bert_cls": _hf("BertConfig", "BertForSequenceClassification", vocab_size=V, hidden_size=H,
-                    intermediate_size=FF, num_hidden_layers=L, num_attention_heads=NH, max_position_embeddings=H,
-                    num_labels=2),
-    "vit_cls": _hf("ViTConfig", "ViTForImageClassification", hidden_size=H, intermediate_size=FF,
-                   num_hidden_layers=L, num_attention_heads=NH, image_size=8, patch_size=4, num_labels=3),
+    "bert_cls": _hf(
+        "BertConfig",
+        "BertForSequenceClassification",
+        vocab_size=V,
+        hidden_size=H,
+        intermediate_size=FF,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        max_position_embeddings=H,
+        num_labels=2,
+    ),
+    "vit_cls": _hf(
+        "ViTConfig",
+        "ViTForImageClassification",
+        hidden_size=H,
+        intermediate_size=FF,
+        num_hidden_layers=L,
+        num_attention_heads=NH,
+        image_size=8,
+        patch_size=4,
+        num_labels=3,
+    ),
     "torchtitan_llama": TitanLlama,
     "functional_tied": FunctionalTiedLM,
 }

@@ -1,18 +1,18 @@
 """SCALE, SinkGD and RACS against float64 references and the invariants of docs/algorithms/."""
+
 from __future__ import annotations
 
 import math
 
 import pytest
 import torch
+from references import racs_fixed_point, racs_step, scale_step, sr_sinkhorn
+from tiny_model import Tiny
 from torch import nn
 
-from tiny_model import Tiny
-
 import shardopt
-from shardopt.optim import OPTIMIZERS
 from shardopt import RACS, SCALE, SinkGD
-from references import racs_fixed_point, racs_step, scale_step, sr_sinkhorn
+from shardopt.optim import OPTIMIZERS
 
 
 def grads(shape, steps, seed=0):
@@ -53,7 +53,9 @@ def test_sr_sinkhorn_float64_invariants():
     torch.testing.assert_close(X.norm(), torch.tensor(math.sqrt(m * n), dtype=torch.float64))
     assert torch.equal(torch.sign(X), torch.sign(G))
     X200 = sr_sinkhorn(G, 200)
-    torch.testing.assert_close(X200.norm(dim=1), torch.full((m,), math.sqrt(n), dtype=torch.float64), rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(
+        X200.norm(dim=1), torch.full((m,), math.sqrt(n), dtype=torch.float64), rtol=1e-9, atol=1e-9
+    )
     torch.testing.assert_close(sr_sinkhorn(3.7 * G, 5), X)  # scale invariance
 
 
@@ -65,7 +67,7 @@ def test_sinkgd_update_is_sr_sinkhorn():
     for h, g in zip(hist, gs):
         X = h.double() / (lr * scale)
         torch.testing.assert_close(X, sr_sinkhorn(g, 5), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(X.norm(dim=0), torch.full((9,), 6 ** 0.5, dtype=torch.float64), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(X.norm(dim=0), torch.full((9,), 6**0.5, dtype=torch.float64), rtol=1e-5, atol=1e-5)
 
 
 def test_racs_matches_float64_reference():
@@ -93,8 +95,6 @@ def test_racs_scaling_vectors_solve_the_fixed_point():
     opt.step()
     torch.testing.assert_close(opt.state[p]["q"].double(), q, rtol=1e-4, atol=1e-6)
     torch.testing.assert_close(opt.state[p]["s"].double(), s, rtol=1e-4, atol=1e-6)
-
-
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -184,10 +184,11 @@ def test_swan_exact_whitening_invariants(shape, whitening):
         opt.step()
         outs.append(-p.detach().double())
     x = outs[0]
-    torch.testing.assert_close(torch.linalg.svdvals(x), torch.full((min(m, n),), k ** 0.5, dtype=torch.float64),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.linalg.svdvals(x), torch.full((min(m, n),), k**0.5, dtype=torch.float64), rtol=1e-5, atol=1e-5
+    )
     lines = x.norm(dim=1) if m <= n else x.norm(dim=0)
-    torch.testing.assert_close(lines, torch.full_like(lines, k ** 0.5), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lines, torch.full_like(lines, k**0.5), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
 
 

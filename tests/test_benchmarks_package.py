@@ -17,6 +17,7 @@ layout); ``benchmarks/README.md`` and the docs' Benchmarks page say how to run i
     ``benchmarks``; and a file outside ``benchmarks/`` that launches ``python -m benchmarks.<name>`` says where it
     runs (``cwd``: the repository root, or the repository on ``PYTHONPATH`` through ``env``).
 """
+
 from __future__ import annotations
 
 import ast
@@ -66,8 +67,9 @@ def test_without_the_repository_on_the_path_another_benchmarks_package_wins():
     """Why the rule exists: where an installed package is named ``benchmarks`` (fairscale's), a run outside the
     repository root imports it, and ``python -m benchmarks.scale`` fails."""
     with tempfile.TemporaryDirectory() as elsewhere:
-        found = _run(["-c", "import importlib.util as u; s = u.find_spec('benchmarks'); print(s.origin if s else '')"],
-                     elsewhere)
+        found = _run(
+            ["-c", "import importlib.util as u; s = u.find_spec('benchmarks'); print(s.origin if s else '')"], elsewhere
+        )
         if not found.stdout.strip():
             pytest.skip("no installed package named benchmarks (fairscale is not installed)")
         assert _where_benchmarks(elsewhere) != BENCH
@@ -84,8 +86,13 @@ def _imports(path: Path) -> list[tuple[int, str, int]]:
             out += [(node.lineno, alias.name, 0) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             out.append((node.lineno, node.module or "", node.level))
-        elif (isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
-              and node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
+        elif (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", getattr(node.func, "id", "")) == "import_module"
+            and node.args
+            and isinstance(node.args[0], ast.Constant)
+            and isinstance(node.args[0].value, str)
+        ):
             out.append((node.lineno, node.args[0].value, 0))
     return out
 
@@ -97,10 +104,16 @@ def _is_benchmarks(module: str) -> bool:
 def test_benchmark_modules_import_their_siblings_relatively():
     files = sorted(BENCH.glob("*.py"))
     assert len(files) > 10
-    bad = [f"benchmarks/{f.name}:{line}: import {module}" for f in files for line, module, level in _imports(f)
-           if level == 0 and _is_benchmarks(module)]
-    assert not bad, ("absolute imports of `benchmarks` can find fairscale's package; import siblings relatively "
-                     "(from .results import ...):\n" + "\n".join(bad))
+    bad = [
+        f"benchmarks/{f.name}:{line}: import {module}"
+        for f in files
+        for line, module, level in _imports(f)
+        if level == 0 and _is_benchmarks(module)
+    ]
+    assert not bad, (
+        "absolute imports of `benchmarks` can find fairscale's package; import siblings relatively "
+        "(from .results import ...):\n" + "\n".join(bad)
+    )
     relative = [module for f in files for _, module, level in _imports(f) if level]
     assert relative, "the benchmark modules no longer import each other? (then this test checks nothing)"
 
@@ -113,11 +126,17 @@ def _project_python() -> list[Path]:
 
 
 def test_nothing_else_imports_the_benchmarks_package():
-    bad = [f"{f.relative_to(REPO)}:{line}: import {module}" for f in _project_python()
-           for line, module, level in _imports(f) if level == 0 and _is_benchmarks(module)]
-    assert not bad, ("outside benchmarks/ the package is run as `python -m benchmarks.<name>` from the repository "
-                     "root, never imported (an import would find fairscale's package wherever the root is not "
-                     "first on sys.path):\n" + "\n".join(bad))
+    bad = [
+        f"{f.relative_to(REPO)}:{line}: import {module}"
+        for f in _project_python()
+        for line, module, level in _imports(f)
+        if level == 0 and _is_benchmarks(module)
+    ]
+    assert not bad, (
+        "outside benchmarks/ the package is run as `python -m benchmarks.<name>` from the repository "
+        "root, never imported (an import would find fairscale's package wherever the root is not "
+        "first on sys.path):\n" + "\n".join(bad)
+    )
 
 
 def test_launches_of_benchmark_modules_from_outside_say_where_they_run():
@@ -127,11 +146,15 @@ def test_launches_of_benchmark_modules_from_outside_say_where_they_run():
             if not isinstance(node, ast.Call):
                 continue
             lists = [a for a in node.args if isinstance(a, (ast.List, ast.Tuple))]
-            strings = [e.value for a in lists for e in a.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            strings = [
+                e.value for a in lists for e in a.elts if isinstance(e, ast.Constant) and isinstance(e.value, str)
+            ]
             if any(_is_benchmarks(s) for s in strings) and "-m" in strings:
                 launches += 1
                 if not any(k.arg in ("cwd", "env", "pythonpath") for k in node.keywords):
                     bad.append(f"{f.relative_to(REPO)}:{node.lineno}")
-    assert not bad, ("a `python -m benchmarks.<name>` launch that passes neither cwd=<repository root> nor an env "
-                     "with the repository on PYTHONPATH: " + ", ".join(bad))
+    assert not bad, (
+        "a `python -m benchmarks.<name>` launch that passes neither cwd=<repository root> nor an env "
+        "with the repository on PYTHONPATH: " + ", ".join(bad)
+    )
     assert launches >= 1  # this file's own launches at least

@@ -1,6 +1,7 @@
 """Grouped steps (``shardopt.sharding.block_groups``): the block-shape groups compute what the per-matrix
 primitives compute, for whole matrices, ZeRO flat ranges that start and end mid-row, and column shards,
 with stacked groups and with the per-block lists of large CPU blocks."""
+
 from __future__ import annotations
 
 import pytest
@@ -15,12 +16,12 @@ from shardopt.sharding.layout import ColPiece, FlatPiece, MatrixLayout
 def _layouts():
     shapes = [(5, 7), (5, 7), (3, 4), (6, 7), (5, 7), (4, 9)]
     pieces = [
-        [FlatPiece(0, 35)],                     # whole
+        [FlatPiece(0, 35)],  # whole
         [FlatPiece(3, 33), FlatPiece(33, 35), FlatPiece(0, 3)],  # mid-row start and end
-        [FlatPiece(0, 0), FlatPiece(0, 12)],    # empty on rank 0
+        [FlatPiece(0, 0), FlatPiece(0, 12)],  # empty on rank 0
         [FlatPiece(7, 28), FlatPiece(0, 7), FlatPiece(28, 42)],  # whole rows
-        [FlatPiece(2, 5), FlatPiece(0, 2), FlatPiece(5, 35)],    # inside one row
-        [ColPiece(2, 6), ColPiece(0, 2), ColPiece(6, 9)],        # column shard
+        [FlatPiece(2, 5), FlatPiece(0, 2), FlatPiece(5, 35)],  # inside one row
+        [ColPiece(2, 6), ColPiece(0, 2), ColPiece(6, 9)],  # column shard
     ]
     return [MatrixLayout(s, p, rank=0) for s, p in zip(shapes, pieces)]
 
@@ -38,13 +39,19 @@ def test_groups_match_primitives(monkeypatch, limit):
     roww = torch.rand(bg.n_rows)
     cw = colw.split(bg.ns)
     rw = roww.split(bg.ms)
-    for kw_g, kw_p in [({}, lambda i: {}), ({"square": True}, lambda i: {"square": True}),
-                       ({"col_weight": colw}, lambda i: {"col_weight": cw[i]})]:
+    for kw_g, kw_p in [
+        ({}, lambda i: {}),
+        ({"square": True}, lambda i: {"square": True}),
+        ({"col_weight": colw}, lambda i: {"col_weight": cw[i]}),
+    ]:
         got = bg.row_sums(data, **kw_g).split(bg.ms)
         for i, (lay, a) in enumerate(zip(layouts, pieces)):
             torch.testing.assert_close(got[i], row_sums(lay, a, **kw_p(i)), rtol=1e-6, atol=1e-6)
-    for kw_g, kw_p in [({}, lambda i: {}), ({"square": True}, lambda i: {"square": True}),
-                       ({"row_weight": roww}, lambda i: {"row_weight": rw[i]})]:
+    for kw_g, kw_p in [
+        ({}, lambda i: {}),
+        ({"square": True}, lambda i: {"square": True}),
+        ({"row_weight": roww}, lambda i: {"row_weight": rw[i]}),
+    ]:
         got = bg.col_sums(data, **kw_g).split(bg.ns)
         for i, (lay, a) in enumerate(zip(layouts, pieces)):
             torch.testing.assert_close(got[i], col_sums(lay, a, **kw_p(i)), rtol=1e-6, atol=1e-6)
@@ -64,8 +71,10 @@ def _flat_partition(rank: int):
     shapes, offsets, total, cut = [(5, 7), (4, 9), (5, 7)], [0, 35, 71], 106, 50
     layouts = []
     for (m, n), off in zip(shapes, offsets):
-        pieces = [FlatPiece(max(0, lo - off), max(0, min(m * n, hi - off)) if hi > off else 0)
-                  for lo, hi in ((0, cut), (cut, total))]
+        pieces = [
+            FlatPiece(max(0, lo - off), max(0, min(m * n, hi - off)) if hi > off else 0)
+            for lo, hi in ((0, cut), (cut, total))
+        ]
         pieces = [p if p.hi > p.lo else FlatPiece(0, 0) for p in pieces]
         layouts.append(MatrixLayout((m, n), pieces, rank=rank))
     mine = [0, 50] if rank == 0 else [50, 106]
@@ -171,8 +180,12 @@ def test_masked_reciprocal_and_rsqrt_select_only_positive_lanes():
         "reciprocal by tensor": torch.tensor([0.0, 0.0, 0.75, 0.0, 3e30, 0.0, 1.2]),
         "rsqrt": torch.where(x > 0, torch.rsqrt(x), 0.0),
     }
-    got = {"reciprocal": masked_reciprocal(x), "reciprocal x2": masked_reciprocal(x, 2.0),
-           "reciprocal by tensor": masked_reciprocal(x, num), "rsqrt": masked_rsqrt(x)}
+    got = {
+        "reciprocal": masked_reciprocal(x),
+        "reciprocal x2": masked_reciprocal(x, 2.0),
+        "reciprocal by tensor": masked_reciprocal(x, num),
+        "rsqrt": masked_rsqrt(x),
+    }
     for key, value in got.items():
         assert torch.isfinite(value).all(), key
         torch.testing.assert_close(value, expect[key], rtol=1e-7, atol=0, msg=key)

@@ -1,4 +1,5 @@
 """Logical checkpoints in one process: round trip, atomic writes, truncated and incomplete files."""
+
 from __future__ import annotations
 
 import os
@@ -7,16 +8,13 @@ import sys
 
 import pytest
 import torch
+from tiny_model import Tiny
 from torch import nn
 
-from tiny_model import Tiny
-
 import shardopt
-from shardopt.optim import OPTIMIZERS
 import shardopt.checkpoint as ckpt
 from shardopt.checkpoint import files
-
-
+from shardopt.optim import OPTIMIZERS
 
 
 def train(model, opt, steps, start=0):
@@ -31,7 +29,9 @@ def train(model, opt, steps, start=0):
 def fresh(name):
     torch.manual_seed(0)
     model = Tiny()
-    return model, shardopt.create_optimizer(model, name, routing={"embed.weight": "matrix"} if name != "scale" else None)
+    return model, shardopt.create_optimizer(
+        model, name, routing={"embed.weight": "matrix"} if name != "scale" else None
+    )
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))
@@ -65,8 +65,9 @@ def test_truncated_file_is_a_clear_error_and_loads_nothing(tmp_path):
         ckpt.load(str(tmp_path), opt2)
     after = state_snapshot(opt2)
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
-    proc = subprocess.run([sys.executable, "-m", "shardopt", "checkpoint", "inspect", path], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardopt", "checkpoint", "inspect", path], capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 2 and "corrupt or truncated" in proc.stderr
 
 
@@ -74,8 +75,14 @@ def test_incomplete_file_names_the_missing_parameter(tmp_path):
     model, opt = fresh("scale")
     train(model, opt, 2)
     tensors, kinds = ckpt.export_state(opt)
-    meta = {"kinds": kinds, "optimizer": "SCALE", "param_groups": [{} for _ in opt.param_groups],
-            "world_size": 1, "engine": "torch", "extra": {}}
+    meta = {
+        "kinds": kinds,
+        "optimizer": "SCALE",
+        "param_groups": [{} for _ in opt.param_groups],
+        "world_size": 1,
+        "engine": "torch",
+        "extra": {},
+    }
     partial = {k: v for k, v in tensors.items() if not k.startswith("proj.weight")}
     files.write_state_file(str(tmp_path / files.STATE_FILE), partial, {**meta, "keys": sorted(partial)})
     model2, opt2 = fresh("scale")

@@ -1,5 +1,6 @@
 """Checksums, completion markers and clean-up of shardopt's checkpoint files, in one process (issue 57; the
 killed-rank cases are in tests_dist/test_fault_injection.py)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,10 @@ def _flip(path: str, tensor: str, at: float = 0.5, count: int = 16) -> None:
 
 def _biggest(path: str) -> str:
     _, header = files._data_end(path)
-    return max((k for k in header if k != "__metadata__"),
-               key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+    return max(
+        (k for k in header if k != "__metadata__"),
+        key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0],
+    )
 
 
 def test_every_tensor_carries_its_crc32(tmp_path):
@@ -100,8 +103,13 @@ def test_interrupted_save_is_named_and_its_leftovers_cleaned(tmp_path):
     (good / "shardopt_state.deadbeef.r00001.0.safetensors").write_bytes(b"orphan")
     found = commit.leftovers(str(tmp_path))
     assert sorted(os.path.basename(p) for p in found) == sorted(
-        [".tmp-old.safetensors", "shardopt_state.deadbeef.r00001.0.safetensors", ".tmp-abc.safetensors",
-         "shardopt_state.0123abcd.r00001.0.safetensors"])
+        [
+            ".tmp-old.safetensors",
+            "shardopt_state.deadbeef.r00001.0.safetensors",
+            ".tmp-abc.safetensors",
+            "shardopt_state.0123abcd.r00001.0.safetensors",
+        ]
+    )
     ckpt.save(str(good), opt)  # the next save in A removes A's leftovers
     assert sorted(os.listdir(good)) == [files.STATE_FILE]
     from shardopt.cli import main

@@ -1,5 +1,6 @@
 """``shardopt.checkpoint.save/load(..., model=)``: frozen parameters and persistent buffers travel with the
 optimizer's state (issue 55), one process; FSDP2 at other world sizes: ``tests_dist/test_checkpoint_fsdp2.py``."""
+
 from __future__ import annotations
 
 import pytest
@@ -65,8 +66,11 @@ def test_without_saved_model_state_strict_refuses_and_changes_nothing(tmp_path) 
     sckpt.save(str(tmp_path), opt)
     other, other_opt = fresh()
     before = {k: v.clone() for k, v in other.state_dict().items()}
-    with pytest.raises(sckpt.CheckpointError, match=r"no saved value for \['frozen.weight', 'frozen.bias', 'shift', "
-                                                    r"'calls'\].*strict=False"):
+    with pytest.raises(
+        sckpt.CheckpointError,
+        match=r"no saved value for \['frozen.weight', 'frozen.bias', 'shift', "
+        r"'calls'\].*strict=False",
+    ):
         sckpt.load(str(tmp_path), other_opt, model=other)
     assert all(torch.equal(other.state_dict()[k], v) for k, v in before.items())
     sckpt.load(str(tmp_path), other_opt, model=other, strict=False)
@@ -90,5 +94,4 @@ def test_conversion_to_dcp_carries_frozen_weights_and_buffers(tmp_path) -> None:
     sckpt.save(str(tmp_path / "ck"), opt, model=model)
     tensors = read(str(tmp_path / "ck")).tensors
     for name in ("frozen.weight", "frozen.bias", "shift", "calls", "fc.weight", "tied_a.weight"):
-        assert torch.equal(tensors[f"{name}::param"].reshape(-1),
-                           model.state_dict()[name].float().reshape(-1)), name
+        assert torch.equal(tensors[f"{name}::param"].reshape(-1), model.state_dict()[name].float().reshape(-1)), name

@@ -2,6 +2,7 @@
 files (single-process/DDP ``rank<N>.pt``, run directories, step directories), DCP directories with and without
 step counters, and the messages that name the path to give. Also: checkpoint files get the user's umask.
 (FSDP2 runs at world size 2 and the DCP -> DeepSpeed -> resume schedule: tests_dist/test_convert_resume.py.)"""
+
 from __future__ import annotations
 
 import json
@@ -12,9 +13,8 @@ import types
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict
-
 from tiny_model import Tiny
+from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import shardopt
 from shardopt.checkpoint import STATE_FILE, convert
@@ -57,17 +57,26 @@ def single_run(tmp_path_factory):
     corpus.mkdir()
     for i in range(3):
         (corpus / f"doc{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 50}" for j in range(3000)))
-    cfg = load_train_config({
-        "run_dir": str(tmp / "run"), "seed": 1,
-        "model": {"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2},
-        "data": {"source": "text", "path": str(corpus / "*.txt"), "vocab_size": 300, "seq_len": 16,
-                 "val_documents": 1, "cache_dir": str(tmp / "cache")},
-        "engine": {"name": "single"},
-        "optimizer": {"name": "racs", "params": {"lr": 0.01}},
-        "train": {"steps": 4, "micro_batch_size": 2, "log_every": 2, "progress": False},
-        "eval": {"every": 0, "max_sequences": 4, "at_start": False},
-        "checkpoint": {"every": 2},
-    })
+    cfg = load_train_config(
+        {
+            "run_dir": str(tmp / "run"),
+            "seed": 1,
+            "model": {"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2},
+            "data": {
+                "source": "text",
+                "path": str(corpus / "*.txt"),
+                "vocab_size": 300,
+                "seq_len": 16,
+                "val_documents": 1,
+                "cache_dir": str(tmp / "cache"),
+            },
+            "engine": {"name": "single"},
+            "optimizer": {"name": "racs", "params": {"lr": 0.01}},
+            "train": {"steps": 4, "micro_batch_size": 2, "log_every": 2, "progress": False},
+            "eval": {"every": 0, "max_sequences": 4, "at_start": False},
+            "checkpoint": {"every": 2},
+        }
+    )
     Trainer(cfg, log=lambda m: None).fit()
     return tmp / "run"
 
@@ -76,7 +85,9 @@ def test_inspect_a_trainer_run_directory_reads_its_latest_step(single_run, capsy
     for path in (single_run, single_run / "checkpoints"):
         out = cli(capsys, "inspect", str(path))
         assert out.returncode == 0, out.stderr
-        assert f"latest checkpoint of {single_run / 'checkpoints'}: {single_run / 'checkpoints' / 'step_4'}" in out.stdout
+        assert (
+            f"latest checkpoint of {single_run / 'checkpoints'}: {single_run / 'checkpoints' / 'step_4'}" in out.stdout
+        )
         assert "ddp checkpoint, optimizer RACS, engine ddp, saved at world size 1" in out.stdout
         assert "layers.0.mlp.up_proj.weight: " in out.stdout and ", q(64,) [rows" in out.stdout
         assert "counters: global step 4, LR scheduler at step 4" in out.stdout
@@ -119,8 +130,11 @@ def test_dcp_without_counters_takes_the_optimizer_step_and_says_so(tmp_path, cap
     assert "no LR-scheduler state in the checkpoint" in out.stdout
     # with the scheduler saved next to model and optim (as the README's FSDP2 example does), both are kept
     msd, osd = get_state_dict(model, opt)
-    dcp.save({"model": msd, "optim": osd, "scheduler": sched.state_dict()}, checkpoint_id=str(tmp_path / "full"),
-             no_dist=True)
+    dcp.save(
+        {"model": msd, "optim": osd, "scheduler": sched.state_dict()},
+        checkpoint_id=str(tmp_path / "full"),
+        no_dist=True,
+    )
     out = cli(capsys, "convert", str(tmp_path / "full"), str(tmp_path / "ds"), "--to", "deepspeed")
     assert out.returncode == 0 and "LR scheduler at step 3" in out.stdout, out.stderr
 
@@ -174,8 +188,11 @@ def umask_027():
 
 
 def modes(root) -> dict[str, int]:
-    return {os.path.relpath(os.path.join(d, f), root): stat.S_IMODE(os.stat(os.path.join(d, f)).st_mode)
-            for d, _, files in os.walk(root) for f in files}
+    return {
+        os.path.relpath(os.path.join(d, f), root): stat.S_IMODE(os.stat(os.path.join(d, f)).st_mode)
+        for d, _, files in os.walk(root)
+        for f in files
+    }
 
 
 def test_files_get_the_users_umask_like_torch_save(tmp_path, umask_027, capsys):
@@ -189,7 +206,15 @@ def test_files_get_the_users_umask_like_torch_save(tmp_path, umask_027, capsys):
     _atomic_write_bytes(tmp_path / "cache" / "tokenizer.json", b"{}")
     _atomic_save_npy(tmp_path / "cache" / "train.npy", torch.arange(3).numpy())
     found = modes(tmp_path)
-    assert {STATE_FILE, "ds/latest", f"ds/converted/{STATE_FILE}", "dcp/.metadata", "one.safetensors",
-            "cache/tokenizer.json", "cache/train.npy", "part.safetensors"} <= {k.replace("own/", "") for k in found}
+    assert {
+        STATE_FILE,
+        "ds/latest",
+        f"ds/converted/{STATE_FILE}",
+        "dcp/.metadata",
+        "one.safetensors",
+        "cache/tokenizer.json",
+        "cache/train.npy",
+        "part.safetensors",
+    } <= {k.replace("own/", "") for k in found}
     assert {k: v for k, v in found.items() if v != umask_027} == {}
     assert json.loads((tmp_path / "cache" / "tokenizer.json").read_text()) == {}

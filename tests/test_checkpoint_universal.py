@@ -4,6 +4,7 @@
 shardopt's own checkpoints reshard already. The refusal runs before DeepSpeed is initialized (no process group).
 ``ds_to_universal`` on a shardopt checkpoint: ``tests_dist/test_checkpoint_options.py``.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -16,8 +17,11 @@ from shardopt.optim.registry import ConfigError  # noqa: E402
 
 
 def test_load_universal_is_refused_naming_shardopts_route() -> None:
-    config = {"train_batch_size": 2, "checkpoint": {"load_universal": True},
-              "shardopt": {"optimizer": "scale", "params": {"lr": 1e-3}}}
+    config = {
+        "train_batch_size": 2,
+        "checkpoint": {"load_universal": True},
+        "shardopt": {"optimizer": "scale", "params": {"lr": 1e-3}},
+    }
     with pytest.raises(ConfigError) as err:
         shardopt.deepspeed.initialize(model=nn.Linear(4, 4), config=config)
     msg = str(err.value)

@@ -4,6 +4,7 @@ Issue 18 found 21 citations of ``specs/*.md`` and "card section ..." items: note
 so no reader could follow them. The algorithm notes now live in ``docs/algorithms/``; this test keeps every cited
 repository path (``docs/...``, ``shardopt/...``, ``tests/...``, ...) pointing at a file that exists.
 """
+
 from __future__ import annotations
 
 import re
@@ -15,8 +16,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ["shardopt", "tests", "tests_dist", "benchmarks", "examples", "launch"]
 TOP = ("docs", "shardopt", "tests", "tests_dist", "benchmarks", "examples", "launch", "configs", "docker")
 # a path under one of the repository's top folders, ending in a file extension; globs and placeholders skipped
-CITED = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*\.(?:md|py|json|yaml|yml|sh|toml|txt|safetensors))(?![\w*{<])"
-                   % "|".join(TOP))
+CITED = re.compile(
+    r"(?<![\w./-])((?:%s)/[\w./-]*\.(?:md|py|json|yaml|yml|sh|toml|txt|safetensors))(?![\w*{<])" % "|".join(TOP)
+)
 #: paths that tests name on purpose because they do not exist (error-message checks)
 MISSING_ON_PURPOSE = {"configs/deepspeed/nope.json"}
 GONE = re.compile(r"specs/\w+\.md|card section|spec card")
@@ -25,8 +27,11 @@ GONE = re.compile(r"specs/\w+\.md|card section|spec card")
 def _sources() -> list[Path]:
     files = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
     for top in SCANNED:
-        files += sorted(p for p in (ROOT / top).rglob("*") if p.suffix in (".py", ".md", ".sh", ".json", ".yaml")
-                        and p.is_file() and "results" not in p.parts)
+        files += sorted(
+            p
+            for p in (ROOT / top).rglob("*")
+            if p.suffix in (".py", ".md", ".sh", ".json", ".yaml") and p.is_file() and "results" not in p.parts
+        )
     return [f for f in files if f.name != "test_citations.py"]
 
 
@@ -52,8 +57,12 @@ def test_cited_path_exists(where, line, path):
 
 
 def test_no_citation_of_notes_outside_the_repository():
-    bad = [f"{f.relative_to(ROOT)}:{n}: {line.strip()}" for f in _sources()
-           for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1) if GONE.search(line)]
+    bad = [
+        f"{f.relative_to(ROOT)}:{n}: {line.strip()}"
+        for f in _sources()
+        for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1)
+        if GONE.search(line)
+    ]
     assert not bad, "cite docs/algorithms/<name>.md instead:\n" + "\n".join(bad)
 
 

@@ -5,6 +5,7 @@ DeepSpeed fp16 with dynamic loss scaling (which the CPU accelerator refuses).
 Skipped without a CUDA device, so CI (CPU only) skips them; run them where a GPU is lent:
 ``python -m pytest tests/test_cuda.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -32,8 +33,9 @@ TOLERANCE = {"sumo": 2e-4, "alice": 2e-4, "alice0": 2e-4, "asgo": 2e-4, "dasgo":
 
 def _model(device: str, dtype: torch.dtype = torch.float32) -> Llama:
     torch.manual_seed(0)  # built on the CPU, so both devices start from the same weights
-    model = Llama(LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2,
-                              max_seq_len=16))
+    model = Llama(
+        LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_heads=2, num_layers=2, max_seq_len=16)
+    )
     return model.to(device=device, dtype=dtype)
 
 
@@ -225,13 +227,15 @@ def test_deepspeed_fp16_loss_scaling(stage: int, name: str, tmp_path: Path) -> N
     """A loss scale that starts too high overflows: DeepSpeed skips those steps without calling the optimizer,
     lowers the scale, and training then proceeds with finite weights and a falling loss."""
     pytest.importorskip("deepspeed")
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1")
+    env = dict(
+        os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", LOCAL_RANK="0", WORLD_SIZE="1"
+    )
     env.pop("DS_ACCELERATOR", None)
     out = tmp_path / "fp16.json"
     worker = Path(__file__).with_name("deepspeed_fp16_worker.py")
-    proc = subprocess.run([sys.executable, str(worker), name, str(stage), str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, str(worker), name, str(stage), str(out)], env=env, capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     rec = json.loads(out.read_text())
     assert rec["skipped"] >= 1, rec
@@ -240,7 +244,6 @@ def test_deepspeed_fp16_loss_scaling(stage: int, name: str, tmp_path: Path) -> N
     assert rec["final_scale"] < rec["initial_scale"], rec
     assert rec["finite"], rec
     assert rec["last_loss"] < rec["first_loss"], rec
-
 
 
 _megatron: dict = {}
@@ -255,10 +258,26 @@ def megatron_cuda_records(tmp_dir: Path) -> dict:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=1",
-                               f"--master_port={port}", str(root / "tests_dist" / "megatron_worker.py"), "--out",
-                               str(out), "--optimizers", ",".join(NAMES), "--device", "cuda"], env=env,
-                              capture_output=True, text=True, timeout=300)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nproc_per_node=1",
+                f"--master_port={port}",
+                str(root / "tests_dist" / "megatron_worker.py"),
+                "--out",
+                str(out),
+                "--optimizers",
+                ",".join(NAMES),
+                "--device",
+                "cuda",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stderr[-3000:]
         _megatron.update({r["optimizer"]: r for r in json.loads(out.read_text())})
     return _megatron

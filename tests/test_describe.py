@@ -1,6 +1,7 @@
 """The role table and the build record in one process (issue 52, item 5; the engines: tests_dist/
 test_rules_everywhere.py): ``describe()`` says where each role came from, ``shardopt.describe`` finds the optimizer
 inside a front door's objects, and building an optimizer logs one record on rank 0 (logger ``shardopt``)."""
+
 from __future__ import annotations
 
 import logging
@@ -8,13 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from tiny_model import Tiny
 from torch import nn
 
 import shardopt
 from shardopt.optim import build_log
 from shardopt.optim.describe import describe_roles, expose_describe
 from shardopt.optim.routing import COLUMNS, ROLE_SOURCES
-from tiny_model import Tiny
 
 
 def rows(table: str) -> dict[str, list[str]]:
@@ -43,9 +44,16 @@ def test_table_says_where_each_role_came_from() -> None:
 def test_declared_roles_are_marked_declared() -> None:
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=1,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=40,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        tie_word_embeddings=False,
+    )
     table = rows(shardopt.create_optimizer(transformers.LlamaForCausalLM(cfg), "scale").describe())
     assert table["lm_head.weight"][1:3] == ["lm_head", "declared"]
     assert table["model.embed_tokens.weight"][1:3] == ["embedding", "declared"]

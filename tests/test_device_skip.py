@@ -2,15 +2,15 @@
 read of the flag in ``step()``; the host's counters catch up at the next step, ``state_dict`` or ``skipped_steps``.
 
 CUDA takes this path by itself (``nonfinite_on_device="auto"``); here the CPU is made to (``True``)."""
+
 from __future__ import annotations
 
 import warnings
 
 import pytest
 import torch
-from torch import nn
-
 from tiny_model import Tiny
+from torch import nn
 
 import shardopt
 
@@ -49,8 +49,10 @@ def _step(model, opt, seed: int, poison: str | None = None, value: float = float
 
 def _snapshot(model, opt):
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = {opt.param_names[id(p)]: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
-             for p, st in opt.state.items()}
+    state = {
+        opt.param_names[id(p)]: {k: v.clone() for k, v in st.items() if isinstance(v, torch.Tensor)}
+        for p, st in opt.state.items()
+    }
     return params, state
 
 
@@ -64,13 +66,18 @@ def _assert_same(a, b) -> None:
 
 
 #: the rules that gate their writes, with options that exercise every gated write
-GATED = {"scale": dict(weight_decay=0.1, momentum=0.9, embedding_momentum=0.5), "sinkgd": dict(weight_decay=0.1),
-         "dasgo": dict(weight_decay=0.1), "racs": dict(weight_decay=0.1),
-         "muon": dict(weight_decay=0.1), "swan": dict(weight_decay=0.1),
-         "sumo": dict(weight_decay=0.1, rank=2, refresh_interval=5),  # refreshes at steps 1 and 6
-         # a switch at steps 1 and 5: the skipped third step is one that switches nothing (skips_on_device)
-         "alice": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5),
-         "alice0": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5)}
+GATED = {
+    "scale": dict(weight_decay=0.1, momentum=0.9, embedding_momentum=0.5),
+    "sinkgd": dict(weight_decay=0.1),
+    "dasgo": dict(weight_decay=0.1),
+    "racs": dict(weight_decay=0.1),
+    "muon": dict(weight_decay=0.1),
+    "swan": dict(weight_decay=0.1),
+    "sumo": dict(weight_decay=0.1, rank=2, refresh_interval=5),  # refreshes at steps 1 and 6
+    # a switch at steps 1 and 5: the skipped third step is one that switches nothing (skips_on_device)
+    "alice": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5),
+    "alice0": dict(weight_decay=0.1, rank=2, leading=1, refresh_interval=5),
+}
 
 
 @pytest.mark.parametrize("name", sorted(GATED))

@@ -9,16 +9,17 @@
   at a file of the repository, and its results table is the one ``python -m benchmarks.overview`` makes from the
   committed results.
 """
+
 from __future__ import annotations
 
 import importlib.util
 import re
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from shardopt.optim.config import MatrixOpsConfig, ProfileConfig
 from shardopt.optim.registry import OPTIMIZERS
@@ -42,9 +43,9 @@ def _section(text: str, heading: str) -> str:
     """The text from ``heading`` to the next heading of the same or a higher level."""
     level = heading.split(" ", 1)[0]
     start = text.index(heading + "\n")
-    rest = text[start + len(heading) + 1:]
+    rest = text[start + len(heading) + 1 :]
     m = re.search(rf"^#{{1,{len(level)}}} ", rest, flags=re.M)
-    return rest[:m.start()] if m else rest
+    return rest[: m.start()] if m else rest
 
 
 def _keys(section: str) -> set[str]:
@@ -142,7 +143,8 @@ def test_every_relative_link_of_the_readme_exists() -> None:
 
 
 def test_the_readme_results_table_is_made_from_the_committed_results() -> None:
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.overview", "--check"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.overview", "--check"], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert (ROOT / "benchmarks" / "results" / "overview.png").is_file()

@@ -1,23 +1,20 @@
 """Bad input gets one clear error that names the problem and where it is."""
+
 from __future__ import annotations
 
 import glob
-import json
 import os
 
 import pytest
 import torch
+from tiny_model import Tiny
 from torch import nn
 
-from tiny_model import Tiny
-
 import shardopt
-from shardopt import ConfigError, SCALE
+from shardopt import SCALE, ConfigError
 from shardopt.plugin.deepspeed_engine import load_config, parse_section
 
 ROOT = os.path.dirname(os.path.dirname(__file__))
-
-
 
 
 CREATE_CASES = [
@@ -25,8 +22,11 @@ CREATE_CASES = [
     (dict(name="scale", foo=1), ConfigError, r"create_optimizer\.foo: unknown hyperparameter"),
     (dict(name="racs", lr=-1.0), ConfigError, r"create_optimizer\.lr"),
     (dict(name="scale", adam_betas=(0.9, 1.5)), ConfigError, r"adam_betas\[1\] = 1.5 is outside \[0, 1\)"),
-    (dict(name="sinkgd", routing={"norm.weight": "matrix"}), ValueError,
-     r"'norm.weight' of shape \(7,\).*needs a 2-D matrix.*routing=\{'norm.weight': 'adamw'\}"),
+    (
+        dict(name="sinkgd", routing={"norm.weight": "matrix"}),
+        ValueError,
+        r"'norm.weight' of shape \(7,\).*needs a 2-D matrix.*routing=\{'norm.weight': 'adamw'\}",
+    ),
     (dict(name="scale", routing={"proj.*": "lm_hed"}), ValueError, r"routing\['proj.\*'\] = 'lm_hed': unknown role"),
     (dict(name="scale", routing={"decoder.*": "adamw"}), ValueError, r"match no trainable parameter"),
 ]
@@ -51,14 +51,28 @@ DS_CASES = [
     ({**BASE, "optimizer": {"type": "AdamW"}, "shardopt": {"optimizer": "scale"}}, r"both an 'optimizer' block"),
     (BASE, r"no 'shardopt' section"),
     ({**BASE, "shardopt": {"optimizer": "scale", "lrr": 1}}, r"shardopt\.lrr: unknown hyperparameter"),
-    ({**BASE, "shardopt": {"optimizer": "scale", "params": {"bogus": 1}}},
-     r"shardopt\.params\.bogus: unknown hyperparameter"),
+    (
+        {**BASE, "shardopt": {"optimizer": "scale", "params": {"bogus": 1}}},
+        r"shardopt\.params\.bogus: unknown hyperparameter",
+    ),
     ({**BASE, "shardopt": {"optimizer": "muon9"}}, r"shardopt\.optimizer: unknown optimizer 'muon9'"),
     # CPU offload is supported (issue 56); NVMe offload is refused naming CPU offload
-    ({**BASE, "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
-      "shardopt": {"optimizer": "scale"}}, r"zero_optimization\.offload_optimizer\.device = 'nvme'.*use CPU offload"),
-    ({**BASE, "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
-      "shardopt": {"optimizer": "scale"}}, r"offload_optimizer\.device = 'cpu' needs zero_optimization\.stage 1, 2"),
+    (
+        {
+            **BASE,
+            "zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/tmp"}},
+            "shardopt": {"optimizer": "scale"},
+        },
+        r"zero_optimization\.offload_optimizer\.device = 'nvme'.*use CPU offload",
+    ),
+    (
+        {
+            **BASE,
+            "zero_optimization": {"stage": 0, "offload_optimizer": {"device": "cpu"}},
+            "shardopt": {"optimizer": "scale"},
+        },
+        r"offload_optimizer\.device = 'cpu' needs zero_optimization\.stage 1, 2",
+    ),
 ]
 
 

@@ -8,6 +8,7 @@ Alice: the sketch's SVD, the Rayleigh-Ritz ``eigh`` and Alg. 2's complete QR), n
 are Cholesky-QR2, polar factors and inverse roots batched Newton-Schulz products, and the fallback counter says
 no matrix needed its factorization. The model has repeated shapes, so a call per matrix instead of per shape
 would exceed the bound."""
+
 from __future__ import annotations
 
 import contextlib
@@ -22,8 +23,11 @@ from shardopt.sharding.op_census import census
 
 REFRESH = 3
 STEPS = 7
-OPTIONS = {"sumo": {"rank": 8, "refresh_interval": REFRESH}, "alice": {"rank": 8, "leading": 2, "refresh_interval": REFRESH},
-           "alice0": {"rank": 8, "leading": 2, "refresh_interval": REFRESH}}
+OPTIONS = {
+    "sumo": {"rank": 8, "refresh_interval": REFRESH},
+    "alice": {"rank": 8, "leading": 2, "refresh_interval": REFRESH},
+    "alice0": {"rank": 8, "leading": 2, "refresh_interval": REFRESH},
+}
 
 
 class _Block(torch.nn.Module):
@@ -90,8 +94,9 @@ def test_no_factorization_between_refreshes_and_only_the_documented_ones_at_a_re
             assert sum(calls.values()) == 0, f"{name} step {s + 1} (no refresh) ran {calls}"
             continue
         for kind, n in calls.items():
-            assert n <= documented.get(kind, 0) * shapes, \
+            assert n <= documented.get(kind, 0) * shapes, (
                 f"{name} step {s + 1} (refresh) ran {n} {kind}; documented: {documented} per shape, {shapes} shapes"
+            )
         assert sum(calls.values()) > 0, f"{name} step {s + 1}: a refresh the census did not see"
     assert not fallbacks, f"{name}: matrices left to a factorization: {fallbacks}"
 
@@ -108,5 +113,6 @@ def test_a_fallback_is_counted_and_runs_the_factorization() -> None:
     eye = torch.eye(6, dtype=torch.float64)
     assert torch.allclose(q.mT @ q, eye.expand(2, 6, 6), atol=1e-12)
     want = torch.linalg.qr(x[0]).Q
-    assert torch.allclose((q[0] * torch.sign(torch.diagonal(want.mT @ q[0]))), want, atol=1e-12), \
+    assert torch.allclose((q[0] * torch.sign(torch.diagonal(want.mT @ q[0]))), want, atol=1e-12), (
         "Cholesky-QR2 equals Householder QR up to each column's sign"
+    )

@@ -5,6 +5,7 @@ optimizer's logical state (never FSDP1's optimizer state dict, which shardopt re
 accelerate's functions, and are restored afterwards. One process: the FSDP1 layouts themselves are checked in
 ``tests_dist/test_fsdp1.py`` (the same ``shardopt.checkpoint`` files resume exactly there); accelerate's FSDP1 model
 save does not run on the CPU, so the Trainer's whole save is a GPU path."""
+
 from __future__ import annotations
 
 import sys

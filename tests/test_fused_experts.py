@@ -5,6 +5,7 @@ The reference is the same MoE block with its experts unfused into E ``nn.Linear`
 the fused block equals the unfused one (at most 1e-6) for every optimizer. Matrices are named alike in both runs
 (``experts.gate_up_proj[e]``), since names key the seeded draws of SUMO and Alice.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -23,8 +24,12 @@ from shardopt.sharding.layout import FlatPiece, MatrixLayout
 
 E, H, I = 4, 12, 10  # experts, model dim, expert hidden dim
 #: hyperparameters that make every rule do its whole-matrix work within 3 steps (SUMO refreshes, Alice switches)
-OPTIONS = {"sumo": {"rank": 3, "refresh_interval": 2}, "alice": {"rank": 3, "leading": 1, "refresh_interval": 2},
-           "alice0": {"rank": 3, "leading": 1, "refresh_interval": 2}, "asgo": {"refresh_interval": 2}}
+OPTIONS = {
+    "sumo": {"rank": 3, "refresh_interval": 2},
+    "alice": {"rank": 3, "leading": 1, "refresh_interval": 2},
+    "alice0": {"rank": 3, "leading": 1, "refresh_interval": 2},
+    "asgo": {"refresh_interval": 2},
+}
 
 
 class FusedExperts(nn.Module):
@@ -48,7 +53,7 @@ class FusedExperts(nn.Module):
         out = 0
         for e in range(E):
             gate, up = F.linear(x, self.weight("gate_up_proj", e)).chunk(2, dim=-1)
-            out = out + weights[:, e:e + 1] * F.linear(F.silu(gate) * up, self.weight("down_proj", e))
+            out = out + weights[:, e : e + 1] * F.linear(F.silu(gate) * up, self.weight("down_proj", e))
         return out
 
 
@@ -63,8 +68,12 @@ class MoEBlock(nn.Module):
         if fused:
             self.experts = FusedExperts(transposed)
         else:
-            self.experts = nn.ModuleList(nn.ModuleDict({"gate_up_proj": nn.Linear(H, 2 * I, bias=False),
-                                                        "down_proj": nn.Linear(I, H, bias=False)}) for _ in range(E))
+            self.experts = nn.ModuleList(
+                nn.ModuleDict(
+                    {"gate_up_proj": nn.Linear(H, 2 * I, bias=False), "down_proj": nn.Linear(I, H, bias=False)}
+                )
+                for _ in range(E)
+            )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights = self.gate(x).softmax(-1)
@@ -73,7 +82,7 @@ class MoEBlock(nn.Module):
         out = 0
         for e, ex in enumerate(self.experts):
             gate, up = ex["gate_up_proj"](x).chunk(2, dim=-1)
-            out = out + weights[:, e:e + 1] * ex["down_proj"](F.silu(gate) * up)
+            out = out + weights[:, e : e + 1] * ex["down_proj"](F.silu(gate) * up)
         return out
 
     def copy_into(self, unfused: "MoEBlock") -> None:
@@ -141,8 +150,11 @@ def test_experts_get_the_matrix_rule_and_state_per_expert() -> None:
     matrices = opt.state[block.experts.gate_up_proj]["matrices"]
     assert sorted(matrices) == [f"experts.gate_up_proj[{e}]" for e in range(E)]
     # RACS keeps m + n + 1 values per expert, not AdamW's 2 m n
-    assert {k: tuple(v.shape) for k, v in matrices["experts.gate_up_proj[2]"].items()} == \
-        {"q": (2 * I,), "s": (H,), "phi": ()}
+    assert {k: tuple(v.shape) for k, v in matrices["experts.gate_up_proj[2]"].items()} == {
+        "q": (2 * I,),
+        "s": (H,),
+        "phi": (),
+    }
     assert "exp_avg" not in opt.state[block.experts.gate_up_proj]
 
 
@@ -163,14 +175,18 @@ def test_names_only_warns_and_routing_declares() -> None:
     assert opt.param_groups[-1]["treatment"] == "adamw"
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        opt = shardopt.create_optimizer(list(block.named_parameters()), "scale", lr=0.01,
-                                        routing={"experts.*": "matrix", "gate.weight": "router"})
-    assert {g["treatment"] for g in opt.param_groups if any(p is block.experts.down_proj for p in g["params"])} == {"scale"}
+        opt = shardopt.create_optimizer(
+            list(block.named_parameters()), "scale", lr=0.01, routing={"experts.*": "matrix", "gate.weight": "router"}
+        )
+    assert {g["treatment"] for g in opt.param_groups if any(p is block.experts.down_proj for p in g["params"])} == {
+        "scale"
+    }
 
 
 def test_unknown_3d_weights_are_named() -> None:
     """An experts module routing does not know is named (its matrices would otherwise be AdamW's silently); 3-D
     tensors that are no batch of matrices (a ViT's (1, N, D) position embedding, convolution kernels) are not."""
+
     class OddExperts(nn.Module):
         def __init__(self):
             super().__init__()
@@ -190,8 +206,9 @@ def test_unknown_3d_weights_are_named() -> None:
     assert "conv" not in message and "pos_embed" not in message
     with warnings.catch_warnings():  # by name only: the position embedding and the kernel are no experts either
         warnings.simplefilter("error")
-        shardopt.create_optimizer([(n, p) for n, p in Model().named_parameters() if not n.startswith("experts")],
-                                  "scale", lr=0.01)
+        shardopt.create_optimizer(
+            [(n, p) for n, p in Model().named_parameters() if not n.startswith("experts")], "scale", lr=0.01
+        )
 
 
 def test_4d_refused_for_matrix_rules() -> None:
@@ -212,12 +229,12 @@ def test_split_flat_cuts_experts_from_flat_partitions() -> None:
     for rank in range(world):
         pieces = [FlatPiece(bounds[r], bounds[r + 1]) for r in range(world)]
         frag = Fragment("w", MatrixLayout((3, 20), pieces, rank), offset=2, shape=shape)
-        local = torch.cat([torch.full((2,), -1.0), values[bounds[rank]: bounds[rank + 1]]])
+        local = torch.cat([torch.full((2,), -1.0), values[bounds[rank] : bounds[rank + 1]]])
         for e, f in enumerate(split_flat(frag)):
             assert f.name == f"w[{e}]" and f.index == e and f.param == "w" and f.layout.shape == (4, 5)
             assert sum(p.numel for p in f.layout.pieces) == 20
             lo, hi = f.layout.pieces[rank].lo, f.layout.pieces[rank].hi
-            torch.testing.assert_close(f.local(local), values[e * 20 + lo: e * 20 + hi])
+            torch.testing.assert_close(f.local(local), values[e * 20 + lo : e * 20 + hi])
 
 
 def test_box_fragments_inside_experts() -> None:
@@ -234,15 +251,27 @@ def test_box_fragments_inside_experts() -> None:
 # ---------------------------------------------------------------------------------------------- real layouts
 def _moe_models():
     transformers = pytest.importorskip("transformers")
-    common = dict(vocab_size=48, hidden_size=16, intermediate_size=24, num_hidden_layers=1, num_attention_heads=2,
-                  num_key_value_heads=2, max_position_embeddings=16)
+    common = dict(
+        vocab_size=48,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     return {
-        "mixtral": lambda: transformers.MixtralForCausalLM(transformers.MixtralConfig(
-            **common, num_local_experts=4, num_experts_per_tok=2)),
-        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
-            **common, moe_intermediate_size=12, num_experts=4, num_experts_per_tok=2, head_dim=8)),
-        "olmoe": lambda: transformers.OlmoeForCausalLM(transformers.OlmoeConfig(
-            **common, num_experts=4, num_experts_per_tok=2)),
+        "mixtral": lambda: transformers.MixtralForCausalLM(
+            transformers.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
+        ),
+        "qwen3_moe": lambda: transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                **common, moe_intermediate_size=12, num_experts=4, num_experts_per_tok=2, head_dim=8
+            )
+        ),
+        "olmoe": lambda: transformers.OlmoeForCausalLM(
+            transformers.OlmoeConfig(**common, num_experts=4, num_experts_per_tok=2)
+        ),
     }
 
 
@@ -288,8 +317,14 @@ def test_trainer_moe_experts_on_the_rule(tmp_path) -> None:
     torch.manual_seed(0)
     model = _moe_models()["mixtral"]()
     data = [{"input_ids": torch.randint(0, 48, (8,)), "labels": torch.randint(0, 48, (8,))} for _ in range(4)]
-    args = transformers.TrainingArguments(output_dir=str(tmp_path), report_to="none", use_cpu=True, max_steps=2,
-                                          per_device_train_batch_size=2, save_strategy="no")
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+    )
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
     enable(trainer, "sumo", lr=0.01, rank=2)
     experts = _expert_params(model)
@@ -316,8 +351,11 @@ class GroupedExperts(nn.Module):
             self.w2_EDF = nn.Parameter(torch.randn(num_experts, dim, hidden))
             self.w3_EFD = nn.Parameter(torch.randn(num_experts, hidden, dim))
         else:
-            up, down = ((num_experts, hidden, dim), (num_experts, dim, hidden)) if layout == "out_in" else \
-                ((num_experts, dim, hidden), (num_experts, hidden, dim))
+            up, down = (
+                ((num_experts, hidden, dim), (num_experts, dim, hidden))
+                if layout == "out_in"
+                else ((num_experts, dim, hidden), (num_experts, hidden, dim))
+            )
             self.w1, self.w2, self.w3 = (nn.Parameter(torch.randn(*s)) for s in (up, down, up))
 
 
@@ -334,8 +372,7 @@ class TitanMoE(nn.Module):
         self.experts = GroupedExperts(dim, hidden, 4, layout)
 
 
-@pytest.mark.parametrize("layout, role", [("titan03", "matrix"), ("out_in", "matrix"),
-                                          ("in_out", "matrix_transposed")])
+@pytest.mark.parametrize("layout, role", [("titan03", "matrix"), ("out_in", "matrix"), ("in_out", "matrix_transposed")])
 def test_torchtitan_grouped_experts_roles(layout: str, role: str) -> None:
     model = TitanMoE(layout)
     roles = param_roles(model)

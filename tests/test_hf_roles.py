@@ -1,6 +1,7 @@
 """Hugging Face models and Trainer paths in one process (issue 17): GPT-2's ``Conv1D`` (weights stored in x out)
 gets the matrix rule on the right axis, 2-D weights of unknown module types are named when they fall to AdamW,
 Trainer's unnamed decay groups keep shardopt's roles, and a tensor no layout describes is never stepped."""
+
 from __future__ import annotations
 
 import warnings
@@ -20,16 +21,24 @@ from shardopt.plugin.wrapped import UnmappedTensorError  # noqa: E402
 
 def tiny_gpt2() -> nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                                  embd_pdrop=0.0, attn_pdrop=0.0)
+    cfg = transformers.GPT2Config(
+        vocab_size=64, n_positions=8, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+    )
     return transformers.GPT2LMHeadModel(cfg)
 
 
 def tiny_llama() -> nn.Module:
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=40, num_hidden_layers=2,
-                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=8,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        tie_word_embeddings=False,
+    )
     return transformers.LlamaForCausalLM(cfg)
 
 
@@ -81,8 +90,10 @@ def test_describe_lists_every_parameter() -> None:
     model = tiny_gpt2()
     table = describe_roles(model, "scale")
     for name in conv1d_weights(model):
-        assert any(line.startswith(name) and "matrix_transposed" in line and "norm_dim=0" in line
-                   for line in table.splitlines()), table
+        assert any(
+            line.startswith(name) and "matrix_transposed" in line and "norm_dim=0" in line
+            for line in table.splitlines()
+        ), table
     opt = shardopt.create_optimizer(tiny_llama(), "scale")
     text = opt.describe()
     assert "model.embed_tokens.weight" in text and "embedding" in text and "lm_head" in text
@@ -174,19 +185,29 @@ def fake_trainer(ds_config: dict | None, **args) -> object:
     """What ``enable`` reads from a Trainer: the DeepSpeed config accelerate holds and the TrainingArguments."""
     from types import SimpleNamespace
 
-    targs = SimpleNamespace(learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-6,
-                            **args)
+    targs = SimpleNamespace(
+        learning_rate=3e-3, weight_decay=0.1, adam_beta1=0.8, adam_beta2=0.9, adam_epsilon=1e-6, **args
+    )
     plugin = SimpleNamespace(hf_ds_config=SimpleNamespace(config=ds_config)) if ds_config is not None else None
-    return SimpleNamespace(is_deepspeed_enabled=ds_config is not None, args=targs, optimizer=None,
-                           accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)))
+    return SimpleNamespace(
+        is_deepspeed_enabled=ds_config is not None,
+        args=targs,
+        optimizer=None,
+        accelerator=SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=plugin)),
+    )
 
 
 def test_enable_reads_the_section_and_auto_values() -> None:
     from shardopt.integrations.transformers import resolve_settings
 
-    ds = {"zero_optimization": {"stage": 2},
-          "shardopt": {"optimizer": "scale", "params": {"lr": "auto", "adam_betas": "auto", "momentum": 0.5},
-                       "routing": {"lm_head.weight": "adamw"}}}
+    ds = {
+        "zero_optimization": {"stage": 2},
+        "shardopt": {
+            "optimizer": "scale",
+            "params": {"lr": "auto", "adam_betas": "auto", "momentum": 0.5},
+            "routing": {"lm_head.weight": "adamw"},
+        },
+    }
     name, cfg, routing = resolve_settings(fake_trainer(ds), None, {"x*": "adamw"}, {"eps": 1e-7})
     assert name == "scale" and cfg.lr == 3e-3 and cfg.adam_betas == (0.8, 0.9) and cfg.momentum == 0.5
     assert cfg.eps == 1e-7 and routing == {"lm_head.weight": "adamw", "x*": "adamw"}
@@ -195,15 +216,23 @@ def test_enable_reads_the_section_and_auto_values() -> None:
     assert name == "racs" and cfg.lr == 3e-3
 
 
-@pytest.mark.parametrize("ds,optimizer,hp,match", [
-    ({"optimizer": {"type": "AdamW"}, "shardopt": {"optimizer": "scale"}}, None, {}, "both an 'optimizer' block"),
-    ({"optimizer": {"type": "AdamW"}}, "scale", {}, "has an 'optimizer' block"),
-    ({}, None, {}, "name the optimizer"),
-    ({"shardopt": {"optimizer": "scale", "params": {"momentum": "auto"}}}, None, {}, r"shardopt.params.momentum = 'auto'"),
-    ({"shardopt": {"optimizer": "scale", "params": {"lr": -1}}}, None, {}, r"shardopt.params.lr"),
-    ({"shardopt": {"optimizer": "scale", "extra": 1}}, None, {}, r"shardopt.extra"),
-    (None, "nope", {}, "unknown optimizer"),
-])
+@pytest.mark.parametrize(
+    "ds,optimizer,hp,match",
+    [
+        ({"optimizer": {"type": "AdamW"}, "shardopt": {"optimizer": "scale"}}, None, {}, "both an 'optimizer' block"),
+        ({"optimizer": {"type": "AdamW"}}, "scale", {}, "has an 'optimizer' block"),
+        ({}, None, {}, "name the optimizer"),
+        (
+            {"shardopt": {"optimizer": "scale", "params": {"momentum": "auto"}}},
+            None,
+            {},
+            r"shardopt.params.momentum = 'auto'",
+        ),
+        ({"shardopt": {"optimizer": "scale", "params": {"lr": -1}}}, None, {}, r"shardopt.params.lr"),
+        ({"shardopt": {"optimizer": "scale", "extra": 1}}, None, {}, r"shardopt.extra"),
+        (None, "nope", {}, "unknown optimizer"),
+    ],
+)
 def test_enable_config_errors_name_the_key(ds, optimizer, hp, match) -> None:
     from shardopt.integrations.transformers import resolve_settings
 

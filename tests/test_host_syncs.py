@@ -11,6 +11,7 @@ The rules that do need a read are documented (README "Host synchronizations"): t
 ``on_nonfinite="skip"`` / ``"raise"`` (one read per step, as ``torch.amp.GradScaler``'s) and the factorizations
 of ASGO, SUMO and Alice (float64 on the device today).
 """
+
 from __future__ import annotations
 
 import collections
@@ -23,12 +24,34 @@ from torch.overrides import TorchFunctionMode
 
 import shardopt
 
-READS = {torch.Tensor.item, torch.Tensor.__bool__, torch.Tensor.tolist, torch.Tensor.__int__,
-         torch.Tensor.__float__, torch.Tensor.__index__, torch.Tensor.numpy, torch.nonzero, torch.Tensor.nonzero,
-         torch.masked_select, torch.Tensor.masked_select, torch.unique, torch.Tensor.unique}
-CHECKED_LINALG = {torch.linalg.eigh, torch.linalg.eigvalsh, torch.linalg.svd, torch.linalg.svdvals,
-                  torch.linalg.cholesky, torch.linalg.inv, torch.linalg.solve, torch.linalg.pinv,
-                  torch.linalg.lstsq, torch.linalg.eig, torch.linalg.matrix_rank}
+READS = {
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.tolist,
+    torch.Tensor.__int__,
+    torch.Tensor.__float__,
+    torch.Tensor.__index__,
+    torch.Tensor.numpy,
+    torch.nonzero,
+    torch.Tensor.nonzero,
+    torch.masked_select,
+    torch.Tensor.masked_select,
+    torch.unique,
+    torch.Tensor.unique,
+}
+CHECKED_LINALG = {
+    torch.linalg.eigh,
+    torch.linalg.eigvalsh,
+    torch.linalg.svd,
+    torch.linalg.svdvals,
+    torch.linalg.cholesky,
+    torch.linalg.inv,
+    torch.linalg.solve,
+    torch.linalg.pinv,
+    torch.linalg.lstsq,
+    torch.linalg.eig,
+    torch.linalg.matrix_rank,
+}
 #: reads of host tensors, not of the device: the host-resident step counters (read by the step and by Alice's
 #: switch schedule in ``skips_on_device``) and the device skip's flag, copied to pinned host memory without
 #: waiting and read at the next step once its event says the copy is done (``nonfinite.settle_device_skip``)
@@ -52,8 +75,9 @@ class SyncCounter(TorchFunctionMode):
             if any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in index):
                 kind = "read"  # a boolean mask: its true count sizes the result
         if kind is not None:
-            frames = [f for f in traceback.extract_stack()[:-1]
-                      if "/shardopt/" in f.filename and not f.name.startswith("<")]  # comprehensions: their def
+            frames = [
+                f for f in traceback.extract_stack()[:-1] if "/shardopt/" in f.filename and not f.name.startswith("<")
+            ]  # comprehensions: their def
             if frames and frames[-1].name not in HOST_COUNTERS:
                 self.sites[(kind, f"{frames[-1].filename.rsplit('/shardopt/', 1)[-1]}:{frames[-1].name}")] += 1
         return func(*args, **(kwargs or {}))
@@ -128,8 +152,15 @@ def test_sumo_between_refreshes_reads_only_for_its_checked_polar_factor():
 def test_factorizing_optimizers_sync_only_in_factorizations_and_schedules(name):
     """The record of what is left for the GPU path (issue 29, item 1): every site is a factorization, its
     fallback check, or a refresh/switch schedule's counter (read once per refresh, not per step)."""
-    allowed = ("sharding/matfun.py", "sharding/iterative.py", "sharding/subspace.py", "optim/alice.py:_switch", "optim/sumo.py:_refresh",
-               "optim/asgo.py", "sharding/owner.py")
+    allowed = (
+        "sharding/matfun.py",
+        "sharding/iterative.py",
+        "sharding/subspace.py",
+        "optim/alice.py:_switch",
+        "optim/sumo.py:_refresh",
+        "optim/asgo.py",
+        "sharding/owner.py",
+    )
     low_rank = {"rank": 8, **({"leading": 4} if name.startswith("alice") else {})} if name != "asgo" else {}
     for step, sites in enumerate(syncs_per_step(name, on_nonfinite="ignore", **low_rank)):
         for _, where in sites:
@@ -145,5 +176,7 @@ def test_asgo_on_the_iterative_route_reads_twice_per_root_shape():
     with iterative.forced(True):
         steps = syncs_per_step("asgo", steps=3, on_nonfinite="ignore")
     for sites in steps:
-        assert dict(sites) == {("read", "sharding/iterative.py:inverse_sqrt_checked"): 1,
-                               ("read", "sharding/iterative.py:count_fallbacks"): 1}, dict(sites)
+        assert dict(sites) == {
+            ("read", "sharding/iterative.py:inverse_sqrt_checked"): 1,
+            ("read", "sharding/iterative.py:count_fallbacks"): 1,
+        }, dict(sites)

@@ -5,6 +5,7 @@ and the constructor signatures, with different meanings), a DeepSpeed ``"shardop
 on the trainer path, and cross-field errors reported with an empty key path
 (``create_optimizer.: Value error, leading = 40 must be <= rank = 4``).
 """
+
 from __future__ import annotations
 
 import copy
@@ -14,9 +15,8 @@ import types
 
 import pytest
 import torch
-from torch import nn
-
 from tiny_model import Tiny
+from torch import nn
 
 import shardopt
 from shardopt import ConfigError
@@ -33,8 +33,11 @@ pytestmark = pytest.mark.filterwarnings("ignore:.*exceeds min.*:RuntimeWarning")
 def constructor_defaults(cls) -> dict[str, object]:
     """The constructor's keyword defaults, by the model field each one sets."""
     sig = inspect.signature(cls.__init__)
-    return {cls.Config.constructor_names.get(n, n): p.default for n, p in sig.parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    return {
+        cls.Config.constructor_names.get(n, n): p.default
+        for n, p in sig.parameters.items()
+        if p.default is not inspect.Parameter.empty
+    }
 
 
 @pytest.mark.parametrize("cls", CLASSES)
@@ -83,23 +86,30 @@ def test_wrapper_keywords_rebuild_the_config(cls):
     keep = set(type(cfg).model_fields) - set(cfg.config_only)
     assert opt.config.model_dump(include=keep) == cfg.model_dump(include=keep)
     assert opt.defaults == shardopt.create_optimizer(Tiny(), name, **hp).defaults
-    assert [g["lr"] for g in opt.param_groups] == [0.005 if g["treatment"] != "adamw" else 0.002
-                                                  for g in opt.param_groups]
+    assert [g["lr"] for g in opt.param_groups] == [
+        0.005 if g["treatment"] != "adamw" else 0.002 for g in opt.param_groups
+    ]
 
 
 def test_scale_momentum_one_model_two_entry_points():
     """``create_optimizer``/JSON ``momentum`` is the LM head's beta (0.9); the constructor keeps torch's meaning
     for its ``momentum`` keyword (``matrix_momentum``: groups that set none, 0 by default), so both behave as
     documented and read their defaults from ``SCALEConfig``."""
+
     def momenta(opt):
-        return {opt.param_names[id(p)]: g["momentum"] for g in opt.param_groups if g["treatment"] == "scale"
-                for p in g["params"]}
+        return {
+            opt.param_names[id(p)]: g["momentum"]
+            for g in opt.param_groups
+            if g["treatment"] == "scale"
+            for p in g["params"]
+        }
 
     by_name = momenta(shardopt.create_optimizer(Tiny(), "scale"))
     assert by_name == {"embed.weight": 0.0, "proj.weight": 0.0, "lm_head.weight": 0.9}
     assert momenta(shardopt.SCALE(Tiny().named_parameters())) == by_name
-    assert momenta(shardopt.create_optimizer(Tiny(), "scale", momentum=0.5)) == \
-        {k: (0.5 if v == 0.9 else v) for k, v in by_name.items()}
+    assert momenta(shardopt.create_optimizer(Tiny(), "scale", momentum=0.5)) == {
+        k: (0.5 if v == 0.9 else v) for k, v in by_name.items()
+    }
     named = momenta(shardopt.SCALE(Tiny().named_parameters(), momentum=0.5))  # as before: the group default
     assert named == {k: (v if v == 0.9 else 0.5) for k, v in by_name.items()}
     lin = nn.Linear(4, 3)
@@ -167,8 +177,12 @@ def test_trainer_parses_the_deepspeed_section_once(monkeypatch):
     assert len(calls) == 1 and section.optimizer == "sumo" and hp == cfg.deepspeed[1].config
 
     # the trainer's own optimizer section replaces the JSON's, validated once by load_train_config too
-    cfg = load_train_config({"engine": {"name": "deepspeed", "deepspeed_config": path},
-                             "optimizer": {"name": "scale", "params": {"momentum": 0.5}}})
+    cfg = load_train_config(
+        {
+            "engine": {"name": "deepspeed", "deepspeed_config": path},
+            "optimizer": {"name": "scale", "params": {"momentum": 0.5}},
+        }
+    )
     calls.clear()
     ds = Trainer._deepspeed_config(types.SimpleNamespace(cfg=cfg, log=lambda m: None, engine_name="deepspeed"))
     section, hp = deepspeed_engine.parse_section(copy.deepcopy(ds))

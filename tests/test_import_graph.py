@@ -7,6 +7,7 @@ addressed through the optimizer, never through marks on tensors).
 Before issue 18, ``optim/base.py`` imported ``plugin/discover`` at step time, ``sharding/matrix_ops.py`` and
 ``sharding/owner.py`` imported each other, and the DeepSpeed adapter marked flat partitions with an attribute
 that ``optim/base.py`` read."""
+
 from __future__ import annotations
 
 import ast
@@ -91,15 +92,22 @@ def test_no_import_cycles() -> None:
 
 
 def test_cycle_finder_finds_the_old_cycle() -> None:
-    graph = {"shardopt.sharding.matrix_ops": {"shardopt.sharding.owner", "shardopt.sharding.layout"},
-             "shardopt.sharding.owner": {"shardopt.sharding.matrix_ops"}, "shardopt.sharding.layout": set()}
+    graph = {
+        "shardopt.sharding.matrix_ops": {"shardopt.sharding.owner", "shardopt.sharding.layout"},
+        "shardopt.sharding.owner": {"shardopt.sharding.matrix_ops"},
+        "shardopt.sharding.layout": set(),
+    }
     assert _cycles(graph) == [["shardopt.sharding.matrix_ops", "shardopt.sharding.owner"]]
 
 
 def test_algorithms_do_not_import_engines() -> None:
     graph = import_graph()
-    bad = sorted((m, t) for m, ts in graph.items() for t in ts
-                 if m.startswith(("shardopt.optim", "shardopt.sharding")) and t.startswith("shardopt.plugin"))
+    bad = sorted(
+        (m, t)
+        for m, ts in graph.items()
+        for t in ts
+        if m.startswith(("shardopt.optim", "shardopt.sharding")) and t.startswith("shardopt.plugin")
+    )
     assert bad == []
 
 
@@ -111,6 +119,10 @@ def test_graph_sees_function_level_imports() -> None:
 
 def test_no_private_tensor_attributes() -> None:
     pattern = re.compile(r"\._shardopt_\w+\s*=|getattr\([^)]*[\"']_shardopt_|hasattr\([^)]*[\"']_shardopt_")
-    hits = [f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}" for p in sorted(PACKAGE.rglob("*.py"))
-            for i, line in enumerate(p.read_text().splitlines(), 1) if pattern.search(line)]
+    hits = [
+        f"{p.relative_to(PACKAGE.parent)}:{i}: {line.strip()}"
+        for p in sorted(PACKAGE.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if pattern.search(line)
+    ]
     assert hits == []

@@ -1,6 +1,7 @@
 """The batched iterative factorizations of the GPU path (``shardopt.sharding.iterative``; issue 29, item 1),
 checked on a CPU: they give the float64 eigendecomposition's results to float32 rounding, flag the matrices they
 cannot settle, and an optimizer that takes them steps as it does with eigh."""
+
 from __future__ import annotations
 
 import pytest
@@ -68,7 +69,7 @@ def test_polar_matches_the_gram_route_and_flags_what_the_cutoff_decides(wide: bo
     want = _polar_from_gram(m, tol)
     got, ok = iterative.polar_from_gram_checked(m, tol)
     assert ok.tolist() == [True, True, False, False]
-    assert ((got[ok] - want[ok]).abs().amax() <= 1e-10)
+    assert (got[ok] - want[ok]).abs().amax() <= 1e-10
     with iterative.forced(True):
         routed = polar_factor(m.float(), rtol=tol)  # the flagged ones take the eigendecomposition
     with iterative.forced(False):
@@ -89,8 +90,10 @@ class _Net(torch.nn.Module):
         self.down = torch.nn.Linear(144, 100, bias=False)
 
 
-@pytest.mark.parametrize("name, kw, route", [("asgo", {}, "inverse_sqrt_checked"),
-                                            ("sumo", {"rank": 6, "refresh_interval": 2}, "polar_from_gram_checked")])
+@pytest.mark.parametrize(
+    "name, kw, route",
+    [("asgo", {}, "inverse_sqrt_checked"), ("sumo", {"rank": 6, "refresh_interval": 2}, "polar_from_gram_checked")],
+)
 def test_optimizer_steps_equal_on_either_route(name: str, kw: dict, route: str, monkeypatch) -> None:
     """ASGO and SUMO step alike with the iterative routes (what CUDA takes) and with eigh (the CPU's), to float32
     rounding, over steps that refresh and steps that do not."""

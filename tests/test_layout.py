@@ -1,4 +1,5 @@
 """The sharded-matrix primitives are exact for any partition: all ranks simulated in one process."""
+
 from __future__ import annotations
 
 import random
@@ -23,9 +24,16 @@ def partitions(m: int, n: int, world: int, rng: random.Random):
     start, pad = rng.randint(0, 7), rng.randint(0, 5)
     total = start + m * n + pad
     part = -(-total // world)
-    yield "zero", [FlatPiece(min(max(start, r * part), start + m * n) - start,
-                             max(min(start + m * n, (r + 1) * part), min(max(start, r * part), start + m * n)) - start)
-                   for r in range(world)]
+    yield (
+        "zero",
+        [
+            FlatPiece(
+                min(max(start, r * part), start + m * n) - start,
+                max(min(start + m * n, (r + 1) * part), min(max(start, r * part), start + m * n)) - start,
+            )
+            for r in range(world)
+        ],
+    )
 
 
 def simulate(layouts: list[MatrixLayout], full: torch.Tensor, axis: int, weight: torch.Tensor | None):
@@ -48,7 +56,7 @@ def simulate(layouts: list[MatrixLayout], full: torch.Tensor, axis: int, weight:
 def local_piece(lay: MatrixLayout, full: torch.Tensor) -> torch.Tensor:
     local = torch.empty(lay.local_numel, dtype=full.dtype)
     for b, view in lay.views(local):
-        view.copy_(full[b.row: b.row + b.height, b.col: b.col + b.width])
+        view.copy_(full[b.row : b.row + b.height, b.col : b.col + b.width])
     return local
 
 
@@ -76,7 +84,7 @@ def test_partial_sums_are_exact_on_every_partition(seed: int) -> None:
             counts = torch.zeros(size)
             for lay in layouts:
                 owned = lay.axis_plan(axis).owned
-                counts += (torch.ones(size) if isinstance(owned, slice) else owned.float())
+                counts += torch.ones(size) if isinstance(owned, slice) else owned.float()
             if not layouts[0].axis_plan(axis).replicated:
                 assert torch.equal(counts, torch.ones(size)), (kind, axis)
 
@@ -126,8 +134,12 @@ def test_rectangular_pieces_of_two_mesh_dimensions(seed: int) -> None:
 
     rng = random.Random(seed)
     m, n = rng.randint(1, 9), rng.randint(2, 9)
-    pieces = grid_pieces(m, n, sorted(rng.randint(0, m) for _ in range(rng.randint(0, 2))),
-                         sorted(rng.randint(0, n) for _ in range(rng.randint(1, 2))))
+    pieces = grid_pieces(
+        m,
+        n,
+        sorted(rng.randint(0, m) for _ in range(rng.randint(0, 2))),
+        sorted(rng.randint(0, n) for _ in range(rng.randint(1, 2))),
+    )
     world = len(pieces)
     layouts = [MatrixLayout((m, n), pieces, r, group=object()) for r in range(world)]
     full = torch.randn(m, n, dtype=torch.float64)

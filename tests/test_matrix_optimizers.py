@@ -5,6 +5,7 @@ ASGO's first step equals its closed form through the SVD of G (docs/algorithms/a
 gradient, the polar factor of G (docs/algorithms/sumo.md); Alice's basis is orthonormal after every switch
 and at full rank the step reduces to its dense form, Adam in the basis (docs/algorithms/alice.md).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -32,7 +33,9 @@ def rand(m: int, n: int, seed: int, rank: int | None = None) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     if rank is None:
         return torch.randn(m, n, generator=g, dtype=torch.float64)
-    return torch.randn(m, rank, generator=g, dtype=torch.float64) @ torch.randn(rank, n, generator=g, dtype=torch.float64)
+    return torch.randn(m, rank, generator=g, dtype=torch.float64) @ torch.randn(
+        rank, n, generator=g, dtype=torch.float64
+    )
 
 
 @pytest.mark.parametrize("shape", [(6, 10), (10, 6), (7, 7)])
@@ -166,8 +169,18 @@ def test_alice_compensation_matches_the_explicit_residual_form(shape: tuple[int,
 
     lr, alpha, alpha_c, gamma, b1, b2, eps, r = 0.1, 0.3, 0.4, 1.01, 0.9, 0.9, 1e-8, 2
     p = one_matrix(*shape)
-    opt = Alice([p], lr=lr, alpha=alpha, alpha_c=alpha_c, gamma=gamma, rank=r, leading=1, betas=(b1, b2, 0.999),
-                eps=eps, refresh_interval=1000)
+    opt = Alice(
+        [p],
+        lr=lr,
+        alpha=alpha,
+        alpha_c=alpha_c,
+        gamma=gamma,
+        rank=r,
+        leading=1,
+        betas=(b1, b2, 0.999),
+        eps=eps,
+        refresh_interval=1000,
+    )
     transpose = shape[0] > shape[1]
     rows, cols = sorted(shape)
     mom, var = torch.zeros(r, cols, dtype=torch.float64), torch.zeros(r, cols, dtype=torch.float64)
@@ -206,8 +219,9 @@ def test_alice0_has_no_tracking_state_and_same_first_step_as_alice() -> None:
 @pytest.mark.parametrize("name", ["asgo", "sumo", "alice", "alice0", "swan"])
 def test_zero_gradients_give_no_nan(name: str) -> None:
     model = torch.nn.Linear(9, 6, bias=False)
-    opt = shardopt.create_optimizer(model, name, **({"rank": 2, "leading": 1} if "alice" in name else
-                                                   {"rank": 2} if name == "sumo" else {}))
+    opt = shardopt.create_optimizer(
+        model, name, **({"rank": 2, "leading": 1} if "alice" in name else {"rank": 2} if name == "sumo" else {})
+    )
     for _ in range(3):
         model.weight.grad = torch.zeros_like(model.weight)
         opt.step()
@@ -225,8 +239,9 @@ def test_polar_factor_gram_path_matches_the_svd(shape: tuple[int, ...], kind: st
     *batch, m, n = shape
     k = min(m, n)
     if kind == "rank_deficient":
-        x = torch.randn(*batch, m, 3, generator=g, dtype=torch.float64) @ torch.randn(*batch, 3, n, generator=g,
-                                                                                       dtype=torch.float64)
+        x = torch.randn(*batch, m, 3, generator=g, dtype=torch.float64) @ torch.randn(
+            *batch, 3, n, generator=g, dtype=torch.float64
+        )
     elif kind == "ill_conditioned":
         u = torch.linalg.qr(torch.randn(*batch, m, k, generator=g, dtype=torch.float64)).Q
         v = torch.linalg.qr(torch.randn(*batch, n, k, generator=g, dtype=torch.float64)).Q

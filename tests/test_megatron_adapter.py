@@ -1,6 +1,7 @@
 """The Megatron-core adapter's pure parts (``shardopt.plugin.megatron_engine``): what it refuses, before any collective,
 naming the setting; and the ``ColFlatPiece`` layout of a row-parallel weight's shard cut flat by the distributed
 optimizer. The engine itself runs in ``tests_dist/test_megatron.py``."""
+
 from __future__ import annotations
 
 from types import SimpleNamespace
@@ -16,9 +17,16 @@ from shardopt.sharding.layout import ColFlatPiece, FlatPiece, MatrixLayout, _blo
 
 
 def optimizer_config(**overrides):
-    base = dict(use_distributed_optimizer=True, fp16=False, bf16=False, use_precision_aware_optimizer=False,
-                optimizer_cpu_offload=False, overlap_param_gather_with_optimizer_step=False,
-                reuse_grad_buf_for_mxfp8_param_ag=False, fp8_recipe=None)
+    base = dict(
+        use_distributed_optimizer=True,
+        fp16=False,
+        bf16=False,
+        use_precision_aware_optimizer=False,
+        optimizer_cpu_offload=False,
+        overlap_param_gather_with_optimizer_step=False,
+        reuse_grad_buf_for_mxfp8_param_ag=False,
+        fp8_recipe=None,
+    )
     return SimpleNamespace(**{**base, **overrides})
 
 
@@ -28,8 +36,14 @@ class Chunk(nn.Module):
     def __init__(self, **ddp):
         super().__init__()
         self.lin = nn.Linear(3, 4)
-        self.ddp_config = SimpleNamespace(**{"use_distributed_optimizer": True, "use_megatron_fsdp": False,
-                                             "num_distributed_optimizer_instances": 1, **ddp})
+        self.ddp_config = SimpleNamespace(
+            **{
+                "use_distributed_optimizer": True,
+                "use_megatron_fsdp": False,
+                "num_distributed_optimizer_instances": 1,
+                **ddp,
+            }
+        )
         self.buffers = []
         self.expert_parallel_buffers = []
 
@@ -39,17 +53,23 @@ def test_supported_settings_pass() -> None:
     refuse_unsupported(optimizer_config(bf16=True), [Chunk()])
 
 
-@pytest.mark.parametrize("config, chunk, setting", [
-    (dict(use_distributed_optimizer=False), {}, "OptimizerConfig.use_distributed_optimizer"),
-    ({}, dict(use_distributed_optimizer=False), "DistributedDataParallelConfig.use_distributed_optimizer"),
-    (dict(fp16=True), {}, "OptimizerConfig.fp16"),
-    (dict(use_precision_aware_optimizer=True), {}, "OptimizerConfig.use_precision_aware_optimizer"),
-    (dict(optimizer_cpu_offload=True), {}, "OptimizerConfig.optimizer_cpu_offload"),
-    (dict(overlap_param_gather_with_optimizer_step=True), {},
-     "OptimizerConfig.overlap_param_gather_with_optimizer_step"),
-    ({}, dict(use_megatron_fsdp=True), "DistributedDataParallelConfig.use_megatron_fsdp"),
-    ({}, dict(num_distributed_optimizer_instances=2), "num_distributed_optimizer_instances"),
-])
+@pytest.mark.parametrize(
+    "config, chunk, setting",
+    [
+        (dict(use_distributed_optimizer=False), {}, "OptimizerConfig.use_distributed_optimizer"),
+        ({}, dict(use_distributed_optimizer=False), "DistributedDataParallelConfig.use_distributed_optimizer"),
+        (dict(fp16=True), {}, "OptimizerConfig.fp16"),
+        (dict(use_precision_aware_optimizer=True), {}, "OptimizerConfig.use_precision_aware_optimizer"),
+        (dict(optimizer_cpu_offload=True), {}, "OptimizerConfig.optimizer_cpu_offload"),
+        (
+            dict(overlap_param_gather_with_optimizer_step=True),
+            {},
+            "OptimizerConfig.overlap_param_gather_with_optimizer_step",
+        ),
+        ({}, dict(use_megatron_fsdp=True), "DistributedDataParallelConfig.use_megatron_fsdp"),
+        ({}, dict(num_distributed_optimizer_instances=2), "num_distributed_optimizer_instances"),
+    ],
+)
 def test_unsupported_settings_are_named(config: dict, chunk: dict, setting: str) -> None:
     with pytest.raises(MegatronError, match=setting.replace(".", r"\.")):
         refuse_unsupported(optimizer_config(**config), [Chunk(**chunk)])
@@ -82,7 +102,7 @@ def test_tensor_parallel_shards_cut_flat_cover_the_matrix_once(dim: int, start: 
         offset = 0
         for b in layout.blocks:
             assert b.offset == offset
-            seen[b.row:b.row + b.height, b.col:b.col + b.width] += 1
+            seen[b.row : b.row + b.height, b.col : b.col + b.width] += 1
             offset += b.height * b.width
         assert offset == layout.local_numel
     assert bool((seen == 1).all())

@@ -1,16 +1,14 @@
 """Non-finite gradients: skip (default) leaves parameters and state untouched; raise raises."""
+
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
-
 from tiny_model import Tiny
+from torch import nn
 
 import shardopt
 from shardopt.optim import OPTIMIZERS
-
-
 
 
 def step(model, opt, seed, poison=None):
@@ -27,8 +25,10 @@ poison_value = float("nan")
 
 def snapshot(model, opt):
     params = {n: p.detach().clone() for n, p in model.named_parameters()}
-    state = {id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items() if k != "matrices"}
-             for p, st in opt.state.items()}
+    state = {
+        id(p): {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in st.items() if k != "matrices"}
+        for p, st in opt.state.items()
+    }
     return params, state
 
 
@@ -63,15 +63,18 @@ def test_raise_names_the_parameter():
         step(model, opt, 0, poison="proj.weight")
 
 
-@pytest.mark.parametrize("wrapper,dtype,check,norm,skips", [
-    ("zero12", torch.float32, False, True, True),      # the global norm DeepSpeed computes by default: invalid -> skip
-    ("zero12", torch.float16, True, True, True),       # fp16: DeepSpeed's overflow check
-    ("zero12", torch.bfloat16, False, True, False),    # bf16: DeepSpeed steps through an invalid norm, we check
-    ("zero12", torch.bfloat16, True, True, True),      # bf16 with check_grad_overflow
-    ("zero12", torch.float32, False, False, False),    # compute_grad_norm disabled
-    ("zero3", torch.float32, False, True, True),
-    ("bf16_zero1", torch.bfloat16, False, True, True),
-])
+@pytest.mark.parametrize(
+    "wrapper,dtype,check,norm,skips",
+    [
+        ("zero12", torch.float32, False, True, True),  # the global norm DeepSpeed computes by default: invalid -> skip
+        ("zero12", torch.float16, True, True, True),  # fp16: DeepSpeed's overflow check
+        ("zero12", torch.bfloat16, False, True, False),  # bf16: DeepSpeed steps through an invalid norm, we check
+        ("zero12", torch.bfloat16, True, True, True),  # bf16 with check_grad_overflow
+        ("zero12", torch.float32, False, False, False),  # compute_grad_norm disabled
+        ("zero3", torch.float32, False, True, True),
+        ("bf16_zero1", torch.bfloat16, False, True, True),
+    ],
+)
 def test_deepspeed_wrappers_that_skip_nonfinite_steps_themselves(wrapper, dtype, check, norm, skips):
     """Where DeepSpeed skips a non-finite step on every rank before calling the optimizer, ours would only
     repeat that decision with one more all-reduce per call: the adapter turns it off exactly there."""

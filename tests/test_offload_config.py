@@ -1,6 +1,7 @@
 """ZeRO-Offload settings (issue 56), without launching DeepSpeed: what each front door sets and refuses, where a
 collective on CPU-resident partitions runs (``sharding.staging``'s routing decision), the lost-optimizer message,
 and the precision-aware cutoffs (``sharding.precision``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,14 +15,18 @@ SECTION = {"optimizer": "scale", "params": {"lr": 1e-3}}
 
 
 def config(stage: int, **zero) -> dict:
-    return {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage, **zero},
-            "shardopt": dict(SECTION)}
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": stage, **zero},
+        "shardopt": dict(SECTION),
+    }
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_cpu_offload_sets_the_keys_deepspeed_would_ask_for(stage: int) -> None:
-    cfg = config(stage, offload_optimizer={"device": "cpu"},
-                 **({"offload_param": {"device": "cpu"}} if stage == 3 else {}))
+    cfg = config(
+        stage, offload_optimizer={"device": "cpu"}, **({"offload_param": {"device": "cpu"}} if stage == 3 else {})
+    )
     parse_section(cfg)
     assert {k: cfg[k] for k in OFFLOAD_KEYS} == OFFLOAD_KEYS
 
@@ -40,11 +45,18 @@ def test_nvme_is_refused_naming_cpu(key: str) -> None:
         parse_section(cfg)
 
 
-@pytest.mark.parametrize("stage,zero,match", [
-    (0, {"offload_optimizer": {"device": "cpu"}}, r"offload_optimizer.device = 'cpu' needs zero_optimization.stage"),
-    (2, {"offload_param": {"device": "cpu"}}, r"offload_param.device = 'cpu' needs zero_optimization.stage 3"),
-    (2, {"offload_optimizer": "cpu"}, r"zero_optimization.offload_optimizer: expected an object"),
-])
+@pytest.mark.parametrize(
+    "stage,zero,match",
+    [
+        (
+            0,
+            {"offload_optimizer": {"device": "cpu"}},
+            r"offload_optimizer.device = 'cpu' needs zero_optimization.stage",
+        ),
+        (2, {"offload_param": {"device": "cpu"}}, r"offload_param.device = 'cpu' needs zero_optimization.stage 3"),
+        (2, {"offload_optimizer": "cpu"}, r"zero_optimization.offload_optimizer: expected an object"),
+    ],
+)
 def test_offload_where_deepspeed_would_ignore_it_is_refused(stage: int, zero: dict, match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         apply_offload_keys(config(stage, **zero))
@@ -65,8 +77,9 @@ def test_accelerate_front_door_sets_the_key_before_prepare() -> None:
     from shardopt.integrations.accelerate import keep_optimizer_under_offload
 
     cfg = {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}}}
-    acc = SimpleNamespace(state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(
-        hf_ds_config=SimpleNamespace(config=cfg))))
+    acc = SimpleNamespace(
+        state=SimpleNamespace(deepspeed_plugin=SimpleNamespace(hf_ds_config=SimpleNamespace(config=cfg)))
+    )
     model = torch.nn.Linear(4, 4)
     keep_optimizer_under_offload(acc, (model, torch.optim.SGD(model.parameters(), lr=0.1)))
     assert "zero_force_ds_cpu_optimizer" not in cfg  # not ours to change
@@ -75,15 +88,18 @@ def test_accelerate_front_door_sets_the_key_before_prepare() -> None:
 
 
 # ------------------------------------------------------------------------------------------ staging decision
-@pytest.mark.parametrize("backend,device,expected", [
-    ("gloo", "cpu", None),                      # CPU tests, and gloo DP groups: as before
-    ("nccl", "cuda", None),                     # partitions on the GPU: as before
-    ("nccl", "cpu", "cuda:0"),                  # ZeRO-Offload on NCCL: through the device
-    ("cpu:gloo,cuda:nccl", "cpu", None),        # a group with a CPU backend takes it directly
-    ("cpu:gloo,cuda:nccl", "cuda", None),
-    ("hccl", "cpu", "cuda:0"),                  # any device-only backend
-    ("mpi", "cpu", None),
-])
+@pytest.mark.parametrize(
+    "backend,device,expected",
+    [
+        ("gloo", "cpu", None),  # CPU tests, and gloo DP groups: as before
+        ("nccl", "cuda", None),  # partitions on the GPU: as before
+        ("nccl", "cpu", "cuda:0"),  # ZeRO-Offload on NCCL: through the device
+        ("cpu:gloo,cuda:nccl", "cpu", None),  # a group with a CPU backend takes it directly
+        ("cpu:gloo,cuda:nccl", "cuda", None),
+        ("hccl", "cpu", "cuda:0"),  # any device-only backend
+        ("mpi", "cpu", None),
+    ],
+)
 def test_staging_decision(backend: str, device: str, expected: str | None) -> None:
     got = staging.staging_device(torch.device(device), backend, torch.device("cuda", 0))
     assert (None if got is None else str(got)) == expected
@@ -114,10 +130,10 @@ def test_staged_collective_runs_where_the_backend_takes_it(monkeypatch) -> None:
 def test_cutoffs_follow_the_arrival_precision_and_keep_fp32() -> None:
     fp32 = 64 * torch.finfo(torch.float32).eps
     assert precision.noise_rtol(torch.float32, (4, 64), fp32) == fp32  # fp32 runs: unchanged
-    assert precision.noise_rtol(torch.bfloat16, (4, 64), fp32) == pytest.approx(2 * 2 ** -7)
-    assert precision.noise_rtol(torch.float16, (4, 64), fp32) == pytest.approx(2 * 2 ** -10)
+    assert precision.noise_rtol(torch.bfloat16, (4, 64), fp32) == pytest.approx(2 * 2**-7)
+    assert precision.noise_rtol(torch.float16, (4, 64), fp32) == pytest.approx(2 * 2**-10)
     assert precision.noise_eig_rtol(torch.float32, 8, 1e-6) == 1e-6
-    assert precision.noise_eig_rtol(torch.bfloat16, 8, 1e-6) == pytest.approx(8 * 2 ** -14)
+    assert precision.noise_eig_rtol(torch.bfloat16, 8, 1e-6) == pytest.approx(8 * 2**-14)
 
 
 def test_arrival_dtype_sources() -> None:
@@ -140,7 +156,7 @@ def test_sumo_drops_bf16_rounding_directions_only_for_bf16_gradients() -> None:
     torch.manual_seed(0)
     u, v = torch.randn(16, 1), torch.randn(1, 32)
     g = u @ v
-    g = g + 2 ** -9 * g.abs().mean() * torch.randn_like(g)
+    g = g + 2**-9 * g.abs().mean() * torch.randn_like(g)
     updates = {}
     for dtype in (torch.float32, torch.bfloat16):
         w = torch.nn.Parameter(torch.zeros(16, 32))
@@ -153,7 +169,6 @@ def test_sumo_drops_bf16_rounding_directions_only_for_bf16_gradients() -> None:
     s16 = torch.linalg.svdvals(updates[torch.bfloat16])
     assert (s32 > 1e-3 * s32[0]).sum() >= 2  # fp32 arrival: the noise directions get weight
     assert (s16 > 1e-3 * s16[0]).sum() == 1  # bf16 arrival: only the signal
-
 
 
 def test_alice_noise_floor_follows_the_arrival_precision() -> None:

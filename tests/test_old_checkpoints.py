@@ -8,6 +8,7 @@ rounding, 1e-6 relative: issue 19's grouped steps sum in another order than the 
 state is also there as an FSDP2 trainer's DCP checkpoint, which the trainer's ``SafeLoadPlanner`` reads into
 today's keys.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,10 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file
+from tiny_model import Tiny
 
 import shardopt
 import shardopt.checkpoint as ckpt
-from tiny_model import Tiny
 
 HERE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "old_checkpoints")
 NAMES = ["racs", "alice", "sumo", "asgo", "dasgo"]  # Alice-0's keys are Alice's without Q_tilde
@@ -28,8 +29,11 @@ NAMES = ["racs", "alice", "sumo", "asgo", "dasgo"]  # Alice-0's keys are Alice's
 def _fixture(name):
     with open(os.path.join(HERE, name, "state_dict.json")) as f:
         meta = json.load(f)
-    return meta, load_file(os.path.join(HERE, name, "state_dict.safetensors")), \
-        load_file(os.path.join(HERE, name, "continued.safetensors"))
+    return (
+        meta,
+        load_file(os.path.join(HERE, name, "state_dict.safetensors")),
+        load_file(os.path.join(HERE, name, "continued.safetensors")),
+    )
 
 
 def _continue_and_compare(model, opt, continued):
@@ -44,8 +48,13 @@ def _continue_and_compare(model, opt, continued):
             # cancels to ~4e-5 from ~0.02 differs by 2^-29 between CPUs whose kernels sum in another order
             # (AVX2 vs AVX-512); the absolute floor is 1e-6 of the tensor's scale, as rtol is of each element
             want = continued[f"{s}/{k}"]
-            torch.testing.assert_close(p.detach(), want, rtol=1e-6, atol=max(1e-9, 1e-6 * float(want.abs().max())),
-                                       msg=lambda m: f"step {s + 1} after the load, {k}: {m}")
+            torch.testing.assert_close(
+                p.detach(),
+                want,
+                rtol=1e-6,
+                atol=max(1e-9, 1e-6 * float(want.abs().max())),
+                msg=lambda m: f"step {s + 1} after the load, {k}: {m}",
+            )
 
 
 def _no_old_keys(opt, name):
@@ -68,7 +77,7 @@ def test_old_shardopt_checkpoint_loads_and_continues(name):
 def test_old_state_dict_loads_and_continues(name):
     meta, tensors, continued = _fixture(name)
     model = Tiny()
-    model.load_state_dict({k[len("model/"):]: v for k, v in tensors.items() if k.startswith("model/")})
+    model.load_state_dict({k[len("model/") :]: v for k, v in tensors.items() if k.startswith("model/")})
     opt = shardopt.create_optimizer(model, name, **meta["hyperparameters"])
     state: dict = {}
     for k, v in tensors.items():
@@ -98,8 +107,12 @@ def test_old_dcp_checkpoint_loads_into_todays_keys_and_continues():
     opt = shardopt.create_optimizer(model, "racs")
     msd, osd = get_state_dict(model, opt)
     sd = {"model": msd, "optim": osd}
-    dcp.load(sd, storage_reader=SafeFileSystemReader(os.path.join(HERE, "racs", "dcp")), planner=SafeLoadPlanner(),
-             no_dist=True)
+    dcp.load(
+        sd,
+        storage_reader=SafeFileSystemReader(os.path.join(HERE, "racs", "dcp")),
+        planner=SafeLoadPlanner(),
+        no_dist=True,
+    )
     set_state_dict(model, opt, model_state_dict=sd["model"], optim_state_dict=sd["optim"])
     _no_old_keys(opt, "racs")
     assert any("q" in st for st in opt.state.values())
@@ -111,8 +124,10 @@ def test_renames_reach_the_per_matrix_entries_of_flat_partitions():
     from shardopt.optim.alice import Alice
 
     opt = Alice([torch.nn.Parameter(torch.zeros(4, 6))], rank=2, leading=1)
-    old = {"state": {0: {"exp_avg": 1, "matrices": {"a.weight": {"basis": 2, "col_energy": 3, "phi": 4}}}},
-           "param_groups": []}
+    old = {
+        "state": {0: {"exp_avg": 1, "matrices": {"a.weight": {"basis": 2, "col_energy": 3, "phi": 4}}}},
+        "param_groups": [],
+    }
     new = opt._renamed_state_keys(old)
     assert new["state"][0] == {"exp_avg": 1, "matrices": {"a.weight": {"U": 2, "p": 3, "phi": 4}}}
     assert "basis" in old["state"][0]["matrices"]["a.weight"]  # the caller's dict is left as it was

@@ -21,6 +21,7 @@ AdamW counts only steps with a gradient, as torch; shardopt steps real tensors o
 refused); SCALE's AdamW puts eps outside the bias correction (its released code), so the AdamW comparison
 switches that group option to torch's.
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,11 +34,10 @@ from typing import Any, Callable
 
 import pytest
 import torch
+from tiny_model import Tiny
 from torch import nn
 from torch.nn import Parameter
 from torch.optim.lr_scheduler import ReduceLROnPlateau, StepLR
-
-from tiny_model import Tiny
 
 import shardopt
 from shardopt.optim import routing
@@ -91,69 +91,135 @@ class OptimInfo:
 
 def with_common(specific: list[OptimInput]) -> Callable[[], list[OptimInput]]:
     """torch's generic configurations (default, another lr, weight decay, a tensor lr) plus the rule's own."""
+
     def inputs() -> list[OptimInput]:
-        return [OptimInput({}, "default"), OptimInput({"lr": 0.01}, "non-default lr"),
-                OptimInput({"weight_decay": 0.1}, "nonzero weight_decay"),
-                OptimInput({"lr": torch.tensor(0.01)}, "Tensor lr")] + copy.deepcopy(specific)
+        return [
+            OptimInput({}, "default"),
+            OptimInput({"lr": 0.01}, "non-default lr"),
+            OptimInput({"weight_decay": 0.1}, "nonzero weight_decay"),
+            OptimInput({"lr": torch.tensor(0.01)}, "Tensor lr"),
+        ] + copy.deepcopy(specific)
 
     return inputs
 
 
 OPTIM_INFOS = [
-    OptimInfo(shardopt.SCALE, with_common([
-        OptimInput({"momentum": 0.9}, "momentum (the LM-head form)"),
-        OptimInput({"norm": "l2", "norm_dim": 0}, "l2 norm per column"),
-    ]), stateless=lambda kw: not kw.get("momentum"), adam_eps_mode="outside",
-        error_inputs=lambda: [ErrorInput(None, {"momentum": 1.0}, ValueError, "momentum", "momentum in [0, 1)"),
-                              ErrorInput(None, {"norm": "l3"}, ValueError, "norm must be", "unknown norm")],
-        notes="no matrix state without momentum (by design); AdamW eps outside the bias correction (by design)"),
-    OptimInfo(shardopt.SinkGD, with_common([OptimInput({"iterations": 2, "lr_scale": 0.2}, "2 sweeps")]),
-              stateless=lambda kw: True,
-              error_inputs=lambda: [ErrorInput(None, {"iterations": 0}, ValueError, "iterations", "L >= 1")],
-              notes="stateless matrix rule (by design)"),
-    OptimInfo(shardopt.RACS, with_common([OptimInput({"beta": 0.5, "iterations": 3, "gamma": 1.5}, "beta, gamma")]),
-              error_inputs=lambda: [ErrorInput(None, {"gamma": 0.5}, ValueError, "gamma", "gamma >= 1")]),
-    OptimInfo(shardopt.SWAN, with_common([
-        OptimInput({"whitening": "svd"}, "exact whitening"),
-        OptimInput({"center": True, "iterations": 2}, "centered, 2 sweeps"),
-    ]), stateless=lambda kw: True,
+    OptimInfo(
+        shardopt.SCALE,
+        with_common(
+            [
+                OptimInput({"momentum": 0.9}, "momentum (the LM-head form)"),
+                OptimInput({"norm": "l2", "norm_dim": 0}, "l2 norm per column"),
+            ]
+        ),
+        stateless=lambda kw: not kw.get("momentum"),
+        adam_eps_mode="outside",
+        error_inputs=lambda: [
+            ErrorInput(None, {"momentum": 1.0}, ValueError, "momentum", "momentum in [0, 1)"),
+            ErrorInput(None, {"norm": "l3"}, ValueError, "norm must be", "unknown norm"),
+        ],
+        notes="no matrix state without momentum (by design); AdamW eps outside the bias correction (by design)",
+    ),
+    OptimInfo(
+        shardopt.SinkGD,
+        with_common([OptimInput({"iterations": 2, "lr_scale": 0.2}, "2 sweeps")]),
+        stateless=lambda kw: True,
+        error_inputs=lambda: [ErrorInput(None, {"iterations": 0}, ValueError, "iterations", "L >= 1")],
+        notes="stateless matrix rule (by design)",
+    ),
+    OptimInfo(
+        shardopt.RACS,
+        with_common([OptimInput({"beta": 0.5, "iterations": 3, "gamma": 1.5}, "beta, gamma")]),
+        error_inputs=lambda: [ErrorInput(None, {"gamma": 0.5}, ValueError, "gamma", "gamma >= 1")],
+    ),
+    OptimInfo(
+        shardopt.SWAN,
+        with_common(
+            [
+                OptimInput({"whitening": "svd"}, "exact whitening"),
+                OptimInput({"center": True, "iterations": 2}, "centered, 2 sweeps"),
+            ]
+        ),
+        stateless=lambda kw: True,
         error_inputs=lambda: [ErrorInput(None, {"whitening": "qr"}, ValueError, "whitening", "unknown whitening")],
-        notes="stateless matrix rule (by design)"),
-    OptimInfo(ASGO, with_common([
-        OptimInput({"root": "newton_schulz"}, "Newton-Schulz root"),
-        OptimInput({"root": "newton_schulz", "weight_decay": 0.1, "lr": 0.02}, "Newton-Schulz root, weight decay"),
-        OptimInput({"betas": (0.9, 0.8), "eps": 1e-10, "root": "newton_schulz", "ns_steps": 10, "update_rms": 0.2,
-                    "weight_decay": 0.1}, "the released code's settings"),
-        OptimInput({"eps": 0.0}, "pseudo-inverse root"),
-        OptimInput({"side": "left", "statistic": "momentum"}, "left, momentum statistic"),
-        OptimInput({"refresh_interval": 3}, "root refreshed every 3 steps"),
-    ]), error_inputs=lambda: [
-        ErrorInput(None, {"statistic": "hessian"}, ValueError, "statistic", "unknown statistic"),
-        ErrorInput(None, {"eps": 0.0, "refresh_interval": 2}, ValueError, "eps = 0", "stale pseudo-inverse"),
-        ErrorInput(None, {"betas": (1.0, 0.95)}, ValueError, r"Invalid beta parameter at index 0: 1.0", "beta1 < 1"),
-    ]),
-    OptimInfo(DASGO, with_common([OptimInput({"betas": (0.5, 0.9)}, "other betas")]),
-              error_inputs=lambda: [ErrorInput(None, {"betas": (0.9, 1.5)}, ValueError,
-                                               r"Invalid beta parameter at index 1: 1.5", "beta2 < 1")]),
-    OptimInfo(SUMO, with_common([
-        OptimInput({"rank": 2, "refresh_interval": 3}, "rank 2, refresh every 3"),
-        OptimInput({"rank": 1, "gamma": None, "step_scale": "muon", "power_iters": 0}, "rank 1, no limiter"),
-    ]), error_inputs=lambda: [ErrorInput(None, {"step_scale": "huge"}, ValueError, "step_scale", "unknown scale")]),
-    OptimInfo(Alice, with_common([
-        OptimInput({"rank": 2, "leading": 1, "refresh_interval": 3}, "rank 2, switch every 3"),
-        OptimInput({"rank": 2, "leading": 1, "refresh_interval": 2, "reproject": False}, "literal mixing"),
-    ]), error_inputs=lambda: [ErrorInput(None, {"rank": 2, "leading": 3}, ValueError, "leading", "l <= r")]),
+        notes="stateless matrix rule (by design)",
+    ),
+    OptimInfo(
+        ASGO,
+        with_common(
+            [
+                OptimInput({"root": "newton_schulz"}, "Newton-Schulz root"),
+                OptimInput(
+                    {"root": "newton_schulz", "weight_decay": 0.1, "lr": 0.02}, "Newton-Schulz root, weight decay"
+                ),
+                OptimInput(
+                    {
+                        "betas": (0.9, 0.8),
+                        "eps": 1e-10,
+                        "root": "newton_schulz",
+                        "ns_steps": 10,
+                        "update_rms": 0.2,
+                        "weight_decay": 0.1,
+                    },
+                    "the released code's settings",
+                ),
+                OptimInput({"eps": 0.0}, "pseudo-inverse root"),
+                OptimInput({"side": "left", "statistic": "momentum"}, "left, momentum statistic"),
+                OptimInput({"refresh_interval": 3}, "root refreshed every 3 steps"),
+            ]
+        ),
+        error_inputs=lambda: [
+            ErrorInput(None, {"statistic": "hessian"}, ValueError, "statistic", "unknown statistic"),
+            ErrorInput(None, {"eps": 0.0, "refresh_interval": 2}, ValueError, "eps = 0", "stale pseudo-inverse"),
+            ErrorInput(
+                None, {"betas": (1.0, 0.95)}, ValueError, r"Invalid beta parameter at index 0: 1.0", "beta1 < 1"
+            ),
+        ],
+    ),
+    OptimInfo(
+        DASGO,
+        with_common([OptimInput({"betas": (0.5, 0.9)}, "other betas")]),
+        error_inputs=lambda: [
+            ErrorInput(None, {"betas": (0.9, 1.5)}, ValueError, r"Invalid beta parameter at index 1: 1.5", "beta2 < 1")
+        ],
+    ),
+    OptimInfo(
+        SUMO,
+        with_common(
+            [
+                OptimInput({"rank": 2, "refresh_interval": 3}, "rank 2, refresh every 3"),
+                OptimInput({"rank": 1, "gamma": None, "step_scale": "muon", "power_iters": 0}, "rank 1, no limiter"),
+            ]
+        ),
+        error_inputs=lambda: [ErrorInput(None, {"step_scale": "huge"}, ValueError, "step_scale", "unknown scale")],
+    ),
+    OptimInfo(
+        Alice,
+        with_common(
+            [
+                OptimInput({"rank": 2, "leading": 1, "refresh_interval": 3}, "rank 2, switch every 3"),
+                OptimInput({"rank": 2, "leading": 1, "refresh_interval": 2, "reproject": False}, "literal mixing"),
+            ]
+        ),
+        error_inputs=lambda: [ErrorInput(None, {"rank": 2, "leading": 3}, ValueError, "leading", "l <= r")],
+    ),
     OptimInfo(Alice0, with_common([OptimInput({"rank": 2, "leading": 1, "refresh_interval": 3}, "rank 2")])),
-    OptimInfo(shardopt.Muon, with_common([
-        OptimInput({"momentum": 0.8}, "non-default momentum"),
-        OptimInput({"ns_steps": 6}, "6 Newton-Schulz steps"),
-        OptimInput({"nesterov": False}, "plain momentum"),
-        OptimInput({"adjust_lr_fn": "match_rms_adamw"}, "AdamW-matched lr"),
-        OptimInput({"ns_dtype": "bfloat16"}, "torch's bf16 iteration"),
-    ]), error_inputs=lambda: [
-        ErrorInput(None, {"adjust_lr_fn": "arbitrary"}, ValueError, "adjust_lr_fn must be", "unknown lr rule"),
-        ErrorInput(None, {"ns_dtype": "float8"}, ValueError, "ns_dtype", "unknown dtype"),
-    ]),
+    OptimInfo(
+        shardopt.Muon,
+        with_common(
+            [
+                OptimInput({"momentum": 0.8}, "non-default momentum"),
+                OptimInput({"ns_steps": 6}, "6 Newton-Schulz steps"),
+                OptimInput({"nesterov": False}, "plain momentum"),
+                OptimInput({"adjust_lr_fn": "match_rms_adamw"}, "AdamW-matched lr"),
+                OptimInput({"ns_dtype": "bfloat16"}, "torch's bf16 iteration"),
+            ]
+        ),
+        error_inputs=lambda: [
+            ErrorInput(None, {"adjust_lr_fn": "arbitrary"}, ValueError, "adjust_lr_fn must be", "unknown lr rule"),
+            ErrorInput(None, {"ns_dtype": "float8"}, ValueError, "ns_dtype", "unknown dtype"),
+        ],
+    ),
 ]
 
 
@@ -170,28 +236,54 @@ def generic_error_inputs() -> list[ErrorInput]:
         ErrorInput([p, 3.0], {}, TypeError, "can only optimize Tensors", "a number among the parameters"),
         ErrorInput([], {}, ValueError, "empty parameter list", "no parameters"),
         ErrorInput([p, p], {}, UserWarning, "duplicate parameters", "duplicates in a group"),
-        ErrorInput([{"params": p}, {"params": p}], {}, ValueError, "more than one parameter group",
-                   "duplicates across groups"),
-        ErrorInput(None, {"lr": torch.tensor([1e-3, 1e-3])}, ValueError, "Tensor lr must be 1-element",
-                   "a tensor lr with two elements"),
-        ErrorInput([{"params": [p]}, {"params": [p2], "lr": torch.tensor([1e-3, 1e-3])}], {}, ValueError,
-                   "Tensor lr must be 1-element", "a group's tensor lr with two elements"),
+        ErrorInput(
+            [{"params": p}, {"params": p}], {}, ValueError, "more than one parameter group", "duplicates across groups"
+        ),
+        ErrorInput(
+            None,
+            {"lr": torch.tensor([1e-3, 1e-3])},
+            ValueError,
+            "Tensor lr must be 1-element",
+            "a tensor lr with two elements",
+        ),
+        ErrorInput(
+            [{"params": [p]}, {"params": [p2], "lr": torch.tensor([1e-3, 1e-3])}],
+            {},
+            ValueError,
+            "Tensor lr must be 1-element",
+            "a group's tensor lr with two elements",
+        ),
         ErrorInput(None, {"lr": -1.0}, ValueError, r"lr\b.*>= 0|Invalid learning rate: -1.0", "negative lr"),
         ErrorInput(None, {"weight_decay": -1.0}, ValueError, r"Invalid weight_decay value: -1", "negative wd"),
         ErrorInput([("weight", p), p2], {}, ValueError, "Some param names are missing", "named and unnamed"),
-        ErrorInput([{"params": [p], "lr": 1e-2}, {"params": [("weight", p2)]}], {}, ValueError,
-                   "all optimizer param groups should be with/without names", "named and unnamed groups"),
+        ErrorInput(
+            [{"params": [p], "lr": 1e-2}, {"params": [("weight", p2)]}],
+            {},
+            ValueError,
+            "all optimizer param groups should be with/without names",
+            "named and unnamed groups",
+        ),
         ErrorInput([cplx], {}, ValueError, r"is complex \(torch.complex64\).*view_as_real", "complex parameter"),
-        ErrorInput([{"params": [bias], "treatment": "__matrix__"}], {}, ValueError, r"of shape \(2,\).*needs 2-D",
-                   "a vector in a matrix group"),
-        ErrorInput([{"params": [p], "treatment": "lion"}], {}, ValueError, "treatment 'lion' is not known",
-                   "unknown treatment"),
+        ErrorInput(
+            [{"params": [bias], "treatment": "__matrix__"}],
+            {},
+            ValueError,
+            r"of shape \(2,\).*needs 2-D",
+            "a vector in a matrix group",
+        ),
+        ErrorInput(
+            [{"params": [p], "treatment": "lion"}], {}, ValueError, "treatment 'lion' is not known", "unknown treatment"
+        ),
     ]
 
 
 def cases(infos=OPTIM_INFOS, keep: Callable[[OptimInfo, OptimInput], bool] = lambda i, c: True):
-    return [pytest.param(info, case, id=f"{info.name}-{case.desc}") for info in infos for case in info.inputs()
-            if keep(info, case)]
+    return [
+        pytest.param(info, case, id=f"{info.name}-{case.desc}")
+        for info in infos
+        for case in info.inputs()
+        if keep(info, case)
+    ]
 
 
 ALL_CASES = cases()
@@ -384,14 +476,18 @@ def test_vectors_equal_torch_adamw_across_a_grad_less_step_and_frozen_layers(inf
     adam["eps_mode"] = "torch"  # SCALE's released-code form differs from torch's by design (see the table)
     matrices = [p for p in ref.parameters() if p.dim() == 2]
     vectors = [p for p in ref.parameters() if p.dim() != 2] + [empty_ref]
-    ref_opts = [info.cls(matrices, **copy.deepcopy(case.kwargs)),
-                torch.optim.AdamW(vectors, lr=float(adam["lr"]), betas=adam["betas"], eps=adam["eps"],
-                                  weight_decay=adam["weight_decay"])]
+    ref_opts = [
+        info.cls(matrices, **copy.deepcopy(case.kwargs)),
+        torch.optim.AdamW(
+            vectors, lr=float(adam["lr"]), betas=adam["betas"], eps=adam["eps"], weight_decay=adam["weight_decay"]
+        ),
+    ]
     seven_iterations([model, ref], [[opt], ref_opts], [[empty], [empty_ref]])
 
 
-MUON_CASES = cases([i for i in OPTIM_INFOS if i.cls is shardopt.Muon],
-                   keep=lambda i, c: not set(c.kwargs) & {"ns_dtype"})
+MUON_CASES = cases(
+    [i for i in OPTIM_INFOS if i.cls is shardopt.Muon], keep=lambda i, c: not set(c.kwargs) & {"ns_dtype"}
+)
 
 
 @pytest.mark.parametrize("info,case", MUON_CASES)
@@ -401,9 +497,12 @@ def test_muon_equals_torch_muon(info, case):
     model, ref = mlp(), mlp()
     kwargs = copy.deepcopy(case.kwargs)
     opt = shardopt.Muon(model.parameters(), ns_dtype="bfloat16", **kwargs)
-    ref_opts = [torch.optim.Muon([p for p in ref.parameters() if p.dim() == 2], **copy.deepcopy(kwargs)),
-                torch.optim.AdamW([p for p in ref.parameters() if p.dim() != 2], lr=float(kwargs.get("lr", 1e-3)),
-                                  weight_decay=0.0)]
+    ref_opts = [
+        torch.optim.Muon([p for p in ref.parameters() if p.dim() == 2], **copy.deepcopy(kwargs)),
+        torch.optim.AdamW(
+            [p for p in ref.parameters() if p.dim() != 2], lr=float(kwargs.get("lr", 1e-3)), weight_decay=0.0
+        ),
+    ]
     seven_iterations([model, ref], [[opt], ref_opts], [[], []])
 
 
@@ -493,8 +592,10 @@ def test_state_dict_deterministic(info, case, named0, named1):
         torch.testing.assert_close(bias, bias_c)
     assert_same(without_param_names(opt.state_dict()), without_param_names(opt_c.state_dict()))
     opt_c.param_groups.extend(opt_c.param_groups)
-    assert_same(without_param_names(opt.state_dict())["param_groups"][-1],
-                without_param_names(opt_c.state_dict())["param_groups"][-1])
+    assert_same(
+        without_param_names(opt.state_dict())["param_groups"][-1],
+        without_param_names(opt_c.state_dict())["param_groups"][-1],
+    )
 
 
 def small_model() -> nn.Module:
@@ -577,8 +678,12 @@ def test_bf16_round_trip_keeps_fp32_state_bit_exact(info, case):
         fwd_bwd(opt, weight, bias, x)
         opt.step()
     sd = copy.deepcopy(opt.state_dict())
-    floats = [t for st in sd["state"].values() for k, t in st.items() if isinstance(t, torch.Tensor)
-              and k != "step" and t.is_floating_point()]
+    floats = [
+        t
+        for st in sd["state"].values()
+        for k, t in st.items()
+        if isinstance(t, torch.Tensor) and k != "step" and t.is_floating_point()
+    ]
     assert floats and all(t.dtype == torch.float32 for t in floats)
     opt.load_state_dict(opt.state_dict())
     assert_same(opt.state_dict(), sd, exact=True)
@@ -683,12 +788,14 @@ def test_step_hooks(info, case):
     params = [torch.tensor([1.0, 1.0])]
     opt = info.cls(params, **copy.deepcopy(case.kwargs))
     other = torch.optim.SGD(params)
-    handles = [register_optimizer_step_pre_hook(lambda *a: data.append(0)),
-               register_optimizer_step_post_hook(lambda *a: data.append(5)),
-               opt.register_step_pre_hook(lambda *a: data.append(1)),
-               opt.register_step_post_hook(lambda *a: data.append(2)),
-               other.register_step_pre_hook(lambda *a: data.append(1)),
-               other.register_step_post_hook(lambda *a: data.append(2))]
+    handles = [
+        register_optimizer_step_pre_hook(lambda *a: data.append(0)),
+        register_optimizer_step_post_hook(lambda *a: data.append(5)),
+        opt.register_step_pre_hook(lambda *a: data.append(1)),
+        opt.register_step_post_hook(lambda *a: data.append(2)),
+        other.register_step_pre_hook(lambda *a: data.append(1)),
+        other.register_step_post_hook(lambda *a: data.append(2)),
+    ]
     try:
         opt.step()
         assert data == [0, 1, 2, 5]
@@ -717,8 +824,9 @@ def test_deepcopy_and_pickle_step_identically(info, case):
     copies = [copy.deepcopy(opt), pickle.loads(pickle.dumps(opt))]
     for c in copies:
         assert {k for k in c.__dict__ if not k.startswith("_")} == public
-        assert [c.param_names[id(p)] for gr in c.param_groups for p in gr["params"]] == \
-               [opt.param_names[id(p)] for gr in opt.param_groups for p in gr["params"]]
+        assert [c.param_names[id(p)] for gr in c.param_groups for p in gr["params"]] == [
+            opt.param_names[id(p)] for gr in opt.param_groups for p in gr["params"]
+        ]
     for _ in range(3):
         grads = [torch.rand(p.shape, generator=g) for p in params]
         for o in [opt] + copies:
@@ -726,8 +834,9 @@ def test_deepcopy_and_pickle_step_identically(info, case):
                 p.grad = grad.clone()
             o.step()
     for c in copies:
-        for p, q in zip((p for gr in opt.param_groups for p in gr["params"]),
-                        (p for gr in c.param_groups for p in gr["params"])):
+        for p, q in zip(
+            (p for gr in opt.param_groups for p in gr["params"]), (p for gr in c.param_groups for p in gr["params"])
+        ):
             assert torch.equal(p, q)
         assert_same(opt.state_dict(), c.state_dict(), exact=True)
 
@@ -771,8 +880,10 @@ def test_named_parameters_route_like_create_optimizer(info):
 def test_roles_from_names_match_roles_from_modules():
     from shardopt.train import Llama, model_config
 
-    for model in (Tiny(), Llama(model_config("tiny", vocab_size=64, hidden_size=32, intermediate_size=64,
-                                              num_layers=1, num_heads=2))):
+    for model in (
+        Tiny(),
+        Llama(model_config("tiny", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2)),
+    ):
         assert routing.roles_from_names(list(model.named_parameters())) == routing.param_roles(model)
 
 
@@ -829,8 +940,10 @@ def test_errors(info):
     for err in generic_error_inputs() + info.error_inputs():
         params = err.params if err.params is not None else [Parameter(torch.randn(2, 3)), Parameter(torch.randn(2))]
         if isinstance(params, list) and params and isinstance(params[0], dict):
-            params = [{**g, "treatment": info.cls.matrix_treatments[0]} if g.get("treatment") == "__matrix__" else g
-                      for g in params]
+            params = [
+                {**g, "treatment": info.cls.matrix_treatments[0]} if g.get("treatment") == "__matrix__" else g
+                for g in params
+            ]
         ctx = pytest.warns if issubclass(err.error, Warning) else pytest.raises
         if err.on_step:
             opt = info.cls(params, **err.kwargs)

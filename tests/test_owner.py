@@ -1,4 +1,5 @@
 """Owner plans for whole-matrix operations: balanced, and a pure function of static metadata."""
+
 from __future__ import annotations
 
 import types
@@ -77,10 +78,16 @@ def test_owners_balance_state_and_flops_together_on_llama_60m():
     shapes = block * 8  # LLaMA-60M: 8 layers
     names = [f"layers.{i // 7}.w{i % 7}" for i in range(len(shapes))]
     rules = {
-        "sumo": (lambda s: SUMO.whole_matrix_cost(cpu, {"rank": 128, "oversample": 10, "power_iters": 2,
-                                                          "refresh_interval": 200}, s), lambda m, n: m < n),
-        "alice": (lambda s: Alice.whole_matrix_cost(cpu, {"rank": 128, "tracking": True, "refresh_interval": 200}, s),
-                  lambda m, n: m > n),
+        "sumo": (
+            lambda s: SUMO.whole_matrix_cost(
+                cpu, {"rank": 128, "oversample": 10, "power_iters": 2, "refresh_interval": 200}, s
+            ),
+            lambda m, n: m < n,
+        ),
+        "alice": (
+            lambda s: Alice.whole_matrix_cost(cpu, {"rank": 128, "tracking": True, "refresh_interval": 200}, s),
+            lambda m, n: m > n,
+        ),
         "asgo": (_asgo_cost, lambda m, n: m < n),
     }
     for name, (cost, transpose) in rules.items():

@@ -2,6 +2,7 @@
 policy. Each route is checked against the float64 oracle within its documented tolerance on the CPU (bf16 runs as
 is, TF32 is emulated by rounding operands to 10 mantissa bits); the CPU default stays the ieee route; rules without a
 low-precision route refuse one instead of ignoring it."""
+
 from __future__ import annotations
 
 import pytest
@@ -45,9 +46,9 @@ def test_tf32_rounding_keeps_ten_mantissa_bits_to_nearest_even():
     x = torch.randn(10000, generator=gen) * 10.0 ** torch.randint(-20, 20, (10000,), generator=gen)
     r = round_tf32(x)
     assert torch.all(r.view(torch.int32) & 0x1FFF == 0)  # the 13 dropped bits are zero
-    assert torch.all((r.double() - x.double()).abs() <= x.double().abs() * 2.0 ** -11)  # half a TF32 ulp
-    ties = torch.tensor([1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11])  # halfway: to the even neighbour
-    assert round_tf32(ties).tolist() == [1.0, 1.0 + 2 * 2.0 ** -10]
+    assert torch.all((r.double() - x.double()).abs() <= x.double().abs() * 2.0**-11)  # half a TF32 ulp
+    ties = torch.tensor([1.0 + 2.0**-11, 1.0 + 3 * 2.0**-11])  # halfway: to the even neighbour
+    assert round_tf32(ties).tolist() == [1.0, 1.0 + 2 * 2.0**-10]
     special = round_tf32(torch.tensor([float("inf"), -float("inf"), float("nan")]))
     assert special[0] == float("inf") and special[1] == -float("inf") and torch.isnan(special[2])
     a, b = torch.randn(3, 8, 8, generator=gen), torch.randn(3, 8, 8, generator=gen)
@@ -70,8 +71,7 @@ def test_muon_iteration_at_low_precision_stays_near_the_float64_one(precision: s
 def _train(matrix_ops: dict | None = None, **kw) -> list[torch.Tensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(24, 32), nn.ReLU(), nn.Linear(32, 16))
-    opt = shardopt.create_optimizer(model, "muon", lr=0.01, **({"matrix_ops": matrix_ops} if matrix_ops else {}),
-                                    **kw)
+    opt = shardopt.create_optimizer(model, "muon", lr=0.01, **({"matrix_ops": matrix_ops} if matrix_ops else {}), **kw)
     for s in range(3):
         x = torch.randn(8, 24, generator=torch.Generator().manual_seed(s))
         opt.zero_grad()

@@ -2,6 +2,7 @@
 ``shardopt.param_groups`` gives whole-parameter sharders (ZeroRedundancyOptimizer, fairscale OSS) groups whose
 names survive their per-rank split. Before issue 18 ``shardopt`` exported 5 of the 10 classes and the README's
 sharder recipe needed private registry helpers plus a private tensor attribute to keep names."""
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,9 @@ def test_param_groups_keep_names_and_rules_through_a_sharder_split(name: str) ->
     groups = shardopt.param_groups(model, name, lr=0.02)
     assert all(len(g["params"]) == 1 and len(g["param_names"]) == 1 for g in groups)
     reference = shardopt.create_optimizer(model, name, lr=0.02)
-    want = {n: g["treatment"] for g in reference.param_groups for p in g["params"]
-            for n in [reference.param_names[id(p)]]}
+    want = {
+        n: g["treatment"] for g in reference.param_groups for p in g["params"] for n in [reference.param_names[id(p)]]
+    }
     assert {g["param_names"][0]: g["treatment"] for g in groups} == want
     owned = {id(p) for i, (_, p) in enumerate(model.named_parameters()) if i % 2}
     cls = OPTIMIZERS[name]
@@ -64,5 +66,6 @@ def test_param_groups_keep_names_and_rules_through_a_sharder_split(name: str) ->
     for g in reference.param_groups:  # same hyperparameters per parameter as create_optimizer's groups
         for p in g["params"]:
             mine = next(h for h in groups if h["params"][0] is p)
-            assert {k: v for k, v in mine.items() if k not in ("params", "param_names", "roles")} == \
-                {k: v for k, v in g.items() if k not in ("params", "param_names", "roles")}
+            assert {k: v for k, v in mine.items() if k not in ("params", "param_names", "roles")} == {
+                k: v for k, v in g.items() if k not in ("params", "param_names", "roles")
+            }

@@ -1,6 +1,7 @@
 """Every parameter's role on a corpus of real architectures (issue 52): the committed tables in
 ``tests/fixtures/roles/`` are asserted row by row, and models of families the corpus never built get the roles
 their declarations state. ``SHARDOPT_WRITE_ROLE_TABLES=1`` rewrites the tables (review the diff before committing)."""
+
 from __future__ import annotations
 
 import os
@@ -114,16 +115,32 @@ UNSEEN = [
     ("Phi3Config", "Phi3ForCausalLM", {}),
     ("Gemma2Config", "Gemma2ForCausalLM", {"head_dim": 8}),
     ("GPTJConfig", "GPTJForCausalLM", {"n_embd": 16, "n_layer": 2, "n_head": 2, "rotary_dim": 4, "n_positions": 16}),
-    ("CodeGenConfig", "CodeGenForCausalLM", {"n_embd": 16, "n_layer": 2, "n_head": 2, "rotary_dim": 4,
-                                            "n_positions": 16}),
+    (
+        "CodeGenConfig",
+        "CodeGenForCausalLM",
+        {"n_embd": 16, "n_layer": 2, "n_head": 2, "rotary_dim": 4, "n_positions": 16},
+    ),
     ("GPTBigCodeConfig", "GPTBigCodeForCausalLM", {"n_embd": 16, "n_layer": 2, "n_head": 2, "n_positions": 16}),
     ("RobertaConfig", "RobertaForSequenceClassification", {"num_labels": 3}),
-    ("DistilBertConfig", "DistilBertForTokenClassification", {"dim": 16, "hidden_dim": 32, "n_layers": 2,
-                                                              "n_heads": 2}),
+    (
+        "DistilBertConfig",
+        "DistilBertForTokenClassification",
+        {"dim": 16, "hidden_dim": 32, "n_layers": 2, "n_heads": 2},
+    ),
     ("LlamaConfig", "LlamaForSequenceClassification", {"num_labels": 2}),
 ]
-_COMMON = dict(vocab_size=64, hidden_size=16, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
-               num_key_value_heads=1, max_position_embeddings=16, pad_token_id=0, bos_token_id=0, eos_token_id=0)
+_COMMON = dict(
+    vocab_size=64,
+    hidden_size=16,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=16,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=0,
+)
 
 
 @pytest.mark.parametrize("config, cls, kw", UNSEEN, ids=[c for _, c, _ in UNSEEN])
@@ -195,8 +212,9 @@ def test_megatron_gptmodel_stages_get_the_roles_one_process_gives() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     here = Path(__file__).parent.parent / "tests_dist"
-    proc = subprocess.run([sys.executable, "-c", MEGATRON, str(here), str(port)], capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", MEGATRON, str(here), str(port)], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.split("JSON", 1)[1])
     for tied in ("", "-tied"):

@@ -1,4 +1,5 @@
 """Default roles by module type, tied embeddings, and user overrides."""
+
 from __future__ import annotations
 
 from torch import nn
@@ -21,9 +22,16 @@ class LM(nn.Module):
 
 def test_roles_by_module_type():
     roles = param_roles(LM())
-    assert roles == {"wte.weight": "embedding", "attn.weight": "matrix", "attn.bias": "vector",
-                     "mlp.weight": "matrix", "mlp.bias": "vector", "ln.weight": "vector", "ln.bias": "vector",
-                     "out.weight": "lm_head"}
+    assert roles == {
+        "wte.weight": "embedding",
+        "attn.weight": "matrix",
+        "attn.bias": "vector",
+        "mlp.weight": "matrix",
+        "mlp.bias": "vector",
+        "ln.weight": "vector",
+        "ln.bias": "vector",
+        "out.weight": "lm_head",
+    }
 
 
 def test_tied_embedding_is_the_lm_head():
@@ -92,8 +100,9 @@ def test_mixture_of_experts_routers_default_to_adamw():
     by_name = shardopt.optim.routing.roles_from_names(list(model.named_parameters()))
     assert {n: r for n, r in by_name.items() if r == "router"} == {"block_sparse_moe.gate.weight": "router"}
     deepspeed_name = "moe.deepspeed_moe.gate.wg.weight"
-    assert shardopt.optim.routing.roles_from_names([(deepspeed_name, model.router_block.wg.weight)]) == \
-        {deepspeed_name: "router"}
+    assert shardopt.optim.routing.roles_from_names([(deepspeed_name, model.router_block.wg.weight)]) == {
+        deepspeed_name: "router"
+    }
     for name in ("scale", "sumo", "alice"):
         g = groups_by_name(shardopt.create_optimizer(model, name))
         assert g["router_block.wg.weight"]["treatment"] == g["block_sparse_moe.gate.weight"]["treatment"] == "adamw"

@@ -1,6 +1,7 @@
 """Static row-block plans (shardopt.sharding.blocks): what the distributed strategy moves, checked without
 processes: on flat ZeRO ranges only rows cut by a boundary move, never a whole matrix; pieces -> blocks ->
 pieces is the identity for every layout kind."""
+
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,7 @@ def _pieces(layouts: list[MatrixLayout], full: torch.Tensor) -> list[torch.Tenso
     for lay in layouts:
         piece = torch.empty(lay.local_numel)
         for b, view in lay.views(piece):
-            view.copy_(full[b.row: b.row + b.height, b.col: b.col + b.width])
+            view.copy_(full[b.row : b.row + b.height, b.col : b.col + b.width])
         pieces.append(piece)
     return pieces
 
@@ -52,11 +53,14 @@ def _layouts(kind: str, m: int, n: int, world: int) -> list[MatrixLayout]:
     column pieces, or uneven row chunks."""
     if kind == "flat":
         bounds = [0, 13, 14, m * n]
-        return [MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], r, object())
-                for r in range(world)]
+        return [
+            MatrixLayout((m, n), [FlatPiece(a, b) for a, b in zip(bounds, bounds[1:])], r, object())
+            for r in range(world)
+        ]
     if kind == "cols":
-        return [MatrixLayout((m, n), [ColPiece(0, 4), ColPiece(4, 8), ColPiece(8, 10)], r, object())
-                for r in range(world)]
+        return [
+            MatrixLayout((m, n), [ColPiece(0, 4), ColPiece(4, 8), ColPiece(8, 10)], r, object()) for r in range(world)
+        ]
     return [MatrixLayout.row_chunks((m, n), world, r, object()) for r in range(world)]
 
 
@@ -65,8 +69,10 @@ def _roundtrip(layouts: list[MatrixLayout], transpose: bool, owner: int | None) 
     m, n = layouts[0].shape
     full = torch.arange(m * n, dtype=torch.float32).view(m, n)
     pieces = _pieces(layouts, full)
-    plans = [RowPlan.owner(lay, transpose, owner) if owner is not None else RowPlan.aligned(lay, transpose)
-             for lay in layouts]
+    plans = [
+        RowPlan.owner(lay, transpose, owner) if owner is not None else RowPlan.aligned(lay, transpose)
+        for lay in layouts
+    ]
     a = full.T if transpose else full
     blocks = []
     for d, plan in enumerate(plans):
@@ -104,12 +110,22 @@ def test_zero_partitions_split_into_here_elsewhere_and_shared(rank: int, strateg
     from shardopt.sharding.matrix_ops import MatrixOps, OpCost
 
     group = object()  # never used for communication: no plan here moves anything across ranks but the shared one
-    layouts = [MatrixLayout((4, 6), [FlatPiece(0, 24), FlatPiece(0, 0)], rank, group),   # rank 0 holds it whole
-               MatrixLayout((4, 6), [FlatPiece(0, 10), FlatPiece(10, 24)], rank, group),  # cut by the boundary
-               MatrixLayout((6, 4), [FlatPiece(0, 0), FlatPiece(0, 24)], rank, group)]   # rank 1 holds it whole
+    layouts = [
+        MatrixLayout((4, 6), [FlatPiece(0, 24), FlatPiece(0, 0)], rank, group),  # rank 0 holds it whole
+        MatrixLayout((4, 6), [FlatPiece(0, 10), FlatPiece(10, 24)], rank, group),  # cut by the boundary
+        MatrixLayout((6, 4), [FlatPiece(0, 0), FlatPiece(0, 24)], rank, group),
+    ]  # rank 1 holds it whole
     cost = lambda a: OpCost(row_flops=1.0, small_flops=1.0, reduced=1.0, state=1.0)  # noqa: E731
-    plans = {r: MatrixOps([MatrixLayout(lay.shape, lay.pieces, r, group) for lay in layouts], ["a", "b", "c"],
-                          [False, True, False], strategy, cost) for r in (0, 1)}
+    plans = {
+        r: MatrixOps(
+            [MatrixLayout(lay.shape, lay.pieces, r, group) for lay in layouts],
+            ["a", "b", "c"],
+            [False, True, False],
+            strategy,
+            cost,
+        )
+        for r in (0, 1)
+    }
     ops = plans[rank]
     assert ops.here == [rank == 0, False, rank == 1]
     assert ops.elsewhere == [rank == 1, False, rank == 0]
@@ -119,8 +135,9 @@ def test_zero_partitions_split_into_here_elsewhere_and_shared(rank: int, strateg
     whole = [i for i in range(3) if ops.here[i]]
     pieces = [torch.randn(lay.local_numel) for lay in layouts]
     sub = ops.subset(whole + [i for i in range(3) if ops.elsewhere[i]])
-    blocks = to_blocks(sub.plans, [pieces[i] for i in whole + [i for i in range(3) if ops.elsewhere[i]]],
-                       ["gather"] * len(sub))
+    blocks = to_blocks(
+        sub.plans, [pieces[i] for i in whole + [i for i in range(3) if ops.elsewhere[i]]], ["gather"] * len(sub)
+    )
     held = blocks[0]
     assert held.data_ptr() == pieces[whole[0]].data_ptr()  # a view: no copy of the gradient
     assert torch.equal(held, pieces[whole[0]].view(layouts[whole[0]].shape))

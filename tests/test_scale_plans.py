@@ -2,9 +2,9 @@
 sparse all-to-all moves the same elements, DeepSpeed ZeRO's partitioning rules (``shardopt.plugin.zero_layouts``,
 which ``benchmarks.scale`` simulates with) equal what a real DeepSpeed 0.19 engine attaches, and whole-matrix
 plans for LLaMA-7B shapes at 1024 ranks build in seconds."""
+
 from __future__ import annotations
 
-import math
 import os
 import random
 import subprocess
@@ -14,9 +14,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from tiers import tiered
 import torch
+from tiers import tiered
 
 from shardopt.sharding.blocks import RowPlan, _even_starts, from_blocks, to_blocks
 from shardopt.sharding.layout import ColPiece, FlatPiece, MatrixLayout, _blocks_of
@@ -32,9 +31,9 @@ def ref_majority_holder(layout: MatrixLayout, transpose: bool) -> list[int]:
     for p, piece in enumerate(layout.pieces):
         for b in _blocks_of(piece, *layout.shape):
             if transpose:
-                counts[p, b.col: b.col + b.width] += b.height
+                counts[p, b.col : b.col + b.width] += b.height
             else:
-                counts[p, b.row: b.row + b.height] += b.width
+                counts[p, b.row : b.row + b.height] += b.width
     return counts.argmax(0).tolist() if size else []
 
 
@@ -112,8 +111,11 @@ def test_fast_plans_equal_the_references(seed: int) -> None:
             assert aligned.starts == ref_aligned_starts(lay, transpose), (lay.shape, lay.pieces, transpose)
             assert RowPlan._majority_holder(lay, transpose) == ref_majority_holder(lay, transpose)
             rows = aligned.a_shape[0]
-            for plan in (aligned, RowPlan.owner(lay, transpose, rng.randrange(lay.world)),
-                         RowPlan(lay, transpose, _even_starts(rows, lay.world))):
+            for plan in (
+                aligned,
+                RowPlan.owner(lay, transpose, rng.randrange(lay.world)),
+                RowPlan(lay, transpose, _even_starts(rows, lay.world)),
+            ):
                 w, me = lay.world, lay.rank
                 assert plan.sent == ref_sent(plan), (lay.shape, lay.pieces, transpose, plan.starts)
                 assert plan._sends == {d: plan.moved(me, d) for d in range(w) if d != me and plan.moved(me, d)}
@@ -153,7 +155,7 @@ class _Threads:
             src, sizes = self.inbox[s]
             lo = sum(sizes[:me])
             assert sizes[me] == out_sizes[s], (s, me, sizes[me], out_sizes[s])
-            out[pos: pos + out_sizes[s]] = src[lo: lo + sizes[me]]
+            out[pos : pos + out_sizes[s]] = src[lo : lo + sizes[me]]
             pos += out_sizes[s]
         self.barrier.wait()
         if me == 0:
@@ -181,13 +183,15 @@ def test_sparse_exchange_moves_pieces_to_blocks_and_back(seed: int, monkeypatch)
         threads.local.rank = rank
         try:
             lays = [MatrixLayout(s, p, rank, group) for s, p in zip(shapes, pieces_of)]
-            plans = [RowPlan.owner(lay, t, o) if o is not None else RowPlan.aligned(lay, t)
-                     for lay, t, o in zip(lays, transposes, owners)]
+            plans = [
+                RowPlan.owner(lay, t, o) if o is not None else RowPlan.aligned(lay, t)
+                for lay, t, o in zip(lays, transposes, owners)
+            ]
             pieces = []
             for lay, full in zip(lays, fulls):
                 piece = torch.empty(lay.local_numel)
                 for b, view in lay.views(piece):
-                    view.copy_(full[b.row: b.row + b.height, b.col: b.col + b.width])
+                    view.copy_(full[b.row : b.row + b.height, b.col : b.col + b.width])
                 pieces.append(piece)
             blocks = to_blocks(plans, pieces, ["realign"] * len(plans))
             for plan, full, block in zip(plans, fulls, blocks):
@@ -228,8 +232,13 @@ def test_flat_pieces_equal_the_per_rank_formula() -> None:
 
 
 def test_zero_rules() -> None:
-    from shardopt.plugin.zero_layouts import (round_robin_order, zero12_offsets, zero12_partition_size,
-                                              zero3_partition_numel, zero3_sub_groups)
+    from shardopt.plugin.zero_layouts import (
+        round_robin_order,
+        zero3_partition_numel,
+        zero3_sub_groups,
+        zero12_offsets,
+        zero12_partition_size,
+    )
 
     assert round_robin_order(5, 2) == [0, 2, 4, 1, 3]
     assert zero12_offsets([3, 5, 2], 4) == ([0, 4, 12], 14)  # padding after every parameter but the last
@@ -281,13 +290,20 @@ print("MATCH", len(flats))
 """
 
 
-@pytest.mark.parametrize("world,stage,rank,extra", tiered([
-    (8, 2, 3, {"round_robin_gradients": True, "parameter_alignment": True}),
-    (8, 3, 5, {"sub_group_size": 300}),
-    (64, 1, 63, {}),
-    (64, 3, 17, {}),
-], ((8, 2, 3), (8, 3, 5)), "ZeRO-2 (round robin, alignment) and ZeRO-3 (sub-groups) at world size 8",
-   key=lambda v: v[:3]))
+@pytest.mark.parametrize(
+    "world,stage,rank,extra",
+    tiered(
+        [
+            (8, 2, 3, {"round_robin_gradients": True, "parameter_alignment": True}),
+            (8, 3, 5, {"sub_group_size": 300}),
+            (64, 1, 63, {}),
+            (64, 3, 17, {}),
+        ],
+        ((8, 2, 3), (8, 3, 5)),
+        "ZeRO-2 (round robin, alignment) and ZeRO-3 (sub-groups) at world size 8",
+        key=lambda v: v[:3],
+    ),
+)
 def test_zero_rules_equal_a_live_deepspeed_engine(world: int, stage: int, rank: int, extra: dict) -> None:
     """DeepSpeed itself partitions the model (one process acting as rank ``rank`` of ``world`` through torch's
     fake process group) and the adapter maps its partitions; the rule functions alone give the same fragments."""
@@ -295,8 +311,14 @@ def test_zero_rules_equal_a_live_deepspeed_engine(world: int, stage: int, rank: 
     import json
 
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", _DS_CHECK, str(world), str(stage), str(rank), json.dumps(extra)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _DS_CHECK, str(world), str(stage), str(rank), json.dumps(extra)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0 and "MATCH" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
@@ -320,8 +342,9 @@ def test_plans_for_7b_at_1024_ranks_build_in_seconds(layout: str) -> None:
     t0 = time.perf_counter()
     opt = shardopt.create_optimizer(model, "sumo", matrix_ops={"strategy": "auto"})
     if layout == "row_chunks":  # FSDP2 Shard(0)
-        opt.use_layouts(lambda p: MatrixLayout.row_chunks(tuple(p.shape) if p.dim() == 2 else (p.numel(), 1),
-                                                          world, 0, group))
+        opt.use_layouts(
+            lambda p: MatrixLayout.row_chunks(tuple(p.shape) if p.dim() == 2 else (p.numel(), 1), world, 0, group)
+        )
     else:
         shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
         flats = []

@@ -1,4 +1,5 @@
 """Stacks for batched kernels (``sharding/stacking.py``)."""
+
 from __future__ import annotations
 
 import torch

@@ -1,20 +1,21 @@
 """Small state at rest: shares partition every state tensor, follow the rows of A, put everything on the
 owner under gather; bucketed steps equal one-bucket steps; the planner's per-rank state equals what a step
 allocates."""
+
 from __future__ import annotations
 
 import random
 
 import pytest
 import torch
+from tiny_model import Tiny
 from torch import nn
 
 import shardopt
+from shardopt.optim.registry import OPTIMIZERS
 from shardopt.sharding import FlatPiece, MatrixLayout
 from shardopt.sharding.blocks import RowPlan
 from shardopt.sharding.state_split import ROWS, Placement, keep_share, moving_numel, share, share_numel, share_shape
-from shardopt.optim.registry import OPTIMIZERS
-from tiny_model import Tiny
 
 GROUP = object()
 WHOLE_MATRIX = ("swan", "asgo", "sumo", "alice", "alice0")

@@ -5,6 +5,7 @@ a switch at steps 1 and 2) must not amplify that past 1e-5 in 3 steps.
 
 Alice with tracking amplified it to 2.8e-5 before its switch left out the sketch directions that rounding
 leaves undetermined (``subspace.determined_floor``)."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,15 +15,22 @@ from torch import nn
 import shardopt
 
 SAMPLES, PAD, STEPS = 12, 8, 3
-OPTIONS = {"sumo": dict(lr=0.02, rank=16, refresh_interval=2),
-           "alice": dict(lr=0.02, rank=16, leading=4, refresh_interval=2),
-           "alice0": dict(lr=0.02, rank=16, leading=4, refresh_interval=2)}
+OPTIONS = {
+    "sumo": dict(lr=0.02, rank=16, refresh_interval=2),
+    "alice": dict(lr=0.02, rank=16, leading=4, refresh_interval=2),
+    "alice0": dict(lr=0.02, rank=16, leading=4, refresh_interval=2),
+}
 
 
 def _train(name: str, parts: int) -> list[torch.Tensor]:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(32, 64, bias=False), nn.Tanh(), nn.Linear(64, 32, bias=False), nn.Tanh(),
-                          nn.Linear(32, 64, bias=False))
+    model = nn.Sequential(
+        nn.Linear(32, 64, bias=False),
+        nn.Tanh(),
+        nn.Linear(64, 32, bias=False),
+        nn.Tanh(),
+        nn.Linear(32, 64, bias=False),
+    )
     opt = shardopt.create_optimizer(model, name, routing={"*": "matrix"}, **OPTIONS[name])
     per = SAMPLES // parts
     for step in range(STEPS):

@@ -6,6 +6,7 @@ same plan on every rank), what ``auto`` gains from teams at scale, the bytes the
 against a count from the row plans, the symmetric reductions and Muon's split Newton-Schulz form. The
 collectives themselves run in ``tests_dist`` (parity, checkpoints and the time model's bytes with teams).
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,7 @@ import torch
 from shardopt.sharding import MatrixLayout
 from shardopt.sharding.blocks import RowPlan
 from shardopt.sharding.layout import FlatPiece
-from shardopt.sharding.matfun import (MUON_COEFFICIENTS, complete_locally, muon_gram_products,
-                                      newton_schulz_iteration)
+from shardopt.sharding.matfun import MUON_COEFFICIENTS, complete_locally, muon_gram_products, newton_schulz_iteration
 from shardopt.sharding.matrix_ops import MatrixOps, _from_triangle, _triangle
 from shardopt.sharding.state_split import Placement, share, share_shape
 from shardopt.sharding.teams import TeamCost, choose, pack, team_sizes
@@ -52,8 +52,7 @@ def _busiest(ops, world):
 def test_team_row_plan_spreads_rows_evenly_over_the_members_only():
     lay = MatrixLayout.row_chunks((10, 6), 8, 0, GROUP)
     plan = RowPlan.team(lay, transpose=False, members=(2, 3, 4))
-    assert [plan.rows(r) for r in range(8)] == [(0, 0), (0, 0), (0, 4), (4, 8), (8, 10), (10, 10), (10, 10),
-                                                (10, 10)]
+    assert [plan.rows(r) for r in range(8)] == [(0, 0), (0, 0), (0, 4), (4, 8), (8, 10), (10, 10), (10, 10), (10, 10)]
     # every element of a member's rows comes from the rank holding it; a non-member receives nothing
     for d in range(8):
         a0, a1 = plan.rows(d)
@@ -79,8 +78,16 @@ def test_pack_puts_teams_on_aligned_blocks_and_the_factorization_on_the_least_lo
     costs = {0: {4: TeamCost(4, 1.0, 3.0)}, 1: {2: TeamCost(2, 2.0, 2.0)}, 2: {1: TeamCost(1, 5.0, 5.0)}}
     base = torch.zeros(world, dtype=torch.float64)
     base[0] = 0.5
-    plan = pack([2, 0, 1], {0: 4, 1: 2, 2: 1}, costs, world, base, {0: 8.0, 1: 2.0, 2: 1.0},
-                {0: None, 1: None, 2: None}, lambda h, big, share: torch.ones_like(h, dtype=torch.bool))
+    plan = pack(
+        [2, 0, 1],
+        {0: 4, 1: 2, 2: 1},
+        costs,
+        world,
+        base,
+        {0: 8.0, 1: 2.0, 2: 1.0},
+        {0: None, 1: None, 2: None},
+        lambda h, big, share: torch.ones_like(h, dtype=torch.bool),
+    )
     assert plan.members[2] == (1,)  # the least-loaded rank (rank 0 has 0.5 already)
     assert plan.members[0] == (4, 5, 6, 7)  # the block without the loaded rank 1
     assert plan.factor[0] == 4 and plan.load[4] == 3.0 and plan.load[5] == 1.0
@@ -92,20 +99,37 @@ def test_pack_respects_the_memory_budget_and_sole_holders():
     world = 4
     costs = {0: {2: TeamCost(2, 1.0, 1.0)}, 1: {1: TeamCost(1, 1.0, 1.0)}}
     cap = lambda h, big, share: h + share <= 3.0  # noqa: E731
-    plan = pack([1, 0], {0: 2, 1: 1}, costs, world, torch.zeros(world, dtype=torch.float64), {0: 4.0, 1: 2.0},
-                {0: None, 1: 3}, cap)
+    plan = pack(
+        [1, 0],
+        {0: 2, 1: 1},
+        costs,
+        world,
+        torch.zeros(world, dtype=torch.float64),
+        {0: 4.0, 1: 2.0},
+        {0: None, 1: 3},
+        cap,
+    )
     assert plan.members[1] == (3,)  # held whole by rank 3: it stays there
     assert plan.members[0] == (0, 1)  # 2 each; the block (2, 3) would put rank 3 at 4
-    assert pack([0], {0: 2}, costs, world, torch.zeros(world, dtype=torch.float64), {0: 8.0}, {0: None},
-                cap) is None  # no team has room
+    assert (
+        pack([0], {0: 2}, costs, world, torch.zeros(world, dtype=torch.float64), {0: 8.0}, {0: None}, cap) is None
+    )  # no team has room
 
 
 def test_choose_takes_bigger_teams_where_matrices_are_fewer_than_ranks():
     """Two big matrices on 8 ranks: one owner each leaves 6 ranks idle; teams of four finish sooner."""
     world = 8
     costs = {i: {g: TeamCost(g, 10.0 / g + 0.1 * g, 10.0 / g + 0.1 * g) for g in team_sizes(world)} for i in range(2)}
-    plan = choose([0, 1], ["a", "b"], costs, world, torch.zeros(world, dtype=torch.float64), {0: 0.0, 1: 0.0},
-                  {0: None, 1: None}, lambda h, big, share: torch.ones_like(h, dtype=torch.bool))
+    plan = choose(
+        [0, 1],
+        ["a", "b"],
+        costs,
+        world,
+        torch.zeros(world, dtype=torch.float64),
+        {0: 0.0, 1: 0.0},
+        {0: None, 1: None},
+        lambda h, big, share: torch.ones_like(h, dtype=torch.bool),
+    )
     assert sorted(len(m) for m in plan.members.values()) == [4, 4]
     assert plan.busiest == pytest.approx(10.0 / 4 + 0.4)
 
@@ -147,8 +171,9 @@ def test_forced_team_size_and_what_each_rank_computes():
 
 def test_a_matrix_held_whole_by_one_rank_stays_there_under_teams():
     world = 4
-    lay = MatrixLayout((32, 16), [FlatPiece(0, 0), FlatPiece(0, 512), FlatPiece(512, 512), FlatPiece(512, 512)],
-                       0, GROUP)
+    lay = MatrixLayout(
+        (32, 16), [FlatPiece(0, 0), FlatPiece(0, 512), FlatPiece(512, 512), FlatPiece(512, 512)], 0, GROUP
+    )
     ops = MatrixOps([lay], ["w"], [False], "team", _asgo, profile="cpu", team_size=2)
     assert ops.kinds == ["gather"] and ops.owners == [1]
 
@@ -204,10 +229,10 @@ def test_muon_split_form_equals_the_standard_iteration():
 
 def test_muon_split_cost_has_no_repeated_small_products():
     whole, split = _muon_cost((11008, 4096), 1), _muon_cost((11008, 4096), 8)
-    assert whole.small_matmul == 5 * 2.0 * 4096 ** 3 and split.small_matmul == 0.0
-    assert split.row_flops == 5 * 6.0 * 4096 ** 2 * 11008
+    assert whole.small_matmul == 5 * 2.0 * 4096**3 and split.small_matmul == 0.0
+    assert split.row_flops == 5 * 6.0 * 4096**2 * 11008
     assert split.reduced == 5 * 4096 * 4097 // 2 + 1 and split.rounds == 6
-    assert math.isclose(whole.row_flops, 5 * 4.0 * 4096 ** 2 * 11008)
+    assert math.isclose(whole.row_flops, 5 * 4.0 * 4096**2 * 11008)
 
 
 # ---------------------------------------------------------------------------------------------- split roots (issue 53)
@@ -294,7 +319,9 @@ def test_split_exchange_counts_what_the_iteration_moves():
 
             def run(rows, steps=steps, residual=residual):
                 gather, total = rows.gather, rows.sum
-                rows.gather = lambda blocks: (counted.append(len(blocks)) if rows.index == 0 else None, gather(blocks))[1]
+                rows.gather = lambda blocks: (counted.append(len(blocks)) if rows.index == 0 else None, gather(blocks))[
+                    1
+                ]
                 rows.sum = lambda x: (counted.append(0) if rows.index == 0 else None, total(x))[1]
                 return coupled_iteration_rows(a, torch.linalg.matrix_norm(a), steps, rows, residual)
 

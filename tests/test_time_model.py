@@ -3,6 +3,7 @@
 The plans are built from static layouts (``MatrixLayout.row_chunks`` at simulated world sizes), so every
 rank's plan, its modeled seconds and its small state are known in one process.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -55,9 +56,11 @@ def _state_per_rank(ops, world):
 
 def _largest_owned(ops, r):
     """The largest small state of one matrix rank ``r`` keeps whole (gather) or a share of (team)."""
-    return max([c.state for c, k, o in zip(ops.costs, ops.kinds, ops.owners) if k == "gather" and o == r]
-               + [c.state / len(t) for c, k, t in zip(ops.costs, ops.kinds, ops.teams) if k == "team" and r in t],
-               default=0.0)
+    return max(
+        [c.state for c, k, o in zip(ops.costs, ops.kinds, ops.owners) if k == "gather" and o == r]
+        + [c.state / len(t) for c, k, t in zip(ops.costs, ops.kinds, ops.teams) if k == "team" and r in t],
+        default=0.0,
+    )
 
 
 # 7B-like hidden matrices (q, k, v, o, gate, up, down) of 4 layers
@@ -75,12 +78,15 @@ def test_profiles_resolve_by_name_device_and_numbers():
     assert StepCost(matmul=50e12, sent=25e9, received=1.0).seconds(PROFILES["gpu"]) == pytest.approx(2.0)
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("tpu", "unknown profile 'tpu'"),
-    ({"matmul_tflops": -1}, "matrix_ops.profile.matmul_tflops must be a positive"),
-    ({"flops": 1}, "matrix_ops.profile.flops: unknown key"),
-    ({"base": "fpga"}, "matrix_ops.profile.base"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("tpu", "unknown profile 'tpu'"),
+        ({"matmul_tflops": -1}, "matrix_ops.profile.matmul_tflops must be a positive"),
+        ({"flops": 1}, "matrix_ops.profile.flops: unknown key"),
+        ({"base": "fpga"}, "matrix_ops.profile.base"),
+    ],
+)
 def test_bad_profiles_name_the_key(spec, words):
     with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
         resolve_profile(spec)
@@ -166,8 +172,9 @@ def test_describe_plan_prints_strategies_and_modeled_seconds():
     world, group = 8, object()
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     opt = shardopt.create_optimizer(model, "asgo", matrix_ops={"profile": "gpu"})
-    opt.use_layouts(lambda p: MatrixLayout.row_chunks(tuple(p.shape) if p.dim() == 2 else (p.numel(), 1),
-                                                      world, 0, group))
+    opt.use_layouts(
+        lambda p: MatrixLayout.row_chunks(tuple(p.shape) if p.dim() == 2 else (p.numel(), 1), world, 0, group)
+    )
     text = opt.describe_plan()
     assert "modeled ms" in text and "this rank:" in text and "collectives 25 GB/s" in text
     assert "0.weight" in text and "1.weight" in text

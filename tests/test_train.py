@@ -1,5 +1,6 @@
 """The reference trainer (``shardopt.train``): model, config validation, data, LR schedule, shipped configs,
 and a single-process train / checkpoint / resume round trip. Fast: no process groups."""
+
 from __future__ import annotations
 
 import glob
@@ -14,7 +15,12 @@ import torch
 from shardopt.train import PRESETS, Llama, TrainConfigError, load_train_config, model_config
 from shardopt.train.config import validate_deepspeed_config
 from shardopt.train.data import (
-    PackedSequences, StepSampler, prepare_data, split_documents, strip_markdown, validation_indices,
+    PackedSequences,
+    StepSampler,
+    prepare_data,
+    split_documents,
+    strip_markdown,
+    validation_indices,
 )
 from shardopt.train.trainer import Trainer, lr_lambda
 
@@ -69,23 +75,28 @@ def test_presets_and_tied_head():
 BASE = {"engine": {"name": "single"}, "optimizer": {"name": "scale"}}
 
 
-@pytest.mark.parametrize("patch,pattern", [
-    ({"model": {"hiddn_size": 64}}, r"model\.hiddn_size: unknown key"),
-    ({"modle": {}}, r"modle: unknown key"),
-    ({"train": {"micro_batch_size": 0}}, r"train\.micro_batch_size: .*greater than 0"),
-    ({"train": {"warmup_fraction": 1.5}}, r"train\.warmup_fraction"),
-    ({"model": {"preset": "13b"}}, r"model\.preset: unknown preset '13b'"),
-    ({"data": {"source": "c4"}}, r"data\.source"),
-    ({"data": {"source": "text"}}, r"data\.path is required"),
-    ({"engine": {"name": "deepspeed"}}, r"engine\.deepspeed_config is required"),
-    ({"engine": {"name": "megatron"}}, r"engine\.name"),
-    ({"optimizer": {"name": "adam9"}}, r"optimizer\.name: unknown optimizer 'adam9'"),
-    ({"optimizer": {"name": "scale", "params": {"lrr": 1}}}, r"optimizer\.params\.lrr: unknown hyperparameter"),
-    ({"optimizer": {"name": "adamw", "params": {"momentum": 0.9}}}, r"optimizer\.params\.momentum: unknown key"),
-    ({"optimizer": {"name": "sinkgd", "params": {"iterations": 0}}}, r"optimizer\.params\.iterations"),
-    ({"engine": {"name": "deepspeed", "deepspeed_config": "configs/deepspeed/nope.json"}},
-     r"engine\.deepspeed_config .*does not exist"),
-])
+@pytest.mark.parametrize(
+    "patch,pattern",
+    [
+        ({"model": {"hiddn_size": 64}}, r"model\.hiddn_size: unknown key"),
+        ({"modle": {}}, r"modle: unknown key"),
+        ({"train": {"micro_batch_size": 0}}, r"train\.micro_batch_size: .*greater than 0"),
+        ({"train": {"warmup_fraction": 1.5}}, r"train\.warmup_fraction"),
+        ({"model": {"preset": "13b"}}, r"model\.preset: unknown preset '13b'"),
+        ({"data": {"source": "c4"}}, r"data\.source"),
+        ({"data": {"source": "text"}}, r"data\.path is required"),
+        ({"engine": {"name": "deepspeed"}}, r"engine\.deepspeed_config is required"),
+        ({"engine": {"name": "megatron"}}, r"engine\.name"),
+        ({"optimizer": {"name": "adam9"}}, r"optimizer\.name: unknown optimizer 'adam9'"),
+        ({"optimizer": {"name": "scale", "params": {"lrr": 1}}}, r"optimizer\.params\.lrr: unknown hyperparameter"),
+        ({"optimizer": {"name": "adamw", "params": {"momentum": 0.9}}}, r"optimizer\.params\.momentum: unknown key"),
+        ({"optimizer": {"name": "sinkgd", "params": {"iterations": 0}}}, r"optimizer\.params\.iterations"),
+        (
+            {"engine": {"name": "deepspeed", "deepspeed_config": "configs/deepspeed/nope.json"}},
+            r"engine\.deepspeed_config .*does not exist",
+        ),
+    ],
+)
 def test_config_errors_name_the_key(patch, pattern):
     raw = json.loads(json.dumps(BASE))
     for k, v in patch.items():
@@ -164,11 +175,15 @@ def test_deepspeed_configs_are_what_the_readme_says():
 
 # ------------------------------------------------------------------------------------------------- data
 def test_strip_markdown():
-    md = ("# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_Enter BERNARDO_\n\n**BERNARDO**  \n"
-          "Who's there?  \nNay, \\--answer me.\n\n\n\n__\\[Awaking]_  \n")
+    md = (
+        "# Hamlet\n\n## ACT I\n\n### SCENE I. Elsinore.\n\n_Enter BERNARDO_\n\n**BERNARDO**  \n"
+        "Who's there?  \nNay, \\--answer me.\n\n\n\n__\\[Awaking]_  \n"
+    )
     out = strip_markdown(md)
-    assert out == "Hamlet\n\nACT I\n\nSCENE I. Elsinore.\n\nEnter BERNARDO\n\nBERNARDO\nWho's there?\n" \
-                  "Nay, --answer me.\n\n[Awaking]\n"
+    assert (
+        out == "Hamlet\n\nACT I\n\nSCENE I. Elsinore.\n\nEnter BERNARDO\n\nBERNARDO\nWho's there?\n"
+        "Nay, --answer me.\n\n[Awaking]\n"
+    )
     assert not any(c in out for c in "*_#\\")
 
 
@@ -194,8 +209,14 @@ def test_text_source_split_cache_and_determinism(tmp_path):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     _write_corpus(corpus)
-    kw = dict(source="text", path=str(corpus / "*.txt"), vocab_size=300, val_documents=1,
-              cache_dir=str(tmp_path / "cache"), log=lambda m: None)
+    kw = dict(
+        source="text",
+        path=str(corpus / "*.txt"),
+        vocab_size=300,
+        val_documents=1,
+        cache_dir=str(tmp_path / "cache"),
+        log=lambda m: None,
+    )
     a = prepare_data(**kw)
     b = prepare_data(**kw)  # from the cache
     assert a.tokenizer_path == b.tokenizer_path and len(os.listdir(tmp_path / "cache")) == 1
@@ -282,10 +303,17 @@ def _single_cfg(tmp_path, run, steps=6, **extra):
         corpus.mkdir()
         _write_corpus(corpus)
     raw = {
-        "run_dir": str(tmp_path / run), "seed": 3,
+        "run_dir": str(tmp_path / run),
+        "seed": 3,
         "model": {"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_layers": 2, "num_heads": 2},
-        "data": {"source": "text", "path": str(corpus / "*.txt"), "vocab_size": 300, "seq_len": 32,
-                 "val_documents": 1, "cache_dir": str(tmp_path / "cache")},
+        "data": {
+            "source": "text",
+            "path": str(corpus / "*.txt"),
+            "vocab_size": 300,
+            "seq_len": 32,
+            "val_documents": 1,
+            "cache_dir": str(tmp_path / "cache"),
+        },
         "engine": {"name": "single"},
         "optimizer": {"name": "scale", "params": {"lr": 0.01, "adam_lr": 0.01}},
         "train": {"steps": steps, "micro_batch_size": 4, "grad_accum": 2, "log_every": 2, "progress": False},
@@ -321,6 +349,17 @@ def test_cli_check(capsys):
     from shardopt.train.__main__ import main
 
     assert main(["--config", os.path.join(ROOT, "configs", "train", "demo.json"), "--check"]) == 0
-    assert main(["--config", os.path.join(ROOT, "configs", "train", "demo.json"), "--check",
-                 "--set", "train.oops=1", "--local_rank=0"]) == 2
+    assert (
+        main(
+            [
+                "--config",
+                os.path.join(ROOT, "configs", "train", "demo.json"),
+                "--check",
+                "--set",
+                "train.oops=1",
+                "--local_rank=0",
+            ]
+        )
+        == 2
+    )
     assert "train.oops: unknown key" in capsys.readouterr().err

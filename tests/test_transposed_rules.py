@@ -7,6 +7,7 @@ stored weights equal the transpose of the Linear ones, and the state means the s
 element-wise state transposed), for a wide, a tall and a square matrix (a square one is where a rule that orients
 by shape must break its tie on the logical side). No rule refuses GPT-2.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -24,8 +25,12 @@ from shardopt.optim.routing import param_roles  # noqa: E402
 #: (out, in) of the logical matrices: wide, tall, square
 SHAPES = {"wide": (12, 20), "tall": (20, 12), "square": (16, 16)}
 #: hyperparameters that make every rule do its whole-matrix work within the steps (SUMO refreshes, Alice switches)
-OPTIONS = {"sumo": {"rank": 3, "refresh_interval": 2}, "alice": {"rank": 3, "leading": 1, "refresh_interval": 2},
-           "alice0": {"rank": 3, "leading": 1, "refresh_interval": 2}, "asgo": {"refresh_interval": 2}}
+OPTIONS = {
+    "sumo": {"rank": 3, "refresh_interval": 2},
+    "alice": {"rank": 3, "leading": 1, "refresh_interval": 2},
+    "alice0": {"rank": 3, "leading": 1, "refresh_interval": 2},
+    "asgo": {"refresh_interval": 2},
+}
 STEPS = 3
 
 
@@ -77,8 +82,9 @@ def test_stored_in_x_out_steps_as_the_transpose(name: str) -> None:
 
 def tiny_gpt2() -> nn.Module:
     torch.manual_seed(0)
-    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64,
-                                                                n_positions=32))
+    return transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=32, n_layer=2, n_head=2, vocab_size=64, n_positions=32)
+    )
 
 
 @pytest.mark.parametrize("name", sorted(OPTIMIZERS))

@@ -7,6 +7,7 @@ inspect/convert`` must exit 2 and the loaders must raise ``CheckpointError``, wi
 DCP checkpoint (written here with ``torch.distributed.checkpoint`` in one process) still inspects, converts and
 loads.
 """
+
 from __future__ import annotations
 
 import os
@@ -18,14 +19,12 @@ import types
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from tiny_model import Tiny
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from tiny_model import Tiny
-
 import shardopt
-from shardopt.checkpoint import CheckpointError, STATE_FILE
-from shardopt.checkpoint import convert
+from shardopt.checkpoint import STATE_FILE, CheckpointError, convert
 from shardopt.checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner, load_dcp_metadata
 from shardopt.train.trainer import Trainer
 
@@ -45,8 +44,9 @@ class Payload:
 def cli(*args: str) -> subprocess.CompletedProcess:
     """``shardopt checkpoint ARGS`` as a user runs it (a new process)."""
     env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
-    return subprocess.run([sys.executable, "-m", "shardopt", "checkpoint", *args], capture_output=True, text=True,
-                          timeout=120, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "shardopt", "checkpoint", *args], capture_output=True, text=True, timeout=120, env=env
+    )
 
 
 def cli_here(capsys, *args: str) -> types.SimpleNamespace:
@@ -103,8 +103,12 @@ def test_crafted_dcp_metadata_is_refused_everywhere(tmp_path, capsys):
     # the trainer's FSDP2 resume path (and anyone loading through shardopt's reader)
     msd, osd = get_state_dict(model, opt)
     with pytest.raises((CheckpointError, CheckpointException)):
-        dcp.load({"model": msd, "optim": osd}, storage_reader=SafeFileSystemReader(str(ckpt_dir)),
-                 planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"model": msd, "optim": osd},
+            storage_reader=SafeFileSystemReader(str(ckpt_dir)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert not os.path.exists(marker)
 
 
@@ -121,23 +125,38 @@ def test_crafted_dcp_value_is_refused(tmp_path, capsys):
 
     for args in (("inspect", str(ckpt_dir)), ("convert", str(ckpt_dir), str(tmp_path / "out"), "--to", "file")):
         proc = cli_here(capsys, *args)
-        assert proc.returncode == 2 and "refusing to unpickle DCP value 'optim.param_groups.0.lr'" in proc.stderr, \
+        assert proc.returncode == 2 and "refusing to unpickle DCP value 'optim.param_groups.0.lr'" in proc.stderr, (
             proc.stderr
+        )
     with pytest.raises(CheckpointError, match="refusing to unpickle DCP value"):
         convert.read_any(str(ckpt_dir))
     msd, osd = get_state_dict(model, opt)
     with pytest.raises((CheckpointError, CheckpointException), match="refusing to unpickle"):
-        dcp.load({"model": msd, "optim": osd}, storage_reader=SafeFileSystemReader(str(ckpt_dir)),
-                 planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"model": msd, "optim": osd},
+            storage_reader=SafeFileSystemReader(str(ckpt_dir)),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert not os.path.exists(marker)
 
 
 def _trainer_stub(root: str, engine: str, model=None, opt=None, sched=None):
     """What ``Trainer._load`` reads from its trainer: the checkpoint directory, engine, rank and the objects
     it loads into (a real model, optimizer and scheduler, so DCP gets real state dicts)."""
-    return types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint_dir=root), engine_name=engine, rank=0,
-                                 world=1, device="cpu", model=model, module=model, optimizer=opt, scheduler=sched,
-                                 step=0, log=lambda m: None)
+    return types.SimpleNamespace(
+        cfg=types.SimpleNamespace(checkpoint_dir=root),
+        engine_name=engine,
+        rank=0,
+        world=1,
+        device="cpu",
+        model=model,
+        module=model,
+        optimizer=opt,
+        scheduler=sched,
+        step=0,
+        log=lambda m: None,
+    )
 
 
 def test_crafted_trainer_files_are_refused(tmp_path):
@@ -149,6 +168,7 @@ def test_crafted_trainer_files_are_refused(tmp_path):
     torch.save({"step": 3, "model": Payload(marker)}, single / "step_3" / "rank0.pt")
     with pytest.raises(CheckpointError, match=r"rank0\.pt: refusing to unpickle"):
         Trainer._load(_trainer_stub(str(single), "single"))
+
     # FSDP2 resume: a real DCP checkpoint next to a crafted trainer_state.pt
     def with_scheduler():
         model, opt = trained()

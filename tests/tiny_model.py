@@ -1,4 +1,5 @@
 """The small language model shared by the single-process tests: embedding, one Linear, LayerNorm, LM head."""
+
 from __future__ import annotations
 
 from torch import nn

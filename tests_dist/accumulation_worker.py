@@ -9,6 +9,7 @@ trains one process on the same ``GLOBAL`` samples per step. Each case is also sa
 fresh run and continued for ``STEPS`` more, against the reference at ``2 x STEPS``. Rank 0 writes one record per
 case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,19 +24,29 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
-import shardopt  # noqa: E402
 from parity_worker import options  # noqa: E402
 from tiers import selected  # noqa: E402
 from toy_models import batch, loss_fn, make_model  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 
 ACCUM = 4
 GLOBAL = 48  # divisible by ACCUM x world size for world sizes 1-4
 STEPS = 3
 ENGINES = ("zero1", "zero2", "zero3", "fsdp2", "ddp")
 #: the issue's optimizers; the whole-matrix ones under each of their strategies that move data differently
-CASES = [("scale", None), ("racs", None), ("sumo", "gather"), ("sumo", "distributed"), ("alice", "team"),
-         ("alice", "distributed"), ("asgo", "gather"), ("asgo", "distributed"), ("muon", None)]
+CASES = [
+    ("scale", None),
+    ("racs", None),
+    ("sumo", "gather"),
+    ("sumo", "distributed"),
+    ("alice", "team"),
+    ("alice", "distributed"),
+    ("asgo", "gather"),
+    ("asgo", "distributed"),
+    ("muon", None),
+]
 #: CI runs each optimizer once, the whole-matrix ones under the strategy that moves data along the grain
 CI_CASES = [("scale", None), ("racs", None), ("sumo", "distributed"), ("alice", "team"), ("asgo", "gather")]
 
@@ -54,7 +65,7 @@ def micro_batches(step: int) -> list[torch.Tensor]:
     """This rank's ``ACCUM`` micro-batches of the step's global batch (each rank a contiguous share)."""
     ws, rank = dist.get_world_size(), dist.get_rank()
     per = GLOBAL // ws
-    mine = batch(step, GLOBAL)[rank * per:(rank + 1) * per]
+    mine = batch(step, GLOBAL)[rank * per : (rank + 1) * per]
     return list(mine.chunk(ACCUM))
 
 
@@ -64,11 +75,18 @@ class ZeroRun:
     def __init__(self, opt_name: str, strategy: str | None, stage: int):
         kw = options(opt_name, strategy)
         per = GLOBAL // dist.get_world_size()
-        config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": per // ACCUM,
-                  "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0,
-                  "zero_optimization": {"stage": stage},
-                  "shardopt": {"optimizer": opt_name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                               "routing": kw.get("routing", {})}}
+        config = {
+            "train_batch_size": GLOBAL,
+            "train_micro_batch_size_per_gpu": per // ACCUM,
+            "gradient_accumulation_steps": ACCUM,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": stage},
+            "shardopt": {
+                "optimizer": opt_name,
+                "params": {k: v for k, v in kw.items() if k != "routing"},
+                "routing": kw.get("routing", {}),
+            },
+        }
         if stage == 3:
             config["zero_optimization"]["sub_group_size"] = 100
         self.stage = stage
@@ -132,8 +150,10 @@ class TorchRun:
             self.opt.step()
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in self.model.named_parameters()}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in self.model.named_parameters()
+        }
 
     def save(self, path: str) -> None:
         shardopt.checkpoint.save(path, self.opt, engine=self.engine)
@@ -143,8 +163,11 @@ class TorchRun:
 
 
 def make_run(opt_name: str, strategy: str | None, engine: str):
-    return ZeroRun(opt_name, strategy, int(engine[-1])) if engine.startswith("zero") else \
-        TorchRun(opt_name, strategy, engine)
+    return (
+        ZeroRun(opt_name, strategy, int(engine[-1]))
+        if engine.startswith("zero")
+        else TorchRun(opt_name, strategy, engine)
+    )
 
 
 def case(opt_name: str, strategy: str | None, engine: str, want: dict, resume_root: str | None) -> dict:

@@ -6,6 +6,7 @@ checkpoints in ``--dir`` for the resume phase.
 ``--phase resume`` (any world size): load those checkpoints into a fresh engine at this world size (also
 across engines: ZeRO-2 -> FSDP2 and FSDP2 -> ZeRO-2), run steps 3-5 and compare with a single-process run.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,12 +23,13 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
-import shardopt  # noqa: E402
-import shardopt.checkpoint as sckpt  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch, reference  # noqa: E402
 from tiers import optimizers  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
+
+import shardopt  # noqa: E402
+import shardopt.checkpoint as sckpt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 
 ENGINES = ["ddp", "fsdp2", "zero1", "zero2", "zero3"]
 TOTAL, SPLIT = 6, 3
@@ -42,11 +44,13 @@ class Run:
         kw = dict(OPTIMIZERS[opt_name])
         if engine == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
+
             self.model, self.module = DDP(model), model
             self.opt = shardopt.create_optimizer(model, opt_name, **kw)
         elif engine == "fsdp2":
             from torch.distributed.device_mesh import init_device_mesh
             from torch.distributed.fsdp import fully_shard
+
             mesh = init_device_mesh("cpu", (dist.get_world_size(),))
             for blk in model.blocks:
                 fully_shard(blk, mesh=mesh)
@@ -60,8 +64,11 @@ class Run:
                 "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
                 "gradient_clipping": 0.0,
                 "zero_optimization": {"stage": stage, **({"sub_group_size": 100} if stage == 3 else {})},
-                "shardopt": {"optimizer": opt_name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                             "routing": kw.get("routing", {})},
+                "shardopt": {
+                    "optimizer": opt_name,
+                    "params": {k: v for k, v in kw.items() if k != "routing"},
+                    "routing": kw.get("routing", {}),
+                },
             }
             self.model, self.opt, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
             self.module = self.model.module
@@ -80,6 +87,7 @@ class Run:
     def full_params(self) -> dict[str, torch.Tensor]:
         if self.kind == "zero3":
             from deepspeed import zero
+
             with zero.GatheredParameters(list(self.module.parameters())):
                 return {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
         out = {}
@@ -93,14 +101,16 @@ class Run:
         elif self.kind == "fsdp2":
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
+
             msd, osd = get_state_dict(self.model, self.opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(path, "dcp"))
             sckpt.save(os.path.join(path, "logical"), self.opt, engine="fsdp2")  # for other engines
         else:
             if dist.get_rank() == 0:
                 os.makedirs(path, exist_ok=True)
-                torch.save({"model": self.module.state_dict(), "optim": self.opt.state_dict()},
-                           os.path.join(path, "state.pt"))
+                torch.save(
+                    {"model": self.module.state_dict(), "optim": self.opt.state_dict()}, os.path.join(path, "state.pt")
+                )
             dist.barrier()
 
     def load(self, path: str, source: str) -> None:
@@ -112,6 +122,7 @@ class Run:
         elif self.kind == "fsdp2" and source in ("fsdp2", "conv_dcp"):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
             msd, osd = get_state_dict(self.model, self.opt)
             sd = {"model": msd, "optim": osd}
             dcp.load(sd, checkpoint_id=os.path.join(path, "dcp") if source == "fsdp2" else path)
@@ -154,8 +165,17 @@ def phase_save(root: str, records: list) -> None:
             dist.barrier()
 
 
-RESHARD = [("zero2", "zero2"), ("zero3", "zero3"), ("zero2", "zero3"), ("fsdp2", "fsdp2"), ("zero2", "fsdp2"),
-           ("fsdp2", "zero2"), ("zero1", "ddp"), ("conv_dcp", "fsdp2"), ("conv_ds", "zero2")]
+RESHARD = [
+    ("zero2", "zero2"),
+    ("zero3", "zero3"),
+    ("zero2", "zero3"),
+    ("fsdp2", "fsdp2"),
+    ("zero2", "fsdp2"),
+    ("fsdp2", "zero2"),
+    ("zero1", "ddp"),
+    ("conv_dcp", "fsdp2"),
+    ("conv_ds", "zero2"),
+]
 
 
 def convert_sources(root: str) -> None:
@@ -167,8 +187,10 @@ def convert_sources(root: str) -> None:
             base = os.path.join(root, opt_name)
             for src, dst, to in (("zero2", "conv_dcp", "dcp"), ("fsdp2/dcp", "conv_ds", "deepspeed")):
                 if not os.path.exists(os.path.join(base, dst)):
-                    assert cli(["checkpoint", "convert", os.path.join(base, src), os.path.join(base, dst),
-                                "--to", to]) == 0
+                    assert (
+                        cli(["checkpoint", "convert", os.path.join(base, src), os.path.join(base, dst), "--to", to])
+                        == 0
+                    )
     dist.barrier()
 
 
@@ -178,8 +200,13 @@ def phase_resume(root: str, records: list) -> None:
     for opt_name in optimizers(OPTIMIZERS):
         want, _ = reference(opt_name, TOTAL)
         for source, engine in RESHARD:
-            rec = {"phase": "resume", "optimizer": opt_name, "source": source, "engine": engine,
-                   "world_size": dist.get_world_size()}
+            rec = {
+                "phase": "resume",
+                "optimizer": opt_name,
+                "source": source,
+                "engine": engine,
+                "world_size": dist.get_world_size(),
+            }
             try:
                 with contextlib.redirect_stdout(io.StringIO()):
                     run = Run(engine, opt_name)

@@ -9,6 +9,7 @@ fresh optimizer on the saved weights with the saved scheduler (no optimizer stat
 and buffers against the saved ones, then 3 steps against the reference; ``strict`` against the checkpoint saved
 without ``model=``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,13 +25,25 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
-import shardopt  # noqa: E402
-import shardopt.checkpoint as sckpt  # noqa: E402
-from ckpt_options_worker import (OTHER_SEED, SAVED_SEED, SPLIT, TOTAL, diff, frozen_and_buffers,  # noqa: E402
-                                 local_batch, make_net, options, quiet, trainable)
+from ckpt_options_worker import (
+    OTHER_SEED,
+    SAVED_SEED,
+    SPLIT,
+    TOTAL,
+    diff,
+    frozen_and_buffers,  # noqa: E402
+    local_batch,
+    make_net,
+    options,
+    quiet,
+    trainable,
+)
 from parity_worker import OPTIMIZERS  # noqa: E402
 from tiers import selected  # noqa: E402
+
+import shardopt  # noqa: E402
+import shardopt.checkpoint as sckpt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 
 #: what each path loads, by variant name (DeepSpeed's option each one corresponds to)
 VARIANTS = ("full", "no_optimizer", "module_only")
@@ -64,8 +77,10 @@ class Run:
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """Every tensor of the module's state dict, whole, fp32, on every rank (tied names both)."""
-        out = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-               for n, p in self.model.named_parameters(remove_duplicate=False)}
+        out = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in self.model.named_parameters(remove_duplicate=False)
+        }
         out.update({n: b.detach().float().clone() for n, b in self.model.named_buffers()})
         return out
 
@@ -79,8 +94,12 @@ class Run:
     def load_dcp(self, path: str, variant: str) -> None:
         """``full``: model, optimizer, scheduler; ``no_optimizer``: model and scheduler; ``module_only``: model."""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict,
-                                                             set_model_state_dict, set_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         if variant == "full":
             msd, osd = get_state_dict(self.model, self.opt)
@@ -113,10 +132,14 @@ def phase_save(root: str, names: list[str], records: list) -> None:
                 first.train(0, SPLIT)
                 first.save_dcp(os.path.join(base, "dcp"))
                 sched = first.sched.state_dict()
-                sckpt.save(os.path.join(base, "shardopt"), first.opt, engine="fsdp2", model=first.model,
-                           extra={"scheduler": sched})
-                sckpt.save(os.path.join(base, "optimizer_only"), first.opt, engine="fsdp2",
-                           extra={"scheduler": sched})
+                sckpt.save(
+                    os.path.join(base, "shardopt"),
+                    first.opt,
+                    engine="fsdp2",
+                    model=first.model,
+                    extra={"scheduler": sched},
+                )
+                sckpt.save(os.path.join(base, "optimizer_only"), first.opt, engine="fsdp2", extra={"scheduler": sched})
                 saved = first.snapshot()
                 first.train(SPLIT, TOTAL)
                 refs = {"full": first.snapshot()}

@@ -10,6 +10,7 @@ loads (same world size and stage) is recorded against its reference. ``ds_to_uni
 shardopt's resharding path: frozen weights and buffers against the saved ones, then 3 steps against the reference;
 the return value, strictness, ``exclude_frozen_parameters`` and ``custom_load_fn``.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,11 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
-import shardopt  # noqa: E402
 from parity_worker import OPTIMIZERS  # noqa: E402
 from tiers import selected  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 
 GLOBAL_BATCH, SPLIT, TOTAL = 12, 3, 6
 SAVED_SEED, OTHER_SEED = 0, 7
@@ -82,7 +84,7 @@ def local_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = torch.randn(GLOBAL_BATCH, 24, generator=g), torch.randn(GLOBAL_BATCH, 8, generator=g)
     per = GLOBAL_BATCH // dist.get_world_size()
     lo = dist.get_rank() * per
-    return x[lo:lo + per], y[lo:lo + per]
+    return x[lo : lo + per], y[lo : lo + per]
 
 
 def options(opt_name: str) -> dict:
@@ -96,8 +98,10 @@ def engine(opt_name: str, stage: int, model: nn.Module):
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": stage, **({"sub_group_size": 100} if stage == 3 else {})},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": kw["lr"],
-                                                     "warmup_num_steps": 5, "warmup_type": "linear"}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": kw["lr"], "warmup_num_steps": 5, "warmup_type": "linear"},
+        },
         "shardopt": {"optimizer": opt_name, "params": kw},
     }
     eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
@@ -149,8 +153,9 @@ def phase_save(root: str, names: list[str], records: list) -> None:
                 first = engine(opt_name, 2, make_net(SAVED_SEED))
                 train(first, 0, SPLIT)
                 first.save_checkpoint(base, tag="step3", client_state=CLIENT)
-                first.save_checkpoint(base, tag="nofrozen", client_state=CLIENT, exclude_frozen_parameters=True,
-                                      save_latest=False)
+                first.save_checkpoint(
+                    base, tag="nofrozen", client_state=CLIENT, exclude_frozen_parameters=True, save_latest=False
+                )
                 saved = snapshot(first)
                 sched = first.lr_scheduler.state_dict()
                 train(first, SPLIT, TOTAL)
@@ -191,8 +196,14 @@ def ds_to_universal(base: str, out: str, tag: str = "step3") -> str:
     from deepspeed.checkpoint import ds_to_universal as conv
 
     argv = sys.argv
-    sys.argv = ["ds_to_universal", "--input_folder", os.path.join(base, tag), "--output_folder", out,
-                "--inject_missing_state"]
+    sys.argv = [
+        "ds_to_universal",
+        "--input_folder",
+        os.path.join(base, tag),
+        "--output_folder",
+        out,
+        "--inject_missing_state",
+    ]
     try:
         with quiet():
             conv.main(conv.parse_arguments())
@@ -256,8 +267,9 @@ def options_record(opt_name: str, base: str, stage: int, saved: dict, refs: dict
             frozen = [n for n, p in eng.module.named_parameters() if not p.requires_grad]
             rec["nofrozen_frozen_vs_own"] = diff(now, own, frozen)
             rec["nofrozen_trained_vs_saved"] = diff(now, saved, trainable(eng.module))
-            rec["nofrozen_buffers_vs_saved"] = diff(now, saved, [n for n, _ in eng.module.named_buffers()
-                                                                   if n != "scratch"])
+            rec["nofrozen_buffers_vs_saved"] = diff(
+                now, saved, [n for n, _ in eng.module.named_buffers() if n != "scratch"]
+            )
             seen: list = []
 
             def custom(src, dst):
@@ -327,8 +339,9 @@ def converted(base: str, saved: dict) -> dict:
         missing = [n for n, v in got.items() if v is None]
         out[f"convert_{tag}_missing"] = missing
         if not missing:
-            out[f"convert_{tag}_vs_saved"] = max((got[n].reshape(-1) - saved[n].reshape(-1)).abs().max().item()
-                                                 for n in names)
+            out[f"convert_{tag}_vs_saved"] = max(
+                (got[n].reshape(-1) - saved[n].reshape(-1)).abs().max().item() for n in names
+            )
             out[f"convert_{tag}_calls"] = int(got["calls"])
     return out
 

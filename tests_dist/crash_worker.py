@@ -6,6 +6,7 @@ Each attempt builds its process group on a fresh TCPStore: with torchelastic's s
 groups created after a restart (device meshes, DeepSpeed's data-parallel group) read the dead attempt's keys
 and hang or fail to connect (observed with torch 2.13 + gloo; see docs/reliability.md, "Restarts and shutdown on
 gloo")."""
+
 from __future__ import annotations
 
 import argparse
@@ -15,14 +16,14 @@ import signal
 import sys
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from parity_worker import OPTIMIZERS, local_batch  # noqa: E402
+from toy_models import loss_fn, make_model  # noqa: E402
+
 import shardopt  # noqa: E402
 from launch import finish_worker  # noqa: E402
-from parity_worker import OPTIMIZERS, local_batch  # noqa: E402
-from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
 
 TOTAL, EVERY, KILL_AT = 8, 2, 5
 
@@ -37,12 +38,17 @@ def main() -> None:
     # A fresh TCPStore per attempt (hosted by rank 0): with torchelastic's agent store, sub-groups created in
     # the restarted attempt (device mesh, DeepSpeed) find the dead attempt's keys and hang or fail to connect.
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 1 + attempt, world,
-                          is_master=rank == 0, timeout=timedelta(seconds=60))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]) + 1 + attempt,
+        world,
+        is_master=rank == 0,
+        timeout=timedelta(seconds=60),
+    )
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=60))
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from reliability_worker import fsdp2
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model = fsdp2(make_model())
     opt = shardopt.create_optimizer(model, args.optimizer, **OPTIMIZERS[args.optimizer])
@@ -74,8 +80,7 @@ def main() -> None:
     # the GIL, which a finalizing interpreter refuses by ending the thread, and libstdc++ then aborts the process
     # ("terminate called without an active exception"; from a core dump; about 1 run in 10 under load).
     del model, opt
-    finish_worker({"attempt": attempt, "resumed_from": start, "params": params},
-                  os.path.join(args.dir, "result.json"))
+    finish_worker({"attempt": attempt, "resumed_from": start, "params": params}, os.path.join(args.dir, "result.json"))
 
 
 if __name__ == "__main__":

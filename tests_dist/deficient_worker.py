@@ -7,6 +7,7 @@ cutoffs, seeded completions of the bases), so that the sharded run equals the si
 optimizer x engine x strategy: 3 steps (refresh interval 2: a refresh or switch at steps 1 and 2), every
 parameter compared with the single-process run; rank 0 writes one record per case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -20,15 +21,17 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 import shardopt  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 
 GLOBAL = 12  # samples per step, below the subspace rank (16); divisible by world sizes 1-4
 STEPS = 3
 PAD = 8  # the last input features are always zero: zero columns in the first layer's gradient
-OPTIMIZERS_ALL = {"sumo": dict(lr=0.02, rank=16, refresh_interval=2),
-              "alice": dict(lr=0.02, rank=16, leading=4, refresh_interval=2),
-              "alice0": dict(lr=0.02, rank=16, leading=4, refresh_interval=2)}
+OPTIMIZERS_ALL = {
+    "sumo": dict(lr=0.02, rank=16, refresh_interval=2),
+    "alice": dict(lr=0.02, rank=16, leading=4, refresh_interval=2),
+    "alice0": dict(lr=0.02, rank=16, leading=4, refresh_interval=2),
+}
 OPTIMIZERS = OPTIMIZERS_ALL
 ENGINES = ("ddp", "fsdp2", "zero2")
 STRATEGIES = ("gather", "team", "distributed")
@@ -36,8 +39,13 @@ STRATEGIES = ("gather", "team", "distributed")
 
 def make_model() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(32, 64, bias=False), nn.Tanh(), nn.Linear(64, 32, bias=False), nn.Tanh(),
-                         nn.Linear(32, 64, bias=False))
+    return nn.Sequential(
+        nn.Linear(32, 64, bias=False),
+        nn.Tanh(),
+        nn.Linear(64, 32, bias=False),
+        nn.Tanh(),
+        nn.Linear(32, 64, bias=False),
+    )
 
 
 def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -72,17 +80,24 @@ def local(step: int) -> tuple[torch.Tensor, torch.Tensor]:
     per = GLOBAL // dist.get_world_size()
     lo = dist.get_rank() * per
     x, y = batch(step)
-    return x[lo: lo + per], y[lo: lo + per]
+    return x[lo : lo + per], y[lo : lo + per]
 
 
 def run(name: str, engine: str, strategy: str) -> dict[str, torch.Tensor]:
     model = make_model()
     if engine == "zero2":
         kw = options(name, strategy)
-        config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(),
-                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-                  "shardopt": {"optimizer": name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                               "routing": kw["routing"]}}
+        config = {
+            "train_batch_size": GLOBAL,
+            "train_micro_batch_size_per_gpu": GLOBAL // dist.get_world_size(),
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2},
+            "shardopt": {
+                "optimizer": name,
+                "params": {k: v for k, v in kw.items() if k != "routing"},
+                "routing": kw["routing"],
+            },
+        }
         eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
         for s in range(STEPS):
             eng.backward(loss_fn(eng, *local(s)))
@@ -106,8 +121,9 @@ def run(name: str, engine: str, strategy: str) -> dict[str, torch.Tensor]:
         opt.zero_grad()
         loss_fn(wrapped, *local(s)).backward()
         opt.step()
-    full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    full = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
     return full
 
 
@@ -123,8 +139,7 @@ def main() -> None:
         want = reference(name)
         for engine in ENGINES:
             for strategy in STRATEGIES if engine != "ddp" else ("gather",):
-                rec = {"optimizer": name, "engine": engine, "strategy": strategy,
-                       "world_size": dist.get_world_size()}
+                rec = {"optimizer": name, "engine": engine, "strategy": strategy, "world_size": dist.get_world_size()}
                 record_case(records, rec, lambda: {"max_abs_diff": max_abs_diff(run(name, engine, strategy), want)})
     finish_worker(records, args.out)
 

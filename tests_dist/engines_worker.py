@@ -1,5 +1,6 @@
 """More engines vs the single-process run: torch ZeroRedundancyOptimizer and fairscale OSS (whole parameters
 per rank), and Megatron-core tensor parallelism (TP=2 x DP=2 and TP=4 at world size 4)."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,11 +19,12 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
-import shardopt  # noqa: E402
-from shardopt.optim.registry import OPTIMIZERS as REGISTRY  # noqa: E402
 from parity_worker import OPTIMIZERS, STEPS, local_batch, reference  # noqa: E402
-from toy_models import batch, loss_fn, make_model  # noqa: E402
+from toy_models import loss_fn, make_model  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
+from shardopt.optim.registry import OPTIMIZERS as REGISTRY  # noqa: E402
 
 
 def whole_param_sharder(opt_name: str, kind: str) -> dict:
@@ -34,9 +36,11 @@ def whole_param_sharder(opt_name: str, kind: str) -> dict:
     cls = REGISTRY[opt_name]
     if kind == "zero_redundancy":
         from torch.distributed.optim import ZeroRedundancyOptimizer
+
         opt = ZeroRedundancyOptimizer(groups, optimizer_class=cls)
     else:
         from fairscale.optim import OSS
+
         opt = OSS(groups, optim=cls)
     for s in range(STEPS):
         opt.zero_grad()
@@ -49,8 +53,7 @@ def whole_param_sharder(opt_name: str, kind: str) -> dict:
     consolidated = opt.state_dict() if dist.get_rank() == 0 else None
     ref, _ = reference(opt_name)
     diff = max((p.detach() - ref[n]).abs().max().item() for n, p in model.named_parameters())
-    return {"max_abs_diff": diff,
-            "consolidated_states": None if consolidated is None else len(consolidated["state"])}
+    return {"max_abs_diff": diff, "consolidated_states": None if consolidated is None else len(consolidated["state"])}
 
 
 # ------------------------------------------------------------------------------------------ Megatron TP
@@ -81,14 +84,18 @@ class MegatronTP(nn.Module):
         from megatron.core import parallel_state as ps
         from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 
-        cfg = ModelParallelConfig(tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
-                                  use_cpu_initialization=True, perform_initialization=True,
-                                  params_dtype=torch.float32)
+        cfg = ModelParallelConfig(
+            tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
+            use_cpu_initialization=True,
+            perform_initialization=True,
+            params_dtype=torch.float32,
+        )
         init = nn.init.zeros_
         self.embed = VocabParallelEmbedding(V, D, init_method=init, config=cfg)
         self.up = ColumnParallelLinear(D, H, config=cfg, init_method=init, bias=True, gather_output=False)
-        self.down = RowParallelLinear(H, D, config=cfg, init_method=init, bias=True, input_is_parallel=True,
-                                      skip_bias_add=False)
+        self.down = RowParallelLinear(
+            H, D, config=cfg, init_method=init, bias=True, input_is_parallel=True, skip_bias_add=False
+        )
         self.norm = nn.LayerNorm(D)
         # gather_output=True allocates on CUDA in megatron-core 0.16; gather the vocab shards ourselves
         self.lm_head = ColumnParallelLinear(D, V, config=cfg, init_method=init, bias=False, gather_output=False)
@@ -153,7 +160,7 @@ def megatron_tp(opt_name: str, tp: int) -> dict:
             x = tp_batch(s)
             per = x.shape[0] // dp
             opt.zero_grad()
-            tp_loss(model, x[dp_rank * per:(dp_rank + 1) * per]).backward()
+            tp_loss(model, x[dp_rank * per : (dp_rank + 1) * per]).backward()
             for p in model.parameters():  # data-parallel gradient averaging
                 dist.all_reduce(p.grad, group=dp_group)
                 p.grad /= dp

@@ -14,6 +14,7 @@ rank 1 right after its part file; ``main_half``: halfway through rank 0's main f
 (``marker_before``: rank 0 before the completion marker; ``latest_before``/``latest_after``: rank 0 just before
 and just after the pointer ``latest``).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,18 +31,24 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-import shardopt  # noqa: E402
-from shardopt import checkpoint as ckpt  # noqa: E402
-from launch import finish_worker  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
+from shardopt import checkpoint as ckpt  # noqa: E402
 
 #: kill point -> (rank killed, what ``load_checkpoint(dir)`` resumes, whether B itself is complete: after its
 #: marker, B loads when named even though ``latest`` still names A)
 POINTS = {
-    "ds_before": (1, "A", False), "ds_half": (1, "A", False), "part_half": (1, "A", False),
-    "part_after": (1, "A", False), "main_half": (0, "A", False), "marker_before": (0, "A", False),
-    "latest_before": (0, "A", True), "latest_after": (0, "B", True),
+    "ds_before": (1, "A", False),
+    "ds_half": (1, "A", False),
+    "part_half": (1, "A", False),
+    "part_after": (1, "A", False),
+    "main_half": (0, "A", False),
+    "marker_before": (0, "A", False),
+    "latest_before": (0, "A", True),
+    "latest_after": (0, "B", True),
 }
 OPTIMIZER = "racs"
 STEPS_A, STEPS_B = 2, 4
@@ -148,11 +155,17 @@ class Fsdp2:
 
 def build(stage: int):
     kw = dict(OPTIMIZERS[OPTIMIZER])
-    config = {"train_batch_size": GLOBAL_BATCH,
-              "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
-              "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-              "shardopt": {"optimizer": OPTIMIZER, "params": {k: v for k, v in kw.items() if k != "routing"},
-                           "routing": kw.get("routing", {})}}
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "shardopt": {
+            "optimizer": OPTIMIZER,
+            "params": {k: v for k, v in kw.items() if k != "routing"},
+            "routing": kw.get("routing", {}),
+        },
+    }
     torch.manual_seed(0)
     eng, opt, _, _ = shardopt.deepspeed.initialize(model=make_model(), config=config)
     return eng, opt
@@ -239,8 +252,10 @@ def _flipped_copy(src: str, dst: str, main: bool) -> tuple[str, str]:
     path = os.path.join(dst, names[0])
     end, header = files._data_end(path)
     base = end - max(v["data_offsets"][1] for k, v in header.items() if k != "__metadata__")
-    tensor = max((k for k in header if k != "__metadata__"),
-                 key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0])
+    tensor = max(
+        (k for k in header if k != "__metadata__"),
+        key=lambda k: header[k]["data_offsets"][1] - header[k]["data_offsets"][0],
+    )
     a, b = header[tensor]["data_offsets"]
     with open(path, "r+b") as f:
         f.seek(base + (a + b) // 2)

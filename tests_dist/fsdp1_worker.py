@@ -7,6 +7,7 @@ matrices and vectors; shardopt steps a view per original parameter). A setting i
 Every matrix must get the requested rule, 3 steps equal one process, and a save through ``shardopt.checkpoint``
 after 3 steps resumes exactly in a fresh wrapped model. Parameters without their model are refused on every rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,16 +20,19 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
-import shardopt  # noqa: E402
-import shardopt.checkpoint as sckpt  # noqa: E402
 from parity_worker import N_BLOCKS, OPTIMIZERS, STEPS, local_batch, options, reference  # noqa: E402
 from toy_models import GLOBAL_BATCH, Block, loss_fn, make_model  # noqa: E402
 
+import shardopt  # noqa: E402
+import shardopt.checkpoint as sckpt  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
+
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD")
 #: every strategy with either use_orig_params, and FULL_SHARD in bf16 mixed precision with either
-SETTINGS = tuple(f"{s}{flat}" for s in STRATEGIES for flat in ("", "/flat")) + ("FULL_SHARD/bf16",
-                                                                                "FULL_SHARD/flat/bf16")
+SETTINGS = tuple(f"{s}{flat}" for s in STRATEGIES for flat in ("", "/flat")) + (
+    "FULL_SHARD/bf16",
+    "FULL_SHARD/flat/bf16",
+)
 
 
 def wrap(setting: str, before=None):
@@ -45,10 +49,16 @@ def wrap(setting: str, before=None):
         kw["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if strategy == "HYBRID_SHARD":
         from torch.distributed.device_mesh import init_device_mesh
+
         kw["device_mesh"] = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("rep", "shard"))
-    return FSDP(model, device_id=torch.device("cpu"), use_orig_params="flat" not in flags,
-                sharding_strategy=getattr(ShardingStrategy, strategy),
-                auto_wrap_policy=ModuleWrapPolicy({Block}), **kw)
+    return FSDP(
+        model,
+        device_id=torch.device("cpu"),
+        use_orig_params="flat" not in flags,
+        sharding_strategy=getattr(ShardingStrategy, strategy),
+        auto_wrap_policy=ModuleWrapPolicy({Block}),
+        **kw,
+    )
 
 
 def train(model, opt, start: int, stop: int) -> None:
@@ -79,9 +89,14 @@ def case(name: str, setting: str, root: str) -> dict:
     flat_views = all(p.dim() == 1 for p in stepped) and not any(type(p).__name__ == "FlatParameter" for p in stepped)
     train(model, opt, 0, STEPS)
     state_dtypes = sorted({str(t.dtype) for st in opt.state.values() for t in _tensors(st) if t.is_floating_point()})
-    out = {"flat_views": flat_views, "rules": rule, "max_abs_diff": max_abs_diff(params(model), want),
-           "params": {n: t.tolist() for n, t in params(model).items()}, "state_dtypes": state_dtypes,
-           "stepped_dtypes": sorted({str(p.dtype) for p in stepped})}
+    out = {
+        "flat_views": flat_views,
+        "rules": rule,
+        "max_abs_diff": max_abs_diff(params(model), want),
+        "params": {n: t.tolist() for n, t in params(model).items()},
+        "state_dtypes": state_dtypes,
+        "stepped_dtypes": sorted({str(p.dtype) for p in stepped}),
+    }
     sckpt.save(os.path.join(root, "logical"), opt, engine="fsdp1")
     train(model, opt, STEPS, 2 * STEPS)
     resumed = wrap(setting)
@@ -120,10 +135,17 @@ def reload_fsdp2(name: str, root: str) -> dict[str, torch.Tensor]:
 
 def reload_zero2(name: str, root: str) -> dict[str, torch.Tensor]:
     kw = options(name)
-    config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
-              "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-              "shardopt": {"optimizer": name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                           "routing": kw.get("routing", {})}}
+    config = {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 2},
+        "shardopt": {
+            "optimizer": name,
+            "params": {k: v for k, v in kw.items() if k != "routing"},
+            "routing": kw.get("routing", {}),
+        },
+    }
     engine, _, _, _ = shardopt.deepspeed.initialize(model=make_model(n_blocks=N_BLOCKS), config=config)
     engine.load_checkpoint(root, tag="logical")  # shardopt's logical files, laid out as <dir>/<tag>/
     for s in range(STEPS, 2 * STEPS):
@@ -186,9 +208,12 @@ def refusal() -> dict:
     rank, never AdamW in silence. FSDP1's own optimizer state dict (``FSDP.optim_state_dict``, DCP's
     ``get_state_dict``), which reshapes state like flat shards: one error naming shardopt.checkpoint."""
     out = {}
-    for case, build in (("flat", lambda: shardopt.RACS(wrap("FULL_SHARD/flat").parameters(), lr=0.01)),
-                        ("no_model", lambda: shardopt.RACS(wrap("FULL_SHARD").parameters(), lr=0.01)),
-                        ("dcp", _dcp_state_dict), ("fsdp_osd", _fsdp_optim_state_dict)):
+    for case, build in (
+        ("flat", lambda: shardopt.RACS(wrap("FULL_SHARD/flat").parameters(), lr=0.01)),
+        ("no_model", lambda: shardopt.RACS(wrap("FULL_SHARD").parameters(), lr=0.01)),
+        ("dcp", _dcp_state_dict),
+        ("fsdp_osd", _fsdp_optim_state_dict),
+    ):
         try:
             build()
             message = None
@@ -221,7 +246,9 @@ def main() -> None:
             record_case(records, rec, lambda: case(name, setting, root))
     record_case(records, {"optimizer": "racs", "setting": "without the model"}, refusal)
     for name in args.optimizers.split(","):
-        record_case(records, {"optimizer": name, "setting": "built before wrapping"}, lambda: built_before_wrapping(name))
+        record_case(
+            records, {"optimizer": name, "setting": "built before wrapping"}, lambda: built_before_wrapping(name)
+        )
     finish_worker(records, args.out)
 
 

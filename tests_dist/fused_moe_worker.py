@@ -24,6 +24,7 @@ checkpoints stay in ``--dir``. ``--phase reload`` (another world size): each che
 world size (ZeRO through DeepSpeed's ``load_checkpoint``, the rest through ``shardopt.checkpoint``'s logical files
 into FSDP2), runs steps 3-5 and is compared with one process.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,17 +39,28 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
-import shardopt  # noqa: E402
 from layout_options import OPTIONS  # noqa: E402
+
+import shardopt  # noqa: E402
 import shardopt.checkpoint as sckpt  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 
 VOCAB, DIM, FFN, SEQ, MICRO = 23, 8, 4, 4, 2
 STEPS = 3
 #: ``_in_out``: the experts stored in x out (GPT-OSS, ``is_transposed=True``; role ``matrix_transposed``)
 IN_OUT = "_in_out"
-ENGINES = ("fsdp2", "fsdp2_e4", "fsdp2_rows", "fsdp2_cols", "ep", "ep_fsdp", "zero2", "zero3",
-           "fsdp2_rows" + IN_OUT, "zero2" + IN_OUT)
+ENGINES = (
+    "fsdp2",
+    "fsdp2_e4",
+    "fsdp2_rows",
+    "fsdp2_cols",
+    "ep",
+    "ep_fsdp",
+    "zero2",
+    "zero3",
+    "fsdp2_rows" + IN_OUT,
+    "zero2" + IN_OUT,
+)
 
 
 def storage(engine: str) -> tuple[str, bool]:
@@ -73,7 +85,7 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in range(self.num_experts):
             gate, up = F.linear(x, up_w[e]).chunk(2, dim=-1)
-            out = out + weights[..., e:e + 1] * F.linear(F.silu(gate) * up, down_w[e])
+            out = out + weights[..., e : e + 1] * F.linear(F.silu(gate) * up, down_w[e])
         return out
 
 
@@ -131,7 +143,7 @@ def global_batch(step: int, world: int) -> torch.Tensor:
 
 def local_batch(step: int) -> torch.Tensor:
     r = dist.get_rank()
-    return global_batch(step, dist.get_world_size())[r * MICRO:(r + 1) * MICRO]
+    return global_batch(step, dist.get_world_size())[r * MICRO : (r + 1) * MICRO]
 
 
 _REFERENCE: dict = {}
@@ -172,8 +184,11 @@ class Run:
             from torch.distributed.tensor import Shard
 
             dim = {"fsdp2_rows": 1, "fsdp2_cols": 2}.get(engine, 0)
-            fully_shard(model, mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
-                        shard_placement_fn=lambda p: Shard(dim) if p.dim() == 3 else Shard(0))
+            fully_shard(
+                model,
+                mesh=init_device_mesh("cpu", (dist.get_world_size(),)),
+                shard_placement_fn=lambda p: Shard(dim) if p.dim() == 3 else Shard(0),
+            )
             self.model = self.module = model
             self.opt = shardopt.create_optimizer(model, name, **kw)
         elif engine.startswith("ep"):
@@ -190,10 +205,13 @@ class Run:
         else:
             stage = int(engine[-1])
             world = dist.get_world_size()
-            config = {"train_batch_size": MICRO * world, "train_micro_batch_size_per_gpu": MICRO,
-                      "gradient_clipping": 0.0,
-                      "zero_optimization": {"stage": stage, **({"sub_group_size": 150} if stage == 3 else {})},
-                      "shardopt": {"optimizer": name, "params": kw}}
+            config = {
+                "train_batch_size": MICRO * world,
+                "train_micro_batch_size_per_gpu": MICRO,
+                "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": stage, **({"sub_group_size": 150} if stage == 3 else {})},
+                "shardopt": {"optimizer": name, "params": kw},
+            }
             self.model, self.opt, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
             self.module = self.model.module
 
@@ -220,10 +238,13 @@ class Run:
     def params(self) -> dict[str, torch.Tensor]:
         if self.engine == "zero3":
             from deepspeed import zero
+
             with zero.GatheredParameters(list(self.module.parameters())):
                 return {n: p.detach().float().clone() for n, p in self.module.named_parameters()}
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-                for n, p in self.module.named_parameters()}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in self.module.named_parameters()
+        }
 
     def save(self, root: str) -> None:
         if self.deepspeed:
@@ -233,6 +254,7 @@ class Run:
         if self.engine.startswith("fsdp2"):  # FSDP2's own way too: DCP
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict
+
             msd, osd = get_state_dict(self.model, self.opt)
             dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, "dcp"))
 
@@ -242,6 +264,7 @@ class Run:
         elif same_engine and self.engine.startswith("fsdp2"):
             import torch.distributed.checkpoint as dcp
             from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
             msd, osd = get_state_dict(self.model, self.opt)
             sd = {"model": msd, "optim": osd}
             dcp.load(sd, checkpoint_id=os.path.join(root, "dcp"))
@@ -284,10 +307,10 @@ def train_case(name: str, engine: str, root: str) -> dict:
     run = Run(engine, name, experts)
     run.train(0, STEPS)
     want = reference(name, experts, (dist.get_world_size(),) * STEPS, storage(engine)[1])
-    out = {"experts": experts, "max_abs_diff": max_abs_diff(run.params(), want),
-           "rules": rules(run)}
-    held = [f.name for p in run.inner.stepped_tensors() for f in run.inner.fragments(p)
-            if f.index is not None and f.numel]
+    out = {"experts": experts, "max_abs_diff": max_abs_diff(run.params(), want), "rules": rules(run)}
+    held = [
+        f.name for p in run.inner.stepped_tensors() for f in run.inner.fragments(p) if f.index is not None and f.numel
+    ]
     counts = [None] * dist.get_world_size()
     dist.all_gather_object(counts, len(held))
     out["matrices_held"] = counts

@@ -6,6 +6,7 @@ global batches (one process, ``shardopt.create_optimizer``), which the sharded r
 The data are fixed token ids read in order (``train_sampling_strategy="sequential"``), so a world-size-2 step
 with per-device batch B sees the same 2B sequences as a world-size-1 step with batch 2B.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -17,11 +18,19 @@ import torch.distributed as dist
 
 warnings.filterwarnings("ignore")
 SEQ, VOCAB, SAMPLES = 8, 64, 64
-HP = {"scale": {"lr": 1e-2, "adam_lr": 1e-2}, "racs": {"lr": 1e-2}, "sumo": {"lr": 1e-2, "rank": 4, "refresh_interval": 2},
-      "alice": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2},
-      # the other optimizers, for the full tier's from_pretrained (ZeRO-3 partitioned at load) run
-      "sinkgd": {"lr": 1e-2}, "muon": {"lr": 1e-2}, "swan": {"lr": 1e-2}, "dasgo": {"lr": 1e-2},
-      "asgo": {"lr": 1e-2, "refresh_interval": 2}, "alice0": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2}}
+HP = {
+    "scale": {"lr": 1e-2, "adam_lr": 1e-2},
+    "racs": {"lr": 1e-2},
+    "sumo": {"lr": 1e-2, "rank": 4, "refresh_interval": 2},
+    "alice": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2},
+    # the other optimizers, for the full tier's from_pretrained (ZeRO-3 partitioned at load) run
+    "sinkgd": {"lr": 1e-2},
+    "muon": {"lr": 1e-2},
+    "swan": {"lr": 1e-2},
+    "dasgo": {"lr": 1e-2},
+    "asgo": {"lr": 1e-2, "refresh_interval": 2},
+    "alice0": {"lr": 1e-2, "rank": 4, "leading": 2, "refresh_interval": 2},
+}
 
 
 META: dict = {}
@@ -35,12 +44,21 @@ def describe_engine(wrapped: torch.nn.Module, opt: object) -> dict:
     stage = wrapped.zero_optimization_stage() if hasattr(wrapped, "zero_optimization_stage") else None
     dtensors = sum(1 for p in wrapped.parameters() if hasattr(p, "placements"))
     stepped = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
-    rules = {n: g["treatment"] for g, names in zip(inner._groups(), inner.group_param_names) for n in names} \
-        if inner is not None else {}
-    return {"engine": type(wrapped).__name__, "zero_stage": stage, "optimizer": type(inner).__name__,
-            "flat_tensors_mapped": len(inner._attached) if inner is not None else 0, "dtensor_params": dtensors,
-            "flat_views": sum(1 for p in stepped if p.dim() == 1 and getattr(p, "_fsdp_flattened", True)),
-            "rules": rules, "options": rule_options(inner)}
+    rules = (
+        {n: g["treatment"] for g, names in zip(inner._groups(), inner.group_param_names) for n in names}
+        if inner is not None
+        else {}
+    )
+    return {
+        "engine": type(wrapped).__name__,
+        "zero_stage": stage,
+        "optimizer": type(inner).__name__,
+        "flat_tensors_mapped": len(inner._attached) if inner is not None else 0,
+        "dtensor_params": dtensors,
+        "flat_views": sum(1 for p in stepped if p.dim() == 1 and getattr(p, "_fsdp_flattened", True)),
+        "rules": rules,
+        "options": rule_options(inner),
+    }
 
 
 def rule_options(opt: object) -> dict[str, list]:
@@ -48,8 +66,11 @@ def rule_options(opt: object) -> dict[str, list]:
     in x out stepped as its logical matrix, ``optim.transposed``), SCALE's ``norm_dim``."""
     if opt is None:
         return {}
-    return {n.removeprefix("_orig_mod."): [g["treatment"], bool(g.get("transposed")), g.get("norm_dim")]
-            for g, names in zip(opt._groups(), opt.group_param_names) for n in names}
+    return {
+        n.removeprefix("_orig_mod."): [g["treatment"], bool(g.get("transposed")), g.get("norm_dim")]
+        for g, names in zip(opt._groups(), opt.group_param_names)
+        for n in names
+    }
 
 
 def logical_state(opt: object) -> dict[str, torch.Tensor]:
@@ -70,11 +91,27 @@ def tiny_model(kind: str = "llama") -> torch.nn.Module:
 
     torch.manual_seed(0)
     if kind == "gpt2":
-        cfg = GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=16, n_layer=2, n_head=2, resid_pdrop=0.0,
-                         embd_pdrop=0.0, attn_pdrop=0.0)
+        cfg = GPT2Config(
+            vocab_size=VOCAB,
+            n_positions=SEQ,
+            n_embd=16,
+            n_layer=2,
+            n_head=2,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+        )
         return GPT2LMHeadModel(cfg)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=40, num_hidden_layers=2, num_attention_heads=2,
-                      num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=16,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=SEQ,
+        tie_word_embeddings=False,
+    )
     return LlamaForCausalLM(cfg)
 
 
@@ -96,9 +133,13 @@ def samples() -> list[dict]:
 
 
 def ds_config(stage: int, optimizer: str) -> dict:
-    return {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-            "gradient_clipping": "auto", "zero_optimization": {"stage": stage, "overlap_comm": False},
-            "shardopt": {"optimizer": optimizer, "params": HP[optimizer]}}
+    return {
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "zero_optimization": {"stage": stage, "overlap_comm": False},
+        "shardopt": {"optimizer": optimizer, "params": HP[optimizer]},
+    }
 
 
 def full_params(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -159,7 +200,7 @@ def reference(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     data = samples()
     batch = args.batch * 2
     for step in range(args.steps):
-        chunk = data[step * batch:(step + 1) * batch]
+        chunk = data[step * batch : (step + 1) * batch]
         ids = torch.stack([c["input_ids"] for c in chunk])
         # --trainer-loss: the Trainer's normalization, by the label count before the shift (7/8 of the mean here)
         extra = {"num_items_in_batch": ids.numel()} if args.trainer_loss else {}
@@ -183,19 +224,39 @@ def trainer_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     if args.engine.startswith("zero"):
         extra["deepspeed"] = ds_config(int(args.engine[-1]), args.optimizer)
     elif args.engine == "fsdp2":
-        extra.update(fsdp=True, fsdp_config={"fsdp_version": 2, "reshard_after_forward": True,
-                                                     "state_dict_type": "SHARDED_STATE_DICT"})
+        extra.update(
+            fsdp=True,
+            fsdp_config={"fsdp_version": 2, "reshard_after_forward": True, "state_dict_type": "SHARDED_STATE_DICT"},
+        )
         fsdp_on_cpu()
     elif args.engine.startswith("fsdp1"):  # legacy FSDP, a unit per decoder layer; "fsdp1_flat": use_orig_params=False
-        extra.update(fsdp="full_shard", fsdp_config={"fsdp_version": 1, "use_orig_params": args.engine == "fsdp1",
-                                                     "transformer_layer_cls_to_wrap": [DECODER_LAYER[args.model]],
-                                                     "sync_module_states": False})  # (it asks for an accelerator)
+        extra.update(
+            fsdp="full_shard",
+            fsdp_config={
+                "fsdp_version": 1,
+                "use_orig_params": args.engine == "fsdp1",
+                "transformer_layer_cls_to_wrap": [DECODER_LAYER[args.model]],
+                "sync_module_states": False,
+            },
+        )  # (it asks for an accelerator)
         fsdp_on_cpu()
     targs = TrainingArguments(
-        output_dir=args.dir, per_device_train_batch_size=args.batch, max_steps=args.steps, report_to="none",
-        max_grad_norm=0.0, train_sampling_strategy="sequential", lr_scheduler_type=args.schedule,
-        save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500, logging_steps=1000,
-        dataloader_drop_last=True, seed=0, disable_tqdm=True, use_cpu=True, **extra)
+        output_dir=args.dir,
+        per_device_train_batch_size=args.batch,
+        max_steps=args.steps,
+        report_to="none",
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        lr_scheduler_type=args.schedule,
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
+        logging_steps=1000,
+        dataloader_drop_last=True,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        **extra,
+    )
     from transformers import TrainerCallback
 
     class CountSteps(TrainerCallback):
@@ -234,22 +295,39 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
     import shardopt
     import shardopt.integrations.accelerate as acc
 
-    cfg = {"train_micro_batch_size_per_gpu": args.batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-           "zero_optimization": {"stage": int(args.engine[-1]) if args.engine.startswith("zero") else 0,
-                                 "overlap_comm": False}}
+    cfg = {
+        "train_micro_batch_size_per_gpu": args.batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {
+            "stage": int(args.engine[-1]) if args.engine.startswith("zero") else 0,
+            "overlap_comm": False,
+        },
+    }
     if args.engine == "fsdp2":
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         fsdp_on_cpu()
-        accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
-            fsdp_version=2, reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT"))
+        accelerator = Accelerator(
+            cpu=True,
+            fsdp_plugin=FullyShardedDataParallelPlugin(
+                fsdp_version=2, reshard_after_forward=True, state_dict_type="SHARDED_STATE_DICT"
+            ),
+        )
     elif args.engine.startswith("fsdp1"):
         from accelerate.utils import FullyShardedDataParallelPlugin
 
         fsdp_on_cpu()
-        accelerator = Accelerator(cpu=True, fsdp_plugin=FullyShardedDataParallelPlugin(
-            fsdp_version=1, use_orig_params=args.engine == "fsdp1", auto_wrap_policy="transformer_based_wrap",
-            transformer_cls_names_to_wrap=[DECODER_LAYER[args.model]], sync_module_states=False))
+        accelerator = Accelerator(
+            cpu=True,
+            fsdp_plugin=FullyShardedDataParallelPlugin(
+                fsdp_version=1,
+                use_orig_params=args.engine == "fsdp1",
+                auto_wrap_policy="transformer_based_wrap",
+                transformer_cls_names_to_wrap=[DECODER_LAYER[args.model]],
+                sync_module_states=False,
+            ),
+        )
     else:
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=cfg))
     model = tiny_model(args.model)
@@ -265,7 +343,7 @@ def accelerate_run(args: argparse.Namespace) -> dict[str, torch.Tensor]:
         start = int(open(os.path.join(args.resume, "step")).read())
     for step in range(start, args.steps):
         lo = (2 * step + rank) * args.batch
-        ids = torch.stack([c["input_ids"] for c in data[lo:lo + args.batch]])
+        ids = torch.stack([c["input_ids"] for c in data[lo : lo + args.batch]])
         loss = model(input_ids=ids, labels=ids).loss
         accelerator.backward(loss)
         opt.step()
@@ -290,16 +368,34 @@ def scenario(args: argparse.Namespace, name: str) -> dict[str, torch.Tensor]:
 
     hp = HP["scale"]
     ds = ds_config(2, "scale")
-    targs = dict(output_dir=os.path.join(args.dir, name), per_device_train_batch_size=args.batch, max_steps=1,
-                 report_to="none", max_grad_norm=0.0, train_sampling_strategy="sequential", save_strategy="no",
-                 use_cpu=True, dataloader_drop_last=True, seed=0, disable_tqdm=True)
+    targs = dict(
+        output_dir=os.path.join(args.dir, name),
+        per_device_train_batch_size=args.batch,
+        max_steps=1,
+        report_to="none",
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_drop_last=True,
+        seed=0,
+        disable_tqdm=True,
+    )
     if name == "trainer_cls_kwargs":  # optimizer_cls_and_kwargs=(SCALE, ...) under DeepSpeed
         ds.pop("shardopt")
-        trainer = Trainer(model=tiny_model(), args=TrainingArguments(deepspeed=ds, **targs), train_dataset=samples(),
-                          optimizer_cls_and_kwargs=(shardopt.SCALE, dict(hp)))
+        trainer = Trainer(
+            model=tiny_model(),
+            args=TrainingArguments(deepspeed=ds, **targs),
+            train_dataset=samples(),
+            optimizer_cls_and_kwargs=(shardopt.SCALE, dict(hp)),
+        )
     elif name == "trainer_cls_kwargs_ddp":  # the same without DeepSpeed: HF's unnamed decay groups
-        trainer = Trainer(model=tiny_model(), args=TrainingArguments(**targs), train_dataset=samples(),
-                          optimizer_cls_and_kwargs=(shardopt.SCALE, dict(hp)))
+        trainer = Trainer(
+            model=tiny_model(),
+            args=TrainingArguments(**targs),
+            train_dataset=samples(),
+            optimizer_cls_and_kwargs=(shardopt.SCALE, dict(hp)),
+        )
     elif name == "trainer_subclass":  # HF's documented route: override create_optimizer
         ds.pop("shardopt")
 
@@ -313,8 +409,12 @@ def scenario(args: argparse.Namespace, name: str) -> dict[str, torch.Tensor]:
     elif name == "trainer_optimizers_arg":  # Trainer(optimizers=(opt, None)) under DeepSpeed: dropped by HF
         ds.pop("shardopt")
         model = tiny_model()
-        trainer = Trainer(model=model, args=TrainingArguments(deepspeed=ds, **targs), train_dataset=samples(),
-                          optimizers=(shardopt.create_optimizer(model, "scale", **hp), None))
+        trainer = Trainer(
+            model=model,
+            args=TrainingArguments(deepspeed=ds, **targs),
+            train_dataset=samples(),
+            optimizers=(shardopt.create_optimizer(model, "scale", **hp), None),
+        )
     elif name == "accelerate_section":  # a "shardopt" section in the DeepSpeed config given to accelerate
         import shardopt.integrations.accelerate as acc
 
@@ -322,7 +422,7 @@ def scenario(args: argparse.Namespace, name: str) -> dict[str, torch.Tensor]:
         accelerator = Accelerator(deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=ds))
         model, opt = acc.prepare(accelerator, tiny_model())
         lo = dist.get_rank() * args.batch
-        ids = torch.stack([c["input_ids"] for c in samples()[lo:lo + args.batch]])
+        ids = torch.stack([c["input_ids"] for c in samples()[lo : lo + args.batch]])
         accelerator.backward(model(input_ids=ids, labels=ids).loss)
         opt.step()
         META.update(describe_engine(model, opt))
@@ -358,23 +458,40 @@ def main() -> None:
     ap.add_argument("--resume", default=None, help="checkpoint to resume from; {opt} is the optimizer's name")
     ap.add_argument("--schedule", default="linear")
     ap.add_argument("--auto", action="store_true")
-    ap.add_argument("--pretrained", action="store_true", help="load the model with from_pretrained after the "
-                                                              "TrainingArguments (ZeRO-3: partitioned at load)")
+    ap.add_argument(
+        "--pretrained",
+        action="store_true",
+        help="load the model with from_pretrained after the TrainingArguments (ZeRO-3: partitioned at load)",
+    )
     ap.add_argument("--state", action="store_true", help="also return the optimizer state as logical tensors")
-    ap.add_argument("--trainer-loss", action="store_true", help="reference: the loss normalized as the Trainer "
-                                                                "does (num_items_in_batch), not the mean")
+    ap.add_argument(
+        "--trainer-loss",
+        action="store_true",
+        help="reference: the loss normalized as the Trainer does (num_items_in_batch), not the mean",
+    )
     ap.add_argument("--dir", default="/tmp/wt17_hf")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     if args.api == "reference":
-        torch.save({name: reference(argparse.Namespace(**{**vars(args), "optimizer": name}))
-                    for name in args.optimizer.split(",")}, args.out)
+        torch.save(
+            {
+                name: reference(argparse.Namespace(**{**vars(args), "optimizer": name}))
+                for name in args.optimizer.split(",")
+            },
+            args.out,
+        )
         return
     results = {}
     for name in args.optimizer.split(","):
-        run = argparse.Namespace(**{**vars(args), "optimizer": name, "dir": os.path.join(args.dir, name),
-                                    "resume": args.resume.format(opt=name) if args.resume else None})
+        run = argparse.Namespace(
+            **{
+                **vars(args),
+                "optimizer": name,
+                "dir": os.path.join(args.dir, name),
+                "resume": args.resume.format(opt=name) if args.resume else None,
+            }
+        )
         META.clear()
         if args.api == "scenario":
             try:

@@ -4,6 +4,7 @@
 (``rank_server.py``: 30 s less per launch on a 2-core machine); ``SHARDOPT_TEST_LAUNCHER=torchrun`` launches
 every worker under ``torch.distributed.run`` instead. Either way the ranks see the same environment.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -44,8 +45,16 @@ def run_ranks(script: str, nproc: int, args: list[str], timeout: float = 600) ->
     port = free_port()
     path = str(ROOT / "tests_dist" / script)
     if os.environ.get("SHARDOPT_TEST_LAUNCHER", "fork").strip().lower() == "torchrun":
-        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}",
-               "--master_addr=127.0.0.1", f"--master_port={port}", path, *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nproc_per_node={nproc}",
+            "--master_addr=127.0.0.1",
+            f"--master_port={port}",
+            path,
+            *args,
+        ]
         return run_bounded(cmd, env=env, timeout=timeout)
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     return _server().launch(path, nproc, list(args), env, timeout)
@@ -56,9 +65,16 @@ class _RankServer:
 
     def __init__(self) -> None:
         self.log = tempfile.NamedTemporaryFile(prefix="shardopt-rank-server-", suffix=".log", delete=False)
-        self.proc = subprocess.Popen([sys.executable, str(ROOT / "tests_dist" / "rank_server.py")], env=worker_env(),
-                                     cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log,
-                                     text=True, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(ROOT / "tests_dist" / "rank_server.py")],
+            env=worker_env(),
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            start_new_session=True,
+        )
         self._read(600)  # {"ready": pid} once the libraries are imported
 
     def alive(self) -> bool:
@@ -74,7 +90,9 @@ class _RankServer:
             raise RuntimeError(f"tests_dist/rank_server.py ended (exit {self.proc.poll()}); its log: {self.log.name}")
         return json.loads(line)
 
-    def launch(self, script: str, nproc: int, argv: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+    def launch(
+        self, script: str, nproc: int, argv: list[str], env: dict, timeout: float
+    ) -> subprocess.CompletedProcess:
         cmd = ["rank_server", f"--nproc={nproc}", script, *argv]
         with tempfile.TemporaryDirectory(prefix="shardopt-ranks-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
@@ -126,7 +144,6 @@ def _kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-
 def run_bounded(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
     """``subprocess.run`` whose timeout ends the launcher's workers too.
 
@@ -136,8 +153,9 @@ def run_bounded(cmd: list[str], env: dict, timeout: float) -> subprocess.Complet
     minutes past its 900 s that way). On a timeout every descendant of the child is killed (``psutil``, which
     DeepSpeed already requires, lists them before any of them dies), then the child's group.
     """
-    with subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
+    with subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:

@@ -1,6 +1,7 @@
 """The hyperparameters the layout suites of issues 45-47 run every optimizer with (``tp_llm_worker``,
 ``pipeline_llm_worker``, ``fused_moe_worker``): refresh intervals of 2 so that each rule's whole-matrix work
 (ASGO's root, SUMO's refreshes, Alice's switches) happens within their few steps."""
+
 from __future__ import annotations
 
 OPTIONS = {

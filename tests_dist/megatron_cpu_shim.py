@@ -15,6 +15,7 @@ Each module that holds such a reference gets a ``torch`` whose factory functions
 ``Tensor.type()`` (no argument) reports a CPU floating tensor under its CUDA name. On a GPU none of this is
 installed: the real path runs unchanged.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -25,18 +26,27 @@ import types
 import torch
 
 _MODULES = (
-    "megatron.core.optimizer.optimizer", "megatron.core.optimizer.clip_grads",
-    "megatron.core.optimizer.distrib_optimizer", "megatron.core.distributed.param_and_grad_buffer",
-    "megatron.core.distributed.distributed_data_parallel", "megatron.core.distributed.finalize_model_grads",
-    "megatron.core.pipeline_parallel.schedules", "megatron.core.pipeline_parallel.p2p_communication",
-    "megatron.core.optimizer.grad_scaler", "megatron.core.tensor_parallel.layers",
-    "megatron.core.dist_checkpointing.strategies.filesystem_async", "megatron.core.dist_checkpointing.strategies.torch",
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+    "megatron.core.optimizer.distrib_optimizer",
+    "megatron.core.distributed.param_and_grad_buffer",
+    "megatron.core.distributed.distributed_data_parallel",
+    "megatron.core.distributed.finalize_model_grads",
+    "megatron.core.pipeline_parallel.schedules",
+    "megatron.core.pipeline_parallel.p2p_communication",
+    "megatron.core.optimizer.grad_scaler",
+    "megatron.core.tensor_parallel.layers",
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+    "megatron.core.dist_checkpointing.strategies.torch",
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",
     "megatron.core.dist_checkpointing.strategies.async_utils",
 )
 _FACTORIES = ("tensor", "zeros", "ones", "empty", "full", "arange", "zeros_like", "empty_like", "ones_like")
-_CUDA_NAMES = {torch.float32: "torch.cuda.FloatTensor", torch.float16: "torch.cuda.HalfTensor",
-               torch.bfloat16: "torch.cuda.BFloat16Tensor"}
+_CUDA_NAMES = {
+    torch.float32: "torch.cuda.FloatTensor",
+    torch.float16: "torch.cuda.HalfTensor",
+    torch.bfloat16: "torch.cuda.BFloat16Tensor",
+}
 
 
 def _on_cpu(device):
@@ -51,6 +61,7 @@ def _factory(fn):
         if "device" in kwargs:
             kwargs["device"] = _on_cpu(kwargs["device"])
         return fn(*args, **kwargs)
+
     return wrapped
 
 

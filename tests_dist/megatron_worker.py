@@ -11,6 +11,7 @@ whole GPTModel, tensor and pipeline size 1, shardopt.create_optimizer, the globa
 parallel model starting from the same weights; it reports the largest difference of any parameter after ``STEPS``
 steps, each parameter's role and rule on both sides, and how many matrices the buffers cut mid-row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,14 +24,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 import megatron_cpu_shim  # noqa: E402
-from launch import finish_worker, record_case  # noqa: E402
 from parity_worker import OPTIMIZERS  # noqa: E402
 
 import shardopt  # noqa: E402
+from launch import finish_worker, record_case  # noqa: E402
 
 STEPS = 3
-MICRO = 2          # micro-batches per step (gradient accumulation through the schedule)
-GLOBAL = 24        # sequences per step, whatever the data-parallel size (a checkpoint reloads at another one)
+MICRO = 2  # micro-batches per step (gradient accumulation through the schedule)
+GLOBAL = 24  # sequences per step, whatever the data-parallel size (a checkpoint reloads at another one)
 #: hidden = max positions and ffn = vocab (see the module docstring); 4 heads of 3. Megatron's buffers start each
 #: parameter at a multiple of 64 elements and cut them at multiples of 64, so rows of 16 or 64 are never cut mid-row:
 #: 12 and 48 give every topology here a mid-row cut (64 gave TP 2 x DP 2 and DP 2 none)
@@ -66,23 +67,42 @@ def build(tp: int, pp: int, bf16: bool = False, vpp: int | None = None):
     from megatron.core.transformer import TransformerConfig
 
     cfg = TransformerConfig(
-        num_layers=_layers, hidden_size=HIDDEN, num_attention_heads=HEADS, ffn_hidden_size=FFN,
-        use_cpu_initialization=True, bias_dropout_fusion=False, masked_softmax_fusion=False, apply_rope_fusion=False,
-        add_bias_linear=False, gradient_accumulation_fusion=False, persist_layer_norm=False, hidden_dropout=0.0,
-        attention_dropout=0.0, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
-        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32)
+        num_layers=_layers,
+        hidden_size=HIDDEN,
+        num_attention_heads=HEADS,
+        ffn_hidden_size=FFN,
+        use_cpu_initialization=True,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        add_bias_linear=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
     chunks = []
-    for stage in (range(vpp) if vpp else (None,)):
-        model = GPTModel(cfg, get_gpt_layer_local_spec(), vocab_size=VOCAB, max_sequence_length=SEQ,
-                         pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                         post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                         share_embeddings_and_output_weights=False, **({} if stage is None else {"vp_stage": stage}))
+    for stage in range(vpp) if vpp else (None,):
+        model = GPTModel(
+            cfg,
+            get_gpt_layer_local_spec(),
+            vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            share_embeddings_and_output_weights=False,
+            **({} if stage is None else {"vp_stage": stage}),
+        )
         assert model.position_embedding_type == "learned_absolute" and cfg.hidden_size == SEQ and FFN == VOCAB
         if _edge:
             if model.pre_process:
-                model.register_parameter(EDGE["unused"],
-                                         torch.nn.Parameter(torch.randn(6, 5, dtype=cfg.params_dtype)))
+                model.register_parameter(EDGE["unused"], torch.nn.Parameter(torch.randn(6, 5, dtype=cfg.params_dtype)))
             for n, p in model.named_parameters():
                 if n in EDGE["frozen"]:
                     p.requires_grad_(False)
@@ -141,7 +161,7 @@ def reference(opt_name: str, dp: int):
                 for p in params:
                     p.grad = None
                 for k in range(MICRO):
-                    mb = x[(d * MICRO + k) * mbs:(d * MICRO + k + 1) * mbs]
+                    mb = x[(d * MICRO + k) * mbs : (d * MICRO + k + 1) * mbs]
                     pos = torch.arange(SEQ).unsqueeze(0).expand_as(mb)
                     (model(mb, pos, None, labels=torch.roll(mb, -1, 1)).float().mean() / MICRO).backward()
                 for t, p in zip(total, params):
@@ -150,8 +170,7 @@ def reference(opt_name: str, dp: int):
             for t, p in zip(total, params):
                 p.grad = t if p.requires_grad else None  # a trainable parameter the forward skipped: zeros
             opt.step()
-        return (init, {n: p.detach().clone() for n, p in model.named_parameters()}, rule_table(opt),
-                role_sources(opt))
+        return (init, {n: p.detach().clone() for n, p in model.named_parameters()}, rule_table(opt), role_sources(opt))
     finally:
         ps.destroy_model_parallel()
 
@@ -188,15 +207,15 @@ def setup(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, vpp: 
     """The (tp, pp, vpp) model from ``init`` under Megatron's DDP with the distributed optimizer (one DDP per
     chunk, as Megatron-LM wraps virtual stages), and shardopt's optimizer over every chunk of the stage."""
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig
 
     from shardopt.megatron import get_megatron_optimizer
 
     if not ps.model_parallel_is_initialized():
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                     virtual_pipeline_model_parallel_size=vpp)
+        ps.initialize_model_parallel(
+            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp
+        )
     torch.manual_seed(0)
     cfg, chunks = build(tp, pp, bf16, vpp)
     tp_rank = ps.get_tensor_model_parallel_rank()
@@ -209,16 +228,27 @@ def setup(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, vpp: 
         from megatron.core.transformer.module import Float16Module
 
         chunks = [Float16Module(cfg, c) for c in chunks]
-    ddps = [DistributedDataParallel(cfg, DistributedDataParallelConfig(use_distributed_optimizer=True,
-                                                                       grad_reduce_in_fp32=True), c,
-                                    disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)]
+    ddps = [
+        DistributedDataParallel(
+            cfg,
+            DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+            c,
+            disable_bucketing=i > 0,
+        )
+        for i, c in enumerate(chunks)
+    ]
     # what Megatron's training loop sets: the data-parallel gradient reduction after the last micro-batch
     cfg.finalize_model_grads_func = finalize_model_grads
     cfg.no_sync_func = [d.no_sync for d in ddps] if len(ddps) > 1 else ddps[0].no_sync
     hp, routing = hyperparameters(opt_name)
-    ocfg = OptimizerConfig(optimizer="adam", lr=hp.get("lr", 1e-3), use_distributed_optimizer=True, clip_grad=0.0,
-                           bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32)
+    ocfg = OptimizerConfig(
+        optimizer="adam",
+        lr=hp.get("lr", 1e-3),
+        use_distributed_optimizer=True,
+        clip_grad=0.0,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
     opt = get_megatron_optimizer(ocfg, ddps, opt_name, routing=routing, **hp)
     return ddps, opt
 
@@ -235,22 +265,33 @@ def train(ddps, opt, steps) -> None:
     for s in steps:
         x = batch(s)
         per = MICRO * mbs
-        mine = x[dp_rank * per:(dp_rank + 1) * per]
-        data = [mine[k * mbs:(k + 1) * mbs].to(_device) for k in range(MICRO)]
+        mine = x[dp_rank * per : (dp_rank + 1) * per]
+        data = [mine[k * mbs : (k + 1) * mbs].to(_device) for k in range(MICRO)]
         for d in ddps:
             d.zero_grad_buffer()
         opt.zero_grad()
-        fb(forward_step_func=forward_step, data_iterator=[iter(data) for _ in ddps], model=ddps,
-           num_microbatches=MICRO, seq_length=SEQ, micro_batch_size=mbs, forward_only=False)
+        fb(
+            forward_step_func=forward_step,
+            data_iterator=[iter(data) for _ in ddps],
+            model=ddps,
+            num_microbatches=MICRO,
+            seq_length=SEQ,
+            micro_batch_size=mbs,
+            forward_only=False,
+        )
         ok, _, _ = opt.step()
         assert ok
 
 
 def weights(ddps) -> dict:
     """This rank's parameters by global name: (values, tensor-parallel dimension or None)."""
-    return {n: (p.detach().float().cpu().clone(), int(p.partition_dim)
-                if getattr(p, "tensor_model_parallel", False) else None)
-            for n, p in global_named(ddps)}
+    return {
+        n: (
+            p.detach().float().cpu().clone(),
+            int(p.partition_dim) if getattr(p, "tensor_model_parallel", False) else None,
+        )
+        for n, p in global_named(ddps)
+    }
 
 
 def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, vpp: int | None = None):
@@ -266,9 +307,12 @@ def parallel(opt_name: str, tp: int, pp: int, init: dict, bf16: bool = False, vp
     parallel.stand_ins = len(opt._stand_ins)  # parameters this rank holds no piece of
     parallel.main_pieces = all(
         any(t is m for g in (opt.shard_fp32_groups + opt.shard_fp32_from_float16_groups) for m in g)
-        for t in opt.shardopt.stepped_tensors() if t.numel())
-    parallel.fp32_state = all(v.dtype == torch.float32 for st in opt.shardopt.state.values() for v in _tensors(st)
-                              if v.is_floating_point())
+        for t in opt.shardopt.stepped_tensors()
+        if t.numel()
+    )
+    parallel.fp32_state = all(
+        v.dtype == torch.float32 for st in opt.shardopt.state.values() for v in _tensors(st) if v.is_floating_point()
+    )
     return weights(ddps), rules, cuts, (ps.get_tensor_model_parallel_rank(), tp)
 
 
@@ -296,7 +340,8 @@ def dist_load(ddps, opt, path: str) -> None:
     model = unwrap(ddp)
     model_sd = model.sharded_state_dict()
     loaded = dist_checkpointing.load(
-        {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, path)
+        {"model": model_sd, "optimizer": opt.sharded_state_dict(model_sd, is_loading=True)}, path
+    )
     model.load_state_dict(loaded["model"], strict=False)
     opt.load_state_dict(loaded["optimizer"])
 
@@ -311,8 +356,9 @@ def compare(final: dict, ref: dict, tp_rank: int, tp_world: int) -> float:
     return t.item()
 
 
-def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str | None, fmt: str,
-                    bf16: bool = False) -> dict:
+def checkpoint_case(
+    opt_name: str, tp: int, pp: int, save: str | None, load: str | None, fmt: str, bf16: bool = False
+) -> dict:
     """``save``: train STEPS - 1 steps, write Megatron's distributed checkpoint and shardopt's file, train on; then a
     fresh model and optimizer load the distributed checkpoint and take the last step. ``load``: a fresh model and
     optimizer (any data-parallel size) load ``fmt`` ("dist", "shardopt" or "both", one after the other) from ``load``
@@ -337,7 +383,7 @@ def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str
             continuous = weights(ddps)
             out["continuous_diff"] = compare(continuous, ref, ps.get_tensor_model_parallel_rank(), tp)
             load, fmt = save, "dist"
-        for f in (("dist", "shardopt") if fmt == "both" else (fmt,)):
+        for f in ("dist", "shardopt") if fmt == "both" else (fmt,):
             ddps, opt = setup(opt_name, tp, pp, init, bf16)
             if f == "dist":
                 dist_load(ddps, opt, os.path.join(load, f"{opt_name}-dist"))
@@ -353,8 +399,9 @@ def checkpoint_case(opt_name: str, tp: int, pp: int, save: str | None, load: str
             ddps, opt = setup(opt_name, tp, pp, init, bf16)  # Megatron-LM's order: optimizer built, then loaded
             opt.load_state_dict(rank_state)
             train(ddps, opt, range(STEPS - 1, STEPS))
-            out["state_dict_resume_vs_continuous"] = compare(weights(ddps),
-                                                             {n: p for n, (p, _) in continuous.items()}, 0, 1)
+            out["state_dict_resume_vs_continuous"] = compare(
+                weights(ddps), {n: p for n, (p, _) in continuous.items()}, 0, 1
+            )
         return out
     finally:
         if ps.model_parallel_is_initialized():
@@ -378,25 +425,43 @@ def case(opt_name: str, tp: int, pp: int, bf16: bool = False, vpp: int | None = 
         wrong_sources = sorted(n for n, r in parallel.sources.items() if ref_sources.get(n) != r)
         # chunks holding decoder layers but not the output layer: where a head used to be guessed
         headless = sum(not h for h in parallel.heads)
-        stats = torch.tensor([diff, float(cuts), float(len(wrong)), float(parallel.stand_ins),
-                              float(not parallel.main_pieces), float(not parallel.fp32_state),
-                              float(len(wrong_sources)), float(headless), float(len(rules))])
+        stats = torch.tensor(
+            [
+                diff,
+                float(cuts),
+                float(len(wrong)),
+                float(parallel.stand_ins),
+                float(not parallel.main_pieces),
+                float(not parallel.fp32_state),
+                float(len(wrong_sources)),
+                float(headless),
+                float(len(rules)),
+            ]
+        )
         dist.all_reduce(stats[1:], op=dist.ReduceOp.SUM)
         seen = [None] * dist.get_world_size()
         dist.all_gather_object(seen, (rules, wrong, wrong_sources))
         covered = sorted(set().union(*(set(r) for r, _, _ in seen)))
         # every rank holding a parameter (tensor-parallel and data-parallel peers alike) gave it one role and rule
         agree = all(r[n] == other[n] for r, _, _ in seen for other, _, _ in seen for n in set(r) & set(other))
-        return {"max_abs_diff": stats[0].item(), "mid_row_cuts": int(stats[1].item()),
-                "wrong_rules": sorted({n: (ref_rules.get(n), r[n]) for r, w, _ in seen for n in w}.items()),
-                "n_wrong_rules": int(stats[2].item()), "covered": covered == sorted(ref_rules),
-                "stand_ins": int(stats[3].item()), "second_copies": int(stats[4].item()),
-                "non_fp32_state": int(stats[5].item()),
-                "wrong_sources": sorted({n for _, _, ws in seen for n in ws}),
-                "n_wrong_sources": int(stats[6].item()), "headless_chunks": int(stats[7].item()),
-                "roles_compared": int(stats[8].item()), "ranks_agree": agree,
-                "reference_roles": ref_rules, "reference_sources": ref_sources,
-                "rules": sorted(set(ref_rules.values()))}
+        return {
+            "max_abs_diff": stats[0].item(),
+            "mid_row_cuts": int(stats[1].item()),
+            "wrong_rules": sorted({n: (ref_rules.get(n), r[n]) for r, w, _ in seen for n in w}.items()),
+            "n_wrong_rules": int(stats[2].item()),
+            "covered": covered == sorted(ref_rules),
+            "stand_ins": int(stats[3].item()),
+            "second_copies": int(stats[4].item()),
+            "non_fp32_state": int(stats[5].item()),
+            "wrong_sources": sorted({n for _, _, ws in seen for n in ws}),
+            "n_wrong_sources": int(stats[6].item()),
+            "headless_chunks": int(stats[7].item()),
+            "roles_compared": int(stats[8].item()),
+            "ranks_agree": agree,
+            "reference_roles": ref_rules,
+            "reference_sources": ref_sources,
+            "rules": sorted(set(ref_rules.values())),
+        }
     finally:
         if ps.model_parallel_is_initialized():
             ps.destroy_model_parallel()
@@ -432,12 +497,23 @@ def main() -> None:
         faulthandler.dump_traceback_later(float(os.environ["SHARDOPT_TRACEBACK_AFTER"]), exit=True)
     records = []
     for name in args.optimizers.split(","):
-        rec = {"optimizer": name, "tp": args.tp, "pp": args.pp, "vpp": args.vpp, "layers": _layers,
-               "bf16": args.bf16, "edge": args.edge, "world_size": dist.get_world_size()}
+        rec = {
+            "optimizer": name,
+            "tp": args.tp,
+            "pp": args.pp,
+            "vpp": args.vpp,
+            "layers": _layers,
+            "bf16": args.bf16,
+            "edge": args.edge,
+            "world_size": dist.get_world_size(),
+        }
         if args.save or args.load:
             rec["format"] = args.format
-            record_case(records, rec, lambda: checkpoint_case(name, args.tp, args.pp, args.save, args.load,
-                                                              args.format, args.bf16))
+            record_case(
+                records,
+                rec,
+                lambda: checkpoint_case(name, args.tp, args.pp, args.save, args.load, args.format, args.bf16),
+            )
         else:
             record_case(records, rec, lambda: case(name, args.tp, args.pp, args.bf16, args.vpp))
     finish_worker(records, args.out)

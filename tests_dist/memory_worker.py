@@ -8,12 +8,12 @@ rows of a matrix touches all of its columns, so it needs the whole column vector
 low-rank, as in real use). Each record: bytes per rank, the planner's prediction per rank
 (``planned_state_elements``, which the scale benchmark relies on), and the single-process bytes.
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import io
-import json
 import logging
 import os
 import sys
@@ -22,12 +22,12 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
 import toy_models  # noqa: E402
+
 import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 from shardopt.optim.registry import OPTIMIZERS  # noqa: E402
 
 LM = toy_models.LMSetup(1024, 64, 176, 4, 8, 4)  # vocab, dim, ffn, blocks, seq, batch
@@ -80,6 +80,7 @@ def sharded(name: str, engine: str, strategy: str | None) -> tuple[int, int, int
     if engine == "fsdp2":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
+
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
@@ -91,9 +92,13 @@ def sharded(name: str, engine: str, strategy: str | None) -> tuple[int, int, int
             opt.step()
     else:
         kw = kwargs(name, strategy)
-        config = {"train_batch_size": BATCH * dist.get_world_size(), "train_micro_batch_size_per_gpu": BATCH,
-                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-                  "shardopt": {"optimizer": name, "params": kw}}
+        config = {
+            "train_batch_size": BATCH * dist.get_world_size(),
+            "train_micro_batch_size_per_gpu": BATCH,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2},
+            "shardopt": {"optimizer": name, "params": kw},
+        }
         eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
         opt = eng.optimizer.optimizer
         for s in range(2):
@@ -132,7 +137,7 @@ def main() -> None:
     for name in OPTIMIZERS:
         single = single_process_bytes(name)
         for engine in ("fsdp2", "zero2"):
-            for strategy in (("gather", "distributed", "team") if name in WHOLE_MATRIX else (None,)):
+            for strategy in ("gather", "distributed", "team") if name in WHOLE_MATRIX else (None,):
                 rec = {"optimizer": name, "engine": engine, "strategy": strategy, "single": single}
                 try:
                     with contextlib.redirect_stdout(io.StringIO()):

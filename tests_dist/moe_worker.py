@@ -15,6 +15,7 @@ parameters from the reference; then the run is saved (``engine.save_checkpoint``
 shardopt's logical state), loaded into a fresh engine and continued for ``STEPS`` more steps, and loaded into an
 engine at another ZeRO stage (through shardopt's logical state, experts keyed by global index) and continued.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -29,8 +30,8 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, record_case  # noqa: E402
 import shardopt  # noqa: E402
+from launch import finish_worker, record_case  # noqa: E402
 
 VOCAB, DIM, HIDDEN, SEQ = 61, 12, 16, 6
 EXPERTS, EP = 4, 2
@@ -39,8 +40,16 @@ STEPS = 3
 #: the ZeRO stage a checkpoint of each stage is reloaded at (shardopt's logical state, not DeepSpeed's files)
 RESHARD = {0: 1, 1: 2, 2: 1}
 PREFIX = "moe.deepspeed_moe.experts.deepspeed_experts"
-CASES = [("scale", None), ("racs", None), ("sumo", "gather"), ("sumo", "distributed"), ("alice", "gather"),
-         ("alice", "distributed"), ("asgo", "gather"), ("asgo", "distributed")]
+CASES = [
+    ("scale", None),
+    ("racs", None),
+    ("sumo", "gather"),
+    ("sumo", "distributed"),
+    ("alice", "gather"),
+    ("alice", "distributed"),
+    ("asgo", "gather"),
+    ("asgo", "distributed"),
+]
 HEAD = {"lm_head.weight": "matrix"}  # a dense matrix (world group) stepped beside the experts (expert groups)
 OPTIONS = {
     "scale": dict(lr=3e-3, adam_lr=3e-3),
@@ -111,7 +120,7 @@ def global_name(name: str, ep_rank: int) -> str:
     rank modulo ``EP`` without model parallelism)."""
     if not name.startswith(PREFIX + "."):
         return name
-    local, rest = name[len(PREFIX) + 1:].split(".", 1)
+    local, rest = name[len(PREFIX) + 1 :].split(".", 1)
     return f"{PREFIX}.{ep_rank * (EXPERTS // EP) + int(local)}.{rest}"
 
 
@@ -147,16 +156,25 @@ def engine(name: str, strategy: str | None, stage: int):
 
     ref = dict(reference_model().named_parameters())
     torch.manual_seed(0)
-    model = Net(MoE(DIM, expert(), num_experts=EXPERTS, ep_size=EP, k=1, drop_tokens=False, use_rts=False,
-                    min_capacity=0))
+    model = Net(
+        MoE(DIM, expert(), num_experts=EXPERTS, ep_size=EP, k=1, drop_tokens=False, use_rts=False, min_capacity=0)
+    )
     with torch.no_grad():  # DeepSpeed copies one expert module: give each expert its reference weights
         for n, p in model.named_parameters():
             p.copy_(ref[global_name(n, dist.get_rank() % EP)])
     kw = options(name, strategy)
-    config = {"train_batch_size": MICRO * ACCUM * dist.get_world_size(), "train_micro_batch_size_per_gpu": MICRO,
-              "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-              "shardopt": {"optimizer": name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                           "routing": kw.get("routing", {})}}
+    config = {
+        "train_batch_size": MICRO * ACCUM * dist.get_world_size(),
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "shardopt": {
+            "optimizer": name,
+            "params": {k: v for k, v in kw.items() if k != "routing"},
+            "routing": kw.get("routing", {}),
+        },
+    }
     eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
     return eng
 
@@ -174,8 +192,10 @@ def train(eng, first: int, steps: int) -> None:
 def diff(eng, want: dict[str, torch.Tensor]) -> float:
     """Largest difference over this rank's parameters (its experts by global index), the most over all ranks."""
     ep_rank = dist.get_rank() % EP
-    worst = max(float((p.detach().float() - want[global_name(n, ep_rank)]).abs().max())
-                for n, p in eng.module.named_parameters())
+    worst = max(
+        float((p.detach().float() - want[global_name(n, ep_rank)]).abs().max())
+        for n, p in eng.module.named_parameters()
+    )
     t = torch.tensor(worst, dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
@@ -217,8 +237,12 @@ def main() -> None:
     records = []
     for name, strategy in cases:
         for stage in (int(s) for s in args.stages.split(",")):
-            rec = {"optimizer": name, "strategy": strategy, "engine": f"zero{stage}_ep{EP}",
-                   "world_size": dist.get_world_size()}
+            rec = {
+                "optimizer": name,
+                "strategy": strategy,
+                "engine": f"zero{stage}_ep{EP}",
+                "world_size": dist.get_world_size(),
+            }
             root = [tempfile.mkdtemp(prefix="shardopt_moe_") if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(root, src=0)
             record_case(records, rec, lambda: case(name, strategy, stage, root[0]))

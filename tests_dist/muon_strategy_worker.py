@@ -1,5 +1,6 @@
 """Muon under each whole-matrix strategy on FSDP2 row and column shards vs the single-process run
 (``test_muon_strategies.py``): fp32 and bf16 Newton-Schulz, collective calls per kind."""
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,12 @@ def run(kind: str, strategy: str, ns_dtype: str, n_copies: int = 1) -> tuple[lis
         ps = [torch.nn.Parameter(distribute_tensor(w, mesh, place)) for w in init]
     # "tf32": the iteration's products in TF32 (matrix_ops.precision; emulated on the CPU by operand rounding)
     precision = {"precision": "tf32"} if ns_dtype == "tf32" else {}
-    opt = Muon([(f"w{i}", p) for i, p in enumerate(ps)], lr=0.05, matrix_ops={"strategy": strategy, **precision},
-               ns_dtype="auto" if precision else ns_dtype)
+    opt = Muon(
+        [(f"w{i}", p) for i, p in enumerate(ps)],
+        lr=0.05,
+        matrix_ops={"strategy": strategy, **precision},
+        ns_dtype="auto" if precision else ns_dtype,
+    )
     for gs in grads:
         for p, g in zip(ps, gs):
             p.grad = g if kind == "single" else distribute_tensor(g, p.device_mesh, p.placements)
@@ -55,9 +60,17 @@ def main() -> None:
                 with contextlib.redirect_stdout(io.StringIO()):
                     out, kinds, calls = run(kind, strategy, ns_dtype)
                     _, _, calls3 = run(kind, strategy, ns_dtype, n_copies=3)
-                records.append({"ns_dtype": ns_dtype, "layout": kind, "strategy": strategy, "kinds": kinds,
-                                "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(out, ref)),
-                                "calls": calls, "calls_3x": calls3})
+                records.append(
+                    {
+                        "ns_dtype": ns_dtype,
+                        "layout": kind,
+                        "strategy": strategy,
+                        "kinds": kinds,
+                        "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(out, ref)),
+                        "calls": calls,
+                        "calls_3x": calls3,
+                    }
+                )
     finish_worker(records, args.out)
 
 

@@ -9,6 +9,7 @@ FLOPs (``sharding.op_census``) beside the single process's and the plan's own co
 move beside ``MatrixOps.modeled_payload`` (with the step count the split roots took), and the parameters after
 the steps beside one process's.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,10 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
 import toy_models  # noqa: E402
+
 import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 from shardopt.sharding import iterative  # noqa: E402
 from shardopt.sharding.op_census import OpCensus, census  # noqa: E402
 from shardopt.sharding.state_split import moving_numel  # noqa: E402
@@ -43,8 +45,7 @@ TAGS = ("gather", "realign", "distributed", "state")
 def as_node_ranks() -> None:
     """The environment of a two-node torchrun launch (``launch/multinode.sh``): 2 processes per node."""
     rank = dist.get_rank()
-    os.environ.update(LOCAL_WORLD_SIZE=str(PER_NODE), LOCAL_RANK=str(rank % PER_NODE),
-                      GROUP_RANK=str(rank // PER_NODE))
+    os.environ.update(LOCAL_WORLD_SIZE=str(PER_NODE), LOCAL_RANK=str(rank % PER_NODE), GROUP_RANK=str(rank // PER_NODE))
 
 
 def full(model) -> list[torch.Tensor]:
@@ -67,7 +68,11 @@ def run(name: str, strategy: str | None) -> dict:
         for b in model.blocks:
             fully_shard(b, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        kw["matrix_ops"] = {"strategy": strategy, "profile": PROFILE, **({"team_size": 2} if strategy == "team" else {})}
+        kw["matrix_ops"] = {
+            "strategy": strategy,
+            "profile": PROFILE,
+            **({"team_size": 2} if strategy == "team" else {}),
+        }
     opt = shardopt.create_optimizer(model, name, **kw)
     work = OpCensus()
     timing = opt.whole_matrix_timing

@@ -16,6 +16,7 @@ rounding: 80% before the precision-aware cutoff); each rule at its defaults (SUM
 matrix). ``llama``: the tiny LLaMA with ``hf_worker.HP`` (64 tokens a step: full-rank gradients).
 ``--no-cutoff`` runs SUMO with its fp32 cutoff whatever the gradients' precision (to show what the cutoff does).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -50,26 +51,38 @@ def spread_batch(step: int, lo: int, hi: int, dtype: torch.dtype) -> tuple[torch
     g = torch.Generator().manual_seed(500 + step)
     x, y = torch.randn(SPREAD_SAMPLES, 24, generator=g), torch.randn(SPREAD_SAMPLES, 8, generator=g)
     return x[lo:hi].to(DEVICE, dtype), y[lo:hi].to(DEVICE, dtype)
+
+
 #: where the model computes: the CPU (gloo, the tests), or each rank's GPU with ``--backend nccl``
 #: (benchmarks/gpu_checks.sh: the optimizer's partitions in CPU memory, its collectives on NCCL)
 DEVICE = torch.device("cpu")
 
 
 def offload_config(engine: str, batch: int) -> dict:
-    zero: dict = {"stage": 3 if engine.startswith("zero3") else 2, "overlap_comm": False,
-                  "offload_optimizer": {"device": "cpu"}}
+    zero: dict = {
+        "stage": 3 if engine.startswith("zero3") else 2,
+        "overlap_comm": False,
+        "offload_optimizer": {"device": "cpu"},
+    }
     if engine == "zero3p":
         zero["offload_param"] = {"device": "cpu"}
-    return {"train_micro_batch_size_per_gpu": batch, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-            "zero_optimization": zero}
+    return {
+        "train_micro_batch_size_per_gpu": batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,
+        "zero_optimization": zero,
+    }
 
 
 def _partition_device(opt: object) -> str:
     from shardopt.integrations.accelerate import unwrap_optimizer
 
     inner = unwrap_optimizer(opt)
-    tensors = [t for t, _ in getattr(inner, "_attached", {}).values()] if isinstance(
-        getattr(inner, "_attached", None), dict) else []
+    tensors = (
+        [t for t, _ in getattr(inner, "_attached", {}).values()]
+        if isinstance(getattr(inner, "_attached", None), dict)
+        else []
+    )
     if not tensors:
         tensors = [p for g in inner.param_groups for p in g["params"]] if inner is not None else []
     return ",".join(sorted({t.device.type for t in tensors})) or "?"
@@ -84,7 +97,7 @@ def offload_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]
     def train(model, step_fn, backward) -> None:
         for step in range(args.steps):
             lo = (step * world + rank) * args.batch
-            ids = torch.stack([c["input_ids"] for c in data[lo:lo + args.batch]]).to(DEVICE)
+            ids = torch.stack([c["input_ids"] for c in data[lo : lo + args.batch]]).to(DEVICE)
             backward(model(input_ids=ids, labels=ids).loss)
             step_fn()
 
@@ -94,8 +107,11 @@ def offload_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]
         cfg["shardopt"] = {"optimizer": args.optimizer, "params": HP[args.optimizer]}
         engine, opt, _, _ = shardopt.deepspeed.initialize(model=tiny_model(), config=cfg)
         train(engine, engine.step, engine.backward)
-        meta.update(describe_engine(engine, opt), stepped=type(engine.optimizer.optimizer).__name__,
-                    force_key=engine._config.zero_force_ds_cpu_optimizer)
+        meta.update(
+            describe_engine(engine, opt),
+            stepped=type(engine.optimizer.optimizer).__name__,
+            force_key=engine._config.zero_force_ds_cpu_optimizer,
+        )
         return full_params(engine.module)
     if args.api == "accelerate":
         from accelerate import Accelerator
@@ -119,13 +135,29 @@ def offload_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]
 
     import shardopt.integrations.transformers as hf
 
-    cfg = {**cfg, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
-           "gradient_clipping": "auto", "shardopt": {"optimizer": args.optimizer, "params": HP[args.optimizer]}}
+    cfg = {
+        **cfg,
+        "train_micro_batch_size_per_gpu": "auto",
+        "gradient_accumulation_steps": "auto",
+        "gradient_clipping": "auto",
+        "shardopt": {"optimizer": args.optimizer, "params": HP[args.optimizer]},
+    }
     targs = TrainingArguments(
-        output_dir=os.path.join(args.dir, args.optimizer), per_device_train_batch_size=args.batch,
-        max_steps=args.steps, report_to="none", max_grad_norm=0.0, train_sampling_strategy="sequential",
-        lr_scheduler_type="constant", save_strategy="no", logging_steps=1000, dataloader_drop_last=True, seed=0,
-        disable_tqdm=True, use_cpu=True, deepspeed=cfg)
+        output_dir=os.path.join(args.dir, args.optimizer),
+        per_device_train_batch_size=args.batch,
+        max_steps=args.steps,
+        report_to="none",
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        logging_steps=1000,
+        dataloader_drop_last=True,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        deepspeed=cfg,
+    )
     trainer = Trainer(model=tiny_model(), args=targs, train_dataset=samples())
     hf.enable(trainer)
     trainer.train()
@@ -142,7 +174,7 @@ def reference(name: str, steps: int, batch: int) -> dict[str, torch.Tensor]:
     opt = shardopt.create_optimizer(model, name, **HP[name])
     data = samples()
     for step in range(steps):
-        ids = torch.stack([c["input_ids"] for c in data[step * batch:(step + 1) * batch]])
+        ids = torch.stack([c["input_ids"] for c in data[step * batch : (step + 1) * batch]])
         model(input_ids=ids, labels=ids).loss.backward()
         opt.step()
         opt.zero_grad()
@@ -171,27 +203,39 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kw = {"mesh": init_device_mesh("cpu", (ws,)),
-              "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
-        for layer in ([model.fc1, model.fc2] if mlp else model.model.layers):
+        kw = {
+            "mesh": init_device_mesh("cpu", (ws,)),
+            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
+        }
+        for layer in [model.fc1, model.fc2] if mlp else model.model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if adamw else \
-            shardopt.create_optimizer(model, args.optimizer, **hp)
+        opt = (
+            torch.optim.AdamW(model.parameters(), lr=1e-2)
+            if adamw
+            else shardopt.create_optimizer(model, args.optimizer, **hp)
+        )
         engine, backward = model, lambda loss: loss.backward()
 
         def step() -> None:
             opt.step()
             opt.zero_grad()
     else:
-        cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
-               "bf16": {"enabled": True},
-               "zero_optimization": {"stage": int(args.engine[4]), "overlap_comm": False}}
+        cfg = {
+            "train_micro_batch_size_per_gpu": micro,
+            "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0,
+            "bf16": {"enabled": True},
+            "zero_optimization": {"stage": int(args.engine[4]), "overlap_comm": False},
+        }
         if adamw:
             import deepspeed
 
-            engine, opt, _, _ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(
-                model.parameters(), lr=1e-2), config={**cfg, "zero_allow_untested_optimizer": True})
+            engine, opt, _, _ = deepspeed.initialize(
+                model=model,
+                optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                config={**cfg, "zero_allow_untested_optimizer": True},
+            )
         else:
             import shardopt.deepspeed
 
@@ -205,7 +249,7 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
             loss = torch.nn.functional.mse_loss(out.float(), y.float())
         else:
             lo = s * SPREAD_SAMPLES + rank * micro
-            ids = torch.stack([c["input_ids"] for c in data[lo:lo + micro]])
+            ids = torch.stack([c["input_ids"] for c in data[lo : lo + micro]])
             loss = engine(input_ids=ids, labels=ids).loss
         backward(loss)
         step()
@@ -228,8 +272,12 @@ def main() -> None:
     ap.add_argument("--optimizer", default="scale", help="comma-separated optimizers")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=2, help="per-device batch (offload mode)")
-    ap.add_argument("--reference", action="store_true", help="rank 0 also runs the single-process reference of each "
-                    "optimizer (offload mode; hf_worker.reference: the same global batches), under 'reference.<name>'")
+    ap.add_argument(
+        "--reference",
+        action="store_true",
+        help="rank 0 also runs the single-process reference of each "
+        "optimizer (offload mode; hf_worker.reference: the same global batches), under 'reference.<name>'",
+    )
     ap.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="spread mode's model")
     ap.add_argument("--no-cutoff", action="store_true", help="spread mode: SUMO keeps its fp32 cutoff in bf16")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")

@@ -5,6 +5,7 @@ model for ``STEPS`` steps on the engine, rebuilds full parameters, and compares 
 run of the same optimizer on the same global batches (computed locally on every rank). Rank 0 writes one
 JSON record per case: max abs difference, loss curve, collective counts.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,11 +23,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-import shardopt  # noqa: E402
-from shardopt.sharding import collective_counter  # noqa: E402
-from shardopt.sharding import iterative  # noqa: E402
-from launch import finish_worker  # noqa: E402
 from toy_models import GLOBAL_BATCH, batch, loss_fn, make_model  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
+from shardopt.sharding import (
+    collective_counter,  # noqa: E402
+    iterative,  # noqa: E402
+)
 
 STEPS = 6
 OPTIMIZERS = {
@@ -41,12 +45,29 @@ OPTIMIZERS = {
     # refresh intervals of 2 over 6 steps: ASGO reuses a stale root, SUMO refreshes 3 times, Alice switches 4
     # times; the other suites (checkpoint, reliability, engines) run each with a different default strategy
     "asgo": dict(lr=0.01, refresh_interval=2, routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
-    "sumo": dict(lr=0.02, rank=2, refresh_interval=2, matrix_ops={"strategy": "gather"},
-                 routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
-    "alice": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "distributed"},
-                  routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
-    "alice0": dict(lr=0.02, rank=3, leading=1, refresh_interval=2, matrix_ops={"strategy": "team", "team_size": 2},
-                   routing={"embed.weight": "matrix", "lm_head.weight": "matrix"}),
+    "sumo": dict(
+        lr=0.02,
+        rank=2,
+        refresh_interval=2,
+        matrix_ops={"strategy": "gather"},
+        routing={"embed.weight": "matrix", "lm_head.weight": "matrix"},
+    ),
+    "alice": dict(
+        lr=0.02,
+        rank=3,
+        leading=1,
+        refresh_interval=2,
+        matrix_ops={"strategy": "distributed"},
+        routing={"embed.weight": "matrix", "lm_head.weight": "matrix"},
+    ),
+    "alice0": dict(
+        lr=0.02,
+        rank=3,
+        leading=1,
+        refresh_interval=2,
+        matrix_ops={"strategy": "team", "team_size": 2},
+        routing={"embed.weight": "matrix", "lm_head.weight": "matrix"},
+    ),
 }
 #: optimizers whose whole-matrix work runs under every strategy: the parity matrix runs each (``team``: teams of
 #: two ranks; "distributed" last, the strategy of the collective-count check); Muon's own suite
@@ -65,6 +86,8 @@ def options(opt_name: str, strategy: str | None = None) -> dict:
     if strategy is not None:
         kw["matrix_ops"] = {"strategy": strategy, **({"team_size": TEAM_SIZE} if strategy == "team" else {})}
     return kw
+
+
 N_BLOCKS = 1  # the collective-count check reruns cases with more matrices
 CONFIG_FILE = os.path.join(os.path.dirname(__file__), "..", "configs", "deepspeed", "zero2_scale.json")
 LAYOUTS = ["ddp", "fsdp2_rows", "fsdp2_cols", "zero0", "zero1", "zero2", "zero2_rr", "zero3"]
@@ -88,7 +111,7 @@ def reference(opt_name: str, steps: int = STEPS) -> tuple[dict[str, torch.Tensor
 def local_batch(step: int) -> torch.Tensor:
     ws, rank = dist.get_world_size(), dist.get_rank()
     per = GLOBAL_BATCH // ws
-    return batch(step)[rank * per:(rank + 1) * per]
+    return batch(step)[rank * per : (rank + 1) * per]
 
 
 def run_ddp(opt_name: str, strategy: str | None = None) -> tuple[dict, list, list]:
@@ -100,7 +123,9 @@ def run_ddp(opt_name: str, strategy: str | None = None) -> tuple[dict, list, lis
     return _train(ddp, opt, lambda: {n: p.detach().clone() for n, p in model.named_parameters()})
 
 
-def run_fsdp2(opt_name: str, cols: bool = False, bf16: bool = False, strategy: str | None = None) -> tuple[dict, list, list]:
+def run_fsdp2(
+    opt_name: str, cols: bool = False, bf16: bool = False, strategy: str | None = None
+) -> tuple[dict, list, list]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
@@ -120,8 +145,9 @@ def run_fsdp2(opt_name: str, cols: bool = False, bf16: bool = False, strategy: s
     return _train(model, opt, lambda: {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()})
 
 
-def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = False,
-             strategy: str | None = None) -> tuple[dict, list, list]:
+def run_zero(
+    opt_name: str, stage: int, round_robin: bool = False, bf16: bool = False, strategy: str | None = None
+) -> tuple[dict, list, list]:
     from deepspeed import zero
 
     ws = dist.get_world_size()
@@ -133,8 +159,11 @@ def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = 
         "gradient_accumulation_steps": 1,
         "gradient_clipping": 0.0,
         "zero_optimization": {"stage": stage},
-        "shardopt": {"optimizer": opt_name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                     "routing": kw.get("routing", {})},
+        "shardopt": {
+            "optimizer": opt_name,
+            "params": {k: v for k, v in kw.items() if k != "routing"},
+            "routing": kw.get("routing", {}),
+        },
     }
     if round_robin:
         config["zero_optimization"]["round_robin_gradients"] = True
@@ -150,6 +179,7 @@ def run_zero(opt_name: str, stage: int, round_robin: bool = False, bf16: bool = 
                 return {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
         if bf16:  # fp32 masters live in the flat partitions: gather them through the hp mapping
             from deepspeed.utils import safe_get_full_fp32_param
+
             return {n: safe_get_full_fp32_param(p).clone() for n, p in engine.module.named_parameters()}
         return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
 
@@ -186,14 +216,18 @@ def run_config_file() -> dict:
     micro = engine.train_micro_batch_size_per_gpu()
     losses = []
     for s in range(STEPS):
-        x = batch(s, micro * dist.get_world_size())[dist.get_rank() * micro:(dist.get_rank() + 1) * micro]
+        x = batch(s, micro * dist.get_world_size())[dist.get_rank() * micro : (dist.get_rank() + 1) * micro]
         loss = loss_fn(engine, x)
         engine.backward(loss)
         engine.step()
         losses.append(loss.item())
-    return {"optimizer_class": type(opt).__name__ if not hasattr(engine.optimizer, "optimizer")
-            else type(engine.optimizer.optimizer).__name__,
-            "zero_stage": engine.zero_optimization_stage(), "losses": losses}
+    return {
+        "optimizer_class": type(opt).__name__
+        if not hasattr(engine.optimizer, "optimizer")
+        else type(engine.optimizer.optimizer).__name__,
+        "zero_stage": engine.zero_optimization_stage(),
+        "losses": losses,
+    }
 
 
 LAST_OPTIMIZER = None
@@ -214,12 +248,20 @@ def plan_summary(opt) -> list[dict]:
             continue
         for name, kind, plan in zip(ops.names, ops.kinds, ops.plans):
             lay = plan.layout
-            recv = max((sum(plan.moved(s, d) for s in range(lay.world) if s != d) for d in range(lay.world)),
-                       default=0)
+            recv = max((sum(plan.moved(s, d) for s in range(lay.world) if s != d) for d in range(lay.world)), default=0)
             rows, cols = plan.a_shape
             from shardopt.sharding.layout import ColPiece
-            out.append(dict(name=name, kind=kind, max_received=recv, numel=rows * cols, a_cols=cols,
-                            along=isinstance(lay.pieces[0], ColPiece) == plan.transpose))
+
+            out.append(
+                dict(
+                    name=name,
+                    kind=kind,
+                    max_received=recv,
+                    numel=rows * cols,
+                    a_cols=cols,
+                    along=isinstance(lay.pieces[0], ColPiece) == plan.transpose,
+                )
+            )
     return out
 
 
@@ -243,12 +285,21 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--optimizers", default=",".join(OPTIMIZERS))
     ap.add_argument("--layouts", default=",".join(LAYOUTS + BF16_LAYOUTS))
-    ap.add_argument("--strategy-layouts", default=None,
-                    help="layouts on which the strategies after an optimizer's first run (default: every layout)")
-    ap.add_argument("--count-blocks", default="1,6",
-                    help="block counts for the collective-count check (fsdp2_rows and zero2, no comparison)")
-    ap.add_argument("--iterative", action="store_true",
-                    help="CUDA's iterative routes (no eigh/svd/qr between refreshes) for the runs and the reference")
+    ap.add_argument(
+        "--strategy-layouts",
+        default=None,
+        help="layouts on which the strategies after an optimizer's first run (default: every layout)",
+    )
+    ap.add_argument(
+        "--count-blocks",
+        default="1,6",
+        help="block counts for the collective-count check (fsdp2_rows and zero2, no comparison)",
+    )
+    ap.add_argument(
+        "--iterative",
+        action="store_true",
+        help="CUDA's iterative routes (no eigh/svd/qr between refreshes) for the runs and the reference",
+    )
     args = ap.parse_args()
     with iterative.forced(True) if args.iterative else contextlib.nullcontext():
         run_all(args)
@@ -264,9 +315,13 @@ def run_all(args: argparse.Namespace) -> None:
         ref, ref_losses = reference(opt_name)
         strategies = [s for s in STRATEGIES.get(opt_name, (None,)) if s != "team" or ws >= TEAM_WORLD]
         others = set(args.strategy_layouts.split(",")) if args.strategy_layouts else None
-        cases = [(layout, s) for layout in args.layouts.split(",") for s in strategies
-                 if (s == strategies[-1] or layout not in BF16_LAYOUTS)  # bf16 runs once (the last) per optimizer
-                 and (s == strategies[0] or others is None or layout in others or layout in BF16_LAYOUTS)]
+        cases = [
+            (layout, s)
+            for layout in args.layouts.split(",")
+            for s in strategies
+            if (s == strategies[-1] or layout not in BF16_LAYOUTS)  # bf16 runs once (the last) per optimizer
+            and (s == strategies[0] or others is None or layout in others or layout in BF16_LAYOUTS)
+        ]
         for layout, strategy in cases:
             t0 = time.time()
             rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "strategy": strategy}
@@ -275,11 +330,17 @@ def run_all(args: argparse.Namespace) -> None:
                 with contextlib.redirect_stdout(io.StringIO()):
                     params, losses, calls = run_case(opt_name, layout, strategy)
                 diff = max((params[n].float() - ref[n]).abs().max().item() for n in ref)
-                rec.update(max_abs_diff=diff, losses=losses, ref_losses=ref_losses, collective_calls=calls,
-                           comm_stats=_inner(LAST_OPTIMIZER).comm_stats(),
-                           matrix_numel={n: p.numel() for n, p in ref.items() if p.dim() == 2},
-                           plans=plan_summary(_inner(LAST_OPTIMIZER)), routed=iterative.routed_counts(),
-                           fallbacks=iterative.fallback_counts(reset=True))
+                rec.update(
+                    max_abs_diff=diff,
+                    losses=losses,
+                    ref_losses=ref_losses,
+                    collective_calls=calls,
+                    comm_stats=_inner(LAST_OPTIMIZER).comm_stats(),
+                    matrix_numel={n: p.numel() for n, p in ref.items() if p.dim() == 2},
+                    plans=plan_summary(_inner(LAST_OPTIMIZER)),
+                    routed=iterative.routed_counts(),
+                    fallbacks=iterative.fallback_counts(reset=True),
+                )
             except Exception:  # record and go on: the other ranks raise the same way
                 rec["error"] = traceback.format_exc()
             rec["seconds"] = round(time.time() - t0, 2)
@@ -292,8 +353,14 @@ def run_all(args: argparse.Namespace) -> None:
             for nb in (int(b) for b in args.count_blocks.split(",") if b):
                 N_BLOCKS = nb
                 strategy = STRATEGIES.get(opt_name, (None,))[-1]
-                rec = {"optimizer": opt_name, "layout": layout, "world_size": ws, "n_blocks": nb, "kind": "count",
-                       "strategy": strategy}
+                rec = {
+                    "optimizer": opt_name,
+                    "layout": layout,
+                    "world_size": ws,
+                    "n_blocks": nb,
+                    "kind": "count",
+                    "strategy": strategy,
+                }
                 try:
                     with contextlib.redirect_stdout(io.StringIO()):
                         _, _, calls = run_case(opt_name, layout, strategy)

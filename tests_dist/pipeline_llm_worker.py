@@ -14,6 +14,7 @@ Each case: the rules of every stage (``describe()``) gathered and compared with 
 with one process on the whole batch, then a save (``engine.save_checkpoint``), a fresh engine that loads it and
 runs 3 more steps compared with the first engine continued (resume) and with one process (6 steps).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,10 +29,11 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, record_case, shared_tempdir  # noqa: E402
-import shardopt  # noqa: E402
 from layout_options import OPTIONS  # noqa: E402
 from tp_llm_worker import DIM, VOCAB, Block  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker, record_case, shared_tempdir  # noqa: E402
 
 SEQ, MICRO, ACCUM, DP = 16, 2, 2, 2
 GLOBAL = MICRO * ACCUM * DP
@@ -123,9 +125,14 @@ def engine(name: str, tied: bool, clip: float = 0.0):
     with torch.no_grad():
         for n, p in model.named_parameters():
             p.copy_(start[n])
-    config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO,
-              "gradient_accumulation_steps": ACCUM, "gradient_clipping": clip, "zero_optimization": {"stage": 1},
-              "shardopt": {"optimizer": name, "params": OPTIONS[name]}}
+    config = {
+        "train_batch_size": GLOBAL,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": clip,
+        "zero_optimization": {"stage": 1},
+        "shardopt": {"optimizer": name, "params": OPTIONS[name]},
+    }
     eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
     return eng
 
@@ -149,8 +156,7 @@ def params(eng) -> dict[str, torch.Tensor]:
 
 def worst(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
     """Largest difference over this stage's parameters, the most over all ranks."""
-    t = torch.tensor(max((float((p - want[n]).abs().max()) for n, p in got.items()), default=0.0),
-                     dtype=torch.float64)
+    t = torch.tensor(max((float((p - want[n]).abs().max()) for n, p in got.items()), default=0.0), dtype=torch.float64)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
 
@@ -168,9 +174,15 @@ def case(name: str, tied: bool, root: str, clip: float = 0.0) -> dict:
     dist.all_gather_object(groups, len(opt._groups()))
     norms: list = [None] * dist.get_world_size()
     dist.all_gather_object(norms, train(eng, 0, STEPS))
-    out = {"rules": got_rules, "same_rules": got_rules == want_rules, "groups_per_rank": groups,
-           "table": table.splitlines(), "one_process_table": want_table.splitlines(),
-           "max_abs_diff": worst(params(eng), want), "grad_norms": norms}
+    out = {
+        "rules": got_rules,
+        "same_rules": got_rules == want_rules,
+        "groups_per_rank": groups,
+        "table": table.splitlines(),
+        "one_process_table": want_table.splitlines(),
+        "max_abs_diff": worst(params(eng), want),
+        "grad_norms": norms,
+    }
     mine = {n: float((p - want[n]).abs().max()) for n, p in params(eng).items()}
     per_param: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_param, mine)

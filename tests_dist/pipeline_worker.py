@@ -8,6 +8,7 @@ rank reports the largest difference of its stage's parameters from the reference
 (``engine.save_checkpoint``: DeepSpeed's files per stage and shardopt's logical state), loaded into a fresh
 engine and continued for ``STEPS`` more steps, against the reference trained ``2 x STEPS`` steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,16 +23,24 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, record_case  # noqa: E402
 import shardopt  # noqa: E402
+from launch import finish_worker, record_case  # noqa: E402
 
 VOCAB, DIM, HIDDEN, SEQ = 13, 12, 20, 9
 MICRO, ACCUM, DP = 2, 2, 2
 GLOBAL = MICRO * ACCUM * DP
 STEPS = 3
 #: the issue's optimizers; whole-matrix ones under each strategy that moves data differently
-CASES = [("scale", None), ("racs", None), ("sumo", "gather"), ("sumo", "distributed"), ("alice", "gather"),
-         ("alice", "distributed"), ("asgo", "gather"), ("asgo", "distributed")]
+CASES = [
+    ("scale", None),
+    ("racs", None),
+    ("sumo", "gather"),
+    ("sumo", "distributed"),
+    ("alice", "gather"),
+    ("alice", "distributed"),
+    ("asgo", "gather"),
+    ("asgo", "distributed"),
+]
 MATRIX = {"0.weight": "matrix", "5.weight": "matrix"}  # embedding and head take the matrix rule too
 OPTIONS = {
     "scale": dict(lr=3e-3, adam_lr=3e-3, routing={"5.weight": "lm_head"}),  # the head: its stage has no embedding
@@ -51,8 +60,14 @@ class Head(nn.Linear):
 
 def layers() -> list[nn.Module]:
     torch.manual_seed(0)
-    return [nn.Embedding(VOCAB, DIM), nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, DIM), nn.LayerNorm(DIM),
-            Head()]
+    return [
+        nn.Embedding(VOCAB, DIM),
+        nn.Linear(DIM, HIDDEN),
+        nn.Tanh(),
+        nn.Linear(HIDDEN, DIM),
+        nn.LayerNorm(DIM),
+        Head(),
+    ]
 
 
 def loss_fn(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -87,7 +102,7 @@ def micro_batches(step: int, dp_rank: int) -> list[tuple[torch.Tensor, torch.Ten
     """This data-parallel rank's ``ACCUM`` micro-batches of the step (a contiguous share of the global batch)."""
     tokens, labels = global_batch(step)
     per = GLOBAL // DP
-    t, y = tokens[dp_rank * per:(dp_rank + 1) * per], labels[dp_rank * per:(dp_rank + 1) * per]
+    t, y = tokens[dp_rank * per : (dp_rank + 1) * per], labels[dp_rank * per : (dp_rank + 1) * per]
     return list(zip(t.chunk(ACCUM), y.chunk(ACCUM)))
 
 
@@ -96,10 +111,18 @@ def engine(name: str, strategy: str | None, stage: int):
 
     model = PipelineModule(layers=layers(), num_stages=2, loss_fn=loss_fn, partition_method="uniform")
     kw = options(name, strategy)
-    config = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": MICRO,
-              "gradient_accumulation_steps": ACCUM, "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-              "shardopt": {"optimizer": name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                           "routing": kw.get("routing", {})}}
+    config = {
+        "train_batch_size": GLOBAL,
+        "train_micro_batch_size_per_gpu": MICRO,
+        "gradient_accumulation_steps": ACCUM,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "shardopt": {
+            "optimizer": name,
+            "params": {k: v for k, v in kw.items() if k != "routing"},
+            "routing": kw.get("routing", {}),
+        },
+    }
     eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
     return eng
 
@@ -125,8 +148,10 @@ def diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> float:
 def case(name: str, strategy: str | None, stage: int, ckpt_root: str) -> dict:
     eng = engine(name, strategy, stage)
     train(eng, 0, STEPS)
-    out = {"max_abs_diff": diff(stage_params(eng), reference(name, strategy, STEPS)),
-           "stage_params": sorted(n for n, _ in eng.module.named_parameters())}
+    out = {
+        "max_abs_diff": diff(stage_params(eng), reference(name, strategy, STEPS)),
+        "stage_params": sorted(n for n, _ in eng.module.named_parameters()),
+    }
     eng.save_checkpoint(ckpt_root, tag="pp")
     resumed = engine(name, strategy, stage)
     resumed.load_checkpoint(ckpt_root, tag="pp")
@@ -148,7 +173,12 @@ def main() -> None:
     records = []
     for name, strategy in cases:
         for stage in (1,):  # DeepSpeed runs pipelines under ZeRO-0/1 only
-            rec = {"optimizer": name, "strategy": strategy, "engine": f"zero{stage}_pp2", "world_size": dist.get_world_size()}
+            rec = {
+                "optimizer": name,
+                "strategy": strategy,
+                "engine": f"zero{stage}_pp2",
+                "world_size": dist.get_world_size(),
+            }
             root = [tempfile.mkdtemp(prefix="shardopt_pp_") if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(root, src=0)
             record_case(records, rec, lambda: case(name, strategy, stage, root[0]))

@@ -17,6 +17,7 @@ Protocol (JSON lines): a request ``{"script", "argv", "nproc", "env", "cwd", "ou
 ``{"pid": launcher}`` at once, then ``{"rc": code}`` when the launch ends (1 when a rank failed, as
 ``torchrun``). The launcher leads its own process group, so a client's timeout can end it and its ranks.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -30,15 +31,24 @@ import traceback
 
 #: the libraries every worker imports, loaded once; ``torch`` reads OMP_NUM_THREADS when loaded, so the
 #: server is started with the workers' value (launch.py), and a request's other value is set per rank
-PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor",
-           "torch.distributed.checkpoint", "deepspeed",
-           # what a rank's first DeepSpeed engine imports lazily: its ZeRO stages, the Muon module that its optimizer
-           # check imports (which loads torch._dynamo) and the JIT op loader of its shared-memory comm op; 7.6 s of CPU
-           # per rank and launch on this machine (first ZeRO-2 engine 7.8 s -> 0.2 s), 5.9 s once here. They start no
-           # thread, so the forks stay safe.
-           "torch._dynamo", "torch.utils.cpp_extension", "deepspeed.runtime.engine",
-           "deepspeed.runtime.zero.stage_1_and_2", "deepspeed.runtime.zero.stage3",
-           "deepspeed.runtime.zero.muon.muon_optimizer")
+PRELOAD = (
+    "torch",
+    "torch.distributed",
+    "torch.distributed.fsdp",
+    "torch.distributed.tensor",
+    "torch.distributed.checkpoint",
+    "deepspeed",
+    # what a rank's first DeepSpeed engine imports lazily: its ZeRO stages, the Muon module that its optimizer
+    # check imports (which loads torch._dynamo) and the JIT op loader of its shared-memory comm op; 7.6 s of CPU
+    # per rank and launch on this machine (first ZeRO-2 engine 7.8 s -> 0.2 s), 5.9 s once here. They start no
+    # thread, so the forks stay safe.
+    "torch._dynamo",
+    "torch.utils.cpp_extension",
+    "deepspeed.runtime.engine",
+    "deepspeed.runtime.zero.stage_1_and_2",
+    "deepspeed.runtime.zero.stage3",
+    "deepspeed.runtime.zero.muon.muon_optimizer",
+)
 #: seconds the other ranks get to end after one failed, before they are killed (torchrun's default is 30)
 GRACE = 15.0
 
@@ -121,8 +131,10 @@ def _wait(ranks: dict[int, int]) -> int:
         rank = ranks.pop(pid)
         code = os.waitstatus_to_exitcode(status)
         if code != 0:
-            failed.append(f"rank {rank} (pid {pid}) " + (f"exited with code {code}" if code > 0 else
-                                                          f"was ended by signal {-code}"))
+            failed.append(
+                f"rank {rank} (pid {pid}) "
+                + (f"exited with code {code}" if code > 0 else f"was ended by signal {-code}")
+            )
             if deadline is None:
                 for p in ranks:
                     _signal(p, signal.SIGTERM)
@@ -145,11 +157,22 @@ def _rank(req: dict, rank: int, n: int) -> None:
     its code after the exit handlers a process would run."""
     code = 1
     try:
-        os.environ.update({
-            "RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0", "ROLE_RANK": str(rank),
-            "ROLE_NAME": "default", "WORLD_SIZE": str(n), "LOCAL_WORLD_SIZE": str(n), "ROLE_WORLD_SIZE": str(n),
-            "GROUP_WORLD_SIZE": "1", "TORCHELASTIC_RESTART_COUNT": "0", "TORCHELASTIC_MAX_RESTARTS": "0",
-            "TORCHELASTIC_RUN_ID": "rank_server"})
+        os.environ.update(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(rank),
+                "ROLE_NAME": "default",
+                "WORLD_SIZE": str(n),
+                "LOCAL_WORLD_SIZE": str(n),
+                "ROLE_WORLD_SIZE": str(n),
+                "GROUP_WORLD_SIZE": "1",
+                "TORCHELASTIC_RESTART_COUNT": "0",
+                "TORCHELASTIC_MAX_RESTARTS": "0",
+                "TORCHELASTIC_RUN_ID": "rank_server",
+            }
+        )
         threads = os.environ.get("OMP_NUM_THREADS")
         if threads:
             import torch

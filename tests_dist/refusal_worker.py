@@ -3,6 +3,7 @@ before DeepSpeed builds its engine: a routing pattern that matches on no pipelin
 ``deepspeed.moe.layer.MoE`` layer whose experts are split by tensor parallelism. (Pipeline stages that form
 different numbers of param groups were refused here until issue 45; they train now: ``test_pipeline_llm.py``.) Rank 0 writes, per case, the
 error type and message every rank saw."""
+
 from __future__ import annotations
 
 import argparse
@@ -11,23 +12,28 @@ import os
 import sys
 from datetime import timedelta
 
-import torch
 import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
 import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 
-CONFIG = {"train_batch_size": 4, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 0.0,
-          "zero_optimization": {"stage": 1}, "shardopt": {"optimizer": "scale"}}
+CONFIG = {
+    "train_batch_size": 4,
+    "train_micro_batch_size_per_gpu": 2,
+    "gradient_clipping": 0.0,
+    "zero_optimization": {"stage": 1},
+    "shardopt": {"optimizer": "scale"},
+}
 
 
 def pipeline() -> nn.Module:
     from deepspeed.pipe import PipelineModule
 
-    return PipelineModule([nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)], num_stages=2,
-                          loss_fn=lambda out, y: (out - y).square().mean())
+    return PipelineModule(
+        [nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8)], num_stages=2, loss_fn=lambda out, y: (out - y).square().mean()
+    )
 
 
 #: the routing of each case (None: the config's)
@@ -41,8 +47,9 @@ def moe() -> nn.Module:
         def __init__(self):
             super().__init__()
             self.inp = nn.Linear(8, 8)
-            self.moe = MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2,
-                           enable_expert_tensor_parallelism=True)
+            self.moe = MoE(
+                hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=2, enable_expert_tensor_parallelism=True
+            )
 
         def forward(self, x):
             return self.moe(self.inp(x))[0]
@@ -61,9 +68,12 @@ class NotOnMeta(nn.Linear):
 def pipeline_unbuildable() -> nn.Module:
     from deepspeed.pipe import LayerSpec, PipelineModule
 
-    return PipelineModule([LayerSpec(nn.Embedding, 30, 8), LayerSpec(NotOnMeta), LayerSpec(nn.Linear, 8, 30)],
-                          num_stages=2, partition_method="uniform",
-                          loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()))
+    return PipelineModule(
+        [LayerSpec(nn.Embedding, 30, 8), LayerSpec(NotOnMeta), LayerSpec(nn.Linear, 8, 30)],
+        num_stages=2,
+        partition_method="uniform",
+        loss_fn=lambda out, y: nn.functional.cross_entropy(out.flatten(0, 1), y.flatten()),
+    )
 
 
 def fallback_warning() -> dict:

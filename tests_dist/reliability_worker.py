@@ -1,6 +1,7 @@
 """No hangs and consistent decisions: non-finite gradients on one rank, frozen parameters, gradients missing on
 some ranks, and a step-plan mismatch caught by the debug check. Process-group timeout 30 s: a collective
 mismatch fails the test quickly instead of hanging it."""
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
-import shardopt  # noqa: E402
 from parity_worker import OPTIMIZERS, local_batch  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 
 
 def fsdp2(model):
@@ -51,15 +53,23 @@ def nonfinite_on_one_rank(opt_name: str, engine: str, on_device: bool = False) -
     if on_device and "refresh_interval" in kw:
         kw["refresh_interval"] = 5  # the NaN step (2) switches no basis, so the device decides it (Alice)
     if engine == "zero2":
-        config = {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
-                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-                  "shardopt": {"optimizer": opt_name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                               "routing": kw.get("routing", {})}}
+        config = {
+            "train_batch_size": GLOBAL_BATCH,
+            "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2},
+            "shardopt": {
+                "optimizer": opt_name,
+                "params": {k: v for k, v in kw.items() if k != "routing"},
+                "routing": kw.get("routing", {}),
+            },
+        }
         eng, opt, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
         run = eng
     else:
         if engine == "ddp":
             from torch.nn.parallel import DistributedDataParallel as DDP
+
             run = DDP(model)
         else:
             run = fsdp2(model)
@@ -85,8 +95,12 @@ def nonfinite_on_one_rank(opt_name: str, engine: str, on_device: bool = False) -
     changed = [n for n in before if not torch.equal(before[n], after[n])]
     finite = all(torch.isfinite(v).all().item() for v in after.values())
     gated = opt._gates_on_device() if engine != "zero2" else None  # the gradients of the skipped step are still there
-    return {"changed_on_skipped_step": changed, "finite": finite,
-            "skipped": getattr(opt, "skipped_steps", None), "gated": gated}
+    return {
+        "changed_on_skipped_step": changed,
+        "finite": finite,
+        "skipped": getattr(opt, "skipped_steps", None),
+        "gated": gated,
+    }
 
 
 def frozen_and_missing_grads(opt_name: str) -> dict:

@@ -10,6 +10,7 @@ Each record also holds the role tables (``describe()``) of what the front door h
 DeepSpeed the ZeRO wrapper ``initialize`` returns, and ``shardopt.describe(engine)``), which must print one process's
 table. Nothing is stepped: this is about routing, the parity suites check the numbers.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, record_case  # noqa: E402
 import shardopt  # noqa: E402
+from launch import finish_worker, record_case  # noqa: E402
 
 ENGINES = ("ddp", "fsdp2", "fsdp1", "fsdp1_flat", "zero1", "zero2", "zero3", "zero3_init")
 MODELS = ("llama", "gpt2", "mixtral")
@@ -44,13 +45,20 @@ def build_model(kind: str) -> torch.nn.Module:
         from role_corpus import CORPUS
 
         return CORPUS[kind]()
-    common = dict(vocab_size=48, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                  max_position_embeddings=16)
+    common = dict(
+        vocab_size=48,
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
     if kind == "gpt2":
         return tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=48, n_positions=16, n_embd=16, n_layer=2, n_head=2))
     if kind == "mixtral":
-        return tf.MixtralForCausalLM(tf.MixtralConfig(**common, intermediate_size=24, num_local_experts=4,
-                                                      num_experts_per_tok=2))
+        return tf.MixtralForCausalLM(
+            tf.MixtralConfig(**common, intermediate_size=24, num_local_experts=4, num_experts_per_tok=2)
+        )
     return tf.LlamaForCausalLM(tf.LlamaConfig(**common, intermediate_size=40, tie_word_embeddings=False))
 
 
@@ -79,9 +87,13 @@ def rules_of(opt) -> dict[str, str]:
 
 
 def _ds_config(name: str, stage: int, routing: dict) -> dict:
-    return {"train_batch_size": 2 * dist.get_world_size(), "train_micro_batch_size_per_gpu": 2,
-            "gradient_clipping": 0.0, "zero_optimization": {"stage": stage},
-            "shardopt": {"optimizer": name, "params": {"lr": 1e-3}, "routing": routing}}
+    return {
+        "train_batch_size": 2 * dist.get_world_size(),
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": stage},
+        "shardopt": {"optimizer": name, "params": {"lr": 1e-3}, "routing": routing},
+    }
 
 
 def engine_rules(engine: str, kind: str, name: str, routing: dict) -> tuple[dict[str, str], dict[str, str]]:
@@ -101,8 +113,11 @@ def engine_rules(engine: str, kind: str, name: str, routing: dict) -> tuple[dict
             model = build_model(kind)
         eng, returned, _, _ = shardopt.deepspeed.initialize(model=model, config=cfg)
         inner = eng.optimizer.optimizer if hasattr(eng.optimizer, "optimizer") else eng.optimizer
-        return rules_of(inner), {"optimizer": returned.describe(), "engine": eng.describe(),
-                                 "shardopt.describe(engine)": shardopt.describe(eng)}
+        return rules_of(inner), {
+            "optimizer": returned.describe(),
+            "engine": eng.describe(),
+            "shardopt.describe(engine)": shardopt.describe(eng),
+        }
     model = build_model(kind)
     if engine == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -120,8 +135,12 @@ def engine_rules(engine: str, kind: str, name: str, routing: dict) -> tuple[dict
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        model = FSDP(model, device_id=torch.device("cpu"), use_orig_params=engine == "fsdp1",
-                     auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in layers_of(model)}))
+        model = FSDP(
+            model,
+            device_id=torch.device("cpu"),
+            use_orig_params=engine == "fsdp1",
+            auto_wrap_policy=ModuleWrapPolicy({type(layer) for layer in layers_of(model)}),
+        )
         opt = shardopt.create_optimizer(model, name, routing=routing, lr=1e-3)
     return rules_of(opt), {"optimizer": opt.describe()}
 
@@ -156,11 +175,15 @@ def main() -> None:
     for spec in args.cases.split(","):
         kind, name, *flags = spec.split(":")
         routing = USER_ROUTING if "routed" in flags else {}
-        record_case(records, {"case": spec, "engine": "one process"},
-                    lambda: outcome(lambda: one_process(kind, name, routing)))
+        record_case(
+            records, {"case": spec, "engine": "one process"}, lambda: outcome(lambda: one_process(kind, name, routing))
+        )
         for engine in args.engines.split(","):
-            record_case(records, {"case": spec, "engine": engine},
-                        lambda: outcome(lambda: engine_rules(engine, kind, name, routing)))
+            record_case(
+                records,
+                {"case": spec, "engine": engine},
+                lambda: outcome(lambda: engine_rules(engine, kind, name, routing)),
+            )
     finish_worker(records, args.out)
 
 

@@ -10,6 +10,7 @@ optimizer and target: ``test_checkpoint_options.py``, full tier): a model with a
 buffers saved at ZeRO-2 on 2 ranks, loaded with ``load_optimizer_states=False`` at ZeRO-3 (2 ranks) and at each
 resume world size, and ``ds_to_universal`` on the ZeRO-3 checkpoint.
 """
+
 from __future__ import annotations
 
 import glob
@@ -21,11 +22,11 @@ import sys
 import tempfile
 
 import pytest
-
 from checkpoint_worker import ENGINES, RESHARD
-from launch import ROOT, run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import optimizers, world_sizes
+
+from launch import ROOT, run_ranks
 
 RESUME_TOL = 1e-6
 RESHARD_TOL = 1e-5
@@ -87,8 +88,10 @@ def check_options(rec: dict) -> None:
     counter) are the saved ones, the trained weights too, the global step and client state come back, and 3 more
     steps equal a fresh optimizer on the saved weights with the saved scheduler."""
     assert "error" not in rec, rec["error"]
-    print(f"options {rec['case']}: frozen+buffers {rec['frozen_buffers_vs_saved']:.3g}, trained "
-          f"{rec['trained_vs_saved']:.3g}, after 3 steps {rec['vs_reference']:.3g} ({rec['seconds']:.1f} s)")
+    print(
+        f"options {rec['case']}: frozen+buffers {rec['frozen_buffers_vs_saved']:.3g}, trained "
+        f"{rec['trained_vs_saved']:.3g}, after 3 steps {rec['vs_reference']:.3g} ({rec['seconds']:.1f} s)"
+    )
     assert rec["frozen_buffers_vs_saved"] <= OPTIONS_TOL and rec["trained_vs_saved"] <= OPTIONS_TOL, rec
     assert rec["vs_reference"] <= OPTIONS_TOL and rec["calls"] == 6, rec
     assert rec["global_steps"] == 3 and rec["client_epoch"] == 7, rec
@@ -100,8 +103,12 @@ def test_load_options_after_a_stage_change_and_ds_to_universal_on_zero3() -> Non
     check_options(rec)
     assert rec["path"] == os.path.join("step3", "mp_rank_00_model_states.pt"), rec  # DeepSpeed's return value
     msg = rec["universal_zero3"]  # ZeRO-3: stops before reading optimizer state, naming shardopt's route
-    assert msg.startswith("RuntimeError") and "engine.load_checkpoint" in msg and \
-        "shardopt checkpoint convert" in msg and "exp_avg" in msg, msg
+    assert (
+        msg.startswith("RuntimeError")
+        and "engine.load_checkpoint" in msg
+        and "shardopt checkpoint convert" in msg
+        and "exp_avg" in msg
+    ), msg
     # shardopt checkpoint convert reads frozen weights and buffers from DeepSpeed's files (ZeRO-2 and ZeRO-3)
     assert rec["convert_step3_missing"] == [] and rec["convert_zero3_missing"] == [], rec
     assert rec["convert_step3_vs_saved"] == 0.0 and rec["convert_zero3_vs_saved"] == 0.0, rec
@@ -117,8 +124,9 @@ def test_load_options_at_another_world_size(ws: int) -> None:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "shardopt", "checkpoint", *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "shardopt", "checkpoint", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_cli_inspect_and_missing_shard() -> None:
@@ -130,7 +138,8 @@ def test_cli_inspect_and_missing_shard() -> None:
     shutil.copytree(os.path.join(root, "scale", "fsdp2", "dcp"), os.path.join(broken, "dcp"))
     os.remove(sorted(glob.glob(os.path.join(broken, "dcp", "*.distcp")))[-1])
     bad = cli("inspect", os.path.join(broken, "dcp"))
-    assert bad.returncode == 2 and "incomplete DCP checkpoint, shard file '__1_0.distcp' is missing" in bad.stderr, \
+    assert bad.returncode == 2 and "incomplete DCP checkpoint, shard file '__1_0.distcp' is missing" in bad.stderr, (
         bad.stderr
+    )
     bad = cli("convert", os.path.join(broken, "dcp"), os.path.join(broken, "out"), "--to", "file")
     assert bad.returncode == 2 and not os.path.exists(os.path.join(broken, "out"))

@@ -9,6 +9,7 @@ or a fresh scheduler, every optimizer; a checkpoint saved without ``model=`` is 
 changes) and ``strict=False`` keeps the model's own frozen weights and buffers. CI runs the DeepSpeed case of
 ``test_checkpoint_dist.py`` (its FSDP2 resume is exact there on the toy model).
 """
+
 from __future__ import annotations
 
 import json
@@ -16,11 +17,11 @@ import os
 import tempfile
 
 import pytest
-
 from ckpt_fsdp2_worker import PATHS, VARIANTS
-from launch import run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import full_only
+
+from launch import run_ranks
 
 TOL = 1e-6
 _state: dict = {}
@@ -28,11 +29,13 @@ pytestmark = full_only("test_checkpoint_dist.py's DeepSpeed load-options case an
 
 
 def launch(ws: int, args: list[str], out: str) -> list[dict]:
-    proc = run_ranks("ckpt_fsdp2_worker.py", ws, [*args, "--out", out, "--optimizers", ",".join(OPTIMIZERS)],
-                     timeout=1800)
+    proc = run_ranks(
+        "ckpt_fsdp2_worker.py", ws, [*args, "--out", out, "--optimizers", ",".join(OPTIMIZERS)], timeout=1800
+    )
     if proc.returncode != 0:
-        pytest.fail(f"ckpt_fsdp2_worker {args} at world size {ws} failed:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}")
+        pytest.fail(
+            f"ckpt_fsdp2_worker {args} at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     with open(out) as f:
         return json.load(f)
 
@@ -63,7 +66,10 @@ def test_dcp_and_shardopt_checkpoint_lose_nothing(ws: int) -> None:
         assert rec["scheduler_epoch"] == (0 if rec["variant"] == "module_only" else 3), (what, rec)
     for rec in (r for r in recs if r["phase"] == "strict"):
         assert "error" not in rec, rec["error"]
-        assert rec["strict_error"] and "['frozen.weight', 'frozen.bias', 'shift', 'calls']" in rec["strict_error"] \
-            and "strict=False" in rec["strict_error"], rec
+        assert (
+            rec["strict_error"]
+            and "['frozen.weight', 'frozen.bias', 'shift', 'calls']" in rec["strict_error"]
+            and "strict=False" in rec["strict_error"]
+        ), rec
         assert rec["unchanged_after_refusal"] == 0.0 and rec["kept_vs_own"] == 0.0, rec
         assert rec["trained_vs_saved"] <= TOL, rec

@@ -12,6 +12,7 @@ shardopt's route. Full tier only (every optimizer, every target: about 10 minute
 costs CI 1.5-3 minutes of launches on a loaded 2-core machine, past its budget; CI runs the ``load_universal``
 refusal (``tests/test_checkpoint_universal.py``) and the world-size resharding of ``test_checkpoint_dist.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -19,11 +20,11 @@ import os
 import tempfile
 
 import pytest
-
 from ckpt_options_worker import VARIANTS
-from launch import run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import FULL, full_only
+
+from launch import run_ranks
 
 TOL = 1e-6
 #: (world size, ZeRO stage) of the loads; the checkpoint is ZeRO-2 at world size 2
@@ -37,11 +38,13 @@ def names() -> list[str]:
 
 
 def launch(ws: int, args: list[str], out: str) -> list[dict]:
-    proc = run_ranks("ckpt_options_worker.py", ws, [*args, "--out", out, "--optimizers", ",".join(names())],
-                     timeout=1800)
+    proc = run_ranks(
+        "ckpt_options_worker.py", ws, [*args, "--out", out, "--optimizers", ",".join(names())], timeout=1800
+    )
     if proc.returncode != 0:
-        pytest.fail(f"ckpt_options_worker {args} at world size {ws} failed:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}")
+        pytest.fail(
+            f"ckpt_options_worker {args} at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     with open(out) as f:
         return json.load(f)
 
@@ -49,8 +52,10 @@ def launch(ws: int, args: list[str], out: str) -> list[dict]:
 def saved() -> tuple[str, list[dict]]:
     if "root" not in _state:
         root = tempfile.mkdtemp(prefix="shardopt-ckpt-options-")
-        _state["root"], _state["save"] = root, launch(2, ["--phase", "save", "--dir", root],
-                                                      os.path.join(root, "save.json"))
+        _state["root"], _state["save"] = (
+            root,
+            launch(2, ["--phase", "save", "--dir", root], os.path.join(root, "save.json")),
+        )
     return _state["root"], _state["save"]
 
 
@@ -71,23 +76,27 @@ def test_ds_to_universal_names_shardopts_route() -> None:
     _, recs = saved()
     for rec in recs:
         msg = rec["universal"]
-        assert msg.startswith("ValueError") and "engine.load_checkpoint" in msg and "shardopt checkpoint convert" \
-            in msg and "shardopt.checkpoint" in msg, msg
+        assert (
+            msg.startswith("ValueError")
+            and "engine.load_checkpoint" in msg
+            and "shardopt checkpoint convert" in msg
+            and "shardopt.checkpoint" in msg
+        ), msg
 
 
 @pytest.mark.parametrize("ws,stage", TARGETS)
 def test_every_load_option_after_resharding(ws: int, stage: int) -> None:
     root, saves = saved()
     native = {r["optimizer"]: r for r in saves}
-    recs = launch(ws, ["--phase", "load", "--dir", root, "--stage", str(stage)],
-                  os.path.join(root, f"load{ws}_{stage}.json"))
+    recs = launch(
+        ws, ["--phase", "load", "--dir", root, "--stage", str(stage)], os.path.join(root, f"load{ws}_{stage}.json")
+    )
     loads = [r for r in recs if r["phase"] == "load"]
     assert len(loads) == len(names()) * len(VARIANTS)
     for rec in loads:
         assert "error" not in rec, rec["error"]
         what = f"{rec['optimizer']} {rec['variant']} -> ws {ws} ZeRO-{stage}"
-        print(f"{what}: frozen+buffers {rec['frozen_buffers_vs_saved']:.3g}, after 3 steps "
-              f"{rec['vs_reference']:.3g}")
+        print(f"{what}: frozen+buffers {rec['frozen_buffers_vs_saved']:.3g}, after 3 steps {rec['vs_reference']:.3g}")
         assert rec["frozen_buffers_vs_saved"] <= TOL, (what, rec)
         assert rec["trained_vs_saved"] <= TOL, (what, rec)
         assert rec["vs_reference"] <= TOL, (what, rec)
@@ -102,9 +111,15 @@ def test_every_load_option_after_resharding(ws: int, stage: int) -> None:
         assert rec["client"] == native[rec["optimizer"]][f"native_{rec['variant']}_client"], (what, rec)
     for rec in (r for r in recs if r["phase"] == "options"):
         assert "error" not in rec, rec["error"]
-        assert rec["strict_error"] and "missing ['frozen.weight', 'frozen.bias']" in rec["strict_error"] and \
-            "load_module_strict=False" in rec["strict_error"], rec
-        assert rec["nofrozen_frozen_vs_own"] == 0.0 and rec["nofrozen_trained_vs_saved"] <= TOL and \
-            rec["nofrozen_buffers_vs_saved"] <= TOL, rec
+        assert (
+            rec["strict_error"]
+            and "missing ['frozen.weight', 'frozen.bias']" in rec["strict_error"]
+            and "load_module_strict=False" in rec["strict_error"]
+        ), rec
+        assert (
+            rec["nofrozen_frozen_vs_own"] == 0.0
+            and rec["nofrozen_trained_vs_saved"] <= TOL
+            and rec["nofrozen_buffers_vs_saved"] <= TOL
+        ), rec
         assert rec["custom_calls"] == 1 and rec["custom_keys_match"], rec
         assert rec["custom_vs_reference"] <= TOL, rec

@@ -6,6 +6,7 @@ tied, the optimizer's whole logical state exactly, the scheduler and the step. (
 weights or buffers; DDP runs refuse another world size, naming ``shardopt checkpoint convert``.) CI: the trainer's
 resume in ``test_train_dist.py``.
 """
+
 from __future__ import annotations
 
 import json
@@ -13,9 +14,9 @@ import os
 import tempfile
 
 import pytest
+from tiers import full_only
 
 from launch import run_ranks
-from tiers import full_only
 
 _state: dict = {}
 pytestmark = full_only("the trainer's resume at the same world size (test_train_dist.py)")
@@ -25,8 +26,9 @@ def launch(ws: int, phase: str, root: str) -> list[dict]:
     out = os.path.join(root, f"{phase}{ws}.json")
     proc = run_ranks("trainer_ckpt_worker.py", ws, ["--phase", phase, "--dir", root, "--out", out], timeout=900)
     if proc.returncode != 0:
-        pytest.fail(f"trainer_ckpt_worker {phase} at world size {ws} failed:\n{proc.stdout[-3000:]}\n"
-                    f"{proc.stderr[-3000:]}")
+        pytest.fail(
+            f"trainer_ckpt_worker {phase} at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
     with open(out) as f:
         recs = json.load(f)
     for rec in recs:
@@ -47,8 +49,10 @@ def test_trainer_resumes_at_another_world_size_losing_nothing(ws: int) -> None:
     recs = launch(ws, "load", saved())
     assert sorted(r["engine"] for r in recs) == ["deepspeed", "fsdp2"]
     for rec in recs:
-        print(f"trainer {rec['engine']} ws 2 -> {ws}: model {rec['model_vs_saved']:.3g} (before the load "
-              f"{rec['model_before_load_vs_saved']:.3g}), optimizer state {rec['optim_vs_saved']:.3g}")
+        print(
+            f"trainer {rec['engine']} ws 2 -> {ws}: model {rec['model_vs_saved']:.3g} (before the load "
+            f"{rec['model_before_load_vs_saved']:.3g}), optimizer state {rec['optim_vs_saved']:.3g}"
+        )
         assert rec["model_before_load_vs_saved"] > 1e-3, rec  # another init: the load is what makes them equal
         assert rec["resumed"] and rec["step"] == 2 and rec["scheduler"] and rec["tied"], rec
         assert rec["model_vs_saved"] == 0.0 and rec["optim_keys_match"] and rec["optim_vs_saved"] == 0.0, rec

@@ -8,6 +8,7 @@
   FSDP2 run's.
 - A DDP run at world size 2: ``inspect`` reads its rank files and reports world size 2.
 """
+
 from __future__ import annotations
 
 import json
@@ -16,9 +17,9 @@ import subprocess
 import sys
 
 import pytest
+from tiers import full_only
 
 from launch import ROOT, free_port, run_bounded
-from tiers import full_only
 
 TIMEOUT = 300
 
@@ -39,10 +40,17 @@ def _config(tmp, name: str, engine: dict, steps: int, every: int) -> str:
         for i in range(3):
             (corpus / f"doc{i}.txt").write_text(" ".join(f"w{(i * 13 + j * 7) % 97}" for j in range(4000)))
     raw = {
-        "run_dir": str(tmp / name), "seed": 5,
+        "run_dir": str(tmp / name),
+        "seed": 5,
         "model": {"preset": "tiny", "hidden_size": 32, "intermediate_size": 64, "num_layers": 1, "num_heads": 2},
-        "data": {"source": "text", "path": str(corpus / "*.txt"), "vocab_size": 300, "seq_len": 16,
-                 "val_documents": 1, "cache_dir": str(tmp / "cache")},
+        "data": {
+            "source": "text",
+            "path": str(corpus / "*.txt"),
+            "vocab_size": 300,
+            "seq_len": 16,
+            "val_documents": 1,
+            "cache_dir": str(tmp / "cache"),
+        },
         "engine": engine,
         "optimizer": {"name": "racs", "params": {"lr": 0.01}},
         "train": {"steps": steps, "micro_batch_size": 2, "warmup_fraction": 0.5, "log_every": 1, "progress": False},
@@ -55,8 +63,19 @@ def _config(tmp, name: str, engine: dict, steps: int, every: int) -> str:
 
 
 def train(config: str, *extra: str) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", "-m", "shardopt.train", "--config", config, *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        "-m",
+        "shardopt.train",
+        "--config",
+        config,
+        *extra,
+    ]
     proc = run_bounded(cmd, env=_env(), timeout=TIMEOUT)
     if proc.returncode != 0:
         pytest.fail(f"{' '.join(cmd)} failed with {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
@@ -64,8 +83,14 @@ def train(config: str, *extra: str) -> subprocess.CompletedProcess:
 
 
 def cli(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, "-m", "shardopt", "checkpoint", *map(str, args)], env=_env(), cwd=ROOT,
-                          capture_output=True, text=True, timeout=TIMEOUT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardopt", "checkpoint", *map(str, args)],
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
     assert proc.returncode == 0, proc.stderr
     return proc
 
@@ -89,8 +114,13 @@ def test_fsdp2_run_inspects_and_resumes_its_schedule_on_deepspeed(tmp_path):
 
     converted = tmp_path / "ds_checkpoints"
     assert "global step 3, LR scheduler at step 3" in cli("convert", step3, converted, "--to", "deepspeed").stdout
-    ds = _config(tmp_path, "deepspeed", {"name": "deepspeed", "deepspeed_config": "configs/deepspeed/zero2_racs.json"},
-                 steps=6, every=0)
+    ds = _config(
+        tmp_path,
+        "deepspeed",
+        {"name": "deepspeed", "deepspeed_config": "configs/deepspeed/zero2_racs.json"},
+        steps=6,
+        every=0,
+    )
     proc = train(ds, "--resume", "--set", f"checkpoint.dir={converted}")
     assert f"resumed from {converted}/converted at step 3" in proc.stdout + proc.stderr
     full, resumed = metrics(run), metrics(tmp_path / "deepspeed")
@@ -106,8 +136,10 @@ def test_ddp_run_inspects_at_its_world_size(tmp_path):
     train(_config(tmp_path, "ddp", {"name": "ddp"}, steps=2, every=2))
     run = tmp_path / "ddp"
     out = cli("inspect", run).stdout
-    assert f"{run / 'checkpoints' / 'step_2' / 'rank0.pt'}: ddp checkpoint, optimizer RACS, engine ddp, saved at " \
-           "world size 2" in out
+    assert (
+        f"{run / 'checkpoints' / 'step_2' / 'rank0.pt'}: ddp checkpoint, optimizer RACS, engine ddp, saved at "
+        "world size 2" in out
+    )
     assert "counters: global step 2, LR scheduler at step 2" in out
     out = cli("inspect", run / "checkpoints" / "step_2" / "rank1.pt").stdout
     assert "saved at world size 2" in out

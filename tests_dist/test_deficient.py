@@ -10,16 +10,17 @@ columns of a ``Q`` of rank up to 24, and its last singular values (1e-4 of the f
 directions rounding turns by about 1e-5; the complement the switch draws from is that of the whole span. The
 switch now leaves sketch directions below ``subspace.determined_floor`` out (completed from a seeded draw):
 Alice and Alice-0 agree to 2e-6 at world sizes 2-4 and exactly at 1."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
 from deficient_worker import ENGINES, OPTIMIZERS_ALL, STRATEGIES
-from launch import run_ranks
 from tiers import world_sizes
+
+from launch import run_ranks
 
 TOL = 1e-5
 _results: dict[int, list[dict]] = {}
@@ -31,7 +32,9 @@ def results(ws: int) -> list[dict]:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             proc = run_ranks("deficient_worker.py", ws, ["--out", out.name], timeout=900)
             if proc.returncode != 0:
-                pytest.fail(f"deficient worker at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                pytest.fail(
+                    f"deficient worker at world size {ws} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+                )
             _results[ws] = json.load(open(out.name))
     return _results[ws]
 

@@ -1,16 +1,17 @@
 """More engines vs single-process runs: torch ZeroRedundancyOptimizer and fairscale OSS at world sizes 2 and 3
 (shardopt optimizers as the inner optimizer, state consolidation included), and Megatron-core tensor
 parallelism at world size 4 as TP=2 x DP=2 and TP=4 (statistics reduced over the TP group)."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
-from launch import run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import full_only, world_sizes
+
+from launch import run_ranks
 
 TOL = 1e-5
 _cache: dict = {}
@@ -21,8 +22,12 @@ def run(ws: int, megatron: bool) -> list:
     if key not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             # Megatron-core's 4 ranks (full tier only) ran 19 minutes on a 2-core machine
-            proc = run_ranks("engines_worker.py", ws, ["--out", out.name] + (["--megatron"] if megatron else []),
-                            timeout=1800 if megatron else 900)
+            proc = run_ranks(
+                "engines_worker.py",
+                ws,
+                ["--out", out.name] + (["--megatron"] if megatron else []),
+                timeout=1800 if megatron else 900,
+            )
             if proc.returncode != 0:
                 pytest.fail(f"engines worker failed (ws {ws}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache[key] = json.load(open(out.name))
@@ -43,7 +48,9 @@ def test_whole_parameter_sharders(kind: str, ws: int) -> None:
         assert rec["consolidated_states"] == 10  # every parameter's state gathered on rank 0
 
 
-@full_only("TP x DP meshes of DTensor in test_tensor_parallel.py (Megatron-core imports and 4 processes: over 10 minutes on 2 cores)")
+@full_only(
+    "TP x DP meshes of DTensor in test_tensor_parallel.py (Megatron-core imports and 4 processes: over 10 minutes on 2 cores)"
+)
 @pytest.mark.parametrize("tp", (2, 4))
 def test_megatron_tensor_parallel(tp: int) -> None:
     pytest.importorskip("megatron.core")

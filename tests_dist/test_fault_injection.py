@@ -4,6 +4,7 @@ equals the uninterrupted run, a load naming B stops on every rank naming B as in
 with flipped bytes are refused on every rank (``fault_worker.py``). CI runs the two kills the issue names on
 ZeRO-2 (halfway through rank 1's DeepSpeed optimizer file and through its shardopt part file); the full tier
 runs every kill point on ZeRO-2 and ZeRO-3."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,10 @@ import os
 import tempfile
 
 import pytest
-
 from fault_worker import FSDP2_POINTS, POINTS
-from launch import run_ranks
 from tiers import FULL, full_only
+
+from launch import run_ranks
 
 CI_POINTS = ("ds_half", "part_half")
 _cache: dict = {}
@@ -50,8 +51,10 @@ def _check_resume(point: str, ranks: list) -> None:
     _, expect, b_complete = POINTS[point]
     for rec in ranks:
         assert "error" not in rec, f"{point} rank {rec['rank']}: {rec['error']}"
-        print(f"{point} rank {rec['rank']}: resumed from {rec['loaded']} (step {rec['resumed_at']}), "
-              f"max |resumed - uninterrupted| at step 4 = {rec['diff']:.3g}")
+        print(
+            f"{point} rank {rec['rank']}: resumed from {rec['loaded']} (step {rec['resumed_at']}), "
+            f"max |resumed - uninterrupted| at step 4 = {rec['diff']:.3g}"
+        )
         assert rec["loaded"] == expect, (point, rec)
         assert rec["diff"] == 0.0, (point, rec["diff"])
         if not b_complete:  # B named explicitly: refused, naming B as incomplete and A as the last complete one
@@ -109,16 +112,33 @@ def test_trainer_rank_killed_in_a_save_resumes_from_the_last_complete_step(tmp_p
     optimizer file of step 4; ``--resume`` continues from step 2 and ends where the uninterrupted run ends."""
     import sys
 
-    from launch import ROOT, free_port, run_bounded
     from test_train_dist import _env, _summary, _trainer_args
 
-    steps = ["--set", "train.steps=6", "--set", "checkpoint.every=2", "--set", "eval.every=0",
-             "--set", "eval.max_sequences=16"]
+    from launch import ROOT, free_port, run_bounded
+
+    steps = [
+        "--set",
+        "train.steps=6",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "eval.every=0",
+        "--set",
+        "eval.max_sequences=16",
+    ]
 
     def launch(run, extra, env):
         args = _trainer_args("demo.json", run, steps + extra)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-               f"--master_port={free_port()}", str(ROOT / "tests_dist" / "trainer_fault.py"), *args[2:]]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            str(ROOT / "tests_dist" / "trainer_fault.py"),
+            *args[2:],
+        ]
         return run_bounded(cmd, env=env, timeout=300)
 
     full = tmp_path / "full"
@@ -130,6 +150,8 @@ def test_trainer_rank_killed_in_a_save_resumes_from_the_last_complete_step(tmp_p
     resumed = launch(run, ["--resume"], _env())
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     got, want = _summary(run), _summary(full)
-    print(f"trainer: resumed at step {got['start_step']}, end val loss {got['end_val_loss']} "
-          f"(uninterrupted {want['end_val_loss']})")
+    print(
+        f"trainer: resumed at step {got['start_step']}, end val loss {got['end_val_loss']} "
+        f"(uninterrupted {want['end_val_loss']})"
+    )
     assert got["start_step"] == 2 and got["end_val_loss"] == want["end_val_loss"]

@@ -9,17 +9,18 @@ Parameters without their model, and FSDP1's own optimizer state dict (``FSDP.opt
 CI: world size 4 (uneven flat shards, ranks holding no element of some matrices; HYBRID_SHARD) for SCALE, RACS and
 SUMO under FULL_SHARD with use_orig_params=False (FSDP1's default; reloaded into FSDP2 and ZeRO-2) and HYBRID_SHARD with
 use_orig_params=True; the full tier: world sizes 2-4, every setting and optimizer."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
 from fsdp1_worker import SETTINGS
-from launch import run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import CI_LAYOUT_OPTIMIZERS, FULL, selected, world_sizes
+
+from launch import run_ranks
 
 TOL, RESUME_TOL = 1e-5, 1e-6
 #: bf16 forward/backward against the fp32 single process (as test_parity's bf16 layouts: RACS/SinkGD flip on a few
@@ -33,8 +34,12 @@ _cache: dict = {}
 def records(world: int) -> list:
     if world not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("fsdp1_worker.py", world, ["--out", out.name, "--optimizers", ",".join(NAMES),
-                                                        "--settings", ",".join(RUN)], timeout=900)
+            proc = run_ranks(
+                "fsdp1_worker.py",
+                world,
+                ["--out", out.name, "--optimizers", ",".join(NAMES), "--settings", ",".join(RUN)],
+                timeout=900,
+            )
             if proc.returncode != 0:
                 pytest.fail(f"fsdp1 worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache[world] = json.load(open(out.name))
@@ -54,8 +59,10 @@ def test_fsdp1_like_one_process(name: str, setting: str, world: int) -> None:
     if setting.startswith("HYBRID_SHARD") and world != 4:
         pytest.skip("HYBRID_SHARD runs as 2 x 2")
     rec = record(world, name, setting)
-    print(f"{name} {setting} world {world}: {rec['max_abs_diff']:.2e} after 3 steps, resume "
-          f"{rec['resume_max_abs_diff']:.2e}")
+    print(
+        f"{name} {setting} world {world}: {rec['max_abs_diff']:.2e} after 3 steps, resume "
+        f"{rec['resume_max_abs_diff']:.2e}"
+    )
     matrices = {n: r for n, r in rec["rules"].items() if n.endswith("weight") and "norm" not in n}
     assert matrices and set(matrices.values()) == {name}, rec["rules"]  # never AdamW for a matrix
     if not setting.startswith("NO_SHARD"):
@@ -79,8 +86,10 @@ def test_fsdp1_mixed_precision_keeps_fp32_statistics(name: str, world: int) -> N
         assert rec["state_dtypes"] == ["torch.float32"] and rec["stepped_dtypes"] == ["torch.float32"], rec
         assert rec["max_abs_diff"] <= BF16_TOL and rec["resume_max_abs_diff"] <= RESUME_TOL
     # use_orig_params=False steps the same numbers as True: the same flat shards, only another view of them
-    assert max(abs(a - b) for n in orig["params"] for a, b in zip(_flat(orig["params"][n]), _flat(flat["params"][n]))) \
+    assert (
+        max(abs(a - b) for n in orig["params"] for a, b in zip(_flat(orig["params"][n]), _flat(flat["params"][n])))
         <= 1e-6
+    )
 
 
 def _flat(x) -> list:

@@ -10,6 +10,7 @@ every engine (ZeRO-2 among them), and training at world sizes 2 and 3, and exper
 ``is_transposed``; ``*_in_out``: FSDP2 row shards and ZeRO-2, issue 52 item 4), which every rule steps as their logical
 out x in matrices, resumed and reloaded at another world size through the logical checkpoint.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,10 +18,10 @@ import os
 import tempfile
 
 import pytest
-
 from fused_moe_worker import ENGINES, OPTIONS, runs_at
-from launch import run_ranks
 from tiers import FULL, optimizers, world_sizes
+
+from launch import run_ranks
 
 TOL, RESUME_TOL = 1e-5, 1e-6
 CI_ENGINES = ("fsdp2", "ep_fsdp", "zero3")
@@ -31,9 +32,23 @@ _state: dict = {}
 
 def launch(phase: str, world: int, root: str) -> list[dict]:
     out = os.path.join(root, f"{phase}{world}.json")
-    proc = run_ranks("fused_moe_worker.py", world, ["--phase", phase, "--dir", root, "--out", out,
-                                                    "--optimizers", ",".join(NAMES),
-                                                    "--engines", ",".join(ENGINE_LIST)], timeout=1500)
+    proc = run_ranks(
+        "fused_moe_worker.py",
+        world,
+        [
+            "--phase",
+            phase,
+            "--dir",
+            root,
+            "--out",
+            out,
+            "--optimizers",
+            ",".join(NAMES),
+            "--engines",
+            ",".join(ENGINE_LIST),
+        ],
+        timeout=1500,
+    )
     if proc.returncode != 0:
         pytest.fail(f"fused MoE {phase} at world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     return json.load(open(out))
@@ -59,8 +74,10 @@ def test_fused_experts_like_one_process(name: str, engine: str, world: int) -> N
     if not runs_at(engine, world):
         pytest.skip(f"{engine} does not run at world size {world}")
     rec = record(trained(world)[1], name, engine)
-    print(f"{name} {engine} world {world} ({rec['experts']} experts, matrices held per rank "
-          f"{rec['matrices_held']}): {rec['max_abs_diff']:.2e} after 3 steps, resume {rec['resume_max_abs_diff']:.2e}")
+    print(
+        f"{name} {engine} world {world} ({rec['experts']} experts, matrices held per rank "
+        f"{rec['matrices_held']}): {rec['max_abs_diff']:.2e} after 3 steps, resume {rec['resume_max_abs_diff']:.2e}"
+    )
     experts = [n for n in rec["rules"] if ".experts." in n]
     assert experts and all(rec["rules"][n] == name for n in experts), rec["rules"]
     if engine == "fsdp2" and world == 4:

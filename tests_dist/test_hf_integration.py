@@ -10,6 +10,7 @@ its config (no downloads). Every run is compared with the single-process shardop
   from the world-size-2 checkpoint (same global batch); accelerate ``save_state`` / ``load_state`` the same;
 * the ways of plugging shardopt in that used to be silently wrong (issue 17's table) now train exactly or raise.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,9 +21,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import full_only, tiered
 
 from launch import ROOT, run_ranks
-from tiers import full_only, tiered
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -41,10 +42,19 @@ def run(api: str, args: list[str], nproc: int = 2) -> dict:
             out = str(Path(tmp) / "out.pt")
             cmd = ["--api", api, "--out", out, "--dir", str(Path(tmp) / "run"), *args]
             if api == "reference":  # one process, no launcher
-                env = {**os.environ, "OMP_NUM_THREADS": "1",
-                       "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-                proc = subprocess.run([sys.executable, str(ROOT / "tests_dist" / "hf_worker.py"), *cmd], cwd=ROOT,
-                                      env=env, capture_output=True, text=True, timeout=300)
+                env = {
+                    **os.environ,
+                    "OMP_NUM_THREADS": "1",
+                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+                }
+                proc = subprocess.run(
+                    [sys.executable, str(ROOT / "tests_dist" / "hf_worker.py"), *cmd],
+                    cwd=ROOT,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    timeout=300,
+                )
             else:
                 proc = run_ranks("hf_worker.py", nproc, cmd, timeout=420)
             if proc.returncode != 0:
@@ -63,14 +73,30 @@ def reference(steps: int = 1) -> dict:
     return run("reference", ["--optimizer", OPTIMIZERS, "--steps", str(steps)])
 
 
-ONE_STEP = [("trainer", "zero1"), ("trainer", "zero2"), ("trainer", "zero3"), ("trainer", "fsdp2"),
-            ("trainer", "fsdp1"), ("trainer", "fsdp1_flat"),
-            ("accelerate", "zero2"), ("accelerate", "zero3"), ("accelerate", "zero2-plain"), ("accelerate", "fsdp2"),
-            ("accelerate", "fsdp2-plain"), ("accelerate", "fsdp1")]
+ONE_STEP = [
+    ("trainer", "zero1"),
+    ("trainer", "zero2"),
+    ("trainer", "zero3"),
+    ("trainer", "fsdp2"),
+    ("trainer", "fsdp1"),
+    ("trainer", "fsdp1_flat"),
+    ("accelerate", "zero2"),
+    ("accelerate", "zero3"),
+    ("accelerate", "zero2-plain"),
+    ("accelerate", "fsdp2"),
+    ("accelerate", "fsdp2-plain"),
+    ("accelerate", "fsdp1"),
+]
 #: CI runs each API on each engine family once and the formerly wrong paths (plain prepare; the Trainer's legacy
 #: FSDP, whose views were stepped as whole matrices); the full tier every pair
-CI_ONE_STEP = [("trainer", "zero2"), ("trainer", "fsdp2"), ("trainer", "fsdp1_flat"), ("accelerate", "zero3"),
-               ("accelerate", "zero2-plain"), ("accelerate", "fsdp2-plain")]
+CI_ONE_STEP = [
+    ("trainer", "zero2"),
+    ("trainer", "fsdp2"),
+    ("trainer", "fsdp1_flat"),
+    ("accelerate", "zero3"),
+    ("accelerate", "zero2-plain"),
+    ("accelerate", "fsdp2-plain"),
+]
 
 
 @pytest.mark.parametrize("api,engine", tiered(ONE_STEP, CI_ONE_STEP, f"{CI_ONE_STEP}"))
@@ -108,8 +134,9 @@ def test_trainer_zero3_from_pretrained_partitioned_at_load(names: str) -> None:
     under ``deepspeed.zero.Init``, every parameter partitioned as it loads (``p.shape == (0,)``). Formerly refused
     ("routed to AdamW"); now 3 steps equal one process for each optimizer, on the requested rule."""
     ref = run("reference", ["--optimizer", names, "--steps", "3"])
-    got = run("trainer", ["--engine", "zero3", "--optimizer", names, "--steps", "3", "--pretrained",
-                          "--schedule", "constant"])
+    got = run(
+        "trainer", ["--engine", "zero3", "--optimizer", names, "--steps", "3", "--pretrained", "--schedule", "constant"]
+    )
     for name in names.split(","):
         meta = got[name]["__meta__"]
         diff = max_diff(ref[name], got[name])
@@ -119,8 +146,17 @@ def test_trainer_zero3_from_pretrained_partitioned_at_load(names: str) -> None:
         assert diff <= 1e-5
 
 
-@pytest.mark.parametrize("engine,resume_on", [("zero2", ((2, 2), (1, 4))), pytest.param(
-    "fsdp2", ((2, 2),), marks=full_only("ZeRO-2, resumed at world sizes 2 and 1; FSDP2 resumes by DCP in test_checkpoint_dist.py"))])
+@pytest.mark.parametrize(
+    "engine,resume_on",
+    [
+        ("zero2", ((2, 2), (1, 4))),
+        pytest.param(
+            "fsdp2",
+            ((2, 2),),
+            marks=full_only("ZeRO-2, resumed at world sizes 2 and 1; FSDP2 resumes by DCP in test_checkpoint_dist.py"),
+        ),
+    ],
+)
 def test_trainer_resume_exact(engine: str, resume_on: tuple) -> None:
     """Save at step 2 (``save_steps``), 5 steps in all: resuming at world size 2 (3 more steps) equals the
     uninterrupted run; under ZeRO-2 so does resuming the world-size-2 checkpoint at world size 1 with the same
@@ -130,38 +166,67 @@ def test_trainer_resume_exact(engine: str, resume_on: tuple) -> None:
     with tempfile.TemporaryDirectory(prefix="wt17_hf_resume_") as tmp:
         common = ["--engine", engine, "--optimizer", "racs,sumo", "--steps", "5"]
         out = Path(tmp) / "whole.pt"
-        proc = run_ranks("hf_worker.py", 2, ["--api", "trainer", *common, "--save-steps", "2", "--dir", tmp,
-                                            "--out", str(out)], timeout=420)
+        proc = run_ranks(
+            "hf_worker.py",
+            2,
+            ["--api", "trainer", *common, "--save-steps", "2", "--dir", tmp, "--out", str(out)],
+            timeout=420,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         whole = torch.load(out)
         for nproc, batch in resume_on:
             out = Path(tmp) / f"resumed{nproc}.pt"
-            proc = run_ranks("hf_worker.py", nproc, [
-                "--api", "trainer", *common, "--batch", str(batch), "--resume", f"{tmp}/{{opt}}/checkpoint-2",
-                "--dir", f"{tmp}/r{nproc}", "--out", str(out)], timeout=420)
+            proc = run_ranks(
+                "hf_worker.py",
+                nproc,
+                [
+                    "--api",
+                    "trainer",
+                    *common,
+                    "--batch",
+                    str(batch),
+                    "--resume",
+                    f"{tmp}/{{opt}}/checkpoint-2",
+                    "--dir",
+                    f"{tmp}/r{nproc}",
+                    "--out",
+                    str(out),
+                ],
+                timeout=420,
+            )
             assert proc.returncode == 0, proc.stderr[-4000:]
             resumed = torch.load(out)
             for name in ("racs", "sumo"):
                 meta = resumed[name]["__meta__"]
                 diff = max_diff(whole[name], resumed[name])
-                print(f"Trainer {engine} {name}: resumed at ws {nproc} from ws 2 step 2, after step 5: "
-                      f"max |resumed - uninterrupted| = {diff:.3g}  {meta}")
+                print(
+                    f"Trainer {engine} {name}: resumed at ws {nproc} from ws 2 step 2, after step 5: "
+                    f"max |resumed - uninterrupted| = {diff:.3g}  {meta}"
+                )
                 assert meta["steps_run"] == 3 and meta["global_step"] == 5
                 assert diff <= TOL
 
 
-@pytest.mark.parametrize("auto", (pytest.param(False, marks=full_only("the plain prepare (auto=True), which saves and loads the same way")), True))
+@pytest.mark.parametrize(
+    "auto",
+    (pytest.param(False, marks=full_only("the plain prepare (auto=True), which saves and loads the same way")), True),
+)
 def test_accelerate_save_load_state(auto: bool) -> None:
     """accelerate + ZeRO-2: ``save_state`` at step 2, ``load_state`` in a new job, 3 more steps: equal to the
     uninterrupted run; with ``auto`` the user called plain ``accelerator.prepare`` (mapped at the first step)."""
     with tempfile.TemporaryDirectory(prefix="wt17_hf_acc_") as tmp:
         common = ["--api", "accelerate", "--engine", "zero2", "--optimizer", "racs,sumo", "--steps", "5"]
         common += ["--auto"] if auto else []
-        proc = run_ranks("hf_worker.py", 2, [*common, "--save-steps", "2", "--dir", tmp, "--out", f"{tmp}/a.pt"],
-                        timeout=420)
+        proc = run_ranks(
+            "hf_worker.py", 2, [*common, "--save-steps", "2", "--dir", tmp, "--out", f"{tmp}/a.pt"], timeout=420
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
-        proc = run_ranks("hf_worker.py", 2, [*common, "--resume", f"{tmp}/{{opt}}/state", "--dir", f"{tmp}/b",
-                                            "--out", f"{tmp}/b.pt"], timeout=420)
+        proc = run_ranks(
+            "hf_worker.py",
+            2,
+            [*common, "--resume", f"{tmp}/{{opt}}/state", "--dir", f"{tmp}/b", "--out", f"{tmp}/b.pt"],
+            timeout=420,
+        )
         assert proc.returncode == 0, proc.stderr[-4000:]
         whole, resumed = torch.load(f"{tmp}/a.pt"), torch.load(f"{tmp}/b.pt")
         for name in ("racs", "sumo"):
@@ -176,8 +241,12 @@ def test_accelerate_save_load_state(auto: bool) -> None:
 EVERY_RULE = ("sinkgd", "racs", "dasgo", "muon", "scale", "swan", "asgo", "sumo", "alice", "alice0")
 #: CI: ZeRO-2 (flat partitions cutting rows anywhere) with a row/column-statistics rule and a whole-matrix one
 CI_GPT2 = ("zero2", "racs,asgo")
-GPT2_RUNS = [CI_GPT2, ("zero2", ",".join(r for r in EVERY_RULE if r not in CI_GPT2[1].split(","))),
-             ("zero3", ",".join(EVERY_RULE)), ("fsdp2", ",".join(EVERY_RULE))]
+GPT2_RUNS = [
+    CI_GPT2,
+    ("zero2", ",".join(r for r in EVERY_RULE if r not in CI_GPT2[1].split(","))),
+    ("zero3", ",".join(EVERY_RULE)),
+    ("fsdp2", ",".join(EVERY_RULE)),
+]
 
 
 @pytest.mark.parametrize("engine,names", tiered(GPT2_RUNS, [CI_GPT2], f"{CI_GPT2}"))
@@ -193,8 +262,11 @@ def test_gpt2_every_rule_matches_single_process(engine: str, names: str) -> None
         meta = got[name]["__meta__"]
         diff = max_diff(ref[name], got[name])
         want_state, got_state = ref[name]["__state__"], got[name]["__state__"]
-        state_diff = max(((want_state[k] - got_state[k]).abs().max() / want_state[k].abs().max().clamp_min(1e-30))
-                         .item() for k in want_state if want_state[k].numel())  # relative to each tensor's largest
+        state_diff = max(
+            ((want_state[k] - got_state[k]).abs().max() / want_state[k].abs().max().clamp_min(1e-30)).item()
+            for k in want_state
+            if want_state[k].numel()
+        )  # relative to each tensor's largest
         print(f"trainer {engine} gpt2 {name}: max |sharded - single| = {diff:.3g}, state (relative) {state_diff:.3g}")
         assert meta["optimizer"].lower() == name
         assert meta["options"] == ref[name]["__meta__"]["options"]
@@ -207,8 +279,15 @@ def test_gpt2_every_rule_matches_single_process(engine: str, names: str) -> None
 SCENARIOS = "trainer_cls_kwargs,trainer_subclass,accelerate_section,trainer_optimizers_arg"
 
 
-@pytest.mark.parametrize("scenario", SCENARIOS.split(",") + [pytest.param(
-    "trainer_cls_kwargs_ddp", marks=full_only("the DeepSpeed scenarios; this one needs a launch of its own"))])
+@pytest.mark.parametrize(
+    "scenario",
+    SCENARIOS.split(",")
+    + [
+        pytest.param(
+            "trainer_cls_kwargs_ddp", marks=full_only("the DeepSpeed scenarios; this one needs a launch of its own")
+        )
+    ],
+)
 def test_formerly_silent_paths(scenario: str) -> None:
     """Issue 17's table, each row: ``optimizer_cls_and_kwargs=(SCALE, ...)`` with DeepSpeed and without (HF's
     unnamed decay groups), a ``Trainer.create_optimizer`` override, a ``"shardopt"`` section given to

@@ -1,9 +1,9 @@
 """The test launcher (``launch.run_ranks`` on ``rank_server.py``) behaves as ``torch.distributed.run`` where the
 suites rely on it: the ranks' environment and output, a failed rank ending the launch, and a timeout ending
 every rank."""
+
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
@@ -22,8 +22,11 @@ def _script(tmp_path, body: str) -> str:
 
 def test_ranks_get_torchruns_environment_and_arguments(tmp_path):
     fields = ", ".join(f"os.environ[{k!r}]" for k in ENV_KEYS)
-    script = _script(tmp_path, "import os, sys\n"  # one write per line: the ranks share the output
-                     f"sys.stdout.write(' '.join(map(str, [sys.argv[1:], __name__, {fields}])) + '\\n')\n")
+    script = _script(
+        tmp_path,
+        "import os, sys\n"  # one write per line: the ranks share the output
+        f"sys.stdout.write(' '.join(map(str, [sys.argv[1:], __name__, {fields}])) + '\\n')\n",
+    )
     proc = run_ranks(script, 3, ["--out", "x"], timeout=120)
     assert proc.returncode == 0, proc.stderr
     lines = sorted(proc.stdout.splitlines())
@@ -34,16 +37,21 @@ def test_ranks_get_torchruns_environment_and_arguments(tmp_path):
 
 
 def test_a_process_group_forms_and_reduces(tmp_path):
-    script = _script(tmp_path, "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
-                     "x = torch.ones(2) * (dist.get_rank() + 1)\ndist.all_reduce(x)\nprint(x.tolist())\n"
-                     "dist.destroy_process_group()\n")
+    script = _script(
+        tmp_path,
+        "import torch, torch.distributed as dist\ndist.init_process_group('gloo')\n"
+        "x = torch.ones(2) * (dist.get_rank() + 1)\ndist.all_reduce(x)\nprint(x.tolist())\n"
+        "dist.destroy_process_group()\n",
+    )
     proc = run_ranks(script, 3, [], timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.count("[6.0, 6.0]") == 3, proc.stdout
 
 
 def test_a_failed_rank_fails_the_launch_and_ends_the_others(tmp_path):
-    script = _script(tmp_path, "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(300)\n")
+    script = _script(
+        tmp_path, "import os, sys, time\nif os.environ['RANK'] == '1':\n    sys.exit(3)\ntime.sleep(300)\n"
+    )
     start = time.monotonic()
     proc = run_ranks(script, 3, [], timeout=120)
     assert time.monotonic() - start < 60
@@ -61,8 +69,10 @@ def test_an_exception_is_printed_and_fails_the_launch(tmp_path):
 def test_a_timeout_ends_every_rank(tmp_path):
     pids = tmp_path / "pids"
     pids.mkdir()
-    script = _script(tmp_path, f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\n"
-                     "time.sleep(300)\n")
+    script = _script(
+        tmp_path,
+        f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\ntime.sleep(300)\n",
+    )
     with pytest.raises(subprocess.TimeoutExpired):
         run_ranks(script, 2, [], timeout=10)
     started = [int(p.name) for p in pids.iterdir()]

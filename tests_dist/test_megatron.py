@@ -26,6 +26,7 @@ Megatron-core runs on the CPU through the test-only ``megatron_cpu_shim``. CI: w
 DP 2 and PP 2 x DP 2 for SCALE, RACS and SUMO, checkpoints for RACS and SUMO; the full tier: every optimizer, world
 sizes 2 and 3, TP 2 x PP 2 and PP 2 x virtual pipeline 2 x DP 2, the checkpoint round trips under TP and PP, bf16.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,10 +34,10 @@ import os
 import tempfile
 
 import pytest
-
-from launch import run_ranks
 from parity_worker import OPTIMIZERS
 from tiers import CI_LAYOUT_OPTIMIZERS, full_only, selected, tiered
+
+from launch import run_ranks
 
 pytest.importorskip("megatron.core")
 
@@ -56,8 +57,9 @@ def launch(world: int, *args: str, names=NAMES) -> list:
     key = (world, args, tuple(names))
     if key not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("megatron_worker.py", world, ["--out", out.name, "--optimizers", ",".join(names), *args],
-                             timeout=900)
+            proc = run_ranks(
+                "megatron_worker.py", world, ["--out", out.name, "--optimizers", ",".join(names), *args], timeout=900
+            )
             if proc.returncode != 0:
                 pytest.fail(f"megatron worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache[key] = json.load(open(out.name))
@@ -86,13 +88,16 @@ def check_reference_roles(rec: dict) -> None:
 def check_parity(rec: dict, what: str) -> None:
     """The record of one case against one process: weights, roles and rules, layouts, state."""
     dp = rec["world_size"] // (rec["tp"] * rec["pp"])
-    print(f"{rec['optimizer']} {what}: max |megatron - one process| = {rec['max_abs_diff']:.2e} after 3 steps; "
-          f"{rec['roles_compared']} role/rule pairs (over ranks) as one process, {rec['headless_chunks']} chunks "
-          f"without the output layer; {rec['mid_row_cuts']} mid-row cuts, {rec['stand_ins']} stand-ins")
+    print(
+        f"{rec['optimizer']} {what}: max |megatron - one process| = {rec['max_abs_diff']:.2e} after 3 steps; "
+        f"{rec['roles_compared']} role/rule pairs (over ranks) as one process, {rec['headless_chunks']} chunks "
+        f"without the output layer; {rec['mid_row_cuts']} mid-row cuts, {rec['stand_ins']} stand-ins"
+    )
     check_reference_roles(rec)
     assert rec["covered"], "some parameter of the model is stepped by no stage"
-    assert rec["n_wrong_rules"] == 0, f"roles or rules differ from one process (one process, megatron): " \
-                                      f"{rec['wrong_rules']}"
+    assert rec["n_wrong_rules"] == 0, (
+        f"roles or rules differ from one process (one process, megatron): {rec['wrong_rules']}"
+    )
     assert rec["n_wrong_sources"] == 0, f"role sources differ from one process: {rec['wrong_sources']}"
     assert rec["ranks_agree"], "ranks holding the same parameter gave it different roles or rules"
     if rec["pp"] > 1:
@@ -141,8 +146,10 @@ def test_virtual_pipeline_x_data_parallel_like_one_process(name: str) -> None:
     """Issue 52: PP 2 x virtual pipeline 2 x DP 2 through Megatron's interleaved schedule, four layers in four
     chunks (each stage holds layers 2 apart; named by their global layer number); six of the eight chunks hold no
     output layer."""
-    check_parity(record(launch(4, "--pp", "2", "--vpp", "2", names=list(OPTIMIZERS)), name),
-                 "PP 2 x virtual pipeline 2 x DP 2 (interleaved)")
+    check_parity(
+        record(launch(4, "--pp", "2", "--vpp", "2", names=list(OPTIMIZERS)), name),
+        "PP 2 x virtual pipeline 2 x DP 2 (interleaved)",
+    )
 
 
 _ckpt_dir: dict = {}
@@ -164,8 +171,10 @@ TOPOLOGIES = {"DP 2": (), "TP 2 x DP 2": ("--tp", "2"), "PP 2 x DP 2": ("--pp", 
 @pytest.mark.parametrize("name", CKPT_NAMES)
 def test_distributed_checkpoint_resumes_exactly(name: str, topology: str) -> None:
     rec = record(saved(TOPOLOGIES[topology])[1], name)
-    print(f"{name} {topology}: resumed - uninterrupted = {rec['resume_vs_continuous']:.1e}, "
-          f"vs one process {rec['max_abs_diff_dist']:.2e}")
+    print(
+        f"{name} {topology}: resumed - uninterrupted = {rec['resume_vs_continuous']:.1e}, "
+        f"vs one process {rec['max_abs_diff_dist']:.2e}"
+    )
     assert rec["resume_vs_continuous"] == 0.0
     assert rec["state_dict_resume_vs_continuous"] == 0.0  # opt.state_dict(): pieces and fp32 main values
     assert rec["max_abs_diff_dist"] <= (BF16_TOL if "bf16" in topology else TOL)
@@ -176,8 +185,10 @@ def test_checkpoints_reload_at_another_data_parallel_size(name: str) -> None:
     """Saved at DP 2, loaded at DP 3: Megatron's distributed checkpoint and shardopt's file."""
     path, _ = saved()
     rec = record(launch(3, "--load", path, "--format", "both", names=CKPT_NAMES), name)
-    print(f"{name} DP 2 -> 3: distributed checkpoint {rec['max_abs_diff_dist']:.2e}, shardopt file "
-          f"{rec['max_abs_diff_shardopt']:.2e}")
+    print(
+        f"{name} DP 2 -> 3: distributed checkpoint {rec['max_abs_diff_dist']:.2e}, shardopt file "
+        f"{rec['max_abs_diff_shardopt']:.2e}"
+    )
     assert rec["max_abs_diff_dist"] <= TOL
     assert rec["max_abs_diff_shardopt"] <= TOL
 

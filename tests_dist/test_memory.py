@@ -5,6 +5,7 @@ together is at most 1.1x the single-process state (nothing big is replicated), t
 1.5x the mean, the planner's per-rank prediction (used by ``benchmarks.scale``) equals what is held, and a
 ``shardopt.checkpoint.save`` has each rank write about its own share (no rank gathers the whole state).
 """
+
 from __future__ import annotations
 
 import json
@@ -34,8 +35,10 @@ def test_state_is_split_not_replicated_at_world_size_4() -> None:
         assert "error" not in rec, rec.get("error")
         total, per = sum(rec["per_rank"]), rec["per_rank"]
         mean = total / len(per)
-        print(f"{rec['optimizer']:7s} {rec['engine']:6s} {str(rec['strategy']):11s} single {rec['single']:8d} B, "
-              f"sum over ranks {total / rec['single']:.3f}x, busiest/mean {max(per) / mean:.2f}")
+        print(
+            f"{rec['optimizer']:7s} {rec['engine']:6s} {str(rec['strategy']):11s} single {rec['single']:8d} B, "
+            f"sum over ranks {total / rec['single']:.3f}x, busiest/mean {max(per) / mean:.2f}"
+        )
         assert total <= 1.1 * rec["single"], rec
         assert max(per) <= 1.5 * mean, rec
         assert rec["planned"] == per, rec

@@ -4,16 +4,17 @@ process training the same model with every expert local, after 3 steps, after a 
 reload at another ZeRO stage (shardopt's logical state), for SCALE, RACS, SUMO, Alice and ASGO (the whole-matrix
 ones under gather and distributed; CI runs ``CI_CASES``). Expert matrices reduce over their expert data-parallel group, the LM head
 over the world, in the same step; the router stays AdamW."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
-from launch import run_ranks
 from moe_worker import CASES
 from tiers import selected, tiered
+
+from launch import run_ranks
 
 TOL = 1e-5
 STAGES = (0, 1, 2)
@@ -38,12 +39,15 @@ def records() -> list:
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("name, strategy", tiered(CASES, CI_CASES, f"{list(CI_CASES)}"))
 def test_experts_step_resume_and_reshard_like_one_process(name: str, strategy: str | None, stage: int) -> None:
-    rec = next(r for r in records() if (r["optimizer"], r["strategy"], r["engine"]) == (name, strategy,
-                                                                                        f"zero{stage}_ep2"))
+    rec = next(
+        r for r in records() if (r["optimizer"], r["strategy"], r["engine"]) == (name, strategy, f"zero{stage}_ep2")
+    )
     assert "error" not in rec, rec["error"]
-    print(f"{name} ({strategy}) zero{stage} ep2: {rec['max_abs_diff']:.2e} after 3 steps, "
-          f"{rec['resume_max_abs_diff']:.2e} after a resume and 3 more, {rec['reshard_max_abs_diff']:.2e} after a "
-          f"reload at {rec['reshard_engine']} and 3 more")
+    print(
+        f"{name} ({strategy}) zero{stage} ep2: {rec['max_abs_diff']:.2e} after 3 steps, "
+        f"{rec['resume_max_abs_diff']:.2e} after a resume and 3 more, {rec['reshard_max_abs_diff']:.2e} after a "
+        f"reload at {rec['reshard_engine']} and 3 more"
+    )
     if stage:
         assert rec["expert_groups"] >= 1  # ZeRO partitions the experts in param groups of their own
     assert rec["max_abs_diff"] <= TOL

@@ -3,15 +3,16 @@ orthogonalize whole matrices, bitwise the single-process result; under ``distrib
 all-reduces only the small Gram (one collective per step for all matrices); both at world sizes 2 and 3 on
 FSDP2 row and column shards; in fp32, in bf16 and with TF32 products (``matrix_ops.precision``). Before, Muon built a
 gather plan of its own every step and ignored the strategy."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
+from tiers import world_sizes
 
 from launch import run_ranks
-from tiers import world_sizes
 
 FP32_TOL = 1e-6
 BF16_TOL = 0.05  # bf16 Newton-Schulz: partial Grams rounded to bf16 before the fp32 all-reduce

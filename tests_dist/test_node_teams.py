@@ -14,6 +14,7 @@ whose links inside a node are fast.
 
 Full tier only (``make test-full``): about a minute of 4 ranks on 2 cores, and CI's budget is spent.
 """
+
 from __future__ import annotations
 
 import json
@@ -21,22 +22,26 @@ import tempfile
 
 import pytest
 import torch
+from tiers import full_only
 
 from launch import run_ranks
-from tiers import full_only
 
 WORLD, PER_NODE, TEAM = 4, 2, 2
 TOL = 1e-5
 BYTES_TOL = 0.01
 CASES = ("asgo:team", "swan:team", "asgo:auto")
-pytestmark = full_only("the split roots' exactness in tests/test_teams.py (threads), their plans in tests/test_time_model.py")
+pytestmark = full_only(
+    "the split roots' exactness in tests/test_teams.py (threads), their plans in tests/test_time_model.py"
+)
 _cache: dict = {}
 
 
 def find(name: str, strategy: str) -> dict:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("node_teams_worker.py", WORLD, ["--out", out.name, "--cases", ",".join(CASES)], timeout=1200)
+            proc = run_ranks(
+                "node_teams_worker.py", WORLD, ["--out", out.name, "--cases", ",".join(CASES)], timeout=1200
+            )
             if proc.returncode != 0:
                 pytest.fail(f"node-teams worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = json.load(open(out.name))
@@ -63,8 +68,9 @@ def test_teams_stay_inside_a_node(case: str) -> None:
 def test_split_roots_equal_one_process(case: str) -> None:
     rec = find(*case.split(":"))
     for rank, r in enumerate(rec["ranks"]):
-        diff = max(float((torch.tensor(a) - torch.tensor(b)).abs().max())
-                   for a, b in zip(r["params"], rec["single_params"]))
+        diff = max(
+            float((torch.tensor(a) - torch.tensor(b)).abs().max()) for a, b in zip(r["params"], rec["single_params"])
+        )
         print(f"{case} rank {rank}: max |sharded - one process| = {diff:.2e}")
         assert diff <= TOL
 

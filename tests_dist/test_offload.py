@@ -12,6 +12,7 @@ the tiny LLaMA of ``hf_worker.py``.
   ``offload_worker.SpreadMLP``, 8 samples a step, so the gradients are rank-deficient (the harness where SUMO
   measured 78% on bf16 ZeRO-3 with its fp32 cutoff, as in the issue); each rule at its defaults.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -19,9 +20,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import FULL, full_only, tiered
 
 from launch import run_ranks
-from tiers import FULL, full_only, tiered
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -56,8 +57,9 @@ CASES = [(api, engine) for api in ("initialize", "trainer", "accelerate") for en
 @pytest.mark.parametrize("api,engine", tiered(CASES, [CI_CASE], f"{CI_CASE} with {CI_RULES}"))
 def test_offload_matches_single_process(api: str, engine: str) -> None:
     names = ALL if FULL else CI_RULES
-    got = _launch(2, ["--mode", "offload", "--api", api, "--engine", engine, "--optimizer", ",".join(names),
-                      "--reference"])
+    got = _launch(
+        2, ["--mode", "offload", "--api", api, "--engine", engine, "--optimizer", ",".join(names), "--reference"]
+    )
     for name in names:
         meta = got[name]["__meta__"]
         assert meta["optimizer"] != "None" and meta["stepped"] == meta["optimizer"], meta  # not DeepSpeedCPUAdam

@@ -10,16 +10,17 @@ Tolerances: fp32 layouts <= 1e-5 max abs difference. bf16 layouts (DeepSpeed ZeR
 they are compared with the fp32 run at ``BF16_TOL`` = 0.1 absolute after 6 steps (the sign-like updates of
 RACS/SinkGD flip on a few bf16-rounded gradient entries; observed <= 0.051) and must reduce the loss.
 """
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
+from parity_worker import BF16_LAYOUTS, LAYOUTS, OPTIMIZERS, STRATEGIES, TEAM_SIZE, TEAM_WORLD
+from tiers import FULL, world_sizes
 
 from launch import run_ranks
-from tiers import FULL, world_sizes
-from parity_worker import BF16_LAYOUTS, LAYOUTS, OPTIMIZERS, STRATEGIES, TEAM_SIZE, TEAM_WORLD
 
 FP32_TOL = 1e-5
 BF16_TOL = 0.1
@@ -39,8 +40,10 @@ def _launch(ws: int, args: list[str]) -> list[dict]:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
             proc = run_ranks("parity_worker.py", ws, ["--out", out.name, *args], timeout=900)
             if proc.returncode != 0:
-                pytest.fail(f"parity worker at world size {ws} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n"
-                            f"{proc.stderr[-4000:]}")
+                pytest.fail(
+                    f"parity worker at world size {ws} {' '.join(args)} failed:\n{proc.stdout[-4000:]}\n"
+                    f"{proc.stderr[-4000:]}"
+                )
             _results[key] = json.load(open(out.name))
     return _results[key]
 
@@ -68,10 +71,14 @@ CASES = [(opt, s) for opt in OPTIMIZERS for s in STRATEGIES.get(opt, (None,))]
 @pytest.mark.parametrize("opt,strategy", CASES)
 def test_fp32_parity(opt: str, strategy: str | None, layout: str, ws: int) -> None:
     if strategy == "team" and ws < TEAM_WORLD:
-        pytest.skip(f"at world size {ws} a team of {TEAM_SIZE} is the whole group (the worker runs teams from {TEAM_WORLD})")
+        pytest.skip(
+            f"at world size {ws} a team of {TEAM_SIZE} is the whole group (the worker runs teams from {TEAM_WORLD})"
+        )
     if not FULL and strategy != STRATEGIES.get(opt, (None,))[0] and layout not in CI_STRATEGY_LAYOUTS:
-        pytest.skip(f"full tier only (SHARDOPT_TESTS=full, make test-full); CI: the {strategy} strategy on "
-                    f"{', '.join(CI_STRATEGY_LAYOUTS)}")
+        pytest.skip(
+            f"full tier only (SHARDOPT_TESTS=full, make test-full); CI: the {strategy} strategy on "
+            f"{', '.join(CI_STRATEGY_LAYOUTS)}"
+        )
     rec = find(ws, optimizer=opt, layout=layout, kind=None, strategy=strategy)
     assert "error" not in rec, rec.get("error")
     print(f"{opt} [{strategy}] {layout} ws={ws}: max |sharded - single| = {rec['max_abs_diff']:.3g}")
@@ -94,8 +101,10 @@ def test_distributed_strategy_never_gathers_a_matrix_on_flat_zero_ranges(opt: st
     plans = [p for p in rec["plans"] if p["kind"] == "distributed"]
     assert plans, rec["plans"]
     for p in plans:
-        print(f"{opt} {layout} ws={ws} {p['name']}: received <= {p['max_received']} of {p['numel']} elements "
-              f"({'along' if p['along'] else 'across'} the grain)")
+        print(
+            f"{opt} {layout} ws={ws} {p['name']}: received <= {p['max_received']} of {p['numel']} elements "
+            f"({'along' if p['along'] else 'across'} the grain)"
+        )
         assert p["max_received"] < p["numel"]
         if p["along"]:
             assert p["max_received"] <= 2 * p["a_cols"]
@@ -123,8 +132,10 @@ def test_collective_count_independent_of_matrix_count(opt: str, ws: int) -> None
         few = find(ws, optimizer=opt, layout=layout, kind="count", n_blocks=1)
         many = find(ws, optimizer=opt, layout=layout, kind="count", n_blocks=6)
         assert "error" not in few and "error" not in many, few.get("error") or many.get("error")
-        print(f"{opt} {layout} ws={ws}: collectives/step with 7 matrices {few['collective_calls'][0]}, "
-              f"with 17 matrices {many['collective_calls'][0]}")
+        print(
+            f"{opt} {layout} ws={ws}: collectives/step with 7 matrices {few['collective_calls'][0]}, "
+            f"with 17 matrices {many['collective_calls'][0]}"
+        )
         assert few["collective_calls"] == many["collective_calls"]
         if opt not in REFRESHING:
             assert len(set(few["collective_calls"])) == 1  # the same every step
@@ -151,8 +162,18 @@ ITERATIVE_ROUTE = {"asgo": "inverse_sqrt", "sumo": "polar", "alice": "orthonorma
 
 
 def iterative_results(ws: int) -> list[dict]:
-    return _launch(ws, ["--iterative", "--count-blocks", "", "--optimizers", ",".join(ITERATIVE_RULES),
-                        "--layouts", ",".join(ITERATIVE_LAYOUTS)])
+    return _launch(
+        ws,
+        [
+            "--iterative",
+            "--count-blocks",
+            "",
+            "--optimizers",
+            ",".join(ITERATIVE_RULES),
+            "--layouts",
+            ",".join(ITERATIVE_LAYOUTS),
+        ],
+    )
 
 
 @pytest.mark.parametrize("ws", ITERATIVE_WORLD_SIZES)
@@ -161,13 +182,18 @@ def iterative_results(ws: int) -> list[dict]:
 def test_iterative_routes_sharded_equal_one_process(opt: str, layout: str, ws: int) -> None:
     """Sharded equals one process on the routes a GPU takes, too (every strategy the worker runs at ``ws``); every
     ASGO root comes from the iteration (``test_iterative_routes_ran`` for the others)."""
-    recs = [r for r in iterative_results(ws) if r.get("optimizer") == opt and r.get("layout") == layout
-            and r.get("kind") is None]
+    recs = [
+        r
+        for r in iterative_results(ws)
+        if r.get("optimizer") == opt and r.get("layout") == layout and r.get("kind") is None
+    ]
     assert recs, (opt, layout)
     for rec in recs:
         assert "error" not in rec, rec.get("error")
-        print(f"{opt} [{rec['strategy']}] {layout} ws={ws}, iterative routes: max |sharded - single| = "
-              f"{rec['max_abs_diff']:.3g}, fallbacks {rec['fallbacks']} of {rec['routed']}")
+        print(
+            f"{opt} [{rec['strategy']}] {layout} ws={ws}, iterative routes: max |sharded - single| = "
+            f"{rec['max_abs_diff']:.3g}, fallbacks {rec['fallbacks']} of {rec['routed']}"
+        )
         assert rec["max_abs_diff"] <= FP32_TOL
         assert rec["routed"].get(ITERATIVE_ROUTE[opt], 0) > 0, rec["routed"]
         if opt == "asgo":

@@ -2,15 +2,16 @@
 data-parallel ranks under ZeRO-1 with gradient accumulation 2 equals one process training the same layers on
 the same global batch, after 3 steps and after a save and resume, for SCALE, RACS, SUMO, Alice and ASGO (the
 whole-matrix ones under gather and distributed). DeepSpeed runs pipelines under ZeRO-0/1 only."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
+from pipeline_worker import CASES
 
 from launch import run_ranks
-from pipeline_worker import CASES
 
 TOL = 1e-5
 _cache: dict = {}
@@ -30,7 +31,9 @@ def records() -> list:
 def test_pipeline_stages_step_and_resume_like_one_process(name: str, strategy: str | None) -> None:
     rec = next(r for r in records() if (r["optimizer"], r["strategy"]) == (name, strategy))
     assert "error" not in rec, rec["error"]
-    print(f"{name} ({strategy}) zero1 pp2 x dp2: {rec['max_abs_diff']:.2e} after 3 steps, "
-          f"{rec['resume_max_abs_diff']:.2e} after a save, a resume and 3 more")
+    print(
+        f"{name} ({strategy}) zero1 pp2 x dp2: {rec['max_abs_diff']:.2e} after 3 steps, "
+        f"{rec['resume_max_abs_diff']:.2e} after a save, a resume and 3 more"
+    )
     assert rec["max_abs_diff"] <= TOL
     assert rec["resume_max_abs_diff"] <= TOL

@@ -5,16 +5,17 @@ LM head), the stages form different numbers of param groups and still train, 3 s
 1e-5, and a save and resume continues exactly.
 
 CI: SCALE, RACS and SUMO; the full tier every optimizer."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
+from layout_options import OPTIONS
+from tiers import CI_LAYOUT_OPTIMIZERS, selected
 
 from launch import run_ranks
-from tiers import CI_LAYOUT_OPTIMIZERS, selected
-from layout_options import OPTIONS
 
 TOL, RESUME_TOL = 1e-5, 1e-6
 NAMES = selected(OPTIONS, CI_LAYOUT_OPTIMIZERS)
@@ -24,8 +25,9 @@ _cache: dict = {}
 def records() -> list:
     if "recs" not in _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("pipeline_llm_worker.py", 4, ["--out", out.name, "--optimizers", ",".join(NAMES)],
-                             timeout=900)
+            proc = run_ranks(
+                "pipeline_llm_worker.py", 4, ["--out", out.name, "--optimizers", ",".join(NAMES)], timeout=900
+            )
             if proc.returncode != 0:
                 pytest.fail(f"pipeline llm worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache["recs"] = json.load(open(out.name))
@@ -38,8 +40,10 @@ def test_pipelined_llm_like_one_process(name: str, tied: bool, clip: float) -> N
     """(``clip``: gradient clipping on; every stage must clip by the same global norm, DeepSpeed's.)"""
     rec = next(r for r in records() if (r["optimizer"], r["tied"], r["clip"]) == (name, tied, clip))
     assert "error" not in rec, rec["error"]
-    print(f"{name} tied={tied} (param groups per rank {rec['groups_per_rank']}): {rec['max_abs_diff']:.2e} after 3 "
-          f"steps, resume {rec['resume_max_abs_diff']:.2e}, 6 steps {rec['six_steps_max_abs_diff']:.2e}")
+    print(
+        f"{name} tied={tied} (param groups per rank {rec['groups_per_rank']}): {rec['max_abs_diff']:.2e} after 3 "
+        f"steps, resume {rec['resume_max_abs_diff']:.2e}, 6 steps {rec['six_steps_max_abs_diff']:.2e}"
+    )
     assert rec["same_rules"], rec["rules"]
     # engine.describe(all_stages=True): every stage's parameters, each row as one process prints it (the role's source
     # aside: the pipeline's layer specs declare what one process finds from the modules), on every rank

@@ -31,6 +31,7 @@ a timeout. About 2.5 minutes on 2 quiet cores, 5 under load (the first DeepSpeed
 also builds its CPU op: 1-2 minutes more). What a command prints where a page says so (``CLAIMS``) is checked in
 its output, on whichever page the command is.
 """
+
 from __future__ import annotations
 
 import json
@@ -40,14 +41,14 @@ import shlex
 import subprocess
 import sys
 import time
-import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import tomllib
+from tiers import full_only
 
 from launch import ROOT, free_port
-from tiers import full_only
 
 README = ROOT / "README.md"
 DOCS = ROOT / "docs"
@@ -56,8 +57,16 @@ SYNTAX_ONLY_REASONS = ("Docker", "Slurm")
 MARKERS = ("", "ci", "syntax-only", "excerpt", "same-as", "runs-in")
 #: what every runnable block runs after: the environment docs/getting-started.md sets up
 SETUP = ". .venv/bin/activate\n"
-TINY_TRAINER = ["--set", "train.steps=2", "--set", "eval.max_sequences=4", "--set", "eval.every=0",
-                "--set", "train.progress=false"]
+TINY_TRAINER = [
+    "--set",
+    "train.steps=2",
+    "--set",
+    "eval.max_sequences=4",
+    "--set",
+    "eval.every=0",
+    "--set",
+    "train.progress=false",
+]
 PIP_OFFLINE = ["--dry-run", "--no-index", "--no-build-isolation"]
 #: what a page says a command prints (its comment), checked in the block's output
 CLAIMS = {
@@ -115,7 +124,7 @@ def file_blocks(path: Path) -> list[Block]:
         while k >= 0 and not lines[k].strip():
             k -= 1
         mm = re.match(r"^<!--\s*readme-test:\s*(.*?)\s*-->$", lines[k].strip()) if k >= 0 else None
-        blocks.append(Block(rel, i + 1, m.group(1), "\n".join(lines[i + 1:j]) + "\n", mm.group(1) if mm else ""))
+        blocks.append(Block(rel, i + 1, m.group(1), "\n".join(lines[i + 1 : j]) + "\n", mm.group(1) if mm else ""))
         i = j + 1
     return blocks
 
@@ -138,7 +147,7 @@ def _commands(block: Block) -> list[str]:
 
 def _split_comment(line: str) -> tuple[str, str]:
     m = re.search(r"\s+#\s.*$", line)
-    return (line[:m.start()], line[m.start():]) if m else (line, "")
+    return (line[: m.start()], line[m.start() :]) if m else (line, "")
 
 
 def _runnable_bash(block: Block) -> str:
@@ -161,21 +170,26 @@ def _is_setup(block: Block) -> bool:
 def test_the_readme_and_the_docs_have_blocks():
     assert FILES["README.md"], "README.md has no code blocks"
     assert len(FILES) > 10, f"only {list(FILES)}: are the docs/ pages missing?"
-    assert len([b for b in BLOCKS if b.runnable]) >= 8, "fewer than 8 runnable blocks: did the docs lose their examples?"
+    assert len([b for b in BLOCKS if b.runnable]) >= 8, (
+        "fewer than 8 runnable blocks: did the docs lose their examples?"
+    )
 
 
 @pytest.mark.parametrize("doc", list(FILES))
 def test_every_block_has_a_language_and_a_known_marker(doc):
     for b in FILES[doc]:
-        assert b.lang in ("bash", "python", "json", "text"), \
+        assert b.lang in ("bash", "python", "json", "text"), (
             f"{b.where()}: tag the block as bash, python or json (or text for output that is not run)"
+        )
         assert b.kind in MARKERS, f"{b.where()}: unknown marker {b.marker!r}"
         if b.kind == "syntax-only":
-            assert b.arg in SYNTAX_ONLY_REASONS, \
+            assert b.arg in SYNTAX_ONLY_REASONS, (
                 f"{b.where()}: only Docker and Slurm blocks may skip running (got {b.arg!r})"
+            )
         if b.kind == "ci":
-            assert all(re.fullmatch(r"make [\w-]+(\s+#.*)?", c) for c in _commands(b)), \
+            assert all(re.fullmatch(r"make [\w-]+(\s+#.*)?", c) for c in _commands(b)), (
                 f"{b.where()}: a 'ci' block may hold only make targets"
+            )
         if b.kind in ("excerpt", "same-as", "runs-in"):
             assert (ROOT / b.arg).is_file(), f"{b.where()}: {b.arg} does not exist"
         if b.kind == "runs-in":
@@ -209,8 +223,12 @@ def test_runs_in_blocks_run_on_their_page(doc):
     """A command shown twice runs once: where the block says."""
     for b in (b for b in FILES[doc] if b.kind == "runs-in"):
         assert b.arg in FILES, f"{b.where()}: {b.arg} is not a page this test reads"
-        there = {" ".join(c.split()) for o in FILES[b.arg] if o.runnable for c in (_split_comment(x)[0]
-                                                                                   for x in _commands(o))}
+        there = {
+            " ".join(c.split())
+            for o in FILES[b.arg]
+            if o.runnable
+            for c in (_split_comment(x)[0] for x in _commands(o))
+        }
         for cmd in _commands(b):
             cmd = " ".join(_split_comment(cmd)[0].split())
             assert cmd in there, f"{b.where()}: `{cmd}` is not in a runnable block of {b.arg}"
@@ -290,8 +308,10 @@ def _env() -> dict[str, str]:
     return env
 
 
-@full_only("the blocks checked statically above (make -n, bash -n, the examples they name); running them all takes "
-           "10-20 minutes on 2 cores")
+@full_only(
+    "the blocks checked statically above (make -n, bash -n, the examples they name); running them all takes "
+    "10-20 minutes on 2 cores"
+)
 @pytest.mark.timeout(1800)
 @pytest.mark.parametrize("doc", RUNNABLE_FILES)
 def test_every_block_runs_as_written(doc, tmp_path):
@@ -306,14 +326,22 @@ def test_every_block_runs_as_written(doc, tmp_path):
         env["MASTER_PORT"] = str(free_port())  # launch/multinode.sh's rendezvous (plain torchrun finds a free one)
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(["bash", "-c", f"set -eo pipefail\n{setup}{script}"], cwd=cwd, env=env,
-                                  capture_output=True, text=True, timeout=BLOCK_TIMEOUT)
+            proc = subprocess.run(
+                ["bash", "-c", f"set -eo pipefail\n{setup}{script}"],
+                cwd=cwd,
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=BLOCK_TIMEOUT,
+            )
         except subprocess.TimeoutExpired as err:
             pytest.fail(f"{b.where()} ran past {BLOCK_TIMEOUT}s:\n{script}\n{(err.stdout or '')[-3000:]}")
         out = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            pytest.fail(f"{b.where()} failed with exit status {proc.returncode}:\n{script}\n--- output:\n"
-                        f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+            pytest.fail(
+                f"{b.where()} failed with exit status {proc.returncode}:\n{script}\n--- output:\n"
+                f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+            )
         for needle, claim in CLAIMS.items():
             if any(re.search(re.escape(needle) + r"\b", c) for c in _commands(b)):
                 assert claim in out, f"{b.where()}: the page says `{needle}` gives {claim!r}; output:\n{out[-4000:]}"

@@ -2,6 +2,7 @@
 pipeline stage matches, and MoE experts split by tensor parallelism (``refusal_worker.py``, world size 2).
 Pipelines and expert parallelism themselves are exact (``test_pipeline.py``, ``test_pipeline_llm.py``, whose stages
 form different numbers of param groups, ``test_moe.py``)."""
+
 from __future__ import annotations
 
 import json
@@ -24,12 +25,24 @@ def records() -> dict:
     return _cache["recs"]
 
 
-@pytest.mark.parametrize("case, words", [
-    ("pipeline_routing", ["ConfigError", "shardopt.routing: patterns ['9.*'] match no trainable parameter on any "
-                          "pipeline stage"]),
-    ("moe_expert_tp", ["NotImplementedError", "deepspeed.moe.layer.MoE at 'moe'", "enable_expert_tensor_parallelism",
-                       "enable_expert_tensor_parallelism=False"]),
-])
+@pytest.mark.parametrize(
+    "case, words",
+    [
+        (
+            "pipeline_routing",
+            ["ConfigError", "shardopt.routing: patterns ['9.*'] match no trainable parameter on any pipeline stage"],
+        ),
+        (
+            "moe_expert_tp",
+            [
+                "NotImplementedError",
+                "deepspeed.moe.layer.MoE at 'moe'",
+                "enable_expert_tensor_parallelism",
+                "enable_expert_tensor_parallelism=False",
+            ],
+        ),
+    ],
+)
 def test_unsupported_parallelism_is_refused_on_every_rank(case: str, words: list[str]) -> None:
     rec = records()[case]
     print(f"{case}: {rec['error']}")

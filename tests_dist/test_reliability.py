@@ -1,5 +1,6 @@
 """Reliability: consistent non-finite skips, no hangs with frozen/missing grads or mismatched plans, and
 crash-and-resume under torchrun (a rank SIGKILLed mid-training)."""
+
 from __future__ import annotations
 
 import json
@@ -9,10 +10,10 @@ import tempfile
 
 import pytest
 import torch
-
-from launch import ROOT, free_port, run_bounded, run_ranks
 from parity_worker import OPTIMIZERS
 from reliability_worker import DEVICE_GATED
+
+from launch import ROOT, free_port, run_bounded, run_ranks
 
 _cache: dict = {}
 
@@ -71,11 +72,26 @@ def test_crash_and_resume_under_torchrun():
     from parity_worker import reference
 
     with tempfile.TemporaryDirectory() as tmp:
-        env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--max-restarts=1",
-               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{free_port()}",
-               str(ROOT / "tests_dist" / "crash_worker.py"), "--dir", tmp, "--optimizer", "racs"]
+        env = dict(
+            os.environ,
+            DS_ACCELERATOR="cpu",
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        )
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--max-restarts=1",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+            str(ROOT / "tests_dist" / "crash_worker.py"),
+            "--dir",
+            tmp,
+            "--optimizer",
+            "racs",
+        ]
         proc = run_bounded(cmd, env=env, timeout=600)
         assert proc.returncode == 0, proc.stderr[-4000:]
         result = json.load(open(os.path.join(tmp, "result.json")))

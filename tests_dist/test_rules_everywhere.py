@@ -11,19 +11,23 @@ prints one process's table, character for character (issue 52: ZeRO-2/3 used to 
 CI: Mixtral on RACS and GPT-2 on SUMO, on the engines that hide shapes (FSDP1's flat parameters, ZeRO-2's flat
 partitions, ``zero.Init``); the full tier: every model with SCALE, RACS and SUMO (and a user routing) on every
 engine."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
-from launch import run_ranks
 from rules_worker import CORPUS_MODELS, ENGINES, MODELS, USER_ROUTING
 from tiers import CI_LAYOUT_OPTIMIZERS, FULL, selected
 
-CASES = ([f"{m}:{o}" for m in MODELS + CORPUS_MODELS for o in ("scale", "racs", "sumo")] + ["llama:scale:routed"]
-         if FULL else ["mixtral:racs", "gpt2:sumo"])
+from launch import run_ranks
+
+CASES = (
+    [f"{m}:{o}" for m in MODELS + CORPUS_MODELS for o in ("scale", "racs", "sumo")] + ["llama:scale:routed"]
+    if FULL
+    else ["mixtral:racs", "gpt2:sumo"]
+)
 RUN = ENGINES if FULL else ("fsdp1_flat", "zero2", "zero3_init")
 _cache: list = []
 
@@ -31,8 +35,12 @@ _cache: list = []
 def records() -> list:
     if not _cache:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("rules_worker.py", 2, ["--out", out.name, "--cases", ",".join(CASES),
-                                                    "--engines", ",".join(RUN)], timeout=1800)
+            proc = run_ranks(
+                "rules_worker.py",
+                2,
+                ["--out", out.name, "--cases", ",".join(CASES), "--engines", ",".join(RUN)],
+                timeout=1800,
+            )
             if proc.returncode != 0:
                 pytest.fail(f"rules worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _cache.extend(json.load(open(out.name)))
@@ -78,16 +86,18 @@ def test_describe_prints_the_one_process_table(case: str, engine: str) -> None:
 
 #: the functional tied head (logits from the embedding's weight) on ZeRO-2, ZeRO-3 and FSDP2, 3 steps (issue 52):
 #: every rule in the full tier (one launch, 14 s on 2 cores); CI the layout suites' three (SCALE, RACS, SUMO)
-TIED_OPTIMIZERS = selected(("scale", "sinkgd", "racs", "muon", "swan", "dasgo", "asgo", "sumo", "alice", "alice0"),
-                           CI_LAYOUT_OPTIMIZERS)
+TIED_OPTIMIZERS = selected(
+    ("scale", "sinkgd", "racs", "muon", "swan", "dasgo", "asgo", "sumo", "alice", "alice0"), CI_LAYOUT_OPTIMIZERS
+)
 _tied: list = []
 
 
 def tied_records() -> list:
     if not _tied:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("tied_head_worker.py", 2, ["--out", out.name, "--optimizers", ",".join(TIED_OPTIMIZERS)],
-                             timeout=1800)
+            proc = run_ranks(
+                "tied_head_worker.py", 2, ["--out", out.name, "--optimizers", ",".join(TIED_OPTIMIZERS)], timeout=1800
+            )
             if proc.returncode != 0:
                 pytest.fail(f"tied head worker failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
             _tied.extend(json.load(open(out.name)))

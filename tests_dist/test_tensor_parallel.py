@@ -11,16 +11,17 @@ ASGO (the whole-matrix ones under gather, teams and distributed): after 3 steps 
 the single-process run (observed <= 7.2e-6, ASGO's root on a rank-deficient statistic; the others <= 2.2e-7);
 saving after 2 steps (DCP through ``get_state_dict``, and ``shardopt.checkpoint``), rebuilding and loading
 continues exactly (0.0 difference)."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
-from launch import run_ranks
 from tiers import FULL, world_sizes
 from tp_worker import LEAN_RESUME, OPTIMIZERS, RESUME, STRATEGIES, WHOLE
+
+from launch import run_ranks
 
 TOL = 1e-5
 RESUME_TOL = 1e-6
@@ -58,8 +59,10 @@ LAYOUTS = world_sizes([(ws, lay) for ws, lays in RUNS.items() for lay in lays.sp
 @pytest.mark.parametrize("opt,strategy", CASES)
 def test_tensor_parallel_step_equals_one_process(opt: str, strategy: str | None, ws: int, layout: str) -> None:
     if ws in LEAN and (opt, strategy) not in RESUME:
-        pytest.skip(f"the {ws}-process mesh runs each whole-matrix optimizer under one strategy here; every strategy "
-                    "runs on the 2 x 2 meshes in the full tier (SHARDOPT_TESTS=full)")
+        pytest.skip(
+            f"the {ws}-process mesh runs each whole-matrix optimizer under one strategy here; every strategy "
+            "runs on the 2 x 2 meshes in the full tier (SHARDOPT_TESTS=full)"
+        )
     rec = _find(ws, optimizer=opt, strategy=strategy, layout=layout, resume=None)
     print(f"{opt} [{strategy}] {layout} ws={ws}: max |sharded - single| = {rec['max_abs_diff']:.3g}")
     assert rec["max_abs_diff"] <= TOL
@@ -68,11 +71,14 @@ def test_tensor_parallel_step_equals_one_process(opt: str, strategy: str | None,
 @pytest.mark.parametrize("how", ("dcp", "shardopt"))
 @pytest.mark.parametrize("ws,layout", LAYOUTS)
 @pytest.mark.parametrize("opt,strategy", RESUME)
-def test_tensor_parallel_save_and_resume_continue_exactly(opt: str, strategy: str | None, ws: int, layout: str,
-                                                          how: str) -> None:
+def test_tensor_parallel_save_and_resume_continue_exactly(
+    opt: str, strategy: str | None, ws: int, layout: str, how: str
+) -> None:
     if ws in LEAN and LEAN_RESUME[opt] != how:
-        pytest.skip(f"the {ws}-process mesh saves and resumes {opt} by {LEAN_RESUME[opt]} only here; both paths "
-                    "run on the 2 x 2 meshes in the full tier (SHARDOPT_TESTS=full)")
+        pytest.skip(
+            f"the {ws}-process mesh saves and resumes {opt} by {LEAN_RESUME[opt]} only here; both paths "
+            "run on the 2 x 2 meshes in the full tier (SHARDOPT_TESTS=full)"
+        )
     rec = _find(ws, optimizer=opt, strategy=strategy, layout=layout, resume=how)
     print(f"{opt} [{strategy}] {layout} ws={ws} {how}: resumed vs uninterrupted {rec['max_abs_diff']:.3g}")
     assert rec["max_abs_diff"] <= RESUME_TOL

@@ -14,16 +14,17 @@
 
 CI runs SUMO and ASGO (``CI_NAMES``); the full tier (``make test-full``) all six.
 """
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
-from launch import run_ranks
 from tiers import selected, tiered
 from time_model_worker import OPTIMIZERS, STRATEGIES, TAGS
+
+from launch import run_ranks
 
 WORLD = 4
 BYTES_TOL = 0.10

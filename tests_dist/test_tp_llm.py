@@ -7,16 +7,17 @@ cannot take its parameter's placements raises one clear error on every rank befo
 
 CI: world size 4 (FSDP2 x TP, both losses, and the mismatched gradient) for SCALE, RACS and SUMO; the full tier adds
 world size 2 (TP alone, both losses) and every optimizer."""
+
 from __future__ import annotations
 
 import json
 import tempfile
 
 import pytest
-
-from launch import run_ranks
 from tiers import CI_LAYOUT_OPTIMIZERS, selected, world_sizes
 from tp_llm_worker import OPTIONS
+
+from launch import run_ranks
 
 TOL, RESUME_TOL = 1e-5, 1e-6
 RUNS = {2: ("tp", "tp_lossp"), 4: ("fsdp2_tp", "fsdp2_tp_lossp")}
@@ -27,10 +28,16 @@ _results: dict[int, list[dict]] = {}
 def results(world: int) -> list[dict]:
     if world not in _results:
         with tempfile.NamedTemporaryFile(suffix=".json") as out:
-            proc = run_ranks("tp_llm_worker.py", world, ["--out", out.name, "--layouts", ",".join(RUNS[world]),
-                                                         "--optimizers", ",".join(NAMES)], timeout=900)
+            proc = run_ranks(
+                "tp_llm_worker.py",
+                world,
+                ["--out", out.name, "--layouts", ",".join(RUNS[world]), "--optimizers", ",".join(NAMES)],
+                timeout=900,
+            )
             if proc.returncode != 0:
-                pytest.fail(f"tp llm worker at world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+                pytest.fail(
+                    f"tp llm worker at world size {world} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+                )
             _results[world] = json.load(open(out.name))
     return _results[world]
 
@@ -40,8 +47,10 @@ def results(world: int) -> list[dict]:
 def test_torchtitan_plan_like_one_process(name: str, world: int, layout: str) -> None:
     rec = next(r for r in results(world) if (r["optimizer"], r["layout"]) == (name, layout))
     assert "error" not in rec, rec["error"]
-    print(f"{name} {layout} (world {world}): {rec['max_abs_diff']:.2e} after 3 steps, resume ({rec['resume']}) "
-          f"{rec['resume_max_abs_diff']:.2e}")
+    print(
+        f"{name} {layout} (world {world}): {rec['max_abs_diff']:.2e} after 3 steps, resume ({rec['resume']}) "
+        f"{rec['resume_max_abs_diff']:.2e}"
+    )
     assert rec["same_rules"], rec["rules"]
     assert any(r.startswith("tok_embeddings.weight 48x16 embedding") for r in rec["rules"])
     assert any(r.startswith("output.weight 48x16 lm_head") for r in rec["rules"])

@@ -6,6 +6,7 @@
   resume from the middle DeepSpeed checkpoint reaches the same validation loss;
 - FSDP2 + SinkGD resume through ``torch.distributed.checkpoint`` reproduces the uninterrupted run.
 """
+
 from __future__ import annotations
 
 import json
@@ -14,13 +15,21 @@ import subprocess
 import sys
 
 import pytest
-
-from launch import ROOT, free_port, run_bounded
 from tiers import full_only
 
+from launch import ROOT, free_port, run_bounded
+
 TIMEOUT = 240
-SHORT = ["--set", "eval.every=0", "--set", "eval.max_sequences=32", "--set", "train.log_every=2",
-         "--set", "train.progress=false"]
+SHORT = [
+    "--set",
+    "eval.every=0",
+    "--set",
+    "eval.max_sequences=32",
+    "--set",
+    "train.log_every=2",
+    "--set",
+    "train.progress=false",
+]
 
 
 def _env() -> dict[str, str]:
@@ -33,8 +42,18 @@ def _env() -> dict[str, str]:
 
 
 def _trainer_args(config: str, run_dir, extra: list[str]) -> list[str]:
-    return ["-m", "shardopt.train", "--config", str(ROOT / "configs" / "train" / config), "--run_dir", str(run_dir),
-            "--set", "data.cache_dir=" + str(ROOT / "runs" / "cache"), *SHORT, *extra]
+    return [
+        "-m",
+        "shardopt.train",
+        "--config",
+        str(ROOT / "configs" / "train" / config),
+        "--run_dir",
+        str(run_dir),
+        "--set",
+        "data.cache_dir=" + str(ROOT / "runs" / "cache"),
+        *SHORT,
+        *extra,
+    ]
 
 
 def _check(proc: subprocess.CompletedProcess | tuple, what: str) -> None:
@@ -45,8 +64,15 @@ def _check(proc: subprocess.CompletedProcess | tuple, what: str) -> None:
 
 
 def run_single_node(nproc: int, config: str, run_dir, extra: list[str]) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", *_trainer_args(config, run_dir, extra)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        *_trainer_args(config, run_dir, extra),
+    ]
     return run_bounded(cmd, env=_env(), timeout=TIMEOUT)
 
 
@@ -54,11 +80,21 @@ def run_two_nodes(config: str, run_dir, extra: list[str]) -> tuple[subprocess.Co
     port = free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc_per_node=2",
-               f"--node_rank={node}", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{port}",
-               f"--rdzv_id=shardopt-test-{port}", *_trainer_args(config, run_dir, extra)]
-        procs.append(subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            "--nproc_per_node=2",
+            f"--node_rank={node}",
+            "--rdzv_backend=c10d",
+            f"--rdzv_endpoint=127.0.0.1:{port}",
+            f"--rdzv_id=shardopt-test-{port}",
+            *_trainer_args(config, run_dir, extra),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=_env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     done = []
     try:
         for p in procs:
@@ -79,8 +115,9 @@ def _summary(run_dir) -> dict:
 
 def test_two_nodes_loopback_deepspeed_checkpoint(tmp_path):
     run = tmp_path / "two_nodes"
-    _check(run_two_nodes("demo.json", run, ["--set", "train.steps=4", "--set", "checkpoint.every=2"]),
-           "two-node training")
+    _check(
+        run_two_nodes("demo.json", run, ["--set", "train.steps=4", "--set", "checkpoint.every=2"]), "two-node training"
+    )
     s = _summary(run)
     assert s["world_size"] == 4 and s["steps"] == 4 and s["engine"] == "deepspeed"
     assert s["tokens_per_step"] == 4 * 8 * 128
@@ -89,7 +126,8 @@ def test_two_nodes_loopback_deepspeed_checkpoint(tmp_path):
     for tag in ("step_2", "step_4"):
         files = os.listdir(run / "checkpoints" / tag)
         assert sorted(f for f in files if f.startswith("zero_pp_rank_")) == [
-            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)]
+            f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(4)
+        ]
 
 
 def test_demo_config_short_run_learns_and_resumes(tmp_path):
@@ -116,12 +154,22 @@ def test_demo_config_short_run_learns_and_resumes(tmp_path):
     assert resumed["end_val_loss"] == pytest.approx(s["end_val_loss"], abs=1e-5)
 
 
-@full_only("the demo's DeepSpeed run and its resume; FSDP2 resumes exactly in test_checkpoint_dist.py and the trainer's "
-           "FSDP2 run resumes on DeepSpeed in test_convert_resume.py")
+@full_only(
+    "the demo's DeepSpeed run and its resume; FSDP2 resumes exactly in test_checkpoint_dist.py and the trainer's "
+    "FSDP2 run resumes on DeepSpeed in test_convert_resume.py"
+)
 def test_fsdp2_resume_matches_uninterrupted_run(tmp_path):
     run = tmp_path / "fsdp2"
-    steps = ["--set", "train.steps=4", "--set", "checkpoint.every=2", "--set", "train.grad_accum=2",
-             "--set", "eval.max_sequences=16"]
+    steps = [
+        "--set",
+        "train.steps=4",
+        "--set",
+        "checkpoint.every=2",
+        "--set",
+        "train.grad_accum=2",
+        "--set",
+        "eval.max_sequences=16",
+    ]
     _check(run_single_node(2, "fsdp2_sinkgd.json", run, steps), "fsdp2 run")
     full = _summary(run)
     assert full["end_val_loss"] < full["start_val_loss"]

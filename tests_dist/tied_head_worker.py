@@ -3,6 +3,7 @@
 now no Linear is the head and every parameter keeps one process's role. Each engine trains 3 steps on the same global
 batches as one process; the record holds the max difference of every parameter and the role table of each side.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,10 +19,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-from launch import finish_worker, record_case  # noqa: E402
 from role_corpus import FunctionalTiedLM  # noqa: E402
 
 import shardopt  # noqa: E402
+from launch import finish_worker, record_case  # noqa: E402
 
 ENGINES = ("zero2", "zero3", "fsdp2")
 STEPS, GLOBAL, SEQ, VOCAB = 3, 8, 12, 50
@@ -65,12 +66,16 @@ def on_engine(engine: str, name: str) -> tuple[dict, list]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if engine.startswith("zero"):
-            cfg = {"train_batch_size": GLOBAL, "train_micro_batch_size_per_gpu": per, "gradient_clipping": 0.0,
-                   "zero_optimization": {"stage": int(engine[4])},
-                   "shardopt": {"optimizer": name, "params": HP}}
+            cfg = {
+                "train_batch_size": GLOBAL,
+                "train_micro_batch_size_per_gpu": per,
+                "gradient_clipping": 0.0,
+                "zero_optimization": {"stage": int(engine[4])},
+                "shardopt": {"optimizer": name, "params": HP},
+            }
             eng, opt, _, _ = shardopt.deepspeed.initialize(model=model, config=cfg)
             for s in range(STEPS):
-                loss = loss_of(eng, batch(s)[rank * per:(rank + 1) * per])
+                loss = loss_of(eng, batch(s)[rank * per : (rank + 1) * per])
                 eng.backward(loss)
                 eng.step()
             import deepspeed
@@ -87,7 +92,7 @@ def on_engine(engine: str, name: str) -> tuple[dict, list]:
         opt = shardopt.create_optimizer(model, name, **HP)
     for s in range(STEPS):
         # the mean over the global batch: each rank's mean, averaged by FSDP2's reduce-scatter
-        loss_of(model, batch(s)[rank * per:(rank + 1) * per]).backward()
+        loss_of(model, batch(s)[rank * per : (rank + 1) * per]).backward()
         opt.step()
         opt.zero_grad()
     final = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}

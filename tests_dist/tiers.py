@@ -6,6 +6,7 @@ cross product skipped with the reason below. ``make test-full`` (``SHARDOPT_TEST
 size. Each skipped world size is one more launch of the same worker: on a 2-core machine that is minutes each
 (the work itself; the imports are paid once per session by ``rank_server.py``), which took CI past its limit.
 """
+
 from __future__ import annotations
 
 import os

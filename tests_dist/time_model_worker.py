@@ -10,6 +10,7 @@ SmallLM whose matrices (256 x 256 and 704 x 256, 4 blocks) make whole-matrix wor
 a step. SUMO and Alice refresh at the first step only (interval 100): the compared steps are those between
 refreshes; the refresh step's bytes are recorded beside them with the plans' prediction for a refresh step.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,21 +24,23 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker  # noqa: E402
 import toy_models  # noqa: E402
+
 import shardopt  # noqa: E402
+from launch import finish_worker  # noqa: E402
 from shardopt.sharding.op_census import OpCensus, census  # noqa: E402
 from shardopt.sharding.state_split import moving_numel  # noqa: E402
 
 LM = toy_models.LMSetup(256, 256, 704, 4, 8, 4)  # vocab, dim, ffn, blocks, seq, batch
 BATCH = LM.batch_size
 OPTIMIZERS = ("muon", "swan", "asgo", "sumo", "alice", "alice0")
-EXTRA = {"sumo": {"rank": 64, "refresh_interval": 100},
-         "alice": {"rank": 64, "leading": 4, "refresh_interval": 100},
-         "alice0": {"rank": 64, "leading": 4, "refresh_interval": 100}}
+EXTRA = {
+    "sumo": {"rank": 64, "refresh_interval": 100},
+    "alice": {"rank": 64, "leading": 4, "refresh_interval": 100},
+    "alice0": {"rank": 64, "leading": 4, "refresh_interval": 100},
+}
 TAGS = ("gather", "realign", "distributed", "state")
 #: auto (what the model picks for this size under the CPU profile), and each path forced: row realignment with
 #: reduced small matrices, and teams of two ranks (pieces to the members, reductions among them)
@@ -86,11 +89,17 @@ def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
     """Steps 1 (plans, state, refreshes) and 2..1+MEASURED_STEPS: bytes per step and whole-matrix FLOPs."""
     torch.manual_seed(0)
     model = LM.model()
-    kw = dict(EXTRA.get(name, {}), matrix_ops={"strategy": strategy, **({"team_size": 2} if strategy == "team" else {})})
+    kw = dict(
+        EXTRA.get(name, {}), matrix_ops={"strategy": strategy, **({"team_size": 2} if strategy == "team" else {})}
+    )
     if engine == "zero2":
-        config = {"train_batch_size": BATCH * dist.get_world_size(), "train_micro_batch_size_per_gpu": BATCH,
-                  "gradient_clipping": 0.0, "zero_optimization": {"stage": 2},
-                  "shardopt": {"optimizer": name, "params": kw}}
+        config = {
+            "train_batch_size": BATCH * dist.get_world_size(),
+            "train_micro_batch_size_per_gpu": BATCH,
+            "gradient_clipping": 0.0,
+            "zero_optimization": {"stage": 2},
+            "shardopt": {"optimizer": name, "params": kw},
+        }
         eng, _, _, _ = shardopt.deepspeed.initialize(model=model, config=config)
         opt = eng.optimizer.optimizer
 
@@ -124,8 +133,9 @@ def run(name: str, engine: str | None, strategy: str = "auto") -> dict:
     rec["flops"] = work.flops / MEASURED_STEPS
     rec["predicted"] = predicted(opt)
     rec["predicted_refresh"] = predicted(opt, refresh=True)
-    rec["kinds"] = sorted({k for g in range(len(opt._groups())) if opt.matrix_plan(g) is not None
-                           for k in opt.matrix_plan(g).kinds})
+    rec["kinds"] = sorted(
+        {k for g in range(len(opt._groups())) if opt.matrix_plan(g) is not None for k in opt.matrix_plan(g).kinds}
+    )
     return rec
 
 

@@ -6,6 +6,7 @@ partition at world size 4 (281 elements) and than a ZeRO-3 partition at world si
 boundaries fall mid-row. Every 2-D weight except ``l2`` has a column count divisible by 1..4 so FSDP2
 ``Shard(1)`` works where torch allows it (``l2`` keeps ``Shard(0)``).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,7 +75,7 @@ class AttentionBlock(nn.Module):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         x = self.norm(h)
-        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / self.dim ** 0.5, -1) @ self.v(x)
+        a = torch.softmax(self.q(x) @ self.k(x).transpose(-1, -2) / self.dim**0.5, -1) @ self.v(x)
         h = h + self.o(a)
         return h + self.down(torch.nn.functional.silu(self.gate(h)) * self.up(h))
 

@@ -14,6 +14,7 @@ Layouts: ``tp`` (every rank on a "tp" mesh, the whole batch) and ``fsdp2_tp`` (a
 must be the single-process one, 3 steps must equal one process on the whole batch, and a save after 2 steps (DCP
 through ``get_state_dict``, or ``shardopt.checkpoint``) continued by a fresh run must equal the uninterrupted one.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,10 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
-import shardopt  # noqa: E402
 from layout_options import OPTIONS  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
 
 VOCAB, DIM, HEADS, HIDDEN, SEQ, BATCH = 48, 16, 4, 24, 8, 4
 STEPS = 3
@@ -92,26 +94,45 @@ class Transformer(nn.Module):
 def tp_plan(model: Transformer, mesh, loss_parallel: bool) -> None:
     """torchtitan's ``apply_tp`` for llama3 (``torchtitan/models/llama3/infra/parallelize.py``)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
-                                                   SequenceParallel, parallelize_module)
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
 
-    parallelize_module(model, mesh, {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-        "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1) if loss_parallel else Replicate(),
-                                  use_local_output=not loss_parallel),
-    })
+    parallelize_module(
+        model,
+        mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(
+                input_layouts=Shard(1),
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            ),
+        },
+    )
     for block in model.layers.values():
-        parallelize_module(block, mesh, {
-            "attention_norm": SequenceParallel(),
-            "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-            "ffn_norm": SequenceParallel(),
-            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-        })
+        parallelize_module(
+            block,
+            mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
 
 
 def batch(step: int) -> torch.Tensor:
@@ -163,7 +184,7 @@ class Run:
 
         per = BATCH // self.dp
         for s in range(start, stop):
-            tokens = batch(s)[self.dp_rank * per:(self.dp_rank + 1) * per]
+            tokens = batch(s)[self.dp_rank * per : (self.dp_rank + 1) * per]
             self.opt.zero_grad()
             logits = self.model(tokens[:, :-1])
             if self.loss_parallel:
@@ -174,8 +195,10 @@ class Run:
             self.opt.step()
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-                for n, p in self.model.named_parameters()}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in self.model.named_parameters()
+        }
 
     def save(self, path: str, how: str) -> None:
         import torch.distributed.checkpoint as dcp
@@ -213,8 +236,11 @@ def case(name: str, layout: str, root: str, how: str) -> dict:
     run = Run(name, layout)
     got_rules = rules(run.opt)
     run.train(0, STEPS)
-    out = {"max_abs_diff": max_abs_diff(run.params(), want), "same_rules": got_rules == want_rules,
-           "rules": [" ".join(r) for r in got_rules]}
+    out = {
+        "max_abs_diff": max_abs_diff(run.params(), want),
+        "same_rules": got_rules == want_rules,
+        "rules": [" ".join(r) for r in got_rules],
+    }
     path = os.path.join(root, f"{name}-{layout}-{how}")
     first = Run(name, layout)
     first.train(0, STEPS - 1)

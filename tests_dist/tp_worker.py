@@ -8,6 +8,7 @@ dimensions (``_StridedShard`` on "dp" over ``Shard(0)`` on "tp" for the column-p
 the norm). Ranks of one "dp" coordinate see the same samples. For each optimizer and strategy: 3 steps, every
 parameter compared with the single-process run on the whole batch; rank 0 writes one record per case.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,17 +22,21 @@ import torch.distributed as dist
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 import shardopt  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case  # noqa: E402
 
 GLOBAL = 8
 SEQ = 4
 STEPS = 3
 DIM, HIDDEN, OUT = 16, 64, 32
-MATRICES = ("blocks.0.up.weight", "blocks.0.down.weight", "blocks.1.up.weight", "blocks.1.down.weight",
-            "head.weight")
-OPTIMIZERS = {"scale": dict(lr=3e-3), "racs": dict(lr=0.05), "sumo": dict(lr=0.02, rank=4, refresh_interval=2),
-              "alice": dict(lr=0.02, rank=4, leading=1, refresh_interval=2), "asgo": dict(lr=0.01, refresh_interval=2)}
+MATRICES = ("blocks.0.up.weight", "blocks.0.down.weight", "blocks.1.up.weight", "blocks.1.down.weight", "head.weight")
+OPTIMIZERS = {
+    "scale": dict(lr=3e-3),
+    "racs": dict(lr=0.05),
+    "sumo": dict(lr=0.02, rank=4, refresh_interval=2),
+    "alice": dict(lr=0.02, rank=4, leading=1, refresh_interval=2),
+    "asgo": dict(lr=0.01, refresh_interval=2),
+}
 WHOLE = ("sumo", "alice", "asgo")
 STRATEGIES = ("gather", "team", "distributed")
 
@@ -95,8 +100,7 @@ def parallelize(model: MLP, mesh, sequence: bool = False) -> None:
     the blocks stay cut along the sequence, the LayerNorm runs on its sequence shard (``SequenceParallel``,
     whose gradients DTensor leaves partial)."""
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
-                                                   parallelize_module)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
     seq = {"input_layouts": Shard(1)} if sequence else {}
     plan = {}
@@ -145,18 +149,19 @@ def train(model, opt, dp: int, dp_rank: int, start: int, stop: int) -> None:
         x, y = batch(s)
         if dp > 0:
             per = GLOBAL // dp
-            x, y = x[dp_rank * per:(dp_rank + 1) * per], y[dp_rank * per:(dp_rank + 1) * per]
+            x, y = x[dp_rank * per : (dp_rank + 1) * per], y[dp_rank * per : (dp_rank + 1) * per]
         else:  # sequence parallel: the whole batch, this rank's positions in; the whole output out
             per = SEQ // -dp
-            x = x[:, dp_rank * per:(dp_rank + 1) * per]
+            x = x[:, dp_rank * per : (dp_rank + 1) * per]
         opt.zero_grad()
         loss_fn(model(x), y).backward()
         opt.step()
 
 
 def full(model) -> dict[str, torch.Tensor]:
-    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in model.named_parameters()}
+    return {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
 
 
 def run(name: str, strategy: str | None, layout: str) -> dict[str, torch.Tensor]:
@@ -212,9 +217,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--layouts", default="fsdp2_tp,tp,tp_sp")
-    ap.add_argument("--lean", action="store_true",
-                    help="the 8-process mesh (CI time): each whole-matrix optimizer under its RESUME strategy only, "
-                         "and one save/resume path per optimizer (LEAN_RESUME)")
+    ap.add_argument(
+        "--lean",
+        action="store_true",
+        help="the 8-process mesh (CI time): each whole-matrix optimizer under its RESUME strategy only, "
+        "and one save/resume path per optimizer (LEAN_RESUME)",
+    )
     args = ap.parse_args()
     logging.getLogger("DeepSpeed").setLevel(logging.ERROR)
     torch.set_num_threads(1)
@@ -229,11 +237,16 @@ def main() -> None:
     for name, strategy in RESUME:
         for layout in args.layouts.split(","):
             for how in (LEAN_RESUME[name],) if args.lean else ("dcp", "shardopt"):
-                rec = {"optimizer": name, "strategy": strategy, "layout": layout, "resume": how,
-                       "world_size": dist.get_world_size()}
+                rec = {
+                    "optimizer": name,
+                    "strategy": strategy,
+                    "layout": layout,
+                    "resume": how,
+                    "world_size": dist.get_world_size(),
+                }
                 record_case(records, rec, lambda: {"max_abs_diff": resume(name, strategy, layout, root, how)})
     for name in OPTIMIZERS:
-        for strategy in (STRATEGIES if name in WHOLE else (None,)):
+        for strategy in STRATEGIES if name in WHOLE else (None,):
             if args.lean and (name, strategy) not in RESUME:
                 continue
             want = reference(name, strategy)

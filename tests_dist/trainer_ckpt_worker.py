@@ -6,6 +6,7 @@ optimizer's logical state are kept. ``--phase load`` (any world size): ``--resum
 (another seed, so nothing matches by chance); the model, the tie, the optimizer's logical state, the scheduler and
 the step against the saved ones.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import ROOT, finish_worker  # noqa: E402
 import shardopt.checkpoint as sckpt  # noqa: E402
+from launch import ROOT, finish_worker  # noqa: E402
 from shardopt.train.config import load_train_config  # noqa: E402
 from shardopt.train.trainer import Trainer  # noqa: E402
 
@@ -32,11 +33,24 @@ STEPS = 2
 
 
 def trainer(engine: str, run_dir: str, seed: int, resume: bool) -> Trainer:
-    cfg = load_train_config(str(ROOT / "configs" / "train" / CONFIGS[engine]), [
-        f"run_dir={run_dir}", f"seed={seed}", f"data.cache_dir={ROOT / 'runs' / 'cache'}", "model.tie_embeddings=true",
-        f"train.steps={STEPS}", "train.progress=false", "train.log_every=1", "train.micro_batch_size=2",
-        "eval.every=0", "eval.at_start=false", "eval.max_sequences=4", f"checkpoint.every={STEPS}",
-        "checkpoint.at_end=true"])
+    cfg = load_train_config(
+        str(ROOT / "configs" / "train" / CONFIGS[engine]),
+        [
+            f"run_dir={run_dir}",
+            f"seed={seed}",
+            f"data.cache_dir={ROOT / 'runs' / 'cache'}",
+            "model.tie_embeddings=true",
+            f"train.steps={STEPS}",
+            "train.progress=false",
+            "train.log_every=1",
+            "train.micro_batch_size=2",
+            "eval.every=0",
+            "eval.at_start=false",
+            "eval.max_sequences=4",
+            f"checkpoint.every={STEPS}",
+            "checkpoint.at_end=true",
+        ],
+    )
     return Trainer(cfg, resume=resume, log=lambda msg: None)
 
 
@@ -45,8 +59,10 @@ def model_state(t: Trainer) -> dict[str, torch.Tensor]:
 
     module = t.module
     with zero.GatheredParameters([p for p in module.parameters() if hasattr(p, "ds_id")]):
-        return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
-                for n, p in module.named_parameters(remove_duplicate=False)}
+        return {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().clone()
+            for n, p in module.named_parameters(remove_duplicate=False)
+        }
 
 
 def optimizer_state(t: Trainer, scratch: str) -> dict[str, torch.Tensor]:
@@ -66,8 +82,11 @@ def phase_save(root: str, engine: str) -> dict:
     rec = {"phase": "save", "engine": engine, "world_size": dist.get_world_size()}
     t = trainer(engine, os.path.join(root, engine), 0, False)
     rec["steps"] = t.fit()["steps"]
-    state = {"model": model_state(t), "optim": optimizer_state(t, os.path.join(root, f"{engine}-probe-save")),
-             "scheduler": t.scheduler.state_dict()["last_epoch"]}
+    state = {
+        "model": model_state(t),
+        "optim": optimizer_state(t, os.path.join(root, f"{engine}-probe-save")),
+        "scheduler": t.scheduler.state_dict()["last_epoch"],
+    }
     if dist.get_rank() == 0:
         torch.save(state, os.path.join(root, f"{engine}-expected.pt"))
     return rec
@@ -88,8 +107,9 @@ def phase_load(root: str, engine: str) -> dict:
     rec["model_vs_saved"] = max((now[n] - v).abs().max().item() for n, v in expected["model"].items())
     optim = optimizer_state(t, os.path.join(root, f"{engine}-probe-{dist.get_world_size()}"))
     rec["optim_keys_match"] = sorted(optim) == sorted(expected["optim"])
-    rec["optim_vs_saved"] = max(((optim[k] - v).abs().max().item() for k, v in expected["optim"].items()
-                                 if k in optim), default=0.0)
+    rec["optim_vs_saved"] = max(
+        ((optim[k] - v).abs().max().item() for k, v in expected["optim"].items() if k in optim), default=0.0
+    )
     return rec
 
 

@@ -2,6 +2,7 @@
 under torchrun. Rank ``FAULT_RANK`` SIGKILLs itself halfway through writing its file of checkpoint ``FAULT_TAG``
 (``torch.save`` of DeepSpeed's optimizer file or the trainer's DDP ``rank<N>.pt``); without ``FAULT_TAG`` it is
 the trainer as is."""
+
 from __future__ import annotations
 
 import io

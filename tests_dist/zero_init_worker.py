@@ -9,6 +9,7 @@ matrix must get the requested rule (never AdamW by accident), 3 steps are compar
 is saved (``engine.save_checkpoint``), a fresh ``zero.Init`` model loads it and runs 3 more steps, compared with the
 first run continued (resume).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,18 +22,26 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
-import shardopt  # noqa: E402
 from parity_worker import N_BLOCKS, OPTIMIZERS, STEPS, local_batch, options, reference  # noqa: E402
 from toy_models import GLOBAL_BATCH, loss_fn, make_model  # noqa: E402
+
+import shardopt  # noqa: E402
+from launch import finish_worker, max_abs_diff, record_case, shared_tempdir  # noqa: E402
 
 
 def config(name: str) -> dict:
     kw = options(name)
-    return {"train_batch_size": GLOBAL_BATCH, "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
-            "gradient_clipping": 0.0, "zero_optimization": {"stage": 3, "sub_group_size": 100},
-            "shardopt": {"optimizer": name, "params": {k: v for k, v in kw.items() if k != "routing"},
-                         "routing": kw.get("routing", {})}}
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": GLOBAL_BATCH // dist.get_world_size(),
+        "gradient_clipping": 0.0,
+        "zero_optimization": {"stage": 3, "sub_group_size": 100},
+        "shardopt": {
+            "optimizer": name,
+            "params": {k: v for k, v in kw.items() if k != "routing"},
+            "routing": kw.get("routing", {}),
+        },
+    }
 
 
 def engine(name: str):
@@ -66,9 +75,11 @@ def case(name: str, root: str) -> dict:
     rule = {n: g["treatment"] for g, names in zip(opt._groups(), opt.group_param_names) for n in names}
     logical = {n: tuple(p.ds_shape) for n, p in eng.module.named_parameters()}
     train(eng, 0, STEPS)
-    out = {"partitioned_at_build": all(s == (0,) for s in shapes.values()),
-           "matrix_rules": {n: rule[n] for n, s in logical.items() if len(s) == 2},
-           "max_abs_diff": max_abs_diff(params(eng), want)}
+    out = {
+        "partitioned_at_build": all(s == (0,) for s in shapes.values()),
+        "matrix_rules": {n: rule[n] for n, s in logical.items() if len(s) == 2},
+        "max_abs_diff": max_abs_diff(params(eng), want),
+    }
     eng.save_checkpoint(root, tag="zinit")
     train(eng, STEPS, 2 * STEPS)
     resumed, _ = engine(name)

@@ -8,6 +8,7 @@ Nested models are expanded under their key path (``matrix_ops.strategy``, ``trai
 
 ``render()`` returns the markdown; ``tests/test_docs.py`` checks that it names every key of every model.
 """
+
 from __future__ import annotations
 
 import enum
@@ -24,8 +25,12 @@ def _models() -> dict[str, Any]:
     from shardopt.optim.config import MatrixOpsConfig, OptimizerConfig, ProfileConfig
     from shardopt.optim.registry import OPTIMIZERS
 
-    return {"OPTIMIZERS": OPTIMIZERS, "MatrixOpsConfig": MatrixOpsConfig, "ProfileConfig": ProfileConfig,
-            "OptimizerConfig": OptimizerConfig}
+    return {
+        "OPTIMIZERS": OPTIMIZERS,
+        "MatrixOpsConfig": MatrixOpsConfig,
+        "ProfileConfig": ProfileConfig,
+        "OptimizerConfig": OptimizerConfig,
+    }
 
 
 # ----------------------------------------------------------------------------------------------- cells
@@ -122,8 +127,13 @@ def _cell(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------- tables
-def model_table(model: type, prefix: str = "", links: dict[str, str] | None = None, extra_nested: dict[str, type] | None = None,
-                order: list[str] | None = None) -> str:
+def model_table(
+    model: type,
+    prefix: str = "",
+    links: dict[str, str] | None = None,
+    extra_nested: dict[str, type] | None = None,
+    order: list[str] | None = None,
+) -> str:
     """One markdown table: a row per field of ``model`` (keys under ``prefix``, in ``order`` if given), nested
     models named by link."""
     rows = ["| key | type | default | constraints | description |", "|---|---|---|---|---|"]
@@ -136,9 +146,20 @@ def model_table(model: type, prefix: str = "", links: dict[str, str] | None = No
         kind = type_name(field.annotation)
         if (extra_nested or {}).get(key) is not None:
             kind = f"{kind} (name or {extra_nested[key].__name__})"
-        rows.append("| " + " | ".join(_cell(c) for c in (
-            name, kind, default_text(field, _nested_model(field.annotation)), constraints(field),
-            _description(model, key, field) or "-")) + " |")
+        rows.append(
+            "| "
+            + " | ".join(
+                _cell(c)
+                for c in (
+                    name,
+                    kind,
+                    default_text(field, _nested_model(field.annotation)),
+                    constraints(field),
+                    _description(model, key, field) or "-",
+                )
+            )
+            + " |"
+        )
     return "\n".join(rows) + "\n"
 
 
@@ -163,47 +184,68 @@ def render() -> str:
     from shardopt.train.config import TrainConfig
 
     m = _models()
-    optimizers, MatrixOps, Profile, Common = m["OPTIMIZERS"], m["MatrixOpsConfig"], m["ProfileConfig"], m["OptimizerConfig"]
+    optimizers, MatrixOps, Profile, Common = (
+        m["OPTIMIZERS"],
+        m["MatrixOpsConfig"],
+        m["ProfileConfig"],
+        m["OptimizerConfig"],
+    )
     out = []
-    out.append("## Optimizers\n\nEach optimizer's hyperparameters: the keyword arguments of `create_optimizer(model, "
-               "name, **hyperparameters)` and of the class, the `params` of the DeepSpeed `\"shardopt\"` section and "
-               "the trainer's `optimizer.params`. Unknown keys are an error naming the key path. The keys shared by "
-               f"every optimizer come from `{Common.__name__}` (the AdamW part, the non-finite policy, plan checks); "
-               "whole-matrix optimizers add [`matrix_ops`](#matrix_ops). Defaults are JSON (`null` is Python's `None`); "
-               "a nested model's default lists the keys it sets otherwise than that model's defaults (`{}`: none).\n\n")
+    out.append(
+        "## Optimizers\n\nEach optimizer's hyperparameters: the keyword arguments of `create_optimizer(model, "
+        'name, **hyperparameters)` and of the class, the `params` of the DeepSpeed `"shardopt"` section and '
+        "the trainer's `optimizer.params`. Unknown keys are an error naming the key path. The keys shared by "
+        f"every optimizer come from `{Common.__name__}` (the AdamW part, the non-finite policy, plan checks); "
+        "whole-matrix optimizers add [`matrix_ops`](#matrix_ops). Defaults are JSON (`null` is Python's `None`); "
+        "a nested model's default lists the keys it sets otherwise than that model's defaults (`{}`: none).\n\n"
+    )
     out.append("| name | class | model | algorithm |\n|---|---|---|---|\n")
     for name, cls in optimizers.items():
         page = "alice" if name.startswith("alice") else "asgo" if name in ("asgo", "dasgo") else name
-        out.append(f"| [`{name}`](#{name}) | `shardopt.{cls.__name__}` | `{cls.Config.__module__}.{cls.Config.__name__}` "
-                   f"| [{page}](../algorithms/{page}.md) |\n")
+        out.append(
+            f"| [`{name}`](#{name}) | `shardopt.{cls.__name__}` | `{cls.Config.__module__}.{cls.Config.__name__}` "
+            f"| [{page}](../algorithms/{page}.md) |\n"
+        )
     out.append("\n")
     for name, cls in optimizers.items():
         model = cls.Config
         own = [k for k in model.model_fields if k not in Common.model_fields and k != "matrix_ops"]
         doc = " ".join((model.__doc__ or "").split())
-        out.append(f"### `{name}` {{#{name}}}\n\n`{model.__module__}.{model.__name__}`"
-                   + (f": {doc}" if doc else "") + "\n\n")
+        out.append(
+            f"### `{name}` {{#{name}}}\n\n`{model.__module__}.{model.__name__}`" + (f": {doc}" if doc else "") + "\n\n"
+        )
         out.append(f"Its own keys: {', '.join(f'`{k}`' for k in own) or 'none'}; the rest are common.\n\n")
         order = own + [k for k in model.model_fields if k not in own]  # its own keys first, then the common ones
         out.append(model_table(model, links={"matrix_ops": "#matrix_ops"}, order=order))
         out.append("\n")
-    out.append("## `matrix_ops` {#matrix_ops}\n\n"
-               f"`{MatrixOps.__module__}.{MatrixOps.__name__}`: {' '.join((MatrixOps.__doc__ or '').split())} "
-               "Taken by the whole-matrix optimizers ("
-               + ", ".join(f"`{n}`" for n, c in optimizers.items() if "matrix_ops" in c.Config.model_fields)
-               + "); in a DeepSpeed JSON under `\"shardopt\": {\"params\": {\"matrix_ops\": {...}}}`.\n\n")
-    out.append(model_table(MatrixOps, "matrix_ops.", links={"profile": "#matrix_opsprofile"},
-                           extra_nested={"profile": Profile}))
-    out.append("\n### `matrix_ops.profile` {#matrix_opsprofile}\n\n"
-               f"`\"auto\"`, `\"gpu\"`, `\"cpu\"`, or numbers: `{Profile.__module__}.{Profile.__name__}`: "
-               f"{' '.join((Profile.__doc__ or '').split())}\n\n")
+    out.append(
+        "## `matrix_ops` {#matrix_ops}\n\n"
+        f"`{MatrixOps.__module__}.{MatrixOps.__name__}`: {' '.join((MatrixOps.__doc__ or '').split())} "
+        "Taken by the whole-matrix optimizers ("
+        + ", ".join(f"`{n}`" for n, c in optimizers.items() if "matrix_ops" in c.Config.model_fields)
+        + '); in a DeepSpeed JSON under `"shardopt": {"params": {"matrix_ops": {...}}}`.\n\n'
+    )
+    out.append(
+        model_table(
+            MatrixOps, "matrix_ops.", links={"profile": "#matrix_opsprofile"}, extra_nested={"profile": Profile}
+        )
+    )
+    out.append(
+        "\n### `matrix_ops.profile` {#matrix_opsprofile}\n\n"
+        f'`"auto"`, `"gpu"`, `"cpu"`, or numbers: `{Profile.__module__}.{Profile.__name__}`: '
+        f"{' '.join((Profile.__doc__ or '').split())}\n\n"
+    )
     out.append(model_table(Profile, "matrix_ops.profile."))
-    out.append("\n## DeepSpeed `\"shardopt\"` section\n\n"
-               f"`{ShardoptSection.__module__}.{ShardoptSection.__name__}`: "
-               f"{' '.join((ShardoptSection.__doc__ or '').split())}\n\n")
+    out.append(
+        '\n## DeepSpeed `"shardopt"` section\n\n'
+        f"`{ShardoptSection.__module__}.{ShardoptSection.__name__}`: "
+        f"{' '.join((ShardoptSection.__doc__ or '').split())}\n\n"
+    )
     out.append(model_table(ShardoptSection, "shardopt."))
-    out.append("\n## Reference trainer (`python -m shardopt.train --config`)\n\n"
-               f"`{TrainConfig.__module__}.{TrainConfig.__name__}`; `--set key.path=value` overrides any key.\n\n")
+    out.append(
+        "\n## Reference trainer (`python -m shardopt.train --config`)\n\n"
+        f"`{TrainConfig.__module__}.{TrainConfig.__name__}`; `--set key.path=value` overrides any key.\n\n"
+    )
     out.append(model_table(TrainConfig))
     out.append("\n")
     _expand(TrainConfig, "", 3, set(), out, {})

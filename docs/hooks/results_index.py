@@ -4,6 +4,7 @@
 a page or image of the site. This hook replaces ``<!-- result-files -->`` on ``benchmarks.md`` with one row
 per result file: its link and the run line the benchmark wrote under its title (date, commit, versions, device).
 """
+
 from __future__ import annotations
 
 from pathlib import Path

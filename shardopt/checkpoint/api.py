@@ -4,6 +4,7 @@ The files reshard: a checkpoint written at one world size and engine loads at an
 stored piece says which part of which logical tensor it is, and each rank reads only what it needs. No rank
 assembles the whole state when saving or loading (``shardopt.checkpoint.logical``).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,8 +44,9 @@ def _inner(optimizer: Any) -> ShardedOptimizer:
     return inner if isinstance(inner, ShardedOptimizer) else optimizer
 
 
-def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra: dict | None = None,
-         model: Any = None) -> str:
+def save(
+    path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra: dict | None = None, model: Any = None
+) -> str:
     """Write ``optimizer``'s logical state and stepped parameters to ``path`` (a directory or a
     ``.safetensors`` file; several ranks add part files beside it). Collective: call on every rank. Returns
     the main file written (on every rank). ``optimizer`` may also be ``shardopt.megatron``'s optimizer.
@@ -53,8 +55,10 @@ def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra
     from .module_state import module_records
 
     optimizer = _inner(optimizer)
-    groups = [{**{k: _json_safe(v) for k, v in g.items() if k != "params"}, "params": names}
-              for g, names in zip(optimizer.param_groups, optimizer.group_param_names)]
+    groups = [
+        {**{k: _json_safe(v) for k, v in g.items() if k != "params"}, "params": names}
+        for g, names in zip(optimizer.param_groups, optimizer.group_param_names)
+    ]
     meta = {
         "optimizer": type(optimizer).__name__,
         "param_groups": groups,
@@ -67,8 +71,15 @@ def save(path: str, optimizer: ShardedOptimizer, *, engine: str = "torch", extra
     return save_sharded(state_path(path), optimizer, meta, extra=records)
 
 
-def load(path: str, optimizer: ShardedOptimizer, *, load_params: bool = True,
-         load_state: bool = True, model: Any = None, strict: bool = True) -> dict[str, Any]:
+def load(
+    path: str,
+    optimizer: ShardedOptimizer,
+    *,
+    load_params: bool = True,
+    load_state: bool = True,
+    model: Any = None,
+    strict: bool = True,
+) -> dict[str, Any]:
     """Load a logical checkpoint into ``optimizer`` on this rank (each rank reads only the slices that overlap
     its pieces). Restores param-group hyperparameters (``lr`` etc.). Returns the checkpoint's metadata.
     ``load_state=False`` loads the parameters only: the optimizer's state and hyperparameters stay as they are
@@ -101,8 +112,10 @@ def _load(path: str, optimizer: ShardedOptimizer, load_params: bool, load_state:
     if meta["optimizer"] != type(optimizer).__name__:
         raise CheckpointError(f"{path}: saved by {meta['optimizer']}, cannot load into {type(optimizer).__name__}")
     if len(meta["param_groups"]) != len(optimizer.param_groups):
-        raise CheckpointError(f"{path}: {len(meta['param_groups'])} param groups saved, optimizer has "
-                              f"{len(optimizer.param_groups)}; build it with the same routing")
+        raise CheckpointError(
+            f"{path}: {len(meta['param_groups'])} param groups saved, optimizer has "
+            f"{len(optimizer.param_groups)}; build it with the same routing"
+        )
     missing = [k for k in meta.get("keys", []) if k not in meta["index"]]
     if missing:
         raise CheckpointError(f"{path}: incomplete, {len(missing)} tensors missing (e.g. {missing[0]!r})")
@@ -132,12 +145,16 @@ def _saved_groups(path: str, optimizer: ShardedOptimizer, saved: list[dict]) -> 
         found = {owner[n] for n in names if n and n in owner}
         match = saved[min(found)] if len(found) == 1 else saved[i] if not found else None  # unnamed: by position
         if match is None:
-            raise CheckpointError(f"{path}: the parameters of the optimizer's {group.get('treatment')!r} group "
-                                  f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) were saved in "
-                                  f"several groups; build it with the same routing")
+            raise CheckpointError(
+                f"{path}: the parameters of the optimizer's {group.get('treatment')!r} group "
+                f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) were saved in "
+                f"several groups; build it with the same routing"
+            )
         if match.get("treatment", group.get("treatment")) != group.get("treatment"):
             what = repr(names[0]) if names else f"param group {i}"
-            raise CheckpointError(f"{path}: {what} was saved with rule {match['treatment']!r}, the optimizer "
-                                  f"steps it with {group.get('treatment')!r}; build it with the same routing")
+            raise CheckpointError(
+                f"{path}: {what} was saved with rule {match['treatment']!r}, the optimizer "
+                f"steps it with {group.get('treatment')!r}; build it with the same routing"
+            )
         out.append(match)
     return out

@@ -7,6 +7,7 @@ the tag's marker ``shardopt_complete.json`` (every file of the tag with its size
 an incomplete checkpoint is refused naming the missing or partial file and the last complete checkpoint beside
 it. ``clean`` removes what interrupted saves left (``.tmp-*`` files, part files no main file names).
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,17 @@ from typing import Any
 
 from .files import STATE_FILE, read_metadata
 
-__all__ = ["MARKER", "fsync_dir", "write_atomic", "write_marker", "remove_marker", "incomplete", "last_complete",
-           "leftovers", "clean"]
+__all__ = [
+    "MARKER",
+    "fsync_dir",
+    "write_atomic",
+    "write_marker",
+    "remove_marker",
+    "incomplete",
+    "last_complete",
+    "leftovers",
+    "clean",
+]
 
 MARKER = "shardopt_complete.json"
 _PART = re.compile(r"^(?P<stem>.+)\.[0-9a-f]{8}\.r\d{5}\.\d+\.safetensors$")
@@ -65,8 +75,11 @@ def write_atomic(path: str, text: str) -> None:
 def write_marker(tag_dir: str, info: dict[str, Any] | None = None) -> None:
     """Record that ``tag_dir`` is complete: every file in it (``.tmp-*`` left out) and its size. Call on one rank
     after every rank's files are durable."""
-    files = {name: os.path.getsize(os.path.join(tag_dir, name)) for name in sorted(os.listdir(tag_dir))
-             if name != MARKER and not name.startswith(".tmp-") and os.path.isfile(os.path.join(tag_dir, name))}
+    files = {
+        name: os.path.getsize(os.path.join(tag_dir, name))
+        for name in sorted(os.listdir(tag_dir))
+        if name != MARKER and not name.startswith(".tmp-") and os.path.isfile(os.path.join(tag_dir, name))
+    }
     write_atomic(os.path.join(tag_dir, MARKER), json.dumps({"files": files, **(info or {})}, indent=1))
 
 
@@ -107,8 +120,10 @@ def _problem(tag_dir: str, needs_shardopt: bool = True) -> str | None:
         if not needs_shardopt:
             return None
         left = sorted(os.listdir(tag_dir))
-        return (f"it has neither shardopt's {STATE_FILE} nor a completion marker {MARKER} (the save was "
-                f"interrupted; files there: {', '.join(left[:6]) or 'none'}{', ...' if len(left) > 6 else ''})")
+        return (
+            f"it has neither shardopt's {STATE_FILE} nor a completion marker {MARKER} (the save was "
+            f"interrupted; files there: {', '.join(left[:6]) or 'none'}{', ...' if len(left) > 6 else ''})"
+        )
     for name, size in marker["files"].items():
         path = os.path.join(tag_dir, name)
         if not os.path.isfile(path):
@@ -142,8 +157,11 @@ def incomplete(save_dir: str, tag: str, needs_shardopt: bool = True) -> str | No
     if problem is None:
         return None
     last = last_complete(save_dir, exclude=tag)
-    hint = (f"the last complete checkpoint is {last} (load it with tag={os.path.basename(last)!r})" if last
-            else "no complete checkpoint was found beside it")
+    hint = (
+        f"the last complete checkpoint is {last} (load it with tag={os.path.basename(last)!r})"
+        if last
+        else "no complete checkpoint was found beside it"
+    )
     return f"checkpoint {tag_dir} is incomplete: {problem}; {hint}"
 
 
@@ -151,14 +169,15 @@ def leftovers(directory: str) -> list[str]:
     """What interrupted saves left in ``directory`` and its tag directories: ``.tmp-*`` files and part files that
     no main file beside them names. Never a file of a complete checkpoint."""
     found: list[str] = []
-    dirs = [directory] + sorted(os.path.join(directory, n) for n in os.listdir(directory)
-                                if os.path.isdir(os.path.join(directory, n)))
+    dirs = [directory] + sorted(
+        os.path.join(directory, n) for n in os.listdir(directory) if os.path.isdir(os.path.join(directory, n))
+    )
     for d in dirs:
         names = os.listdir(d)
         found += [os.path.join(d, n) for n in sorted(names) if n.startswith(".tmp-")]
         stems: dict[str, list[str]] = {}
         for n in names:
-            if (m := _PART.match(n)):
+            if m := _PART.match(n):
                 stems.setdefault(m.group("stem"), []).append(n)
         for stem, parts in stems.items():
             main = os.path.join(d, f"{stem}.safetensors")

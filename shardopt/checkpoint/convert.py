@@ -3,6 +3,7 @@ inside ``<dir>/<tag>/``), a PyTorch DCP directory (``{"model": ..., "optim": ...
 ``get_state_dict``) and, for reading, the reference trainer's DDP files. The logical file is the hub every
 conversion goes through. Step counters travel in the metadata's ``extra`` (``global_steps``,
 ``lr_scheduler``), which a shardopt DeepSpeed engine resumes its schedule from."""
+
 from __future__ import annotations
 
 import os
@@ -11,9 +12,9 @@ from typing import Any
 
 import torch
 
+from ..sharding.batched import matrix_name
 from .files import STATE_FILE, read_state_file, write_state_file
 from .locate import Located, dcp_writer_ranks, locate
-from ..sharding.batched import matrix_name
 from .logical import PARAM_KEY, SEP, CheckpointError
 from .safe_pickle import load_dcp_metadata, load_plain, read_dcp_state_dict
 from .torch_state import counters, logical_from_state_dicts, read_ddp
@@ -33,7 +34,7 @@ class Checkpoint:
 
 
 def detect(path: str) -> str:
-    """"file", "deepspeed", "dcp" or "ddp" (see ``shardopt.checkpoint.locate``)."""
+    """ "file", "deepspeed", "dcp" or "ddp" (see ``shardopt.checkpoint.locate``)."""
     return locate(path).kind
 
 
@@ -42,8 +43,10 @@ def _deepspeed_state(path: str) -> str:
         tag = f.read().strip()
     target = os.path.join(path, tag, STATE_FILE)
     if not os.path.isfile(target):
-        raise CheckpointError(f"{path}: DeepSpeed checkpoint tag {tag!r} has no {STATE_FILE}; it was not saved "
-                              "through shardopt.deepspeed.initialize's engine")
+        raise CheckpointError(
+            f"{path}: DeepSpeed checkpoint tag {tag!r} has no {STATE_FILE}; it was not saved "
+            "through shardopt.deepspeed.initialize's engine"
+        )
     return target
 
 
@@ -56,16 +59,20 @@ def _deepspeed_module_entries(tag_dir: str, have: dict[str, torch.Tensor], notes
     import re
 
     plain = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    ranked = sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")),
-                    key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)))
+    ranked = sorted(
+        glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")),
+        key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)),
+    )
     files = [plain] if os.path.isfile(plain) else ranked
     if not files:
         return {}
     try:
         states = [load_plain(f) for f in files]
     except Exception as err:  # noqa: BLE001 - a file the restricted reader refuses: the optimizer's part converts
-        notes.append(f"DeepSpeed's model-states files of {tag_dir} not read ({err}); frozen parameters and buffers "
-                     "are not in the conversion")
+        notes.append(
+            f"DeepSpeed's model-states files of {tag_dir} not read ({err}); frozen parameters and buffers "
+            "are not in the conversion"
+        )
         return {}
     first = states[0]
     shared = set((first.get("shared_params") or {}).keys())
@@ -97,8 +104,10 @@ def _check_dcp_files(path: str) -> None:
         if not os.path.isfile(file):
             raise CheckpointError(f"{path}: incomplete DCP checkpoint, shard file {rel!r} is missing")
         if os.path.getsize(file) < size:
-            raise CheckpointError(f"{path}: corrupt DCP checkpoint, shard file {rel!r} is truncated "
-                                  f"({os.path.getsize(file)} of {size} bytes)")
+            raise CheckpointError(
+                f"{path}: corrupt DCP checkpoint, shard file {rel!r} is truncated "
+                f"({os.path.getsize(file)} of {size} bytes)"
+            )
 
 
 def _dcp_counters(path: str, sd: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -109,8 +118,9 @@ def _dcp_counters(path: str, sd: dict[str, Any]) -> tuple[dict[str, Any], int | 
     if not isinstance(state, dict):
         raise CheckpointError(f"{trainer}: not the trainer's state (expected a dict with 'step' and 'scheduler')")
     world = state.get("world") if state is not sd else None
-    return counters(state.get("step"), state.get("scheduler")), (int(world) if world else
-                                                                 len(dcp_writer_ranks(path)) or None)
+    return counters(state.get("step"), state.get("scheduler")), (
+        int(world) if world else len(dcp_writer_ranks(path)) or None
+    )
 
 
 def _read_dcp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -134,11 +144,14 @@ def _infer_steps(ck: Checkpoint) -> None:
         if steps:
             extra["global_steps"] = int(max(steps))
             if sched.get("last_epoch") != extra["global_steps"]:  # a scheduler stepped with the optimizer agrees
-                ck.notes.append(f"no saved step counter; global step {extra['global_steps']} taken from the "
-                                "optimizer's step counts")
+                ck.notes.append(
+                    f"no saved step counter; global step {extra['global_steps']} taken from the optimizer's step counts"
+                )
     if not extra.get("lr_scheduler"):
-        ck.notes.append("no LR-scheduler state in the checkpoint: an engine loading it keeps its scheduler where "
-                        "it is (save scheduler.state_dict() as 'scheduler' next to 'model' and 'optim')")
+        ck.notes.append(
+            "no LR-scheduler state in the checkpoint: an engine loading it keeps its scheduler where "
+            "it is (save scheduler.state_dict() as 'scheduler' next to 'model' and 'optim')"
+        )
 
 
 def read(path: str) -> Checkpoint:
@@ -170,8 +183,10 @@ def read_any(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any], str]:
 
 def _shardopt_only(meta: dict[str, Any]) -> None:
     if meta.get("optimizer") is None:
-        raise CheckpointError("the checkpoint holds the state of an optimizer that is not shardopt's (no param group "
-                              "has a shardopt 'treatment'); only shardopt optimizers' checkpoints convert")
+        raise CheckpointError(
+            "the checkpoint holds the state of an optimizer that is not shardopt's (no param group "
+            "has a shardopt 'treatment'); only shardopt optimizers' checkpoints convert"
+        )
 
 
 def write_logical(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
@@ -204,8 +219,13 @@ def _matrix_of(name: str) -> tuple[str, int] | None:
 
 def _batched_params(meta: dict[str, Any]) -> set[str]:
     """Parameters of matrix-rule groups whose state is stored as their matrices' (``<name>[e]``)."""
-    return {n for g in meta.get("param_groups", []) if g.get("treatment", "adamw") != "adamw"
-            for n in g.get("params", []) if isinstance(n, str)}
+    return {
+        n
+        for g in meta.get("param_groups", [])
+        if g.get("treatment", "adamw") != "adamw"
+        for n in g.get("params", [])
+        if isinstance(n, str)
+    }
 
 
 def write_dcp(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> str:
@@ -240,8 +260,10 @@ def write_dcp(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any])
                 for e in sorted(matrices):
                     entries.setdefault("matrices", {}).setdefault(matrix_name(name, e), {})[key] = matrices[e][key]
     _shardopt_only(meta)
-    groups = [{k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
-              for g in meta.get("param_groups", [])]
+    groups = [
+        {k: (tuple(v) if isinstance(v, list) and k != "params" else v) for k, v in g.items()}
+        for g in meta.get("param_groups", [])
+    ]
     sd: dict[str, Any] = {"model": model, "optim": {"state": state, "param_groups": groups}}
     extra = meta.get("extra") or {}
     if extra.get("global_steps") is not None:  # the counters, where _dcp_counters reads them back

@@ -13,6 +13,7 @@ Every file carries the CRC-32 of each tensor's bytes (metadata ``shardopt_crc32`
 its own), verified before anything loads: flipped bytes are refused naming the file and tensor, not loaded as
 silent garbage. ``SHARDOPT_CHECKPOINT_VERIFY=0`` skips the check (files without checksums load unchecked).
 """
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,20 @@ import torch
 from ..sharding.layout import ColFlatPiece, ColPiece, FlatPiece, RectPiece, _blocks_of
 from .errors import CheckpointError
 
-__all__ = ["STATE_FILE", "FORMAT", "write_state_file", "write_part", "read_state_file", "read_metadata",
-           "StateReader", "piece_spec", "whole_index", "CRC_KEY", "verify_file", "verify_enabled"]
+__all__ = [
+    "STATE_FILE",
+    "FORMAT",
+    "write_state_file",
+    "write_part",
+    "read_state_file",
+    "read_metadata",
+    "StateReader",
+    "piece_spec",
+    "whole_index",
+    "CRC_KEY",
+    "verify_file",
+    "verify_enabled",
+]
 
 STATE_FILE = "shardopt_state.safetensors"
 FORMAT = "shardopt-logical-v2"
@@ -78,8 +91,10 @@ def _natural_view(shape: tuple[int, ...]) -> list[int]:
 
 def whole_index(tensors: dict[str, torch.Tensor], file: str = "") -> dict[str, Any]:
     """Index entries for whole tensors stored under their own names (one piece each)."""
-    return {k: {"shape": list(v.shape), "view": _natural_view(tuple(v.shape)), "pieces": [[file, k, "flat", 0, v.numel()]]}
-            for k, v in tensors.items()}
+    return {
+        k: {"shape": list(v.shape), "view": _natural_view(tuple(v.shape)), "pieces": [[file, k, "flat", 0, v.numel()]]}
+        for k, v in tensors.items()
+    }
 
 
 def write_part(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any] | None = None) -> None:
@@ -144,16 +159,19 @@ def verify_file(path: str, names: Iterable[str] | None = None) -> None:
     if sums is None:
         return
     if os.path.getsize(path) < end:
-        raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({os.path.getsize(path)} of {end} "
-                              "bytes)")
+        raise CheckpointError(
+            f"{path}: corrupt or truncated shardopt state file ({os.path.getsize(path)} of {end} bytes)"
+        )
     wanted = sorted(sums if names is None else names)
     base = end - max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
     with open(path, "rb") as f:
         for name in wanted:
             if name not in header or name not in sums:
                 what = "entry" if name not in header else "checksum"
-                raise CheckpointError(f"{path}: tensor {name!r} has no {what} in the file; the file is damaged or "
-                                      "not the one the checkpoint names")
+                raise CheckpointError(
+                    f"{path}: tensor {name!r} has no {what} in the file; the file is damaged or "
+                    "not the one the checkpoint names"
+                )
             a, b = header[name]["data_offsets"]
             f.seek(base + a)
             crc, left = 0, b - a
@@ -163,9 +181,11 @@ def verify_file(path: str, names: Iterable[str] | None = None) -> None:
                     break
                 crc, left = zlib.crc32(chunk, crc), left - len(chunk)
             if crc != sums[name]:
-                raise CheckpointError(f"{path}: checksum mismatch in tensor {name!r} (bytes {base + a}-{base + b} of "
-                                      "the file changed after it was written: a damaged disk or copy); restore the "
-                                      "file or load an earlier checkpoint")
+                raise CheckpointError(
+                    f"{path}: checksum mismatch in tensor {name!r} (bytes {base + a}-{base + b} of "
+                    "the file changed after it was written: a damaged disk or copy); restore the "
+                    "file or load an earlier checkpoint"
+                )
 
 
 def _interrupted(path: str) -> str:
@@ -181,12 +201,21 @@ def _interrupted(path: str) -> str:
     if not left:
         return f"{path}: no shardopt state file here (expected {STATE_FILE})"
     parent = os.path.dirname(directory)
-    done = [os.path.join(parent, n) for n in os.listdir(parent)
-            if os.path.isfile(os.path.join(parent, n, os.path.basename(path)))] if os.path.isdir(parent) else []
+    done = (
+        [
+            os.path.join(parent, n)
+            for n in os.listdir(parent)
+            if os.path.isfile(os.path.join(parent, n, os.path.basename(path)))
+        ]
+        if os.path.isdir(parent)
+        else []
+    )
     last = max(done, key=lambda d: os.path.getmtime(os.path.join(d, os.path.basename(path))), default=None)
-    return (f"{path}: incomplete checkpoint, the save was interrupted before its main file was written (found "
-            f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); "
-            + (f"the last complete checkpoint beside it is {last}" if last else "load the checkpoint saved before it"))
+    return (
+        f"{path}: incomplete checkpoint, the save was interrupted before its main file was written (found "
+        f"{', '.join(left[:3])}{', ...' if len(left) > 3 else ''}); "
+        + (f"the last complete checkpoint beside it is {last}" if last else "load the checkpoint saved before it")
+    )
 
 
 def read_metadata(path: str) -> dict[str, Any]:
@@ -201,9 +230,15 @@ def read_metadata(path: str) -> dict[str, Any]:
         raise CheckpointError(f"{path}: not a shardopt state file (no 'shardopt' metadata)")
     meta = json.loads(raw)
     if meta.get("format") in _OLD_FORMATS:  # whole tensors under their own names
-        meta["index"] = {k: {"shape": v["shape"], "view": [1, math.prod(v["shape"])],
-                             "pieces": [["", k, "flat", 0, math.prod(v["shape"])]]}
-                         for k, v in header.items() if k != "__metadata__"}
+        meta["index"] = {
+            k: {
+                "shape": v["shape"],
+                "view": [1, math.prod(v["shape"])],
+                "pieces": [["", k, "flat", 0, math.prod(v["shape"])]],
+            }
+            for k, v in header.items()
+            if k != "__metadata__"
+        }
         meta["flat_stored"] = False
     elif meta.get("format") != FORMAT:
         raise CheckpointError(f"{path}: unsupported format {meta.get('format')!r}, expected {FORMAT!r}")
@@ -246,8 +281,9 @@ class StateReader:
             except Exception as err:
                 raise CheckpointError(f"{path}: corrupt or truncated shardopt state file ({err})") from None
             if os.path.getsize(path) < end:
-                raise CheckpointError(f"{path}: corrupt or truncated shardopt state file "
-                                      f"({os.path.getsize(path)} of {end} bytes)")
+                raise CheckpointError(
+                    f"{path}: corrupt or truncated shardopt state file ({os.path.getsize(path)} of {end} bytes)"
+                )
             missing = sorted(names - set(header))
             if missing:
                 raise CheckpointError(f"{path}: incomplete, tensor {missing[0]!r} is missing")
@@ -271,8 +307,11 @@ class StateReader:
         want = _blocks_of(target, m, n)
         for file, tname, kind, *bounds in entry["pieces"]:
             saved = _piece(kind, *bounds)
-            if isinstance(saved, FlatPiece) and isinstance(target, FlatPiece) and \
-                    (saved.hi <= target.lo or saved.lo >= target.hi):
+            if (
+                isinstance(saved, FlatPiece)
+                and isinstance(target, FlatPiece)
+                and (saved.hi <= target.lo or saved.lo >= target.hi)
+            ):
                 continue
             sl = None
             for bs in _blocks_of(saved, m, n):
@@ -284,10 +323,10 @@ class StateReader:
                     sl = sl if sl is not None else self._slice(file, tname)
                     start = bs.offset + (i0 - bs.row) * bs.width
                     stop = bs.offset + (i1 - bs.row) * bs.width
-                    chunk = (sl[start:stop] if self._flat else sl[:].reshape(-1)[start:stop])
-                    chunk = chunk.view(i1 - i0, bs.width)[:, j0 - bs.col: j1 - bs.col]
-                    dst = out[bt.offset: bt.offset + bt.height * bt.width].view(bt.height, bt.width)
-                    dst[i0 - bt.row: i1 - bt.row, j0 - bt.col: j1 - bt.col].copy_(chunk)
+                    chunk = sl[start:stop] if self._flat else sl[:].reshape(-1)[start:stop]
+                    chunk = chunk.view(i1 - i0, bs.width)[:, j0 - bs.col : j1 - bs.col]
+                    dst = out[bt.offset : bt.offset + bt.height * bt.width].view(bt.height, bt.width)
+                    dst[i0 - bt.row : i1 - bt.row, j0 - bt.col : j1 - bt.col].copy_(chunk)
 
     def whole(self, key: str) -> torch.Tensor:
         """The whole logical tensor ``key`` (fp32), assembled from its pieces."""

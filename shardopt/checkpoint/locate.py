@@ -4,6 +4,7 @@ Users point the tool at whatever the project wrote: a shardopt file, a DeepSpeed
 a trainer run (``runs/<run>``) or its ``checkpoints/`` folder, one step of it, or a trainer DDP file. This
 module turns that path into one checkpoint to read, or a ``CheckpointError`` that names the path to give.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,10 +21,12 @@ _DCP_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 _STEP_DIR = re.compile(r"^(?:step_?|global_step)(\d+)$")
 _DEEPSPEED_FILES = re.compile(r"^(mp_rank_\d+_model_states|zero_pp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 
-ACCEPTED = ("a shardopt file (*.safetensors, or a directory holding shardopt_state.safetensors), a DeepSpeed "
-            "checkpoint directory (with 'latest'), a DCP directory (with .metadata), a trainer run directory "
-            "(runs/<run> or runs/<run>/checkpoints, whose latest step is read), one of its step directories, "
-            "or a trainer DDP file (rank<N>.pt)")
+ACCEPTED = (
+    "a shardopt file (*.safetensors, or a directory holding shardopt_state.safetensors), a DeepSpeed "
+    "checkpoint directory (with 'latest'), a DCP directory (with .metadata), a trainer run directory "
+    "(runs/<run> or runs/<run>/checkpoints, whose latest step is read), one of its step directories, "
+    "or a trainer DDP file (rank<N>.pt)"
+)
 
 
 @dataclass
@@ -48,8 +51,11 @@ def dcp_writer_ranks(directory: str) -> set[int]:
 
 
 def _step_dirs(directory: str) -> list[str]:
-    found = [(int(m.group(1)), name) for name in os.listdir(directory)
-             if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(directory, name))]
+    found = [
+        (int(m.group(1)), name)
+        for name in os.listdir(directory)
+        if (m := _STEP_DIR.match(name)) and os.path.isdir(os.path.join(directory, name))
+    ]
     return [os.path.join(directory, name) for _, name in sorted(found)]
 
 
@@ -70,20 +76,26 @@ def _latest(directory: str) -> Located:
         tag = f.read().strip()
     target = os.path.join(directory, tag)
     if not tag or not os.path.isdir(target):
-        raise CheckpointError(f"{directory}: its 'latest' file names step {tag!r}, but {target} does not exist; "
-                              f"give one of: {', '.join(_step_dirs(directory)) or 'no step directory found'}")
+        raise CheckpointError(
+            f"{directory}: its 'latest' file names step {tag!r}, but {target} does not exist; "
+            f"give one of: {', '.join(_step_dirs(directory)) or 'no step directory found'}"
+        )
     if os.path.isfile(os.path.join(target, STATE_FILE)):
         return Located("deepspeed", directory, f"latest tag {tag!r}")
     found = _step(target, f"latest checkpoint of {directory}: {target}")
     if found is not None:
         return found
     if any(_DEEPSPEED_FILES.match(name) for name in os.listdir(target)):
-        raise CheckpointError(f"{directory}: DeepSpeed checkpoint tag {tag!r} has no {STATE_FILE}; it was saved by a "
-                              "DeepSpeed engine without shardopt's optimizer (built by deepspeed.initialize, not "
-                              "shardopt.deepspeed.initialize, e.g. an AdamW baseline), so there is no shardopt "
-                              "state to read")
-    raise CheckpointError(f"{directory}: 'latest' names {target}, which holds no checkpoint the tool reads "
-                          f"(expected {STATE_FILE}, a DCP .metadata or rank<N>.pt files)")
+        raise CheckpointError(
+            f"{directory}: DeepSpeed checkpoint tag {tag!r} has no {STATE_FILE}; it was saved by a "
+            "DeepSpeed engine without shardopt's optimizer (built by deepspeed.initialize, not "
+            "shardopt.deepspeed.initialize, e.g. an AdamW baseline), so there is no shardopt "
+            "state to read"
+        )
+    raise CheckpointError(
+        f"{directory}: 'latest' names {target}, which holds no checkpoint the tool reads "
+        f"(expected {STATE_FILE}, a DCP .metadata or rank<N>.pt files)"
+    )
 
 
 def locate(path: str) -> Located:
@@ -108,9 +120,13 @@ def locate(path: str) -> Located:
         return inner
     steps = _step_dirs(path)
     if steps:
-        raise CheckpointError(f"{path}: no 'latest' file says which step is complete (a save was interrupted?); "
-                              f"give one step directory: {', '.join(steps)}")
+        raise CheckpointError(
+            f"{path}: no 'latest' file says which step is complete (a save was interrupted?); "
+            f"give one step directory: {', '.join(steps)}"
+        )
     if os.path.isfile(os.path.join(path, "config.json")) and os.path.isfile(os.path.join(path, "metrics.jsonl")):
-        raise CheckpointError(f"{path}: a trainer run directory without checkpoints (its config has "
-                              "checkpoint.every = 0); set checkpoint.every to save some")
+        raise CheckpointError(
+            f"{path}: a trainer run directory without checkpoints (its config has "
+            "checkpoint.every = 0); set checkpoint.every to save some"
+        )
     raise CheckpointError(f"{path}: not a checkpoint the tool reads; give {ACCEPTED}")

@@ -10,6 +10,7 @@ slices that overlap its pieces, at any world size and engine. How an entry relat
 from the optimizer's ``state_kinds``; the layout of each piece comes from the fragments the engine adapters
 build, so nothing here knows about DeepSpeed or FSDP.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -31,8 +32,18 @@ from ..sharding.state_split import share, share_shape
 from .errors import CheckpointError
 from .files import FORMAT, _natural_view, piece_spec, write_part
 
-__all__ = ["export_state", "import_state", "import_from", "save_sharded", "local_records", "CheckpointError",
-           "PARAM_KEY", "SEP", "PART_BYTES", "fill_param_range"]
+__all__ = [
+    "export_state",
+    "import_state",
+    "import_from",
+    "save_sharded",
+    "local_records",
+    "CheckpointError",
+    "PARAM_KEY",
+    "SEP",
+    "PART_BYTES",
+    "fill_param_range",
+]
 
 PARAM_KEY = "param"  # the fp32 values the optimizer steps (master weights under mixed precision)
 SEP = "::"
@@ -74,8 +85,11 @@ def fill_param_range(reader: Any, name: str, lo: int, hi: int, out: torch.Tensor
     while pos < hi:
         e = pos // size
         stop = min(hi, (e + 1) * size)
-        reader.fill(f"{matrix_name(name, e)}{SEP}{PARAM_KEY}", FlatPiece(pos - e * size, stop - e * size),
-                    out[pos - lo: stop - lo])
+        reader.fill(
+            f"{matrix_name(name, e)}{SEP}{PARAM_KEY}",
+            FlatPiece(pos - e * size, stop - e * size),
+            out[pos - lo : stop - lo],
+        )
         pos = stop
     return True
 
@@ -96,10 +110,19 @@ def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag) -> dict[str, torch.Te
 def _whole(key: str, kind: str, value: torch.Tensor) -> Record:
     # a copy: whole entries are small, and one tensor may be listed under several names (a ZeRO partition's
     # step counter for each of its matrices), which safetensors refuses to store twice
-    t = value.detach().float().reshape(-1).cpu().clone() if isinstance(value, torch.Tensor) \
+    t = (
+        value.detach().float().reshape(-1).cpu().clone()
+        if isinstance(value, torch.Tensor)
         else torch.tensor([float(value)])
-    return Record(key, kind, tuple(value.shape) if isinstance(value, torch.Tensor) else (), (1, t.numel()),
-                  FlatPiece(0, t.numel()), t)
+    )
+    return Record(
+        key,
+        kind,
+        tuple(value.shape) if isinstance(value, torch.Tensor) else (),
+        (1, t.numel()),
+        FlatPiece(0, t.numel()),
+        t,
+    )
 
 
 def _matrix_view(shape: tuple[int, ...], dim: int) -> tuple[tuple[int, int], Any]:
@@ -126,8 +149,9 @@ def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Re
                 value, name = items[key], f"{frag.name}{SEP}{key}"
                 kind = "elements" if key == PARAM_KEY else opt.state_kinds.get(key)
                 if kind is None:
-                    raise CheckpointError(f"state entry {key!r} of {frag.name!r} has no declared kind in "
-                                          f"{type(opt).__name__}.state_kinds")
+                    raise CheckpointError(
+                        f"state entry {key!r} of {frag.name!r} has no declared kind in {type(opt).__name__}.state_kinds"
+                    )
                 if kind == "elements":
                     if frag.numel:  # kept in its dtype: converted to fp32 part by part when written
                         data = frag.local(value).detach()
@@ -184,8 +208,13 @@ def _assign(descriptors: list[list[tuple[str, int]]], stem: str, save_id: str) -
     return plan
 
 
-def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include_params: bool = True,
-                 extra: list[Record] | None = None) -> str:
+def save_sharded(
+    path: str,
+    opt: ShardedOptimizer,
+    meta: dict[str, Any],
+    include_params: bool = True,
+    extra: list[Record] | None = None,
+) -> str:
     """Write ``opt``'s state (and stepped parameters) at ``path`` (the main ``.safetensors`` file), with this
     rank's ``extra`` records (the model's frozen parameters and buffers). Collective; each rank writes only its
     own pieces. Returns ``path`` on every rank."""
@@ -238,8 +267,11 @@ def save_sharded(path: str, opt: ShardedOptimizer, meta: dict[str, Any], include
             for part in gathered_i or []:
                 for key, kind, *_ in part:
                     kinds[key.split(SEP)[1]] = kind
-            write_part(path, part_tensors(""), {"format": FORMAT, **meta, "kinds": kinds, "keys": sorted(index),
-                                                    "index": index, "world_size": world})
+            write_part(
+                path,
+                part_tensors(""),
+                {"format": FORMAT, **meta, "kinds": kinds, "keys": sorted(index), "index": index, "world_size": world},
+            )
             referenced = {p[0] for e in index.values() for p in e["pieces"]}
             # leftovers of earlier saves here (interrupted ones' part and .tmp-* files): every rank's files of
             # this save are in place (the barrier above), so no .tmp-* file here is still being written
@@ -289,8 +321,9 @@ def _target(source: Source, key: str, lay, frag_logical: tuple[int, ...]) -> Fla
     raise CheckpointError(f"{key}: stored as {m}x{n}, cannot cut this rank's column or rectangular block from it")
 
 
-def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], load_params: bool = True,
-                load_state: bool = True) -> None:
+def import_from(
+    opt: ShardedOptimizer, source: Source, kinds: dict[str, str], load_params: bool = True, load_state: bool = True
+) -> None:
     """Rebuild this rank's optimizer state (and stepped parameters) from ``source``, reading only this rank's
     pieces. Everything is checked first (entries present, shapes, files complete); a checkpoint that fails
     those checks changes nothing. ``load_state=False`` reads the parameters only and leaves the optimizer's
@@ -303,16 +336,19 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
     for p in opt.stepped_tensors():
         for frag in opt.fragments(p):
             if frag.name not in by_name:
-                raise CheckpointError(f"checkpoint has no entries for parameter {frag.name!r}; it was saved from "
-                                      "another model or is incomplete")
+                raise CheckpointError(
+                    f"checkpoint has no entries for parameter {frag.name!r}; it was saved from "
+                    "another model or is incomplete"
+                )
             for k in by_name[frag.name]:
                 stored = k.split(SEP)[1]
                 # the kind is recorded under the stored key; the state takes today's name of an old key
                 key = opt.state_key_renames.get(stored, stored)
                 kind, shape = kinds.get(stored), tuple(source.index[k]["shape"])
                 if kind == "elements" and math.prod(shape) != math.prod(frag.logical_shape):
-                    raise CheckpointError(f"{k}: checkpoint shape {shape} does not match the "
-                                          f"parameter's {frag.logical_shape}")
+                    raise CheckpointError(
+                        f"{k}: checkpoint shape {shape} does not match the parameter's {frag.logical_shape}"
+                    )
                 if kind not in ("elements", "tensor", "rows", "cols", "scalar", "matrix"):
                     raise CheckpointError(f"{k}: unknown kind {kind!r}")
                 if (key == PARAM_KEY and not load_params) or (key != PARAM_KEY and not load_state):
@@ -351,8 +387,10 @@ def import_from(opt: ShardedOptimizer, source: Source, kinds: dict[str, str], lo
             continue
         plan, (want, dim) = found[0], spec
         if tuple(want) != shape:
-            raise CheckpointError(f"{k}: checkpoint shape {shape} does not match {tuple(want)} (another rank or "
-                                  "matrix_ops setting changes no shape; another model or hyperparameters do)")
+            raise CheckpointError(
+                f"{k}: checkpoint shape {shape} does not match {tuple(want)} (another rank or "
+                "matrix_ops setting changes no shape; another model or hyperparameters do)"
+            )
         view, piece_type = _matrix_view(shape, dim)
         lo, hi = share(plan, shape[dim], None, dim)
         local_shape = share_shape(plan, shape, dim)
@@ -388,8 +426,9 @@ def _read_whole(source: Source, k: str) -> torch.Tensor:
     return out.view(entry["shape"])
 
 
-def import_state(opt: ShardedOptimizer, full: dict[str, torch.Tensor], kinds: dict[str, str],
-                 load_params: bool = True) -> None:
+def import_state(
+    opt: ShardedOptimizer, full: dict[str, torch.Tensor], kinds: dict[str, str], load_params: bool = True
+) -> None:
     """``import_from`` whole logical tensors held in memory (conversions, tests)."""
     import_from(opt, WholeTensors(full), kinds, load_params)
 
@@ -411,7 +450,8 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
     index: dict[str, dict] = {}
     for r in records:
         index.setdefault(r.key, {"shape": list(r.shape), "view": list(r.view), "recs": {}})["recs"].setdefault(
-            r.ident, r)
+            r.ident, r
+        )
     full: dict[str, torch.Tensor] = {}
     kinds: dict[str, str] = {}
     for key, entry in index.items():

@@ -7,6 +7,7 @@ and conversions to DCP or DeepSpeed carry them (``convert`` reads every ``::para
 A frozen FSDP2 parameter is written as its ``Shard(0)`` rows and read back as the rows this rank holds now; a
 plain or replicated tensor is written once (by the first rank holding it) and read whole.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,11 @@ def module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     zero3 = [n for n, p in model.named_parameters() if hasattr(p, "ds_id")]
     if zero3:
-        raise CheckpointError(f"model= of shardopt.checkpoint: {zero3[0]!r} is a ZeRO-3 partitioned parameter; "
-                              "save and load a DeepSpeed engine with engine.save_checkpoint / load_checkpoint, "
-                              "which restore frozen parameters and buffers at any world size and stage")
+        raise CheckpointError(
+            f"model= of shardopt.checkpoint: {zero3[0]!r} is a ZeRO-3 partitioned parameter; "
+            "save and load a DeepSpeed engine with engine.save_checkpoint / load_checkpoint, "
+            "which restore frozen parameters and buffers at any world size and stage"
+        )
     for prefix, mod in model.named_modules():
         for name, buf in mod.named_buffers(recurse=False):
             if buf is not None and name not in mod._non_persistent_buffers_set:
@@ -68,21 +71,30 @@ def module_records(model: nn.Module) -> list[Record]:
             local, lo, n = rows
             width = math.prod(shape[1:])
             if n:
-                records.append(Record(key, "elements", shape, view, FlatPiece(lo * width, (lo + n) * width),
-                                      local.detach().reshape(-1)))
+                records.append(
+                    Record(
+                        key,
+                        "elements",
+                        shape,
+                        view,
+                        FlatPiece(lo * width, (lo + n) * width),
+                        local.detach().reshape(-1),
+                    )
+                )
             continue
         whole = rows[0] if rows is not None else (t.full_tensor() if hasattr(t, "full_tensor") else t)
-        records.append(Record(key, "elements", shape, view, FlatPiece(0, math.prod(shape)),
-                              whole.detach().reshape(-1)))
+        records.append(Record(key, "elements", shape, view, FlatPiece(0, math.prod(shape)), whole.detach().reshape(-1)))
     return records
 
 
 def missing_message(path: str, missing: list[str]) -> str:
     """The refusal of a strict load that lacks ``missing``, with the ways out."""
-    return (f"{path}: the checkpoint has no saved value for {missing}: it was saved without model= "
-            "(shardopt.checkpoint.save(path, optimizer, model=model)), from another model, or by DeepSpeed's "
-            "engine, whose files beside it hold them (`shardopt checkpoint convert <dir> <out> --to file` puts them "
-            "in one file); pass strict=False to keep the model's own values for them")
+    return (
+        f"{path}: the checkpoint has no saved value for {missing}: it was saved without model= "
+        "(shardopt.checkpoint.save(path, optimizer, model=model)), from another model, or by DeepSpeed's "
+        "engine, whose files beside it hold them (`shardopt checkpoint convert <dir> <out> --to file` puts them "
+        "in one file); pass strict=False to keep the model's own values for them"
+    )
 
 
 def check_module_state(reader: Any, model: nn.Module) -> list[str]:

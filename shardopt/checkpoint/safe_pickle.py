@@ -8,6 +8,7 @@ values they hold (``torch.Size``, dtypes, layouts, paths), the blobs go through 
 and anything else is a ``CheckpointError`` naming the file and the refused global. Tensor data was already
 read with ``weights_only=True`` by DCP itself.
 """
+
 from __future__ import annotations
 
 import io
@@ -21,20 +22,40 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from .logical import CheckpointError
 
-__all__ = ["RestrictedUnpickler", "load_dcp_metadata", "load_plain", "SafeFileSystemReader", "SafeLoadPlanner",
-           "read_dcp_state_dict"]
+__all__ = [
+    "RestrictedUnpickler",
+    "load_dcp_metadata",
+    "load_plain",
+    "SafeFileSystemReader",
+    "SafeLoadPlanner",
+    "read_dcp_state_dict",
+]
 
-_METADATA_CLASSES = frozenset({
-    ("torch.distributed.checkpoint.metadata", name) for name in (
-        "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata",
-        "BytesStorageMetadata", "ChunkStorageMetadata", "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # a lookup in torch's table of layouts, by name
-    ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "PureWindowsPath"),
-    ("builtins", "set"), ("builtins", "frozenset"),
-})
+_METADATA_CLASSES = frozenset(
+    {
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    }
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),  # a lookup in torch's table of layouts, by name
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "PureWindowsPath"),
+        ("builtins", "set"),
+        ("builtins", "frozenset"),
+    }
+)
 
 
 class RestrictedUnpickler(pickle.Unpickler):
@@ -63,8 +84,10 @@ def load_dcp_metadata(source: str | BinaryIO) -> Metadata:
         else:
             meta = RestrictedUnpickler(source).load()
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{where}: refusing to read DCP metadata: {err}; the file is not a DCP checkpoint "
-                              "written by torch.distributed.checkpoint (nothing in it was run)") from None
+        raise CheckpointError(
+            f"{where}: refusing to read DCP metadata: {err}; the file is not a DCP checkpoint "
+            "written by torch.distributed.checkpoint (nothing in it was run)"
+        ) from None
     except (OSError, EOFError, ValueError, TypeError, AttributeError, KeyError, IndexError) as err:
         raise CheckpointError(f"{where}: unreadable DCP metadata ({type(err).__name__}: {err})") from None
     if not isinstance(meta, Metadata):
@@ -83,16 +106,19 @@ def load_plain(path: str, map_location: Any = None) -> Any:
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"{path}: refusing to unpickle, the file holds more than tensors and plain data "
-                              f"({_first_line(err)}); nothing in it was run") from None
+        raise CheckpointError(
+            f"{path}: refusing to unpickle, the file holds more than tensors and plain data "
+            f"({_first_line(err)}); nothing in it was run"
+        ) from None
 
 
 def _load_blob(value: io.BytesIO, fqn: str) -> Any:
     try:
         return torch.load(value, weights_only=True)
     except pickle.UnpicklingError as err:
-        raise CheckpointError(f"refusing to unpickle DCP value {fqn!r}: it is not plain data ({_first_line(err)}); "
-                              "nothing in it was run") from None
+        raise CheckpointError(
+            f"refusing to unpickle DCP value {fqn!r}: it is not plain data ({_first_line(err)}); nothing in it was run"
+        ) from None
 
 
 class SafeFileSystemReader(FileSystemReader):
@@ -178,8 +204,9 @@ def read_dcp_state_dict(path: str) -> dict[str, Any]:
 
     sd: dict[str, Any] = {}
     try:
-        _load_state_dict(sd, storage_reader=SafeFileSystemReader(path), planner=_SafeEmptyStateDictPlanner(),
-                         no_dist=True)
+        _load_state_dict(
+            sd, storage_reader=SafeFileSystemReader(path), planner=_SafeEmptyStateDictPlanner(), no_dist=True
+        )
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # DCP's CheckpointException derives from BaseException

@@ -1,6 +1,7 @@
 """Logical tensors from ``torch.optim``-style state dicts: a DCP checkpoint's ``{"model", "optim"}`` entries
 (keyed by parameter name) and the trainer's DDP files (``rank<N>.pt``, keyed by position, with the names saved
 beside them). Offline tools read both into the ``"<name>::<key>"`` form every conversion goes through."""
+
 from __future__ import annotations
 
 from typing import Any
@@ -40,12 +41,18 @@ def counters(step: Any, scheduler: Any) -> dict[str, Any]:
 def batched_names(model: dict[str, Any], groups: list[dict]) -> set[str]:
     """Parameters that a shardopt optimizer steps as batches of matrices (``sharding.batched``): 3-D tensors in
     param groups whose rule is not AdamW (``params`` given by name)."""
-    return {n for g in groups if g.get("treatment", "adamw") != "adamw" for n in g.get("params", [])
-            if isinstance(n, str) and isinstance(model.get(n), torch.Tensor) and model[n].dim() == BATCHED_NDIM}
+    return {
+        n
+        for g in groups
+        if g.get("treatment", "adamw") != "adamw"
+        for n in g.get("params", [])
+        if isinstance(n, str) and isinstance(model.get(n), torch.Tensor) and model[n].dim() == BATCHED_NDIM
+    }
 
 
-def _logical_entries(name: str, entries: dict[str, Any], batched: int | None, state_kinds: dict[str, str],
-                     renames: dict[str, str]) -> dict[str, tuple[torch.Tensor, str]]:
+def _logical_entries(
+    name: str, entries: dict[str, Any], batched: int | None, state_kinds: dict[str, str], renames: dict[str, str]
+) -> dict[str, tuple[torch.Tensor, str]]:
     """One parameter's state entries as logical tensors ``"<matrix>::<key>" -> (tensor, kind)``; a batched
     parameter's (``batched`` matrices) are its matrices' (``<name>[e]``): element-wise entries sliced per matrix,
     per-tensor ones (``step``) for each, the per-matrix ones nested under ``"matrices"`` as they are."""
@@ -70,8 +77,9 @@ def _logical_entries(name: str, entries: dict[str, Any], batched: int | None, st
     return out
 
 
-def logical_from_state_dicts(model: dict[str, Any], optim: dict[str, Any], engine: str,
-                             world_size: int | None) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def logical_from_state_dicts(
+    model: dict[str, Any], optim: dict[str, Any], engine: str, world_size: int | None
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """``optim`` has ``state`` keyed by parameter name and ``param_groups`` whose ``params`` are names."""
     groups = optim.get("param_groups", [])
     cls = optimizer_class(groups)
@@ -81,16 +89,26 @@ def logical_from_state_dicts(model: dict[str, Any], optim: dict[str, Any], engin
     tensors = {}
     for n, t in model.items():
         if isinstance(t, torch.Tensor):
-            tensors.update({f"{matrix_name(n, e)}{SEP}{PARAM_KEY}": t[e].float() for e in range(t.shape[0])}
-                           if n in batched else {f"{n}{SEP}{PARAM_KEY}": t.float()})
+            tensors.update(
+                {f"{matrix_name(n, e)}{SEP}{PARAM_KEY}": t[e].float() for e in range(t.shape[0])}
+                if n in batched
+                else {f"{n}{SEP}{PARAM_KEY}": t.float()}
+            )
     kinds = {PARAM_KEY: "elements"}
     for name, entries in optim.get("state", {}).items():
         count = model[name].shape[0] if name in batched else None
         for key, (value, kind) in _logical_entries(name, entries, count, state_kinds, renames).items():
             tensors[key] = value
             kinds[key.split(SEP)[1]] = kind
-    meta = {"kinds": kinds, "optimizer": cls.__name__ if cls is not None else None, "param_groups": groups,
-            "world_size": world_size, "engine": engine, "keys": sorted(tensors), "extra": {}}
+    meta = {
+        "kinds": kinds,
+        "optimizer": cls.__name__ if cls is not None else None,
+        "param_groups": groups,
+        "world_size": world_size,
+        "engine": engine,
+        "keys": sorted(tensors),
+        "extra": {},
+    }
     return tensors, meta
 
 
@@ -99,18 +117,24 @@ def read_ddp(path: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     the checkpoint. Read with ``weights_only`` (nothing in the file runs)."""
     ck = load_plain(path)
     if not isinstance(ck, dict) or "model" not in ck or "optim" not in ck:
-        raise CheckpointError(f"{path}: not a trainer DDP checkpoint (expected the 'model' and 'optim' entries "
-                              "that shardopt.train writes)")
+        raise CheckpointError(
+            f"{path}: not a trainer DDP checkpoint (expected the 'model' and 'optim' entries "
+            "that shardopt.train writes)"
+        )
     optim = ck["optim"]
     names = ck.get("param_names")
     groups = optim.get("param_groups", [])
     if names is None or len(names) != len(groups) or any(len(n) != len(g["params"]) for n, g in zip(names, groups)):
-        raise CheckpointError(f"{path}: the file does not name the optimizer's parameters (written by a trainer "
-                              "older than the checkpoint tool); resume it with the same trainer instead, or save "
-                              "again with this version")
+        raise CheckpointError(
+            f"{path}: the file does not name the optimizer's parameters (written by a trainer "
+            "older than the checkpoint tool); resume it with the same trainer instead, or save "
+            "again with this version"
+        )
     by_index = {i: n for g, ns in zip(groups, names) for i, n in zip(g["params"], ns)}
-    named = {"state": {by_index[i]: v for i, v in optim.get("state", {}).items() if i in by_index},
-             "param_groups": [{**g, "params": list(ns)} for g, ns in zip(groups, names)]}
+    named = {
+        "state": {by_index[i]: v for i, v in optim.get("state", {}).items() if i in by_index},
+        "param_groups": [{**g, "params": list(ns)} for g, ns in zip(groups, names)],
+    }
     params = set(by_index.values())
     model = {n: t for n, t in ck["model"].items() if n in params}
     tensors, meta = logical_from_state_dicts(model, named, "ddp", ck.get("world"))

@@ -15,14 +15,14 @@ It is ``accelerator.prepare`` followed by what shardopt needs from the objects a
 A plain ``accelerator.prepare`` with DeepSpeed also works: the first step finds the engine on the call stack and
 maps it (``shardopt.plugin.wrapped``); calling this function does it before any checkpoint is loaded.
 """
+
 from __future__ import annotations
 
 import contextlib
 import os
 import sys
-from typing import Any, Iterator
-
 import weakref
+from typing import Any, Iterator
 
 import torch
 
@@ -32,8 +32,17 @@ from ..plugin.fsdp1 import adopt
 from ..plugin.wrapped import engine_hooked, map_deepspeed, rekey_names
 from ..sharding.precision import model_arrival_dtypes, record_arrival_dtypes
 
-__all__ = ["prepare", "after_prepare", "keep_optimizer_under_offload", "patch_prepare", "patch_checkpoints", "unwrap_optimizer", "rekey_names",
-           "fsdp1_optimizer_io", "FSDP1_OPTIMIZER_DIR"]
+__all__ = [
+    "prepare",
+    "after_prepare",
+    "keep_optimizer_under_offload",
+    "patch_prepare",
+    "patch_checkpoints",
+    "unwrap_optimizer",
+    "rekey_names",
+    "fsdp1_optimizer_io",
+    "FSDP1_OPTIMIZER_DIR",
+]
 
 
 #: accelerators whose ``prepare`` already maps shardopt optimizers (``patch_prepare``)
@@ -83,12 +92,14 @@ def _optimizer_from_section(accelerator: Any, args: tuple) -> tuple:
 
     models = [i for i, a in enumerate(args) if isinstance(a, torch.nn.Module)]
     if len(models) != 1:
-        raise ValueError("shardopt.integrations.accelerate.prepare: the DeepSpeed config has a 'shardopt' section "
-                         f"and no optimizer was given, so exactly one model is needed (got {len(models)})")
+        raise ValueError(
+            "shardopt.integrations.accelerate.prepare: the DeepSpeed config has a 'shardopt' section "
+            f"and no optimizer was given, so exactly one model is needed (got {len(models)})"
+        )
     section, hp = parse_section({k: v for k, v in config.items() if k in ("shardopt", "optimizer")})
     model = args[models[0]]
     opt = build_optimizer(model, hp, section.routing, section.optimizer)
-    return args[:models[0] + 1] + (opt,) + args[models[0] + 1:]
+    return args[: models[0] + 1] + (opt,) + args[models[0] + 1 :]
 
 
 def keep_optimizer_under_offload(accelerator: Any, args: tuple) -> None:
@@ -161,8 +172,10 @@ FSDP1_OPTIMIZER_DIR = "shardopt_optimizer"
 def _fsdp1_io(original: Any, write: bool) -> Any:
     """accelerate's ``save_fsdp_optimizer`` (``write``) or ``load_fsdp_optimizer``, writing / reading a shardopt
     optimizer's logical state under legacy FSDP and leaving everything else to ``original``."""
-    def fsdp_optimizer_io(fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, *args: Any,
-                          **kwargs: Any) -> None:
+
+    def fsdp_optimizer_io(
+        fsdp_plugin: Any, accelerator: Any, optimizer: Any, model: Any, *args: Any, **kwargs: Any
+    ) -> None:
         opt = unwrap_optimizer(optimizer)
         if opt is None or getattr(fsdp_plugin, "fsdp_version", 1) != 1:
             return original(fsdp_plugin, accelerator, optimizer, model, *args, **kwargs)
@@ -178,6 +191,7 @@ def _fsdp1_io(original: Any, write: bool) -> Any:
             if hasattr(accelerator, "wait_for_everyone"):  # as accelerate's own load: every rank's files written
                 accelerator.wait_for_everyone()
             load(path, opt)
+
     return fsdp_optimizer_io
 
 
@@ -201,9 +215,9 @@ def fsdp1_optimizer_io(module_name: str) -> Iterator[None]:
 
 def with_fsdp1_optimizer_io(method: Any, module_name: str) -> Any:
     """``method`` (a bound ``save_state``-like method) run inside ``fsdp1_optimizer_io(module_name)``."""
+
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         with fsdp1_optimizer_io(module_name):
             return method(*args, **kwargs)
+
     return wrapped
-
-

@@ -23,6 +23,7 @@ Hyperparameters set to ``"auto"`` take the ``TrainingArguments`` value (``lr``/`
 ``weight_decay``/``adam_weight_decay``: ``weight_decay``, ``adam_betas``: ``(adam_beta1, adam_beta2)``,
 ``adam_eps``: ``adam_epsilon``); keys not given keep shardopt's defaults for the optimizer.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping
@@ -54,8 +55,9 @@ def _deepspeed_config(trainer: Any) -> dict[str, Any] | None:
     return plugin.hf_ds_config.config
 
 
-def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, str] | None,
-                     hyperparameters: Mapping[str, Any]) -> tuple[str, pydantic.BaseModel, dict[str, str]]:
+def resolve_settings(
+    trainer: Any, optimizer: str | None, routing: Mapping[str, str] | None, hyperparameters: Mapping[str, Any]
+) -> tuple[str, pydantic.BaseModel, dict[str, str]]:
     """The optimizer name, validated hyperparameters and routing: keyword arguments over the DeepSpeed config's
     ``"shardopt"`` section, ``"auto"`` values from ``trainer.args``."""
     section = ShardoptSection(optimizer=optimizer or "", params={}, routing={})
@@ -63,21 +65,27 @@ def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, 
     ds = _deepspeed_config(trainer)
     if ds is not None and "shardopt" in ds:
         if "optimizer" in ds:
-            raise ConfigError("DeepSpeed config has both an 'optimizer' block and a 'shardopt' section; remove the "
-                              "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)")
+            raise ConfigError(
+                "DeepSpeed config has both an 'optimizer' block and a 'shardopt' section; remove the "
+                "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)"
+            )
         try:
             section = ShardoptSection.model_validate(ds["shardopt"])
         except pydantic.ValidationError as err:
             raise ConfigError(format_errors(err, "shardopt")) from None
         where = "shardopt.params"
     elif ds is not None and "optimizer" in ds:
-        raise ConfigError("the DeepSpeed config given to the Trainer has an 'optimizer' block, so DeepSpeed (not "
-                          "shardopt) would build the optimizer; remove it (shardopt.integrations.transformers.enable "
-                          "supplies the optimizer)")
+        raise ConfigError(
+            "the DeepSpeed config given to the Trainer has an 'optimizer' block, so DeepSpeed (not "
+            "shardopt) would build the optimizer; remove it (shardopt.integrations.transformers.enable "
+            "supplies the optimizer)"
+        )
     name = optimizer or section.optimizer
     if not name:
-        raise ConfigError("shardopt.integrations.transformers.enable: name the optimizer, e.g. "
-                          "enable(trainer, 'scale', lr=1e-3), or add a 'shardopt' section to the DeepSpeed config")
+        raise ConfigError(
+            "shardopt.integrations.transformers.enable: name the optimizer, e.g. "
+            "enable(trainer, 'scale', lr=1e-3), or add a 'shardopt' section to the DeepSpeed config"
+        )
     if name.lower() not in OPTIMIZERS:
         raise ConfigError(f"enable(trainer, {name!r}): unknown optimizer; choose one of {sorted(OPTIMIZERS)}")
     params = {**section.params, **hyperparameters}
@@ -91,8 +99,11 @@ def resolve_settings(trainer: Any, optimizer: str | None, routing: Mapping[str, 
             if key not in _AUTO:
                 raise ConfigError(f"{where}.{key} = 'auto': only {sorted(_AUTO)} can be 'auto'")
             params[key] = _AUTO[key](trainer.args)
-            if ds is not None and isinstance(ds.get("shardopt", {}).get("params"), dict) \
-                    and ds["shardopt"]["params"].get(key) == "auto":
+            if (
+                ds is not None
+                and isinstance(ds.get("shardopt", {}).get("params"), dict)
+                and ds["shardopt"]["params"].get(key) == "auto"
+            ):
                 # fill it in the config too, as HF does with its own "auto" values: accelerate refuses any "auto"
                 # left in the DeepSpeed config when it starts the engine
                 ds["shardopt"]["params"][key] = list(params[key]) if isinstance(params[key], tuple) else params[key]
@@ -108,14 +119,17 @@ def _own_auto(name: str, key: str) -> bool:
     return field is not None and "auto" in typing.get_args(field.annotation) and field.default == "auto"
 
 
-def enable(trainer: Any, optimizer: str | None = None, routing: Mapping[str, str] | None = None,
-           **hyperparameters: Any) -> Any:
+def enable(
+    trainer: Any, optimizer: str | None = None, routing: Mapping[str, str] | None = None, **hyperparameters: Any
+) -> Any:
     """Make ``trainer`` train with shardopt optimizer ``optimizer`` (default: the DeepSpeed config's
     ``"shardopt"`` section); returns the trainer. See the module docstring."""
     if getattr(trainer, "optimizer", None) is not None:
-        raise ConfigError("the Trainer already has an optimizer (Trainer(optimizers=(opt, ...))); with "
-                          "shardopt.integrations.transformers.enable pass optimizers=(None, None) and let enable "
-                          "build it (under DeepSpeed the Trainer would drop a given optimizer anyway)")
+        raise ConfigError(
+            "the Trainer already has an optimizer (Trainer(optimizers=(opt, ...))); with "
+            "shardopt.integrations.transformers.enable pass optimizers=(None, None) and let enable "
+            "build it (under DeepSpeed the Trainer would drop a given optimizer anyway)"
+        )
     name, cfg, route = resolve_settings(trainer, optimizer, routing, hyperparameters)
     ds = _deepspeed_config(trainer)
     if ds is not None:  # ZeRO-Offload: the keys that keep this optimizer (accelerate would swap in DeepSpeedCPUAdam)

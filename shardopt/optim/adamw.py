@@ -3,6 +3,7 @@
 Element-wise math needs no layout: it runs on each rank's local elements (a parameter, its DTensor shard,
 or a DeepSpeed flat partition) and is exact under any sharding.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,12 +43,25 @@ def adamw_step(
         return
     b1, b2 = betas
     if _fused_applies(params, grads, exp_avgs, exp_avg_sqs):
-        _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step, lr=lr, betas=betas, eps=eps,
-                     weight_decay=weight_decay, eps_mode=eps_mode, found_inf=found_inf)
+        _fused_adamw(
+            params,
+            grads,
+            exp_avgs,
+            exp_avg_sqs,
+            step,
+            lr=lr,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            eps_mode=eps_mode,
+            found_inf=found_inf,
+        )
         return
     if found_inf is not None:
-        raise RuntimeError("shardopt: a step gated on the device reached the unfused AdamW path, which cannot skip "
-                           "on the device (adamw_gates_on_device should have sent it to the host check)")
+        raise RuntimeError(
+            "shardopt: a step gated on the device reached the unfused AdamW path, which cannot skip "
+            "on the device (adamw_gates_on_device should have sent it to the host check)"
+        )
     g32 = [g.float() for g in grads]
     torch._foreach_lerp_(exp_avgs, g32, 1 - b1)
     torch._foreach_mul_(exp_avg_sqs, b2)
@@ -88,8 +102,20 @@ def _fused_applies(*tensor_lists: list[torch.Tensor]) -> bool:
     return all(t.dtype is f32 and t.layout is strided and same(t) for tensors in tensor_lists for t in tensors)
 
 
-def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step: int, *, lr: float, betas: tuple[float, float],
-                 eps: float, weight_decay: float, eps_mode: str, found_inf: torch.Tensor | None = None) -> None:
+def _fused_adamw(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    step: int,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    eps_mode: str,
+    found_inf: torch.Tensor | None = None,
+) -> None:
     """The same step through ``torch._fused_adamw_``. The kernel divides sqrt(v) by sqrt(1 - b2^k) before
     adding eps, so ``eps_mode="outside"`` (eps added before that correction) is the torch form with eps
     scaled by 1 / sqrt(1 - b2^k)."""
@@ -100,9 +126,22 @@ def _fused_adamw(params, grads, exp_avgs, exp_avg_sqs, step: int, *, lr: float, 
     # the count on the device by a fill kernel: torch.tensor(step, device=...) would be a copy from pageable host
     # memory, which waits for the device on CUDA (issue 29: one sync per step in every rule's AdamW part)
     steps = [torch.full((), float(step), dtype=torch.float32, device=params[0].device)] * len(params)
-    torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, [], steps, lr=lr, beta1=betas[0],
-                        beta2=betas[1], weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-                        found_inf=found_inf)
+    torch._fused_adamw_(
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        [],
+        steps,
+        lr=lr,
+        beta1=betas[0],
+        beta2=betas[1],
+        weight_decay=weight_decay,
+        eps=eps,
+        amsgrad=False,
+        maximize=False,
+        found_inf=found_inf,
+    )
 
 
 def adamw_gates_on_device(group: dict) -> bool:
@@ -149,7 +188,15 @@ def adamw_group_step(opt: Any, group: dict) -> None:
             vs.append(v if v.shape == p.shape else v.view(p.shape))
     for step, (params, grads, ms, vs) in by_step.items():
         adamw_step(
-            params, grads, ms, vs, step,
-            lr=group["lr"], betas=tuple(group["betas"]), eps=group["eps"],
-            weight_decay=group["weight_decay"], eps_mode=group["eps_mode"], found_inf=found_inf,
+            params,
+            grads,
+            ms,
+            vs,
+            step,
+            lr=group["lr"],
+            betas=tuple(group["betas"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            eps_mode=group["eps_mode"],
+            found_inf=found_inf,
         )

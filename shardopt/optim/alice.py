@@ -26,6 +26,7 @@ traffic is the ``r x cols`` projection, a ``cols`` vector and a scalar; a switch
 and the assembled ``rows x r`` sketch. Randomness is keyed by (seed, name, switch count), so every rank and
 every world size draws the same.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,27 +36,51 @@ import pydantic
 import torch
 
 from ..sharding.draws import seeded_permutation
+from ..sharding.matrix_ops import MatrixOps, OpCost
 from ..sharding.orientation import mm_like
 from ..sharding.precision import LOW_PRECISION, arrival_dtype
-from ..sharding.matrix_ops import MatrixOps, OpCost
-from ..sharding.subspace import (complete_basis, determined_floor, fill_draw, fp32_floor, range_basis,
-                                 signal_directions, signal_range)
 from ..sharding.stacking import group_indices, stack, stack_stored
 from ..sharding.state_split import ROWS
+from ..sharding.subspace import (
+    complete_basis,
+    determined_floor,
+    fill_draw,
+    fp32_floor,
+    range_basis,
+    signal_directions,
+    signal_range,
+)
 from .base import ShardedOptimizer
-from .items import apply_items
 from .config import CommonOptions, WholeMatrixConfig, check_betas
+from .items import apply_items
 from .nonfinite import gated, keep_unless_gated, zero_nonfinite
 from .racs import norm_growth_eta
 from .sumo import effective_rank
 
-__all__ = ["Alice", "Alice0", "subspace_sketch", "ritz_vectors", "switched_basis", "reproject_tracking",
-           "residual_energy", "update_moments", "compensation_scale", "low_rank_step", "AliceConfig",
-           "Alice0Config"]
+__all__ = [
+    "Alice",
+    "Alice0",
+    "subspace_sketch",
+    "ritz_vectors",
+    "switched_basis",
+    "reproject_tracking",
+    "residual_energy",
+    "update_moments",
+    "compensation_scale",
+    "low_rank_step",
+    "AliceConfig",
+    "Alice0Config",
+]
 
 
-def subspace_sketch(a_rows: torch.Tensor, at_u: torch.Tensor, u_rows: torch.Tensor, U: torch.Tensor,
-                    Q_tilde: torch.Tensor | None, b3: float) -> torch.Tensor:
+def subspace_sketch(
+    a_rows: torch.Tensor,
+    at_u: torch.Tensor,
+    u_rows: torch.Tensor,
+    U: torch.Tensor,
+    Q_tilde: torch.Tensor | None,
+    b3: float,
+) -> torch.Tensor:
     """Rows of ``H = Q U = b3 U (Q_tilde (U^T U)) + (1 - b3) A (A^T U)`` for the rows ``a_rows`` of ``A``
     (``u_rows`` the same rows of ``U``; ``at_u = A^T U`` reduced over all rows)."""
     h = (1 - b3) * (a_rows @ at_u)
@@ -64,8 +89,9 @@ def subspace_sketch(a_rows: torch.Tensor, at_u: torch.Tensor, u_rows: torch.Tens
     return h
 
 
-def ritz_vectors(u_tilde: torch.Tensor, at_ut: torch.Tensor, U: torch.Tensor, Q_tilde: torch.Tensor | None,
-                 b3: float) -> torch.Tensor:
+def ritz_vectors(
+    u_tilde: torch.Tensor, at_ut: torch.Tensor, U: torch.Tensor, Q_tilde: torch.Tensor | None, b3: float
+) -> torch.Tensor:
     """Rayleigh-Ritz: the eigenvectors of ``Ut^T Q Ut = (1 - b3) (A^T Ut)^T (A^T Ut) + b3 C Q_tilde C^T`` (``C =
     Ut^T U``) mapped back by ``Ut``, by descending Ritz value (float64 eigh, fp32 result). Ritz values at fp32
     rounding level (``signal_directions`` of their square roots: a rank-deficient ``A``) leave their vectors to
@@ -141,8 +167,9 @@ def update_moments(M, V, p, Q_tilde, sigma, energy, betas: tuple[float, float, f
     torch._foreach_lerp_(p, energy, 1 - b1)
 
 
-def compensation_scale(p: torch.Tensor, energy: torch.Tensor, rows: int, r: int,
-                       eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def compensation_scale(
+    p: torch.Tensor, energy: torch.Tensor, rows: int, r: int, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``C = R diag(c)`` with ``c_j = sqrt(rows - r) / sqrt(p_j + eps)`` (0 where ``p_j = 0``; ``c = 0`` when
     ``r = rows``), and ``|C|`` from the residual column energies, so ``C`` is never formed."""
     if r < rows:
@@ -190,14 +217,22 @@ class AliceConfig(WholeMatrixConfig):
     alpha: float = pydantic.Field(0.3, ge=0, description="scale of the low-rank update")
     alpha_c: float = pydantic.Field(0.4, ge=0, description="scale of the compensation outside the subspace")
     betas: tuple[float, float, float] = pydantic.Field(
-        (0.9, 0.9, 0.999), description="b1 momentum, b2 second moment, b3 tracking (0 when tracking is off)")
+        (0.9, 0.9, 0.999), description="b1 momentum, b2 second moment, b3 tracking (0 when tracking is off)"
+    )
     rank: int = pydantic.Field(128, ge=1, description="r: subspace rank (clamped to min(m, n) with a warning)")
-    leading: int = pydantic.Field(40, ge=0, validate_default=True,  # checked against rank when defaulted too
-                                  description="l <= r: leading directions kept at a switch")
+    leading: int = pydantic.Field(
+        40,
+        ge=0,
+        validate_default=True,  # checked against rank when defaulted too
+        description="l <= r: leading directions kept at a switch",
+    )
     refresh_interval: int = pydantic.Field(200, ge=1, description="K: steps between subspace switches")
     gamma: float = pydantic.Field(1.01, ge=1, description="norm-growth limiter")
-    eps: float = pydantic.Field(1e-8, ge=0, description="added to sqrt(V) in the low-rank Adam step and to the "
-                                                        "column energy in the compensation")
+    eps: float = pydantic.Field(
+        1e-8,
+        ge=0,
+        description="added to sqrt(V) in the low-rank Adam step and to the column energy in the compensation",
+    )
     reproject: bool = pydantic.Field(True, description="rotate the tracking state into the new basis at a switch")
     seed: int = pydantic.Field(0, description="seed of the range finder's draws")
     oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")
@@ -244,25 +279,70 @@ class Alice(ShardedOptimizer):
 
     Config = AliceConfig
     matrix_treatments = ("alice",)
-    state_kinds = {**ShardedOptimizer.state_kinds, "U": "matrix", "Q_tilde": "matrix", "M": "matrix",
-                   "V": "matrix", "p": "matrix", "phi": "matrix", "switches": "matrix"}
-    state_key_renames = {"basis": "U", "tracking": "Q_tilde", "exp_avg_low": "M", "exp_avg_sq_low": "V",
-                         "col_energy": "p"}
+    state_kinds = {
+        **ShardedOptimizer.state_kinds,
+        "U": "matrix",
+        "Q_tilde": "matrix",
+        "M": "matrix",
+        "V": "matrix",
+        "p": "matrix",
+        "phi": "matrix",
+        "switches": "matrix",
+    }
+    state_key_renames = {
+        "basis": "U",
+        "tracking": "Q_tilde",
+        "exp_avg_low": "M",
+        "exp_avg_sq_low": "V",
+        "col_energy": "p",
+    }
     #: a switch: the SVD of the sketch ``H`` (its determined directions; the first switch: of the range finder's
     #: ``Y^T G``), the Rayleigh-Ritz ``eigh`` (``r x r``) and Alg. 2's complete QR for the complement
     refresh_factorizations = {"svd": 1, "eigh": 1, "qr": 1}
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, alpha: float = _D.alpha, alpha_c: float = _D.alpha_c,
-                 betas: tuple[float, float, float] = _D.betas, rank: int = _D.rank, leading: int = _D.leading,
-                 refresh_interval: int = _D.refresh_interval, gamma: float = _D.gamma, eps: float = _D.eps,
-                 reproject: bool = _D.reproject, seed: int = _D.seed, oversample: int = _D.oversample,
-                 power_iters: int = _D.power_iters, weight_decay: float = _D.weight_decay,
-                 **options: Unpack[CommonOptions]):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        alpha: float = _D.alpha,
+        alpha_c: float = _D.alpha_c,
+        betas: tuple[float, float, float] = _D.betas,
+        rank: int = _D.rank,
+        leading: int = _D.leading,
+        refresh_interval: int = _D.refresh_interval,
+        gamma: float = _D.gamma,
+        eps: float = _D.eps,
+        reproject: bool = _D.reproject,
+        seed: int = _D.seed,
+        oversample: int = _D.oversample,
+        power_iters: int = _D.power_iters,
+        weight_decay: float = _D.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
         """``tracking`` (an option; default: the class's, Alice True, Alice0 False) keeps the tracking state."""
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, alpha=alpha, alpha_c=alpha_c, betas=betas, rank=rank, leading=leading,
-            refresh_interval=refresh_interval, gamma=gamma, eps=eps, reproject=reproject, seed=seed,
-            oversample=oversample, power_iters=power_iters, weight_decay=weight_decay), options))
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(
+                    lr=lr,
+                    alpha=alpha,
+                    alpha_c=alpha_c,
+                    betas=betas,
+                    rank=rank,
+                    leading=leading,
+                    refresh_interval=refresh_interval,
+                    gamma=gamma,
+                    eps=eps,
+                    reproject=reproject,
+                    seed=seed,
+                    oversample=oversample,
+                    power_iters=power_iters,
+                    weight_decay=weight_decay,
+                ),
+                options,
+            ),
+        )
 
     whole_matrix_work = True
     _IDENTITY_CACHES = ShardedOptimizer._IDENTITY_CACHES + ("_alice_plans",)
@@ -280,21 +360,33 @@ class Alice(ShardedOptimizer):
         r = min(group["rank"], rows, cols)
         # a switch, spread over its interval: the sketch's SVD (rows x r), the Rayleigh-Ritz eigh (r x r) and
         # Alg. 2's complete QR (rows x rows from rows x r): three solver calls
-        switch = 4.0 * rows * r * r + 22.0 * r ** 3 + 10.0 * r ** 3 + 4.0 * rows * rows * r
+        switch = 4.0 * rows * r * r + 22.0 * r**3 + 10.0 * r**3 + 4.0 * rows * rows * r
         every = group["refresh_interval"]
         # per step, products of small matrices (``sigma sigma^T`` for the tracking, the moments): no factorization
-        return OpCost(row_flops=8.0 * rows * cols * r, small_matmul=4.0 * cols * r * r, small_flops=switch / every,
-                      small_calls=3.0 / every,
-                      reduced=r * cols + cols + 1,
-                      state=rows * r + 2 * r * cols + cols + (r * r if group["tracking"] else 0), row_state=rows * r,
-                      # a switch after the first: U assembled, A^T U, the sketch assembled, A^T U~ (rows or cols x r)
-                      refresh_reduced=2 * (rows + cols) * r, refresh_every=group["refresh_interval"])
+        return OpCost(
+            row_flops=8.0 * rows * cols * r,
+            small_matmul=4.0 * cols * r * r,
+            small_flops=switch / every,
+            small_calls=3.0 / every,
+            reduced=r * cols + cols + 1,
+            state=rows * r + 2 * r * cols + cols + (r * r if group["tracking"] else 0),
+            row_state=rows * r,
+            # a switch after the first: U assembled, A^T U, the sketch assembled, A^T U~ (rows or cols x r)
+            refresh_reduced=2 * (rows + cols) * r,
+            refresh_every=group["refresh_interval"],
+        )
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         rows, cols = a_shape
         r = min(group["rank"], rows, cols)
-        spec = {"U": ((rows, r), ROWS), "M": ((r, cols), 1), "V": ((r, cols), 1),
-                "p": ((cols,), 0), "phi": ((), None), "switches": ((), None)}
+        spec = {
+            "U": ((rows, r), ROWS),
+            "M": ((r, cols), 1),
+            "V": ((r, cols), 1),
+            "p": ((cols,), 0),
+            "phi": ((), None),
+            "switches": ((), None),
+        }
         if group["tracking"]:
             spec["Q_tilde"] = ((r, r), 1)
         return spec
@@ -317,7 +409,6 @@ class Alice(ShardedOptimizer):
         steps = self._step_counts(group["params"])  # taken back if the device skips this step
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))
-
 
     def _bucket_plan(self, group: dict, items: list, ops: MatrixOps) -> "_BucketPlan":
         """The static part of a bucket's step (cached: it depends on the row plans, strategies, which matrices
@@ -344,8 +435,9 @@ class Alice(ShardedOptimizer):
             sub = ops.subset(plan.remote)
             blocks.update(zip(plan.remote, (b[0] for b in sub.to_blocks([[items[i].grad] for i in plan.remote]))))
         interval = group["refresh_interval"]
-        switch = [i for i in plan.active if steps[id(items[i].tensor)] == 1
-                  or steps[id(items[i].tensor)] % interval == 0]
+        switch = [
+            i for i in plan.active if steps[id(items[i].tensor)] == 1 or steps[id(items[i].tensor)] % interval == 0
+        ]
         if switch:
             for i in switch:
                 if i not in blocks:
@@ -387,7 +479,7 @@ class Alice(ShardedOptimizer):
                 if s.distributed:
                     part = torch.stack([parts[i] for i in s.idx])
                     sigmas[k] = part[:, : s.r * s.cols].view(-1, s.r, s.cols)
-                    a_energy[k] = part[:, s.r * s.cols:]
+                    a_energy[k] = part[:, s.r * s.cols :]
 
         updates = self._stack_updates(group, plan, items, a_stacks, u_stacks, sigmas, a_energy) if plan.stacks else []
         pieces: list[torch.Tensor | None] = [None] * len(items)
@@ -412,14 +504,24 @@ class Alice(ShardedOptimizer):
         column rounded at ``u``, a factor-2 margin) for a matrix whose gradient arrived in bf16/fp16
         (``sharding.precision``); a float when the stack's matrices agree, else one per matrix."""
         fp32 = fp32_floor((s.rows, s.cols))
-        floors = [max(fp32, torch.finfo(d).eps) if d in LOW_PRECISION else fp32
-                  for d in (arrival_dtype(self, items[i].frag.name, items[i].tensor) for i in s.idx)]
+        floors = [
+            max(fp32, torch.finfo(d).eps) if d in LOW_PRECISION else fp32
+            for d in (arrival_dtype(self, items[i].frag.name, items[i].tensor) for i in s.idx)
+        ]
         if all(f == floors[0] for f in floors):
             return floors[0]
         return torch.tensor(floors, dtype=torch.float32, device=items[s.idx[0]].tensor.device)
 
-    def _stack_updates(self, group: dict, plan: "_BucketPlan", items: list, a_stacks: list, u_stacks: list,
-                       sigmas: list, a_energy: list) -> list[torch.Tensor]:
+    def _stack_updates(
+        self,
+        group: dict,
+        plan: "_BucketPlan",
+        items: list,
+        a_stacks: list,
+        u_stacks: list,
+        sigmas: list,
+        a_energy: list,
+    ) -> list[torch.Tensor]:
         """Statistics, compensation, limiter and the update of every stack (``plan.stacks``, not empty), with
         the new statistics written back into each matrix's state."""
         tracking = group["tracking"]
@@ -434,12 +536,18 @@ class Alice(ShardedOptimizer):
         floors = [self._noise_floor(s, items) for s in plan.stacks]
         for sigma, energy, floor in zip(sigmas, a_energy, floors):
             drop_noise_directions(sigma, energy, floor if isinstance(floor, float) else floor[:, None, None])
-        energies = [residual_energy(e, s, f if isinstance(f, float) else f[:, None])
-                    for e, s, f in zip(a_energy, sigmas, floors)]
+        energies = [
+            residual_energy(e, s, f if isinstance(f, float) else f[:, None])
+            for e, s, f in zip(a_energy, sigmas, floors)
+        ]
         if moved:
-            update_moments(*([cur[k][key] for k in moved] for key in ("M", "V", "p")),
-                           [cur[k]["Q_tilde"] for k in moved] if tracking else None,
-                           [sigmas[k] for k in moved], [energies[k] for k in moved], (b1, b2, b3))
+            update_moments(
+                *([cur[k][key] for k in moved] for key in ("M", "V", "p")),
+                [cur[k]["Q_tilde"] for k in moved] if tracking else None,
+                [sigmas[k] for k in moved],
+                [energies[k] for k in moved],
+                (b1, b2, b3),
+            )
             if gate is not None:  # a skipped step: back to the old statistics (a select: the new may overflow)
                 for k in moved:
                     for key in keys:
@@ -450,8 +558,12 @@ class Alice(ShardedOptimizer):
         cols: list[torch.Tensor | None] = [None] * len(plan.stacks)
         dst, src = [], []
         if comp:
-            scale, norm = zip(*(compensation_scale(cur[k]["p"], energies[k], plan.stacks[k].rows, plan.stacks[k].r,
-                                                   eps) for k in comp))
+            scale, norm = zip(
+                *(
+                    compensation_scale(cur[k]["p"], energies[k], plan.stacks[k].rows, plan.stacks[k].r, eps)
+                    for k in comp
+                )
+            )
             norm = torch.cat(norm)
             phi_old = torch.stack([st["phi"] for k in comp for st in states[k]])
             eta = norm_growth_eta(norm, phi_old, group["gamma"])
@@ -475,24 +587,38 @@ class Alice(ShardedOptimizer):
             if full:
                 torch._foreach_zero_(full)
 
-        return low_rank_step(a_stacks, u_stacks, sigmas, [c["M"] for c in cur], [c["V"] for c in cur], cols,
-                             alpha if gate is None else alpha * gate, eps)
+        return low_rank_step(
+            a_stacks,
+            u_stacks,
+            sigmas,
+            [c["M"] for c in cur],
+            [c["V"] for c in cur],
+            cols,
+            alpha if gate is None else alpha * gate,
+            eps,
+        )
 
-    def _switch(self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict,
-                group: dict) -> None:
+    def _switch(
+        self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict, group: dict
+    ) -> None:
         """New bases for the matrices in ``switch`` (Alg. 2 on the Rayleigh-Ritz subspace step of Alg. 10)."""
         b3 = group["betas"][2]
         first = [i for i in switch if int(items[i].state["switches"]) == 0]
         later = [i for i in switch if i not in first]
-        ritz = range_basis(ops, {i: blocks[i] for i in first}, ranks, group["seed"],
-                           {i: (items[i].frag.name, "init") for i in first}, group["oversample"],
-                           group["power_iters"])
+        ritz = range_basis(
+            ops,
+            {i: blocks[i] for i in first},
+            ranks,
+            group["seed"],
+            {i: (items[i].frag.name, "init") for i in first},
+            group["oversample"],
+            group["power_iters"],
+        )
         # the whole old bases: each rank holds its rows of a split one (ROWS), assembled only at a switch
         u_old = ops.assemble({i: items[i].state["U"] for i in later})
         qt = {i: items[i].state["Q_tilde"] if group["tracking"] else None for i in later}
         atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_old[i]) for i in later})
-        h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3)
-                  for i in later}
+        h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3) for i in later}
         sketches = ops.assemble(h_rows)
         # one batched SVD per shape; directions that rounding leaves undetermined (below determined_floor: the
         # complement drawn below depends on the whole span) are left out and completed from a seeded draw
@@ -511,16 +637,26 @@ class Alice(ShardedOptimizer):
             vectors = ritz_vectors(*stack, q, b3)
             keep = (vectors.square().sum(-2) > 0).to(torch.float64)  # the noise ones come back as zero columns
             rows, r = vectors.shape[-2:]
-            draws = torch.stack([fill_draw(rows, r, group["seed"], int(items[i].state["switches"]), vectors.device)
-                                 for i in idx])
+            draws = torch.stack(
+                [fill_draw(rows, r, group["seed"], int(items[i].state["switches"]), vectors.device) for i in idx]
+            )
             ritz.update(zip(idx, complete_basis(vectors, keep, draws).unbind(0)))
         new_bases: dict[int, torch.Tensor] = {}  # one complete QR per shape
         for idx in group_indices(switch, lambda i: (tuple(ritz[i].shape), lead[i])):
             rows, r = ritz[idx[0]].shape
             l = lead[idx[0]]
-            picks = torch.stack([seeded_permutation(rows - r, group["seed"], items[i].frag.name,
-                                                    int(items[i].state["switches"]))[: r - l] for i in idx]) \
-                if l < r else None
+            picks = (
+                torch.stack(
+                    [
+                        seeded_permutation(
+                            rows - r, group["seed"], items[i].frag.name, int(items[i].state["switches"])
+                        )[: r - l]
+                        for i in idx
+                    ]
+                )
+                if l < r
+                else None
+            )
             new_bases.update(zip(idx, switched_basis(torch.stack([ritz[i] for i in idx]), l, picks).unbind(0)))
         for i in switch:
             st = items[i].state
@@ -549,8 +685,9 @@ class _Stack:
     #: steps: the write-back of small matrices, where making the views costs more than copying, reuses them
     KEEP_ELEMENTS = 1 << 16
 
-    def __init__(self, idx: list[int], local: bool, n_plain: int, rows: int, cols: int, r: int, has_grad: bool,
-                 distributed: bool):
+    def __init__(
+        self, idx: list[int], local: bool, n_plain: int, rows: int, cols: int, r: int, has_grad: bool, distributed: bool
+    ):
         self.idx, self.local, self.n_plain = idx, local, n_plain  # local: the first n_plain have A = G, others G^T
         self.rows, self.cols, self.r, self.has_grad, self.distributed = rows, cols, r, has_grad, distributed
         self.kept: dict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = {}

@@ -16,6 +16,7 @@ inputs, and the update ``M_A P`` is row-local. Under the gather strategy an owne
 DASGO: ``v = b2 v + (1 - b2) colsum(G * G)``; ``W -= lr M / sqrt(v + eps)`` per column (state key ``v``): only
 the split columns' partial sums cross the network (the core primitives), no whole-matrix work.
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,15 +28,15 @@ import pydantic
 import torch
 
 from ..sharding import Round, collective_counter, masked_rsqrt
+from ..sharding.fragment import local_tensor as _local
 from ..sharding.iterative import count_fallbacks, inverse_sqrt_checked_rows, iterative_device, steps_to_converge
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
 from ..sharding.stacking import same_shape, stack
 from .base import ShardedOptimizer
-from .items import apply_items
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
-from ..sharding.fragment import local_tensor as _local
 from .grouped import _plan, grouped_step
+from .items import apply_items
 from .nonfinite import gated, skippable_lerp_
 from .transposed import line_sums, logical_2d, logical_axes
 
@@ -46,8 +47,16 @@ ASGO_PRESETS: dict[str, dict[str, Any]] = {
     # docs/algorithms/asgo.md: the paper's GPT-2 run: direct SVD/eigh, eps = 0 (pseudo-inverse), tau = 1
     "paper_gpt2": dict(lr=0.1, betas=(0.9, 0.95), eps=0.0, refresh_interval=1, root="eigh"),
     # the authors' released code: beta2 0.8, wd 0.1, coupled Newton-Schulz root, RMS-0.2 graft, tau = 1
-    "released_code": dict(lr=0.01, betas=(0.9, 0.8), eps=1e-10, refresh_interval=1, root="newton_schulz",
-                          ns_steps=10, update_rms=0.2, weight_decay=0.1),
+    "released_code": dict(
+        lr=0.01,
+        betas=(0.9, 0.8),
+        eps=1e-10,
+        refresh_interval=1,
+        root="newton_schulz",
+        ns_steps=10,
+        update_rms=0.2,
+        weight_decay=0.1,
+    ),
 }
 
 
@@ -59,19 +68,24 @@ class ASGOConfig(WholeMatrixConfig):
     config_only = ("preset",)
 
     preset: Literal["paper_gpt2", "released_code"] | None = pydantic.Field(
-        None, description="defaults of the paper's GPT-2 run or of the released code; explicit keys win")
+        None, description="defaults of the paper's GPT-2 run or of the released code; explicit keys win"
+    )
     lr: float = pydantic.Field(0.01, ge=0, description="matrix learning rate (AdamW's too unless adam_lr)")
     betas: tuple[float, float] = pydantic.Field((0.9, 0.95), description="momentum and statistic EMA betas")
     eps: float = pydantic.Field(1e-6, ge=0, description="damping inside the root: (V + eps I)^-1/2")
     refresh_interval: int = pydantic.Field(1, ge=1, description="tau: steps between root recomputations")
     side: Literal["auto", "left", "right"] = pydantic.Field(
-        "auto", description="the preconditioned side (auto: the smaller dimension; ties precondition the inputs)")
+        "auto", description="the preconditioned side (auto: the smaller dimension; ties precondition the inputs)"
+    )
     root: Literal["auto", "eigh", "newton_schulz"] = pydantic.Field(
-        "auto", description="auto: the eigh root, as batched float64 products with a residual check on CUDA "
-                            "(matfun.inverse_root); eigh: always the float64 eigendecomposition")
+        "auto",
+        description="auto: the eigh root, as batched float64 products with a residual check on CUDA "
+        "(matfun.inverse_root); eigh: always the float64 eigendecomposition",
+    )
     ns_steps: int = pydantic.Field(50, ge=1, le=200, description="coupled Newton-Schulz steps of the root")
     statistic: Literal["gradient", "momentum"] = pydantic.Field(
-        "gradient", description="V from the gradient (Alg. 2) or the momentum (the Muon-equivalent eq. 4)")
+        "gradient", description="V from the gradient (Alg. 2) or the momentum (the Muon-equivalent eq. 4)"
+    )
     update_rms: float | None = pydantic.Field(None, gt=0, description="graft the update to this RMS (code: 0.2)")
 
     @pydantic.model_validator(mode="before")
@@ -90,8 +104,10 @@ class ASGOConfig(WholeMatrixConfig):
     @classmethod
     def _pseudo_inverse_fresh(cls, v: int, info: pydantic.ValidationInfo) -> int:
         if info.data.get("eps") == 0 and v > 1:
-            raise ValueError("eps = 0 needs refresh_interval = 1 (a stale pseudo-inverse root amplifies new "
-                             "directions outside its range; docs/algorithms/asgo.md); set eps > 0")
+            raise ValueError(
+                "eps = 0 needs refresh_interval = 1 (a stale pseudo-inverse root amplifies new "
+                "directions outside its range; docs/algorithms/asgo.md); set eps > 0"
+            )
         return v
 
 
@@ -140,8 +156,14 @@ ROOT_STEPS_MODELED = steps_to_converge(1e-8)
 
 
 @functools.lru_cache(maxsize=1024)
-def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None = None, graft: bool = False,
-               iterative: bool = False, every: int = 1) -> OpCost:
+def _asgo_cost(
+    a_shape: tuple[int, int],
+    channels: int = 2,
+    ns_steps: int | None = None,
+    graft: bool = False,
+    iterative: bool = False,
+    every: int = 1,
+) -> OpCost:
     """``channels``: the gradient and the momentum go to the row blocks (the momentum alone with
     ``statistic="momentum"``). The root, every ``every`` steps (tau): a float64 eigendecomposition (about
     ``10 k^3``, one solver call) and the root's own product; on the iterative routes (``iterative``) the checked float64
@@ -153,14 +175,27 @@ def _asgo_cost(a_shape: tuple[int, int], channels: int = 2, ns_steps: int | None
     rows, k = a_shape
     tri = k * (k + 1) // 2
     if ns_steps is None and iterative:  # a team inside one node may split its products (issue 53)
-        small = dict(small_matmul=2.0 * k ** 3 * (3 * ROOT_STEPS_MODELED + 2) / every, split_k=k,
-                     split_steps=ROOT_STEPS_MODELED, split_residual=True, split_itemsize=8, split_every=every)
+        small = dict(
+            small_matmul=2.0 * k**3 * (3 * ROOT_STEPS_MODELED + 2) / every,
+            split_k=k,
+            split_steps=ROOT_STEPS_MODELED,
+            split_residual=True,
+            split_itemsize=8,
+            split_every=every,
+        )
     elif ns_steps is None:
-        small = dict(small_flops=10.0 * k ** 3 / every, small_matmul=2.0 * k ** 3 / every, small_calls=1.0 / every)
+        small = dict(small_flops=10.0 * k**3 / every, small_matmul=2.0 * k**3 / every, small_calls=1.0 / every)
     else:
-        small = dict(small_matmul=2.0 * k ** 3 * (3 * ns_steps) / every)
-    return OpCost(row_flops=4.0 * rows * k * k, reduced=tri, state=2.0 * k * k, shared=tri if ns_steps is None else k * k,
-                  channels=channels, rounds=2.0 if graft else 1.0, **small)
+        small = dict(small_matmul=2.0 * k**3 * (3 * ns_steps) / every)
+    return OpCost(
+        row_flops=4.0 * rows * k * k,
+        reduced=tri,
+        state=2.0 * k * k,
+        shared=tri if ns_steps is None else k * k,
+        channels=channels,
+        rounds=2.0 if graft else 1.0,
+        **small,
+    )
 
 
 #: blocks of ``A`` with at least this many elements are computed one by one, as views: there a kernel's launch
@@ -229,14 +264,40 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
     state_kinds = {**ShardedOptimizer.state_kinds, "V": "matrix", "P": "matrix"}
     state_key_renames = {"precond_stat": "V", "precond": "P"}
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, betas: tuple[float, float] = _D.betas,
-                 eps: float = _D.eps, refresh_interval: int = _D.refresh_interval, side: str = _D.side,
-                 root: str = _D.root, ns_steps: int = _D.ns_steps, statistic: str = _D.statistic,
-                 update_rms: float | None = _D.update_rms, weight_decay: float = _D.weight_decay,
-                 **options: Unpack[CommonOptions]):
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, betas=betas, eps=eps, refresh_interval=refresh_interval, side=side, root=root, ns_steps=ns_steps,
-            statistic=statistic, update_rms=update_rms, weight_decay=weight_decay), options))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        betas: tuple[float, float] = _D.betas,
+        eps: float = _D.eps,
+        refresh_interval: int = _D.refresh_interval,
+        side: str = _D.side,
+        root: str = _D.root,
+        ns_steps: int = _D.ns_steps,
+        statistic: str = _D.statistic,
+        update_rms: float | None = _D.update_rms,
+        weight_decay: float = _D.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(
+                    lr=lr,
+                    betas=betas,
+                    eps=eps,
+                    refresh_interval=refresh_interval,
+                    side=side,
+                    root=root,
+                    ns_steps=ns_steps,
+                    statistic=statistic,
+                    update_rms=update_rms,
+                    weight_decay=weight_decay,
+                ),
+                options,
+            ),
+        )
 
     whole_matrix_work = True
 
@@ -244,11 +305,14 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         return asgo_left(shape, group["side"])
 
     def whole_matrix_cost(self, group: dict, a_shape: tuple[int, int], parts: int = 1) -> OpCost:
-        return _asgo_cost(a_shape, 1 if group["statistic"] == "momentum" else 2,
-                          group["ns_steps"] if group["root"] == "newton_schulz" else None,
-                          group["update_rms"] is not None,
-                          group["root"] == "auto" and group["eps"] > 0 and self.iterative_routes(group),
-                          group["refresh_interval"])
+        return _asgo_cost(
+            a_shape,
+            1 if group["statistic"] == "momentum" else 2,
+            group["ns_steps"] if group["root"] == "newton_schulz" else None,
+            group["update_rms"] is not None,
+            group["root"] == "auto" and group["eps"] > 0 and self.iterative_routes(group),
+            group["refresh_interval"],
+        )
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         k = a_shape[1]
@@ -272,7 +336,8 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         small = _LOCAL_AND_SMALL.get(plan)
         if small is None:
             small = _LOCAL_AND_SMALL[plan] = bool(plan.layouts) and all(
-                lay.group is None and lay.shape[0] * lay.shape[1] < BATCH_NUMEL for lay in plan.layouts)
+                lay.group is None and lay.shape[0] * lay.shape[1] < BATCH_NUMEL for lay in plan.layouts
+            )
         return small
 
     def _asgo_local(self, group: dict, steps: dict[int, int] | None) -> None:
@@ -302,15 +367,28 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             lefts.append(left)
         owners = plan.owners
         refresh = self._refresh_rows(group, groups, steps, lambda i: plan.params[owners[i]])
-        products = self._asgo_groups(group, groups, stats, ms, states, has_grad, refresh, blocks.layouts,
-                                     lambda parts, symmetric=False: parts, lambda i: False)
-        flops = sum(len(idx) * (c.row_flops + c.small_flops + c.small_matmul)
-                    for idx, c in ((idx, self.whole_matrix_cost(group, tuple(a.shape[1:]))) for idx, a in zip(groups, stats)))
+        products = self._asgo_groups(
+            group,
+            groups,
+            stats,
+            ms,
+            states,
+            has_grad,
+            refresh,
+            blocks.layouts,
+            lambda parts, symmetric=False: parts,
+            lambda i: False,
+        )
+        flops = sum(
+            len(idx) * (c.row_flops + c.small_flops + c.small_matmul)
+            for idx, c in ((idx, self.whole_matrix_cost(group, tuple(a.shape[1:]))) for idx, a in zip(groups, stats))
+        )
         collective_counter.add_flops("local", flops)  # MatrixOps.account of the local strategy
         step.apply([u.mT if left else u for u, left in zip(products, lefts)], group["lr"], group["weight_decay"])
 
-    def _refresh_rows(self, group: dict, groups: list[list[int]], steps: dict[int, int] | None,
-                      tensor_of) -> list[list[int]]:
+    def _refresh_rows(
+        self, group: dict, groups: list[list[int]], steps: dict[int, int] | None, tensor_of
+    ) -> list[list[int]]:
         """Per group, the positions of the matrices whose root is recomputed this step (every ``tau`` steps)."""
         if steps is None:
             return [list(range(len(idx))) for idx in groups]
@@ -328,24 +406,49 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         for i in range(len(items)):
             if ops.active(i):
                 a = blocks[i][0]
-                key = (tuple(a.shape), a.dtype, None if rms is None else math.prod(items[i].layout.shape),
-                       i if a.numel() >= BATCH_NUMEL else None)  # large blocks: one by one
+                key = (
+                    tuple(a.shape),
+                    a.dtype,
+                    None if rms is None else math.prod(items[i].layout.shape),
+                    i if a.numel() >= BATCH_NUMEL else None,
+                )  # large blocks: one by one
                 shapes.setdefault(key, []).append(i)
         groups = list(shapes.values())
         stats = [stack([blocks[i][0] for i in idx]) for idx in groups]
         ms = stats if from_momentum else [stack([blocks[i][-1] for i in idx]) for idx in groups]
         refresh = self._refresh_rows(group, groups, steps, lambda i: items[i].tensor)
-        products = self._asgo_groups(group, groups, stats, ms, [it.state for it in items],
-                                     [it.has_grad for it in items], refresh, [it.layout for it in items],
-                                     ops.allreduce, ops.split, ops.compute_once)
+        products = self._asgo_groups(
+            group,
+            groups,
+            stats,
+            ms,
+            [it.state for it in items],
+            [it.has_grad for it in items],
+            refresh,
+            [it.layout for it in items],
+            ops.allreduce,
+            ops.split,
+            ops.compute_once,
+        )
         updates = {i: u for idx, p in zip(groups, products) for i, u in zip(idx, p.unbind(0))}
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
         apply_items(items, pieces, group["lr"], group["weight_decay"])
 
-    def _asgo_groups(self, group: dict, groups: list[list[int]], stats: list[torch.Tensor], ms: list[torch.Tensor],
-                     states: list[dict], has_grad: list[bool], refresh: list[list[int]], layouts: list,
-                     allreduce, distributed, compute_once=None) -> list[torch.Tensor]:
+    def _asgo_groups(
+        self,
+        group: dict,
+        groups: list[list[int]],
+        stats: list[torch.Tensor],
+        ms: list[torch.Tensor],
+        states: list[dict],
+        has_grad: list[bool],
+        refresh: list[list[int]],
+        layouts: list,
+        allreduce,
+        distributed,
+        compute_once=None,
+    ) -> list[torch.Tensor]:
         """The updates ``M_A P`` of blocks of ``A`` grouped by shape: ``stats[g]`` and ``ms[g]`` are ``(B, rows,
         k)`` stacks of the statistic's and the momentum's blocks of the matrices ``groups[g]`` (indices into
         ``states``, ``has_grad``, ``layouts``). Per group one Gram kernel, one state EMA, one product; the roots
@@ -359,8 +462,10 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         spread = {i: g[j] for idx, g in zip(groups, grams) for j, i in enumerate(idx) if distributed(i)}
         if spread:  # the partial Grams of distributed matrices, completed in one all-reduce per process group
             reduced = allreduce(spread, symmetric=True)
-            grams = [torch.stack([reduced[i] for i in idx]) if any(i in reduced for i in idx) else g
-                     for idx, g in zip(groups, grams)]
+            grams = [
+                torch.stack([reduced[i] for i in idx]) if any(i in reduced for i in idx) else g
+                for idx, g in zip(groups, grams)
+            ]
         vstacks = []
         for idx, g in zip(groups, grams):
             vs = [states[i]["V"] for i in idx]
@@ -392,14 +497,22 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                 p = stack(ps)
             products.append((m[0] @ ps[0]).unsqueeze(0) if len(idx) == 1 else m @ p)
         if rms is not None:  # graft_to_rms: the squared norms of the whole matrices, all in one all-reduce
-            norms = allreduce({i: n.reshape(1) for idx, u in zip(groups, products) for i, n in zip(
-                idx, [(u[0] * u[0]).sum()] if len(idx) == 1 else (u * u).sum((1, 2)).unbind(0))})
-            products = [graft_to_rms(u, torch.cat([norms[i] for i in idx])[:, None, None], rms,
-                                     layouts[idx[0]].shape) for idx, u in zip(groups, products)]
+            norms = allreduce(
+                {
+                    i: n.reshape(1)
+                    for idx, u in zip(groups, products)
+                    for i, n in zip(idx, [(u[0] * u[0]).sum()] if len(idx) == 1 else (u * u).sum((1, 2)).unbind(0))
+                }
+            )
+            products = [
+                graft_to_rms(u, torch.cat([norms[i] for i in idx])[:, None, None], rms, layouts[idx[0]].shape)
+                for idx, u in zip(groups, products)
+            ]
         return products
 
-    def _roots_once(self, group: dict, groups: list[list[int]], vstacks: list[torch.Tensor],
-                    refresh: list[list[int]], compute_once) -> list[torch.Tensor | None]:
+    def _roots_once(
+        self, group: dict, groups: list[list[int]], vstacks: list[torch.Tensor], refresh: list[list[int]], compute_once
+    ) -> list[torch.Tensor | None]:
         """``_roots`` with each root computed on one rank (``compute_once``): a distributed matrix's by its
         factorization owner, shared by one all-reduce; the others' (owned, local) here, batched as before."""
         where = {idx[j]: (g, j) for g, (idx, rows) in enumerate(zip(groups, refresh)) for j in rows}
@@ -416,8 +529,12 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                     out[i] = r
             return out
 
-        done = compute_once({i: vstacks[g][j] for i, (g, j) in where.items()}, compute,
-                            symmetric=group["root"] != "newton_schulz", split=split)
+        done = compute_once(
+            {i: vstacks[g][j] for i, (g, j) in where.items()},
+            compute,
+            symmetric=group["root"] != "newton_schulz",
+            split=split,
+        )
         return [torch.stack([done[idx[j]] for j in rows]) if rows else None for idx, rows in zip(groups, refresh)]
 
     @staticmethod
@@ -431,8 +548,9 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         out: list[torch.Tensor | None] = [None] * len(vstacks)
         for gs in by_k.values():
             parts = [vstacks[g] if len(refresh[g]) == len(vstacks[g]) else vstacks[g][refresh[g]] for g in gs]
-            res = inverse_root(parts[0] if len(parts) == 1 else torch.cat(parts), group["eps"], group["root"],
-                               group["ns_steps"])
+            res = inverse_root(
+                parts[0] if len(parts) == 1 else torch.cat(parts), group["eps"], group["root"], group["ns_steps"]
+            )
             for g, r in zip(gs, res.split([len(p) for p in parts])):
                 out[g] = r
         return out
@@ -464,10 +582,21 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
     state_kinds = {**ShardedOptimizer.state_kinds, "v": "cols"}
     state_key_renames = {"col_stat": "v"}
 
-    def __init__(self, params: Iterable[Any], lr: float = _DD.lr, betas: tuple[float, float] = _DD.betas,
-                 eps: float = _DD.eps, weight_decay: float = _DD.weight_decay, **options: Unpack[CommonOptions]):
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), options))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _DD.lr,
+        betas: tuple[float, float] = _DD.betas,
+        eps: float = _DD.eps,
+        weight_decay: float = _DD.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay), options
+            ),
+        )
 
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return logical_2d(shape, group)[1] if group.get("treatment", "adamw") != "adamw" else 0
@@ -510,7 +639,9 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
                 torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
                 v = torch.cat(vs)
         moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
-        momentum = [blocks.block_views(moms, g, persistent="state") for g in blocks.groups]  # the momentum's blocks, not a copy
+        momentum = [
+            blocks.block_views(moms, g, persistent="state") for g in blocks.groups
+        ]  # the momentum's blocks, not a copy
         col_scale = masked_rsqrt(v + group["eps"], out=blocks.line_buffer("col_scale", cols))
         if gate is not None:
             col_scale.mul_(gate)  # a skipped step adds 0 x (finite) momentum

@@ -10,6 +10,7 @@ The engine boundary is ``use_layouts``: an engine adapter (``shardopt.plugin``) 
 resolver for tensors that are one parameter each and the fragments of its flat partitions; nothing here
 imports an engine. Per-matrix state is found by fragment name through ``matrix_state`` alone.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -23,19 +24,27 @@ from typing import Any, Callable, Iterable, Iterator, Sequence
 import torch
 
 from ..sharding.batched import BATCHED_NDIM, split_flat
+from ..sharding.comm import Round, collective_counter
 from ..sharding.discover import align_grads, batched_fragments, global_shape, layout_of, shard_mesh
 from ..sharding.fragment import Fragment, local_flat, local_tensor
 from ..sharding.iterative import iterative_device
 from ..sharding.layout import MatrixLayout
-from ..sharding.comm import Round, collective_counter
 from ..sharding.matrix_ops import BUCKET_ELEMENTS, STRATEGIES, MatrixOps, OpCost
-from ..sharding.precision import PRECISIONS, resolve_precision
-from ..sharding.time_model import resolve_profile
 from ..sharding.plan import check_same_plan
+from ..sharding.precision import PRECISIONS, resolve_precision
+from ..sharding.state_split import (
+    Placement,
+    StateSpec,
+    dtensors_to_shares,
+    keep_share,
+    share_numel,
+    share_shape,
+    shares_to_dtensors,
+)
 from ..sharding.teams import create_team_groups
-from ..sharding.state_split import (Placement, StateSpec, dtensors_to_shares, keep_share, share_numel, share_shape,
-                                   shares_to_dtensors)
+from ..sharding.time_model import resolve_profile
 from .adamw import adamw_gates_on_device, adamw_group_step
+from .build_log import log_build
 from .checks import check_hyperparameters
 from .config import OptimizerConfig
 from .contiguous import contiguous_steps
@@ -43,9 +52,16 @@ from .groups import normalize_param_groups
 from .hooks import apply_param_sources, run_pre_step_checks, run_zero_grad_hooks
 from .items import MatrixItem, apply_items
 from .nonfinite import end_gate, gate_step, nonfinite_grads, settle_device_skip
-from .build_log import log_build
-from .routing import (TRANSPOSE_SYMMETRIC, RoutingError, describe_row, format_table, logical_dim, logical_shape,
-                      role_of, role_source)
+from .routing import (
+    TRANSPOSE_SYMMETRIC,
+    RoutingError,
+    describe_row,
+    format_table,
+    logical_dim,
+    logical_shape,
+    role_of,
+    role_source,
+)
 from .transposed import TRANSPOSED, is_transposed
 from .whole_matrix import run_buckets
 
@@ -127,9 +143,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="torch")
     #: group options by parameter role for groups given without a ``treatment`` (``model.named_parameters()``
     #: or a flat list; create_optimizer's routing): no ``treatment`` means the default matrix rule
-    role_table: dict[str, dict] = {"matrix": {}, "embedding": {"treatment": "adamw"},
-                                   "lm_head": {"treatment": "adamw"}, "router": {"treatment": "adamw"},
-                                   "vector": {"treatment": "adamw"}}
+    role_table: dict[str, dict] = {
+        "matrix": {},
+        "embedding": {"treatment": "adamw"},
+        "lm_head": {"treatment": "adamw"},
+        "router": {"treatment": "adamw"},
+        "vector": {"treatment": "adamw"},
+    }
     #: the hyperparameter model (defaults, ranges, docs, roles); each algorithm module defines its own
     Config: type[OptimizerConfig] = OptimizerConfig
 
@@ -150,9 +170,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.role_table = config.roles()
         ShardedOptimizer.__init__(self, params, config.group_defaults(), **config.engine_options())
 
-    def __init__(self, params: Iterable[Any], defaults: dict[str, Any], adam_lr: float | None = None,
-                 on_nonfinite: str = "skip", debug_plan: bool | None = None, matrix_ops: dict | None = None,
-                 **adam):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        defaults: dict[str, Any],
+        adam_lr: float | None = None,
+        on_nonfinite: str = "skip",
+        debug_plan: bool | None = None,
+        matrix_ops: dict | None = None,
+        **adam,
+    ):
         if on_nonfinite not in ("skip", "raise", "ignore"):
             raise ValueError(f"on_nonfinite must be 'skip', 'raise' or 'ignore', got {on_nonfinite!r}")
         check_hyperparameters(defaults, f"{type(self).__name__} defaults")
@@ -173,12 +200,14 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: parameter names of each group as built (engines may later replace group tensors by flat partitions)
         self.group_param_names: list[list[str]] = [[names.get(id(p), "") for p in g["params"]] for g in groups]
         #: their logical shapes, as built (which 3-D parameters are batches of matrices, after an engine flattened them)
-        self.group_param_shapes: list[list[tuple[int, ...]]] = [[_logical_shape(p) for p in g["params"]]
-                                                                for g in groups]
+        self.group_param_shapes: list[list[tuple[int, ...]]] = [
+            [_logical_shape(p) for p in g["params"]] for g in groups
+        ]
         #: the role that chose each one's rule and where it came from (``routing.ROLE_SOURCES``), as built: the
         #: table (``describe``) lists logical parameters also while the engine steps flat partitions
-        self.group_param_roles: list[list[tuple[str, str]]] = [[(role_of(p), role_source(p)) for p in g["params"]]
-                                                               for g in groups]
+        self.group_param_roles: list[list[tuple[str, str]]] = [
+            [(role_of(p), role_source(p)) for p in g["params"]] for g in groups
+        ]
         self._fragments: dict[int, list[Fragment]] = {}
         self._attached: dict[int, torch.Tensor] = {}
         self._layout_resolver: LayoutResolver = layout_of
@@ -193,7 +222,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: ranks per team under strategy="team" (None: per matrix, the size the time model finds fastest)
         self.matrix_team_size = (matrix_ops or {}).get("team_size")
         #: bound on one bucket's whole-matrix transients (gathered state, reduced sums, owners' whole matrices)
-        self.matrix_bucket_elements = float((matrix_ops or {}).get("bucket_mb", BUCKET_ELEMENTS * 4 / 2**20)) * 2**20 / 4
+        self.matrix_bucket_elements = (
+            float((matrix_ops or {}).get("bucket_mb", BUCKET_ELEMENTS * 4 / 2**20)) * 2**20 / 4
+        )
         if self.matrix_strategy not in STRATEGIES:
             raise ValueError(f"matrix_ops.strategy must be one of {STRATEGIES}, got {self.matrix_strategy!r}")
         #: the time model's hardware profile and the auto strategy's memory budget (shardopt.sharding.time_model)
@@ -221,9 +252,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _role_options(self, role: str) -> dict:
         if role not in self.role_table:  # a table of its own (a subclass's) without matrix_transposed
             if role != "matrix_transposed" or self.matrix_treatments[0] not in TRANSPOSE_SYMMETRIC:
-                raise RoutingError(f"{type(self).__name__} has no rule for role {role!r} (a weight stored in x out) "
-                                   "in its role_table; give it a 'matrix_transposed' entry (optim.transposed), or "
-                                   "route such weights explicitly, e.g. to 'adamw'")
+                raise RoutingError(
+                    f"{type(self).__name__} has no rule for role {role!r} (a weight stored in x out) "
+                    "in its role_table; give it a 'matrix_transposed' entry (optim.transposed), or "
+                    "route such weights explicitly, e.g. to 'adamw'"
+                )
             options = {**self.role_table["matrix"], TRANSPOSED: True}  # it orients by shape (optim.transposed)
             return {"treatment": self.matrix_treatments[0], **options}
         options = dict(self.role_table[role])
@@ -239,9 +272,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             if p.is_complex():
                 name = names.get(id(p), "<unnamed>")
-                raise ValueError(f"parameter {name!r} is complex ({p.dtype}); {type(self).__name__} steps real "
-                                 f"tensors (its {group['treatment']!r} rule included): optimize "
-                                 "torch.view_as_real(p) instead")
+                raise ValueError(
+                    f"parameter {name!r} is complex ({p.dtype}); {type(self).__name__} steps real "
+                    f"tensors (its {group['treatment']!r} rule included): optimize "
+                    "torch.view_as_real(p) instead"
+                )
         t = group["treatment"]
         if t == "adamw":
             for k, v in self._adam_group_defaults.items():
@@ -272,8 +307,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if not isinstance(param_group, dict):
             raise TypeError(f"param_group must be a dict, but got {torch.typename(param_group)}")
         start = sum(len(n) for n in self.group_param_names)
-        groups, names = normalize_param_groups([param_group], self._role_options, type(self).__name__, start=start,
-                                               stacklevel=2)
+        groups, names = normalize_param_groups(
+            [param_group], self._role_options, type(self).__name__, start=start, stacklevel=2
+        )
         for group in groups:
             self._resolve_treatment(group, {**self.param_names, **names})
             super().add_param_group(group)
@@ -294,10 +330,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def describe_rows(self) -> list[tuple[str, ...]]:
         """``describe``'s rows (``routing.describe_row``), in param-group order."""
         roles = self.__dict__.get("group_param_roles") or [[("?", "?")] * len(n) for n in self.group_param_names]
-        return [describe_row(name, shape, role, source, group)
-                for group, names, shapes, group_roles in zip(self._groups(), self.group_param_names,
-                                                             self.group_param_shapes, roles)
-                for name, shape, (role, source) in zip(names, shapes, group_roles)]
+        return [
+            describe_row(name, shape, role, source, group)
+            for group, names, shapes, group_roles in zip(
+                self._groups(), self.group_param_names, self.group_param_shapes, roles
+            )
+            for name, shape, (role, source) in zip(names, shapes, group_roles)
+        ]
 
     def describe_plan(self) -> str:
         """Every param group's whole-matrix plan (``MatrixOps.describe``): strategy, owner and modeled seconds
@@ -307,13 +346,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g in range(len(self._groups())):
             ops = self.matrix_plan(g)
             if ops is not None:
-                parts.append(f"param group {g} ({self._groups()[g].get('treatment')}, strategy "
-                             f"{self.matrix_strategy}):\n{ops.describe()}")
+                parts.append(
+                    f"param group {g} ({self._groups()[g].get('treatment')}, strategy "
+                    f"{self.matrix_strategy}):\n{ops.describe()}"
+                )
         return "\n\n".join(parts) or "no whole-matrix work"
 
     # ------------------------------------------------------------------ layouts (the engine boundary)
-    def use_layouts(self, resolver: LayoutResolver | None = None,
-                    flat: Iterable[tuple[torch.Tensor, Sequence[Fragment]]] = ()) -> None:
+    def use_layouts(
+        self, resolver: LayoutResolver | None = None, flat: Iterable[tuple[torch.Tensor, Sequence[Fragment]]] = ()
+    ) -> None:
         """What an engine tells the optimizer about the tensors it steps, in one call that replaces any earlier:
 
         ``resolver`` maps a stepped tensor that is one parameter to its ``MatrixLayout`` (default
@@ -326,8 +368,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self._attached.clear()
         batched = self._batched_names()
         for tensor, fragments in flat:
-            self._fragments[id(tensor)] = [m for f in fragments
-                                           for m in (split_flat(f) if f.name in batched else (f,))]
+            self._fragments[id(tensor)] = [m for f in fragments for m in (split_flat(f) if f.name in batched else (f,))]
             self._attached[id(tensor)] = tensor
         self._forget_plans()
 
@@ -354,8 +395,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            teams = [t for g in range(len(self._groups())) if (ops := self.matrix_plan(g)) is not None
-                     for t in ops.team_sets()]
+            teams = [
+                t
+                for g in range(len(self._groups()))
+                if (ops := self.matrix_plan(g)) is not None
+                for t in ops.team_sets()
+            ]
             create_team_groups(teams)
         self._team_groups_made = True
 
@@ -378,10 +423,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an
         optimizer that steps identically."""
         settle_device_skip(self)  # a device-decided skip is on the host before anything is copied
-        state = {k: v for k, v in self.__dict__.items()
-                 if not k.startswith("_optimizer_") and k != "_zero_grad_profile_name"}
-        tensors = {id(t): t for t in chain((p for g in self.param_groups for p in g["params"]),
-                                           self.__dict__.get("_attached", {}).values())}
+        state = {
+            k: v for k, v in self.__dict__.items() if not k.startswith("_optimizer_") and k != "_zero_grad_profile_name"
+        }
+        tensors = {
+            id(t): t
+            for t in chain(
+                (p for g in self.param_groups for p in g["params"]), self.__dict__.get("_attached", {}).values()
+            )
+        }
         for key in self._BY_TENSOR_ID:  # entries of tensors the optimizer does not hold cannot follow a copy
             if key in state:
                 state[key] = [(tensors[i], v) for i, v in state[key].items() if i in tensors]
@@ -420,15 +470,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups = self.param_groups
         saved_groups = copy.deepcopy(state_dict["param_groups"])
         if len(groups) != len(saved_groups):
-            raise ValueError(f"loaded state dict has a different number of parameter groups ({len(saved_groups)}, "
-                             f"this optimizer has {len(groups)}); build the optimizer with the same parameters "
-                             "and routing (named and unnamed parameters can route differently)")
+            raise ValueError(
+                f"loaded state dict has a different number of parameter groups ({len(saved_groups)}, "
+                f"this optimizer has {len(groups)}); build the optimizer with the same parameters "
+                "and routing (named and unnamed parameters can route differently)"
+            )
         for i, (g, saved) in enumerate(zip(groups, saved_groups)):
             if len(g["params"]) != len(saved["params"]):
-                raise ValueError("loaded state dict contains a parameter group that doesn't match the size of "
-                                 f"optimizer's group (group {i}: {len(saved['params'])} saved, {len(g['params'])} here)")
-        id_map = dict(zip(chain.from_iterable(g["params"] for g in saved_groups),
-                          chain.from_iterable(g["params"] for g in groups)))
+                raise ValueError(
+                    "loaded state dict contains a parameter group that doesn't match the size of "
+                    f"optimizer's group (group {i}: {len(saved['params'])} saved, {len(g['params'])} here)"
+                )
+        id_map = dict(
+            zip(
+                chain.from_iterable(g["params"] for g in saved_groups), chain.from_iterable(g["params"] for g in groups)
+            )
+        )
         state_dict = self._local_state_entries(state_dict, id_map)  # small-state shares as this rank keeps them
         state: defaultdict[Any, Any] = defaultdict(dict)
         for k, v in state_dict["state"].items():
@@ -594,8 +651,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # next to its tensor-level entries (element-wise moments, ``step``). Checkpoints of either engine use this.
     MATRICES = "matrices"
 
-    def matrix_state(self, p: torch.Tensor, frag: Fragment, entries: dict | None = None,
-                     create: bool = True) -> dict | None:
+    def matrix_state(
+        self, p: torch.Tensor, frag: Fragment, entries: dict | None = None, create: bool = True
+    ) -> dict | None:
         """Matrix ``frag``'s state inside ``entries`` (default ``self.state[p]``); None if ``create`` is false
         and a flat partition holds none for it yet."""
         st = self.state[p] if entries is None else entries
@@ -622,7 +680,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             new[self.MATRICES] = {n: dict(m) for n, m in (entries.get(self.MATRICES) or {}).items()}
         return new
 
-    def _matrix_items(self, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> list[MatrixItem]:
+    def _matrix_items(
+        self, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    ) -> list[MatrixItem]:
         """Every matrix of ``group`` with its fp32 local gradient (zeros when missing; all ranks list the same
         matrices in the same order, so collectives match even with empty shards or missing grads)."""
         items = []
@@ -834,8 +894,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for p in self.stepped_tensors():
             for frag in self.fragments(p):
                 g = owner.get(frag.name, owner.get(frag.param))
-                if g is not None and g < len(groups) and \
-                        (all_groups or groups[g].get("treatment", "adamw") != "adamw"):
+                if g is not None and g < len(groups) and (all_groups or groups[g].get("treatment", "adamw") != "adamw"):
                     out.setdefault(g, []).append(frag)
         return out
 
@@ -849,10 +908,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
         ops = None
         if self.whole_matrix_work and group.get("treatment", "adamw") in self.matrix_treatments and frags:
             transposes = [self.a_transpose(group, f.layout.shape) for f in frags]
-            ops = MatrixOps([f.layout for f in frags], [f.name for f in frags], transposes, self.matrix_strategy,
-                            lambda a_shape, parts=1: self.whole_matrix_cost(group, a_shape, parts),
-                            resolve_profile(self.matrix_profile, self._device_type(group)),
-                            self.matrix_memory_budget_mib, self.matrix_team_size)
+            ops = MatrixOps(
+                [f.layout for f in frags],
+                [f.name for f in frags],
+                transposes,
+                self.matrix_strategy,
+                lambda a_shape, parts=1: self.whole_matrix_cost(group, a_shape, parts),
+                resolve_profile(self.matrix_profile, self._device_type(group)),
+                self.matrix_memory_budget_mib,
+                self.matrix_team_size,
+            )
             for f, kind, owner, plan, place in zip(frags, ops.kinds, ops.owners, ops.plans, ops.placements):
                 self._matrix_plans[f.name] = (g, plan.a_shape, place)
                 if kind in ("gather", "team"):  # a team's members compute identical 0-d state: one of them wins
@@ -911,7 +976,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 out["vectors"] += self.vector_state(group, lay.shape)
                 if f.name in index:
                     i = index[f.name]
-                    out["matrix"] += share_numel(ops.placements[i], self.matrix_state_spec(group, ops.plans[i].a_shape), r)
+                    out["matrix"] += share_numel(
+                        ops.placements[i], self.matrix_state_spec(group, ops.plans[i].a_shape), r
+                    )
         return out
 
     def planned_transient_elements(self, rank: int | None = None) -> float:
@@ -920,18 +987,22 @@ class ShardedOptimizer(torch.optim.Optimizer):
         plans = [self.matrix_plan(g) for g in range(len(self._groups()))]
         return max((ops.peak_transient(limit, rank) for ops in plans if ops is not None), default=0.0)
 
-    def _whole_here_items(self, group: dict, items: list["MatrixItem"]) -> tuple[list["MatrixItem"], list["MatrixItem"]]:
+    def _whole_here_items(
+        self, group: dict, items: list["MatrixItem"]
+    ) -> tuple[list["MatrixItem"], list["MatrixItem"]]:
         """``items`` as (held whole by this rank, shared with other ranks) by the group's plan
         (``MatrixOps.here``); the matrices another rank holds whole are in neither: nothing of them is here."""
         plan = self.matrix_plan(self._group_index(group))
         if plan is None or plan.all_here:
             return list(items), []
         by_name = {it.frag.name: it for it in items}
-        return tuple([by_name[plan.names[i]] for i in part if plan.names[i] in by_name]
-                     for part in plan.here_and_shared())
+        return tuple(
+            [by_name[plan.names[i]] for i in part if plan.names[i] in by_name] for part in plan.here_and_shared()
+        )
 
-    def _run_whole_matrix(self, group: dict, items: list["MatrixItem"],
-                          body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
+    def _run_whole_matrix(
+        self, group: dict, items: list["MatrixItem"], body: Callable[[list["MatrixItem"], MatrixOps], None]
+    ) -> None:
         """``_whole_matrix_buckets``, timed by ``whole_matrix_timing``."""
         with self.whole_matrix_timing():
             self._whole_matrix_buckets(group, items, body)
@@ -946,8 +1017,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
         finally:
             self.whole_matrix_cpu_s = getattr(self, "whole_matrix_cpu_s", 0.0) + time.thread_time() - t0
 
-    def _whole_matrix_buckets(self, group: dict, items: list["MatrixItem"],
-                              body: Callable[[list["MatrixItem"], MatrixOps], None]) -> None:
+    def _whole_matrix_buckets(
+        self, group: dict, items: list["MatrixItem"], body: Callable[[list["MatrixItem"], MatrixOps], None]
+    ) -> None:
         """``body(items, ops)`` bucket by bucket, with the buckets' split state gathered (``whole_matrix.run_buckets``)."""
         run_buckets(self, group, items, body)
 

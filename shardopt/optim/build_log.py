@@ -6,6 +6,7 @@ parameters each role and rule got, and every role that was guessed (name -> role
 ranks stay quiet (their tables differ only where a pipeline stage holds other parameters). A rebuild over the same
 tensors with the same rules (``shardopt.param_groups`` then the sharder's inner optimizer) is not logged again.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,7 +45,19 @@ def log_build(who: str, rows: Sequence[Sequence[str]], tensors: Sequence[torch.T
     counts = Counter(f"{role} -> {rule}" for role, rule in seen)
     guessed = {row[0]: row[2] for row in rows if row[3] == "guessed"}
     by_rule = ", ".join(f"{k}: {n}" for k, n in sorted(counts.items()))
-    guesses = ("; guessed roles (routing={pattern: role} changes one): "
-               + ", ".join(f"{n} -> {r}" for n, r in guessed.items())) if guessed else "; no role was guessed"
-    LOGGER.info("%s built over %d parameters; by role and rule: %s%s", who, len(rows), by_rule, guesses,
-                extra={"shardopt_roles": dict(counts), "shardopt_guessed": guessed})
+    guesses = (
+        (
+            "; guessed roles (routing={pattern: role} changes one): "
+            + ", ".join(f"{n} -> {r}" for n, r in guessed.items())
+        )
+        if guessed
+        else "; no role was guessed"
+    )
+    LOGGER.info(
+        "%s built over %d parameters; by role and rule: %s%s",
+        who,
+        len(rows),
+        by_rule,
+        guesses,
+        extra={"shardopt_roles": dict(counts), "shardopt_guessed": guessed},
+    )

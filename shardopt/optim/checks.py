@@ -1,4 +1,5 @@
 """torch.optim's checks of hyperparameter values, shared by the optimizer base and the config models."""
+
 from __future__ import annotations
 
 from typing import Any

@@ -8,6 +8,7 @@ model holds the defaults, the ranges, the docs and the role table (``roles``). T
 ZeroRedundancyOptimizer all validate through the same model. Errors are ``ConfigError`` (a ``ValueError``)
 whose message gives the full key path, e.g. ``shardopt.params.leading: 40 must be <= rank = 4 (got 40)``.
 """
+
 from __future__ import annotations
 
 from typing import Any, ClassVar, Literal, Mapping, TypedDict
@@ -19,8 +20,15 @@ from .checks import check_hyperparameters, check_lr
 from .routing import ConfigError
 from .transposed import TRANSPOSED
 
-__all__ = ["OptimizerConfig", "WholeMatrixConfig", "MatrixOpsConfig", "CommonOptions", "ConfigError",
-           "format_errors", "check_betas"]
+__all__ = [
+    "OptimizerConfig",
+    "WholeMatrixConfig",
+    "MatrixOpsConfig",
+    "CommonOptions",
+    "ConfigError",
+    "format_errors",
+    "check_betas",
+]
 
 
 class _Strict(pydantic.BaseModel):
@@ -57,37 +65,53 @@ class ProfileConfig(_Strict):
 
     base: Literal["gpu", "cpu"] = "gpu"
     matmul_tflops: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="fp32 products, TFLOP/s")
-    factor_tflops: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
-                                                 description="small factorizations (eigh, SVD, QR), TFLOP/s")
-    factor_latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
-                                                     description="per factorization call, us")
-    bandwidth_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
-                                                 description="collective bandwidth per rank, GB/s")
+    factor_tflops: float | None = pydantic.Field(
+        None, gt=0, allow_inf_nan=False, description="small factorizations (eigh, SVD, QR), TFLOP/s"
+    )
+    factor_latency_us: float | None = pydantic.Field(
+        None, gt=0, allow_inf_nan=False, description="per factorization call, us"
+    )
+    bandwidth_gbs: float | None = pydantic.Field(
+        None, gt=0, allow_inf_nan=False, description="collective bandwidth per rank, GB/s"
+    )
     latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="per collective round, us")
     memory_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False, description="device memory, GB/s")
-    ranks_per_node: int | None = pydantic.Field(None, ge=0, description="ranks per node (default: LOCAL_WORLD_SIZE, "
-                                                                        "else the base's; 0: one node)")
-    node_bandwidth_gbs: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
-                                                      description="collective bandwidth per rank inside a node, GB/s")
-    node_latency_us: float | None = pydantic.Field(None, gt=0, allow_inf_nan=False,
-                                                   description="per collective round inside a node, us")
+    ranks_per_node: int | None = pydantic.Field(
+        None, ge=0, description="ranks per node (default: LOCAL_WORLD_SIZE, else the base's; 0: one node)"
+    )
+    node_bandwidth_gbs: float | None = pydantic.Field(
+        None, gt=0, allow_inf_nan=False, description="collective bandwidth per rank inside a node, GB/s"
+    )
+    node_latency_us: float | None = pydantic.Field(
+        None, gt=0, allow_inf_nan=False, description="per collective round inside a node, us"
+    )
 
 
 class MatrixOpsConfig(_Strict):
     """How whole-matrix operations run on sharded matrices (shardopt.sharding.matrix_ops)."""
 
     strategy: Literal["auto", "gather", "distributed", "team"] = pydantic.Field(
-        "auto", description="gather to owner ranks, compute from row blocks with reduced small matrices, on "
-                            "teams of ranks, or pick per matrix by the time model")
+        "auto",
+        description="gather to owner ranks, compute from row blocks with reduced small matrices, on "
+        "teams of ranks, or pick per matrix by the time model",
+    )
     team_size: int | None = pydantic.Field(
-        None, ge=2, description="ranks per matrix under strategy 'team' (null: per matrix, the size the time "
-                                "model finds fastest)")
-    bucket_mb: float = pydantic.Field(128.0, gt=0, description="bound on one bucket's whole-matrix transients "
-                                                               "(gathered small state, reduced sums), MiB")
+        None,
+        ge=2,
+        description="ranks per matrix under strategy 'team' (null: per matrix, the size the time model finds fastest)",
+    )
+    bucket_mb: float = pydantic.Field(
+        128.0,
+        gt=0,
+        description="bound on one bucket's whole-matrix transients (gathered small state, reduced sums), MiB",
+    )
     profile: Any = pydantic.Field(
-        "auto", description="hardware profile that turns the auto strategy's FLOPs, bytes and rounds into seconds "
-                            "(shardopt.sharding.time_model): 'auto' (cpu for CPU parameters, else gpu), 'gpu', "
-                            "'cpu', or numbers (ProfileConfig)")
+        "auto",
+        description="hardware profile that turns the auto strategy's FLOPs, bytes and rounds into seconds "
+        "(shardopt.sharding.time_model): 'auto' (cpu for CPU parameters, else gpu), 'gpu', "
+        "'cpu', or numbers (ProfileConfig)",
+    )
+
     @pydantic.field_validator("profile", mode="before")
     @classmethod
     def _profile(cls, v: Any) -> Any:
@@ -103,19 +127,28 @@ class MatrixOpsConfig(_Strict):
         try:
             return ProfileConfig.model_validate(dict(v)).model_dump(exclude_none=True)
         except pydantic.ValidationError as err:
-            raise ValueError("; ".join(f"{'.'.join(str(x) for x in e['loc'])}: "
-                                       + ("unknown key" if e["type"] == "extra_forbidden" else e["msg"])
-                                       + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" else "")
-                                       for e in err.errors())) from None
+            raise ValueError(
+                "; ".join(
+                    f"{'.'.join(str(x) for x in e['loc'])}: "
+                    + ("unknown key" if e["type"] == "extra_forbidden" else e["msg"])
+                    + (f" (got {e['input']!r})" if e["type"] != "extra_forbidden" else "")
+                    for e in err.errors()
+                )
+            ) from None
 
     precision: Literal["auto", "ieee", "tf32", "bf16"] = pydantic.Field(
-        "auto", description="products of Newton-Schulz iterations: ieee (fp32), tf32 or bf16 (tensor cores; Muon "
-                            "only, the others keep ieee accuracy and refuse them), or auto: ieee on the CPU, bf16 "
-                            "for Muon on CUDA (shardopt.sharding.precision)")
+        "auto",
+        description="products of Newton-Schulz iterations: ieee (fp32), tf32 or bf16 (tensor cores; Muon "
+        "only, the others keep ieee accuracy and refuse them), or auto: ieee on the CPU, bf16 "
+        "for Muon on CUDA (shardopt.sharding.precision)",
+    )
     memory_budget_mib: float | None = pydantic.Field(
-        None, gt=0, allow_inf_nan=False,
+        None,
+        gt=0,
+        allow_inf_nan=False,
         description="MiB of whole-matrix small state a rank may keep under auto; default: 1.15 x its even share + "
-                    "the largest matrix it owns + 4 MiB")
+        "the largest matrix it owns + 4 MiB",
+    )
 
 
 class CommonOptions(TypedDict, total=False):
@@ -153,9 +186,11 @@ class OptimizerConfig(_Strict):
     adam_eps: float = pydantic.Field(1e-8, ge=0, description="AdamW eps for vectors")
     adam_weight_decay: float = pydantic.Field(0.0, ge=0, description="AdamW decoupled weight decay for vectors")
     on_nonfinite: Literal["skip", "raise", "ignore"] = pydantic.Field(
-        "skip", description="a step with inf/NaN gradients on any rank: skip it everywhere, raise, or no check")
+        "skip", description="a step with inf/NaN gradients on any rank: skip it everywhere, raise, or no check"
+    )
     debug_plan: bool | None = pydantic.Field(
-        None, description="check every step that all ranks hold the same plan (None: SHARDOPT_DEBUG_PLAN=1)")
+        None, description="check every step that all ranks hold the same plan (None: SHARDOPT_DEBUG_PLAN=1)"
+    )
 
     @pydantic.field_validator("adam_betas")
     @classmethod
@@ -182,11 +217,18 @@ class OptimizerConfig(_Strict):
             if key not in allowed:
                 raise TypeError(f"{who}.__init__() got an unexpected keyword argument {key!r}")
         given = {**arguments, **options}
-        check_hyperparameters({k: given.get(k) for k in ("lr", "weight_decay", "eps", "betas", "momentum")},
-                              f"{who} arguments")
-        check_hyperparameters({"lr": given.get("adam_lr"), "betas": given.get("adam_betas"),
-                               "eps": given.get("adam_eps"), "weight_decay": given.get("adam_weight_decay")},
-                              f"{who} AdamW arguments (adam_*)")
+        check_hyperparameters(
+            {k: given.get(k) for k in ("lr", "weight_decay", "eps", "betas", "momentum")}, f"{who} arguments"
+        )
+        check_hyperparameters(
+            {
+                "lr": given.get("adam_lr"),
+                "betas": given.get("adam_betas"),
+                "eps": given.get("adam_eps"),
+                "weight_decay": given.get("adam_weight_decay"),
+            },
+            f"{who} AdamW arguments (adam_*)",
+        )
         values = {renames.get(k, k): v for k, v in given.items()}
         tensor_lr = values.get("lr") if isinstance(values.get("lr"), torch.Tensor) else None
         if tensor_lr is not None:
@@ -210,21 +252,35 @@ class OptimizerConfig(_Strict):
         matrix rule, embedding, LM head and vectors AdamW; ``matrix_transposed`` (stored in x out: GPT-2's
         ``Conv1D``) the matrix rule on its logical out x in matrix (the group option ``transposed``,
         ``optim.transposed``)."""
-        return {"matrix": {"treatment": self.treatment},
-                "matrix_transposed": {"treatment": self.treatment, TRANSPOSED: True},
-                "embedding": {"treatment": "adamw"}, "lm_head": {"treatment": "adamw"},
-                "router": {"treatment": "adamw"}, "vector": {"treatment": "adamw"}}
+        return {
+            "matrix": {"treatment": self.treatment},
+            "matrix_transposed": {"treatment": self.treatment, TRANSPOSED: True},
+            "embedding": {"treatment": "adamw"},
+            "lm_head": {"treatment": "adamw"},
+            "router": {"treatment": "adamw"},
+            "vector": {"treatment": "adamw"},
+        }
 
     def adamw_group(self) -> dict[str, Any]:
         """The hyperparameters of an AdamW group, all explicit (wrappers that fill missing keys from their own
         defaults, like ZeroRedundancyOptimizer, would otherwise give them the matrix rule's)."""
-        return {"lr": self.adam_lr if self.adam_lr is not None else self.lr, "betas": tuple(self.adam_betas),
-                "eps": self.adam_eps, "weight_decay": self.adam_weight_decay}
+        return {
+            "lr": self.adam_lr if self.adam_lr is not None else self.lr,
+            "betas": tuple(self.adam_betas),
+            "eps": self.adam_eps,
+            "weight_decay": self.adam_weight_decay,
+        }
 
     def engine_options(self) -> dict[str, Any]:
         """What ``ShardedOptimizer.__init__`` takes besides the parameters and the group defaults."""
-        out = dict(adam_lr=self.adam_lr, betas=tuple(self.adam_betas), eps=self.adam_eps,
-                   weight_decay=self.adam_weight_decay, on_nonfinite=self.on_nonfinite, debug_plan=self.debug_plan)
+        out = dict(
+            adam_lr=self.adam_lr,
+            betas=tuple(self.adam_betas),
+            eps=self.adam_eps,
+            weight_decay=self.adam_weight_decay,
+            on_nonfinite=self.on_nonfinite,
+            debug_plan=self.debug_plan,
+        )
         if "matrix_ops" in type(self).model_fields:
             out["matrix_ops"] = self.matrix_ops.model_dump()
         return out
@@ -239,9 +295,10 @@ class OptimizerConfig(_Strict):
 class WholeMatrixConfig(OptimizerConfig):
     """Optimizers whose rule needs whole matrices (SWAN, ASGO, SUMO, Alice) also choose how those run."""
 
-    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=MatrixOpsConfig,
-                                                 description="how whole-matrix work meets sharding: strategy, "
-                                                             "teams, buckets, the time model's profile")
+    matrix_ops: MatrixOpsConfig = pydantic.Field(
+        default_factory=MatrixOpsConfig,
+        description="how whole-matrix work meets sharding: strategy, teams, buckets, the time model's profile",
+    )
     #: whether the rule has a low-precision route for ``matrix_ops.precision`` "tf32" / "bf16" (Muon's config says so)
     low_precision_routes: ClassVar[bool] = False
 
@@ -249,7 +306,9 @@ class WholeMatrixConfig(OptimizerConfig):
     def _precision_route(self) -> "WholeMatrixConfig":
         """tf32 / bf16 refused, by key, where the rule has no low-precision route (never ignored)."""
         if self.matrix_ops.precision in ("tf32", "bf16") and not type(self).low_precision_routes:
-            raise ValueError(f"matrix_ops.precision={self.matrix_ops.precision!r}: {type(self).treatment} has no "
-                             "low-precision route (its whole-matrix results keep the ieee route's accuracy); use "
-                             "'auto' or 'ieee' (shardopt.sharding.precision)")
+            raise ValueError(
+                f"matrix_ops.precision={self.matrix_ops.precision!r}: {type(self).treatment} has no "
+                "low-precision route (its whole-matrix results keep the ieee route's accuracy); use "
+                "'auto' or 'ieee' (shardopt.sharding.precision)"
+            )
         return self

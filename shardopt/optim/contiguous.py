@@ -6,6 +6,7 @@ tensor does not have. For the length of a step such a parameter's ``.data`` is s
 and the original view and gradient are restored. The update is the one the contiguous tensor gets, bit for
 bit, and the user's tensor keeps its strides, its storage and every alias of it.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -27,8 +28,11 @@ def contiguous_steps(params: Iterable[torch.Tensor]) -> Iterator[None]:
     swapped: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
     seen: set[int] = set()
     # the common case, every tensor contiguous, in one pass without per-tensor calls into this module
-    params = [p for p in params if not hasattr(p, "to_local") and (
-        not p.is_contiguous() or (p.grad is not None and not p.grad.is_contiguous()))]
+    params = [
+        p
+        for p in params
+        if not hasattr(p, "to_local") and (not p.is_contiguous() or (p.grad is not None and not p.grad.is_contiguous()))
+    ]
     for p in params:
         if id(p) in seen or not _plain(p):
             continue

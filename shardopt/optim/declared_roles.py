@@ -16,6 +16,7 @@ Libraries that build language models say which module embeds tokens and which pr
   a pipeline stage, which then states that it holds no head);
 - DeepSpeed ``PipelineModule``: the whole model's layer specs (``plugin.deepspeed_engine.pipeline_roles``).
 """
+
 from __future__ import annotations
 
 import re
@@ -30,7 +31,8 @@ __all__ = ["Declaration", "declared_roles", "HEAD_CLASS_PATTERN"]
 #: transformers task models whose output layer is a classifier (the head's treatment, docs/guides/roles.md)
 HEAD_CLASS_PATTERN = re.compile(
     r"For(Sequence|Token|Image|Audio|Video)Classification|ForQuestionAnswering|ForMultipleChoice|"
-    r"ForImageClassificationWithTeacher")
+    r"ForImageClassificationWithTeacher"
+)
 #: attributes of such models that hold the classifier
 _HEAD_ATTRS = ("score", "classifier", "qa_outputs", "cls_classifier")
 
@@ -41,6 +43,7 @@ class Declaration:
     ``heads``: ids of output-layer weights. ``others``: ids of other declared embedding tables (positions, token
     types). ``states_head``: the model said whether it holds a head (so no head is guessed, even where it holds
     none). ``who``: which statement was read (for messages)."""
+
     embeddings: set[int] = field(default_factory=set)
     heads: set[int] = field(default_factory=set)
     others: set[int] = field(default_factory=set)
@@ -56,6 +59,7 @@ def _weight(m: object) -> torch.Tensor | None:
 def _last_linear(m: nn.Module, dim_of: Callable[[torch.Tensor], int]) -> nn.Module | None:
     """``m`` itself if it holds a 2-D weight, else its last descendant that does (a classification head that is a
     small module: dense, activation, dropout, output projection)."""
+
     def is_matrix(c: nn.Module) -> bool:
         w = _weight(c)
         return w is not None and dim_of(w) == 2 and not isinstance(c, nn.Embedding)
@@ -121,7 +125,7 @@ def _torchtitan(model: nn.Module, out: Declaration, dim_of: Callable[[torch.Tens
     for m in model.modules():
         if not (hasattr(m, "tok_embeddings") and hasattr(m, "output")):
             continue
-        emb, head = getattr(m, "tok_embeddings"), getattr(m, "output")
+        emb, head = m.tok_embeddings, m.output
         if not (emb is None or isinstance(emb, nn.Module)) or not (head is None or isinstance(head, nn.Module)):
             continue
         if emb is not None and _weight(emb) is not None:

@@ -15,6 +15,7 @@ or engine of ``shardopt.deepspeed.initialize`` (ZeRO 0-3, pipelines), Megatron's
 ``Accelerator``, or the optimizer itself (DDP, FSDP2, FSDP1). Engines that step flat partitions still list every
 logical parameter, with the model's names and shapes: the same table as one process.
 """
+
 from __future__ import annotations
 
 import functools
@@ -70,9 +71,11 @@ def _pipeline_group(obj: Any) -> Any:
         return ps.get_pipeline_model_parallel_group() if ps.get_pipeline_model_parallel_world_size() > 1 else None
     if hasattr(obj, "zero_optimization_stage"):  # a DeepSpeed engine without pipeline: one stage
         return None
-    raise ValueError(f"shardopt.describe(all_stages=True) got {type(obj).__name__}, which does not say which pipeline "
-                     "stages exist; pass the engine shardopt.deepspeed.initialize returned (or, under Megatron, call "
-                     "it after Megatron's parallel state is initialized)")
+    raise ValueError(
+        f"shardopt.describe(all_stages=True) got {type(obj).__name__}, which does not say which pipeline "
+        "stages exist; pass the engine shardopt.deepspeed.initialize returned (or, under Megatron, call "
+        "it after Megatron's parallel state is initialized)"
+    )
 
 
 def _gather_stages(rows: list[tuple[str, ...]], group: Any) -> list[tuple[str, ...]]:
@@ -88,8 +91,14 @@ def _gather_stages(rows: list[tuple[str, ...]], group: Any) -> list[tuple[str, .
     return list(out.values())
 
 
-def describe(obj: Any, optimizer: str | None = None, routing: Mapping[str, str] | None = None, *,
-             all_stages: bool = False, **hyperparameters: Any) -> str:
+def describe(
+    obj: Any,
+    optimizer: str | None = None,
+    routing: Mapping[str, str] | None = None,
+    *,
+    all_stages: bool = False,
+    **hyperparameters: Any,
+) -> str:
     """The role table of the shardopt optimizer that ``obj`` is or holds (``find_optimizers``), as one process
     prints it; for a model without an optimizer (``obj`` an ``nn.Module`` and ``optimizer`` a name), the table
     ``create_optimizer(obj, optimizer, routing, **hyperparameters)`` would build (``describe_roles``).
@@ -99,16 +108,23 @@ def describe(obj: Any, optimizer: str | None = None, routing: Mapping[str, str] 
     stage by stage, on every rank: a collective, so call it on every rank of the stages' group."""
     if optimizer is not None:
         if not isinstance(obj, nn.Module):
-            raise TypeError(f"shardopt.describe(obj, {optimizer!r}): obj must be the model (an nn.Module) when an "
-                            f"optimizer name is given, got {type(obj).__name__}; pass the optimizer alone instead")
+            raise TypeError(
+                f"shardopt.describe(obj, {optimizer!r}): obj must be the model (an nn.Module) when an "
+                f"optimizer name is given, got {type(obj).__name__}; pass the optimizer alone instead"
+            )
         return describe_roles(obj, optimizer, routing, **hyperparameters)
     found = find_optimizers(obj)
     if not found:
-        hint = (" (the Trainer builds its optimizer in train(): call trainer.create_optimizer() first)"
-                if hasattr(obj, "create_optimizer") and getattr(obj, "optimizer", 0) is None else "")
-        raise TypeError(f"shardopt.describe: found no shardopt optimizer in {type(obj).__name__}{hint}; pass what "
-                        "a front door returned (the optimizer or the DeepSpeed engine), or a model with an optimizer "
-                        "name: shardopt.describe(model, 'scale')")
+        hint = (
+            " (the Trainer builds its optimizer in train(): call trainer.create_optimizer() first)"
+            if hasattr(obj, "create_optimizer") and getattr(obj, "optimizer", 0) is None
+            else ""
+        )
+        raise TypeError(
+            f"shardopt.describe: found no shardopt optimizer in {type(obj).__name__}{hint}; pass what "
+            "a front door returned (the optimizer or the DeepSpeed engine), or a model with an optimizer "
+            "name: shardopt.describe(model, 'scale')"
+        )
     rows = [row for opt in found for row in opt.describe_rows()]
     group = _pipeline_group(obj) if all_stages else None
     return format_table(_gather_stages(rows, group) if group is not None else rows)
@@ -127,11 +143,16 @@ def expose_describe(*holders: Any) -> None:
             holder.describe = functools.partial(describe, holder)
 
 
-def describe_roles(model: nn.Module, optimizer: str, routing: Mapping[str, str] | None = None,
-                   **hyperparameters: Any) -> str:
+def describe_roles(
+    model: nn.Module, optimizer: str, routing: Mapping[str, str] | None = None, **hyperparameters: Any
+) -> str:
     """The table for ``shardopt.create_optimizer(model, optimizer, routing, **hyperparameters)``, without
     building the optimizer (so also for a model on the meta device)."""
     cfg = validate_hyperparameters(optimizer, hyperparameters, where="describe_roles")
     defaults = cfg.group_defaults()  # what the optimizer's groups take from its defaults (SUMO's momentum)
-    return describe_groups([g if g["treatment"] == "adamw" else {**defaults, **g}
-                            for g in build_param_groups(model, optimizer, cfg, routing)])
+    return describe_groups(
+        [
+            g if g["treatment"] == "adamw" else {**defaults, **g}
+            for g in build_param_groups(model, optimizer, cfg, routing)
+        ]
+    )

@@ -11,14 +11,16 @@ flat pieces with partial head and tail rows), and every block is grouped by its 
 per-matrix remainder path. Only CPU blocks of at least ``CPU_BLOCK_LIMIT`` elements loop over the blocks of
 their group for weighted sums (the per-block kernel is faster there and the loop's overhead negligible).
 """
+
 from __future__ import annotations
 
 from typing import Callable
 
 import torch
 
-from ..sharding.fragment import Fragment, local_flat, local_tensor as _local
 from ..sharding.block_groups import BlockGroups, blocks_of
+from ..sharding.fragment import Fragment, local_flat
+from ..sharding.fragment import local_tensor as _local
 from .nonfinite import gated, zero_nonfinite
 
 __all__ = ["GroupedStep", "grouped_step"]
@@ -48,7 +50,8 @@ class _Plan:
         #: every tensor is one whole matrix of its own shape (one process, DDP): a matrix is its tensor
         self.whole_matrices = self.plain and all(
             len(fs) == 1 and tuple(p.shape) == fs[0].layout.shape and fs[0].layout.local_numel == p.numel()
-            for p, fs in zip(params, frags))
+            for p, fs in zip(params, frags)
+        )
 
 
 def _plan(opt, group: dict) -> _Plan:
@@ -137,8 +140,9 @@ class GroupedStep:
             return [x[k] for k in keep]
         return x[torch.tensor(keep, dtype=torch.int64, device=device)]
 
-    def apply(self, updates: list, lr: float | torch.Tensor, weight_decay: float = 0.0,
-              lr_in_updates: bool = False) -> None:
+    def apply(
+        self, updates: list, lr: float | torch.Tensor, weight_decay: float = 0.0, lr_in_updates: bool = False
+    ) -> None:
         """``W <- W (1 - lr wd) - lr U`` on every block (``MatrixItem.apply``); ``lr`` a float or one value per
         matrix (a vector over the matrices). ``lr_in_updates``: ``U`` already carries each matrix's ``lr`` (folded
         into a scale that made it), so only the decay uses ``lr`` and no scaled copy of ``U`` is written."""
@@ -165,8 +169,14 @@ class GroupedStep:
                     torch._foreach_mul_(views, self._decay(lr, weight_decay))
                 torch._foreach_add_(views, self._cast(blocks_of(u), views), alpha=-lr)
 
-    def apply_scaled(self, xs: list, lr: float, weight_decay: float = 0.0,
-                     row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None) -> None:
+    def apply_scaled(
+        self,
+        xs: list,
+        lr: float,
+        weight_decay: float = 0.0,
+        row_scale: torch.Tensor | None = None,
+        col_scale: torch.Tensor | None = None,
+    ) -> None:
         """``W <- W (1 - lr wd) - lr diag(row_scale) X diag(col_scale)`` (``MatrixItem.apply_scaled``): one fused
         multiply-add per block for fp32 parameters, without materializing the update."""
         dev = self.blocks.device
@@ -209,8 +219,12 @@ class GroupedStep:
     def _scales_whole_fp32(self, row_scale, col_scale) -> bool:
         """Whether ``apply_scaled`` can take each matrix's scale as a slice of the concatenated vector: every
         matrix a whole fp32 tensor with a gradient, one scale vector."""
-        return (self.plan.whole_matrices and self.all_have_grad and (row_scale is None) != (col_scale is None)
-                and all(p.dtype is torch.float32 for p in self.plan.params))
+        return (
+            self.plan.whole_matrices
+            and self.all_have_grad
+            and (row_scale is None) != (col_scale is None)
+            and all(p.dtype is torch.float32 for p in self.plan.params)
+        )
 
     def _apply_scaled_whole(self, xs: list, lr: float, weight_decay: float, row_scale, col_scale) -> None:
         """``apply_scaled`` for whole fp32 matrices: the scale of matrix ``i`` is its slice of the concatenated
@@ -240,6 +254,7 @@ class GroupedStep:
         step multiplies its update by 0, which an inf or NaN would survive. Stacks made for this step are cleaned
         in place, views of the gradients (a group of one block) as copies, so the user's gradients stay as they
         were. A pass over the gradients; it replaces the host's read of the flag (``nonfinite.gate_step``)."""
+
         def clean(x: torch.Tensor) -> torch.Tensor:
             return zero_nonfinite(x, in_place=x._base is None)  # in place: a stack made by stack() for this step
 
@@ -252,6 +267,8 @@ class GroupedStep:
         return [ub.to(v.dtype) for ub, v in zip(u, views)]
 
 
-def grouped_step(opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> GroupedStep:
+def grouped_step(
+    opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+) -> GroupedStep:
     """The matrices of ``group`` for one step, grouped (see the module docstring)."""
     return GroupedStep(opt, group, source)

@@ -6,15 +6,24 @@ routes: by role when its parameters are named (roles from names, ``routing.roles
 tensors to the matrix rule and everything else to AdamW (warning once that embedding and LM-head roles need
 names). Named groups keep torch's ``param_names`` key, so state dicts carry it as torch >= 2.5 does.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
 import torch
 
-from .routing import (module_role, module_role_source, name_sources, named_or_unnamed, record_role,
-                      roles_from_names, unnamed_roles,
-                      warn_unknown_batches, warn_unnamed_once)
+from .routing import (
+    module_role,
+    module_role_source,
+    name_sources,
+    named_or_unnamed,
+    record_role,
+    roles_from_names,
+    unnamed_roles,
+    warn_unknown_batches,
+    warn_unnamed_once,
+)
 
 __all__ = ["normalize_param_groups", "tensor_names"]
 
@@ -23,8 +32,10 @@ RoleOptions = Callable[[str], dict]
 
 def _as_groups(params: Any) -> list[dict]:
     if isinstance(params, torch.Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
-                        + torch.typename(params))
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+            + torch.typename(params)
+        )
     if isinstance(params, (set, frozenset)):
         named_or_unnamed(params)  # torch's TypeError for unordered parameters
     items = list(params)
@@ -38,8 +49,14 @@ def _as_groups(params: Any) -> list[dict]:
     return [dict(g) for g in items]
 
 
-def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], named: bool,
-                   role_options: RoleOptions, sources: list[str]) -> list[dict]:
+def _split_by_role(
+    group: dict,
+    tensors: list[torch.Tensor],
+    roles: list[str],
+    named: bool,
+    role_options: RoleOptions,
+    sources: list[str],
+) -> list[dict]:
     """One group per distinct role option set, in order of first appearance; the user's own group keys
     (``lr``, ``weight_decay``, ...) apply to every part."""
     user = {k: v for k, v in group.items() if k not in ("params", "param_names")}
@@ -47,9 +64,10 @@ def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], n
     parts: dict[tuple, dict] = {}
     for p, name, role, source in zip(tensors, names, roles, sources):
         options = role_options(role)
-        part = parts.setdefault(tuple(sorted(options.items(), key=lambda kv: kv[0])),
-                                {**options, **user, "params": [], **({"param_names": []} if named else {}),
-                                 "roles": []})
+        part = parts.setdefault(
+            tuple(sorted(options.items(), key=lambda kv: kv[0])),
+            {**options, **user, "params": [], **({"param_names": []} if named else {}), "roles": []},
+        )
         part["params"].append(p)
         record_role(p, role, source)  # for describe()
         if named:
@@ -59,8 +77,9 @@ def _split_by_role(group: dict, tensors: list[torch.Tensor], roles: list[str], n
     return list(parts.values())
 
 
-def tensor_names(group: dict, tensors: list[torch.Tensor], pair_names: list[str] | None,
-                 start: int) -> tuple[list[str] | None, list[str]]:
+def tensor_names(
+    group: dict, tensors: list[torch.Tensor], pair_names: list[str] | None, start: int
+) -> tuple[list[str] | None, list[str]]:
     """Every way a name reaches the optimizer, in one place: ``(torch's names for the group or None, a name
     for each tensor)``. First found wins: ``(name, tensor)`` pairs and a group's ``param_names`` (torch's own
     channels, kept as ``param_names``), then the ``names`` key that ``create_optimizer`` passes (shardopt's,
@@ -87,8 +106,9 @@ def tensor_names(group: dict, tensors: list[torch.Tensor], pair_names: list[str]
     return names, [chosen[i] if chosen and chosen[i] else f"param_{start + i}" for i in range(len(tensors))]
 
 
-def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptions, who: str,
-                           start: int = 0, stacklevel: int = 2) -> tuple[list[dict], dict[int, str]]:
+def normalize_param_groups(
+    params: Iterable[Any] | dict, role_options: RoleOptions, who: str, start: int = 0, stacklevel: int = 2
+) -> tuple[list[dict], dict[int, str]]:
     """Param groups with a ``treatment`` each, and a name for every tensor (keyed by ``id``).
 
     Names come from ``tensor_names``. ``role_options(role)`` gives the group options for a role (with
@@ -98,8 +118,7 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
     per_group = []
     position = start
     for g in groups:
-        tensors, pairs = named_or_unnamed(g["params"] if not isinstance(g["params"], torch.Tensor)
-                                          else [g["params"]])
+        tensors, pairs = named_or_unnamed(g["params"] if not isinstance(g["params"], torch.Tensor) else [g["params"]])
         names, each = tensor_names(g, tensors, pairs, position)
         position += len(tensors)
         per_group.append((tensors, names, each))
@@ -110,8 +129,12 @@ def normalize_param_groups(params: Iterable[Any] | dict, role_options: RoleOptio
         role = module_role(t)  # routing.declare_module_roles (shardopt.plugin.wrapped.names_from_trainer)
         if role is not None:
             roles_by_name[n], sources_by_name[n] = role, module_role_source(t) or "type"
-    routed = [(n, t) for g, (tensors, names, _) in zip(groups, per_group) if names and "treatment" not in g
-              for n, t in zip(names, tensors)]
+    routed = [
+        (n, t)
+        for g, (tensors, names, _) in zip(groups, per_group)
+        if names and "treatment" not in g
+        for n, t in zip(names, tensors)
+    ]
     warn_unknown_batches(routed, roles_by_name, {}, who, stacklevel=stacklevel + 1)
 
     out: list[dict] = []

@@ -30,14 +30,28 @@ Five registries, each a list of callables run in registration order:
 ``shardopt/__init__.py`` imports ``shardopt.plugin.wrapped``, which registers its three functions, so they are
 in place before any optimizer can be built (importing ``shardopt.optim.scale`` imports ``shardopt`` first).
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
 
-__all__ = ["pre_step_checks", "param_sources", "model_watchers", "model_inspectors", "register_pre_step_check",
-           "register_param_source", "register_model_watcher", "register_model_inspector", "run_pre_step_checks",
-           "apply_param_sources", "watch_model", "inspect_model", "zero_grad_hooks", "register_zero_grad_hook",
-           "run_zero_grad_hooks"]
+__all__ = [
+    "pre_step_checks",
+    "param_sources",
+    "model_watchers",
+    "model_inspectors",
+    "register_pre_step_check",
+    "register_param_source",
+    "register_model_watcher",
+    "register_model_inspector",
+    "run_pre_step_checks",
+    "apply_param_sources",
+    "watch_model",
+    "inspect_model",
+    "zero_grad_hooks",
+    "register_zero_grad_hook",
+    "run_zero_grad_hooks",
+]
 
 pre_step_checks: list[Callable[[Any], None]] = []
 param_sources: list[Callable[[Any, str], Any]] = []

@@ -1,6 +1,7 @@
 """The matrices of a step as items: a matrix's fragment, its stepped tensor, local gradient and state, and the
 update that writes a rule's result back into the rank's piece of it (one matrix, or many with foreach kernels).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -51,9 +52,14 @@ class MatrixItem:
         else:
             w.add_(update.to(w.dtype), alpha=-lr)
 
-
-    def apply_scaled(self, x: torch.Tensor, lr: float, weight_decay: float = 0.0,
-                     row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None) -> None:
+    def apply_scaled(
+        self,
+        x: torch.Tensor,
+        lr: float,
+        weight_decay: float = 0.0,
+        row_scale: torch.Tensor | None = None,
+        col_scale: torch.Tensor | None = None,
+    ) -> None:
         """``W <- W (1 - lr wd) - lr diag(row_scale) x diag(col_scale)`` without materializing the update: one
         fused multiply-add per block (a read of ``x`` and a read-write of ``W``) for fp32 parameters."""
         if not self.has_grad or self.frag.numel == 0:
@@ -66,15 +72,20 @@ class MatrixItem:
             w.mul_(1 - lr * weight_decay)
         for (b, xb), (_, wb) in zip(self.layout.views(x), self.layout.views(w)):
             if row_scale is not None:
-                wb.addcmul_(xb, row_scale[b.row: b.row + b.height, None], value=-lr)
+                wb.addcmul_(xb, row_scale[b.row : b.row + b.height, None], value=-lr)
             elif col_scale is not None:
-                wb.addcmul_(xb, col_scale[None, b.col: b.col + b.width], value=-lr)
+                wb.addcmul_(xb, col_scale[None, b.col : b.col + b.width], value=-lr)
             else:
                 wb.add_(xb, alpha=-lr)
 
 
-def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr: float | Sequence[float],
-                weight_decay: float = 0.0, gate: torch.Tensor | None = None) -> None:
+def apply_items(
+    items: Sequence[MatrixItem],
+    updates: Sequence[torch.Tensor],
+    lr: float | Sequence[float],
+    weight_decay: float = 0.0,
+    gate: torch.Tensor | None = None,
+) -> None:
     """``MatrixItem.apply`` for many matrices at once: ``W <- W (1 - lr wd) - lr U`` with ``torch._foreach_*``
     kernels, one call per distinct ``lr`` (a float, or one per item: e.g. a shape-dependent lr) instead of one
     per matrix. Items without a gradient or without local elements are skipped, as ``apply`` does. An update is
@@ -99,6 +110,7 @@ def apply_items(items: Sequence[MatrixItem], updates: Sequence[torch.Tensor], lr
             factor = 1 - r * weight_decay
             if gate is not None:
                 factor = gated(gate, factor, 1.0)
-            torch._foreach_mul_(views, torch.tensor(factor) if views[0].device.type == "cpu" and gate is None
-                                else factor)
+            torch._foreach_mul_(
+                views, torch.tensor(factor) if views[0].device.type == "cpu" and gate is None else factor
+            )
         torch._foreach_add_(views, ups, alpha=-r)

@@ -16,6 +16,7 @@ two foreach lerps, same-shape matrices (a tall one transposed, joining its wide 
 iteration, row blocks of one shape under ``distributed`` too, and the update is one foreach decay plus one
 foreach add per adjusted lr.
 """
+
 from __future__ import annotations
 
 import math
@@ -24,15 +25,15 @@ from typing import Any, Iterable, Literal, Unpack
 import pydantic
 import torch
 
-from ..sharding.matfun import MUON_COEFFICIENTS, muon_gram_products, newton_schulz, newton_schulz_iteration
-from ..sharding.precision import matmul_in
-from ..sharding.matrix_ops import MatrixOps, OpCost
-from ..sharding.stacking import group_indices, same_shape
 from ..sharding.fragment import local_tensor as _local
+from ..sharding.matfun import MUON_COEFFICIENTS, muon_gram_products, newton_schulz, newton_schulz_iteration
+from ..sharding.matrix_ops import MatrixOps, OpCost
+from ..sharding.precision import matmul_in
+from ..sharding.stacking import group_indices, same_shape
 from .base import ShardedOptimizer
+from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 from .items import MatrixItem
 from .nonfinite import gated, skippable_lerp_, zero_nonfinite
-from .config import CommonOptions, MatrixOpsConfig, WholeMatrixConfig
 from .transposed import logical_2d
 
 __all__ = ["Muon", "MuonConfig", "adjusted_lr"]
@@ -63,13 +64,17 @@ class MuonConfig(WholeMatrixConfig):
     ns_steps: int = pydantic.Field(5, ge=1, lt=100, description="quintic Newton-Schulz steps")
     eps: float = pydantic.Field(1e-7, gt=0, description="added to the Frobenius norm before Newton-Schulz")
     adjust_lr_fn: Literal["original", "match_rms_adamw"] | None = pydantic.Field(
-        None, description="torch.optim.Muon's lr adjustment by shape (None: 'original')")
+        None, description="torch.optim.Muon's lr adjustment by shape (None: 'original')"
+    )
     ns_dtype: Literal["auto", "float32", "bfloat16", "float64"] = pydantic.Field(
-        "auto", description="auto: from matrix_ops.precision (fp32 on the CPU, bf16 on CUDA, TF32 where asked); "
-                            "float32: exact across sharding; bfloat16: bitwise torch.optim.Muon")
-    matrix_ops: MatrixOpsConfig = pydantic.Field(default_factory=lambda: MatrixOpsConfig(strategy="gather"),
-                                                 description="how whole-matrix work meets sharding (default "
-                                                             "strategy here: gather)")
+        "auto",
+        description="auto: from matrix_ops.precision (fp32 on the CPU, bf16 on CUDA, TF32 where asked); "
+        "float32: exact across sharding; bfloat16: bitwise torch.optim.Muon",
+    )
+    matrix_ops: MatrixOpsConfig = pydantic.Field(
+        default_factory=lambda: MatrixOpsConfig(strategy="gather"),
+        description="how whole-matrix work meets sharding (default strategy here: gather)",
+    )
 
     @pydantic.field_validator("matrix_ops", mode="before")
     @classmethod
@@ -84,8 +89,10 @@ class MuonConfig(WholeMatrixConfig):
         """``ns_dtype`` and ``matrix_ops.precision`` must not ask for different iterations."""
         lowp = {"bf16": "bfloat16", "tf32": None}.get(self.matrix_ops.precision, "")
         if self.ns_dtype != "auto" and lowp != "" and self.ns_dtype != lowp:
-            raise ValueError(f"ns_dtype={self.ns_dtype!r} and matrix_ops.precision={self.matrix_ops.precision!r} ask "
-                             "for different iterations; set one of them (ns_dtype='auto' follows the precision)")
+            raise ValueError(
+                f"ns_dtype={self.ns_dtype!r} and matrix_ops.precision={self.matrix_ops.precision!r} ask "
+                "for different iterations; set one of them (ns_dtype='auto' follows the precision)"
+            )
         return self
 
 
@@ -101,13 +108,36 @@ class Muon(ShardedOptimizer):
     matrix_treatments = ("muon",)
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, momentum: float = _D.momentum,
-                 nesterov: bool = _D.nesterov, weight_decay: float = _D.weight_decay, ns_steps: int = _D.ns_steps,
-                 eps: float = _D.eps, adjust_lr_fn: str | None = _D.adjust_lr_fn, ns_dtype: str = _D.ns_dtype,
-                 **options: Unpack[CommonOptions]):
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, momentum=momentum, nesterov=nesterov, weight_decay=weight_decay, ns_steps=ns_steps, eps=eps,
-            adjust_lr_fn=adjust_lr_fn, ns_dtype=ns_dtype), options))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        momentum: float = _D.momentum,
+        nesterov: bool = _D.nesterov,
+        weight_decay: float = _D.weight_decay,
+        ns_steps: int = _D.ns_steps,
+        eps: float = _D.eps,
+        adjust_lr_fn: str | None = _D.adjust_lr_fn,
+        ns_dtype: str = _D.ns_dtype,
+        **options: Unpack[CommonOptions],
+    ):
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(
+                    lr=lr,
+                    momentum=momentum,
+                    nesterov=nesterov,
+                    weight_decay=weight_decay,
+                    ns_steps=ns_steps,
+                    eps=eps,
+                    adjust_lr_fn=adjust_lr_fn,
+                    ns_dtype=ns_dtype,
+                ),
+                options,
+            ),
+        )
 
     def elementwise_state_copies(self, group: dict) -> int:
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
@@ -198,8 +228,9 @@ class Muon(ShardedOptimizer):
         reduced = steps * k * (k + 1) // 2 + 1
         if muon_gram_products(a_shape, parts):
             return OpCost(row_flops=steps * 6.0 * k * k * long, reduced=reduced, rounds=steps + 1)
-        return OpCost(row_flops=steps * 4.0 * k * k * long, small_matmul=steps * 2.0 * k ** 3, reduced=reduced,
-                      rounds=steps + 1)
+        return OpCost(
+            row_flops=steps * 4.0 * k * k * long, small_matmul=steps * 2.0 * k**3, reduced=reduced, rounds=steps + 1
+        )
 
     def _iteration_dtype(self, group: dict) -> tuple[torch.dtype, Any]:
         """The iteration's dtype and products: ``ns_dtype`` when set, else ``matrix_ops.precision`` resolved for
@@ -259,15 +290,16 @@ def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype:
         y = newton_schulz(x, steps, MUON_COEFFICIENTS, eps, dtype, mm)
         pos = 0
         for idx, tall, _ in parts:
-            block = y[pos: pos + len(idx)]
+            block = y[pos : pos + len(idx)]
             pos += len(idx)
             flat = (block.mT.contiguous() if tall else block).reshape(len(idx), -1)
             for i, piece in zip(idx, flat.unbind(0)):
                 items[i].work["update"] = piece
 
 
-def _newton_schulz_rows(blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float,
-                        dtype: torch.dtype, mm=None) -> dict[int, torch.Tensor]:
+def _newton_schulz_rows(
+    blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float, dtype: torch.dtype, mm=None
+) -> dict[int, torch.Tensor]:
     """Newton-Schulz on matrices whose tall orientation ``A`` is spread over ranks by rows: ``blocks[i]`` is
     this rank's row block of ``A_i``, i.e. a column block of the wide ``A_i^T`` that the iteration runs on.
     Every round completes all matrices' partial sums with one all-reduce per process group (in fp32, whatever

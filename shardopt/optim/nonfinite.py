@@ -1,6 +1,7 @@
 """The non-finite gradient check before a step: every rank learns whether any rank has a non-finite gradient,
 and the step is skipped (or raises) on all of them alike, so no rank runs collectives the others skip.
 """
+
 from __future__ import annotations
 
 import warnings
@@ -11,8 +12,18 @@ import torch
 from ..sharding.comm import world_group_allreduce_max
 from ..sharding.fragment import local_flat, local_tensor
 
-__all__ = ["nonfinite_grads", "fused_check_applies", "FUSED_CHECK_ELEMENTS", "gate_step", "end_gate",
-           "settle_device_skip", "gated", "keep_unless_gated", "zero_nonfinite", "skippable_lerp_"]
+__all__ = [
+    "nonfinite_grads",
+    "fused_check_applies",
+    "FUSED_CHECK_ELEMENTS",
+    "gate_step",
+    "end_gate",
+    "settle_device_skip",
+    "gated",
+    "keep_unless_gated",
+    "zero_nonfinite",
+    "skippable_lerp_",
+]
 
 #: below this many gradient elements a CPU step is launch-bound and the non-finite check takes the fused AMP
 #: kernel; above it, l2 norms (read-only: about 20% less time per element). GPUs take a multi-tensor max-abs.
@@ -76,9 +87,11 @@ def nonfinite_grads(opt: Any) -> bool:
             # one foreach kernel: an l2 norm is non-finite whenever an element is; confirmed element-wise
             # only then (a finite overflow of the norm is not a skip)
             norms = torch._foreach_norm(grads, 2.0)
-            bad = not bool(torch.isfinite(torch.stack([n.float() for n in norms]) if len({n.dtype for n in norms}) > 1
-                                          else torch.stack(norms)).all()) \
-                and not all(bool(torch.isfinite(g).all()) for g in grads)
+            bad = not bool(
+                torch.isfinite(
+                    torch.stack([n.float() for n in norms]) if len({n.dtype for n in norms}) > 1 else torch.stack(norms)
+                ).all()
+            ) and not all(bool(torch.isfinite(g).all()) for g in grads)
             flag = torch.tensor([float(bad)])
         else:
             flag = _max_abs_flag(grads)
@@ -92,10 +105,15 @@ def nonfinite_grads(opt: Any) -> bool:
     if opt.on_nonfinite == "raise":
         raise FloatingPointError(
             f"non-finite gradients in this step (on this rank: {bad_local or 'none, on another rank'}); "
-            "set on_nonfinite='skip' to skip such steps")
+            "set on_nonfinite='skip' to skip such steps"
+        )
     opt._skipped_steps += 1
-    warnings.warn(f"shardopt: skipped step with non-finite gradients ({opt._skipped_steps} so far; "
-                  f"on this rank: {bad_local or 'none, on another rank'})", RuntimeWarning, stacklevel=4)
+    warnings.warn(
+        f"shardopt: skipped step with non-finite gradients ({opt._skipped_steps} so far; "
+        f"on this rank: {bad_local or 'none, on another rank'})",
+        RuntimeWarning,
+        stacklevel=4,
+    )
     return True
 
 
@@ -157,8 +175,9 @@ def zero_nonfinite(x: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     return torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0, out=x if in_place else None)
 
 
-def skippable_lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], weight: float,
-                    found_inf: torch.Tensor) -> None:
+def skippable_lerp_(
+    targets: list[torch.Tensor], sources: list[torch.Tensor], weight: float, found_inf: torch.Tensor
+) -> None:
     """``t = lerp(t, s, weight)`` for every pair, nothing written where ``found_inf`` is ``[1.]``, with no
     cleaning of ``sources`` (which may hold inf/NaN on such a step) and no per-tensor kernel.
 
@@ -171,8 +190,19 @@ def skippable_lerp_(targets: list[torch.Tensor], sources: list[torch.Tensor], we
     # FSDP2: the shards; contiguous sources, as the fused kernel reads them (a CPU one ignores their strides)
     targets, sources = [local_tensor(t) for t in targets], [local_tensor(x).contiguous() for x in sources]
     if 0 <= weight < 0.5:
-        torch._fused_sgd_(targets, sources, [], weight_decay=-1.0, momentum=0.0, lr=-weight, dampening=0.0,
-                          nesterov=False, maximize=False, is_first_step=False, found_inf=found_inf)
+        torch._fused_sgd_(
+            targets,
+            sources,
+            [],
+            weight_decay=-1.0,
+            momentum=0.0,
+            lr=-weight,
+            dampening=0.0,
+            nesterov=False,
+            maximize=False,
+            is_first_step=False,
+            found_inf=found_inf,
+        )
         return
     gate = 1 - found_inf[0]
     torch._foreach_lerp_(targets, [zero_nonfinite(x) for x in sources], [gated(gate, weight, 0.0)] * len(targets))
@@ -198,5 +228,9 @@ def settle_device_skip(opt: Any) -> None:
         torch._foreach_sub_(pending.counts, [pending.counts[0].new_ones(())] * len(pending.counts))
     opt._skipped_steps += 1
     if opt.on_nonfinite == "skip":
-        warnings.warn(f"shardopt: skipped step with non-finite gradients ({opt._skipped_steps} so far; decided on "
-                      "the device, reported at the next step)", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"shardopt: skipped step with non-finite gradients ({opt._skipped_steps} so far; decided on "
+            "the device, reported at the next step)",
+            RuntimeWarning,
+            stacklevel=4,
+        )

@@ -18,6 +18,7 @@ axis is split too, the owner-counted squared norm of the previous vector; the li
 A weight stored in x out (``matrix_transposed``) is scaled as its logical out x in matrix: ``q`` is per output unit
 (a stored column), ``s`` per input unit (``optim.transposed``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Unpack
@@ -87,11 +88,25 @@ class RACS(ShardedOptimizer):
     state_kinds = {**ShardedOptimizer.state_kinds, "q": "rows", "s": "cols", "phi": "scalar", "step": "tensor"}
     state_key_renames = {"row_scale": "q", "col_scale": "s"}
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, beta: float = _D.beta, alpha: float = _D.alpha,
-                 gamma: float = _D.gamma, iterations: int = _D.iterations, weight_decay: float = _D.weight_decay,
-                 **options: Unpack[CommonOptions]):
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, beta=beta, alpha=alpha, gamma=gamma, iterations=iterations, weight_decay=weight_decay), options))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        beta: float = _D.beta,
+        alpha: float = _D.alpha,
+        gamma: float = _D.gamma,
+        iterations: int = _D.iterations,
+        weight_decay: float = _D.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(lr=lr, beta=beta, alpha=alpha, gamma=gamma, iterations=iterations, weight_decay=weight_decay),
+                options,
+            ),
+        )
 
     def vector_state(self, group: dict, shape: tuple[int, int]) -> int:
         return shape[0] + shape[1] + 1 if group.get("treatment", "adamw") != "adamw" else 0

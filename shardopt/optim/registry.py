@@ -6,6 +6,7 @@ mapping (``create_optimizer``'s keywords, a DeepSpeed ``"shardopt"`` section, th
 that model, ``build_param_groups`` routes a model's parameters with its roles, and ``cls.from_config`` builds
 the optimizer from it, so every entry point goes through the same object.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -27,8 +28,16 @@ from .sinkgd import SinkGD
 from .sumo import SUMO
 from .swan import SWAN
 
-__all__ = ["OPTIMIZERS", "ConfigError", "create_optimizer", "validate_hyperparameters", "build_param_groups",
-           "build_optimizer", "optimizer_class", "optimizer_kwargs"]
+__all__ = [
+    "OPTIMIZERS",
+    "ConfigError",
+    "create_optimizer",
+    "validate_hyperparameters",
+    "build_param_groups",
+    "build_optimizer",
+    "optimizer_class",
+    "optimizer_kwargs",
+]
 
 #: name -> optimizer class; the name is the class's matrix treatment (``cls.Config.treatment``)
 OPTIMIZERS: dict[str, type[ShardedOptimizer]] = {
@@ -44,8 +53,9 @@ def optimizer_class(name: Any, key: str = "optimizer") -> type[ShardedOptimizer]
     return cls
 
 
-def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], where: str = "shardopt",
-                             name_key: str | None = None) -> OptimizerConfig:
+def validate_hyperparameters(
+    name: str, hyperparameters: Mapping[str, Any], where: str = "shardopt", name_key: str | None = None
+) -> OptimizerConfig:
     """The optimizer's config model from ``hyperparameters``; ``ConfigError`` naming each bad key as
     ``<where>.<key>`` (an unknown name at ``name_key``, default ``<where>.optimizer``)."""
     schema = optimizer_class(name, name_key or f"{where}.optimizer").Config
@@ -56,9 +66,14 @@ def validate_hyperparameters(name: str, hyperparameters: Mapping[str, Any], wher
         raise ConfigError(f"{format_errors(err, where)} [optimizer {schema.treatment!r} accepts: {valid}]") from None
 
 
-def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: OptimizerConfig,
-                       routing: Mapping[str, str] | None = None, unused: list[str] | None = None,
-                       roles: Mapping[str, str] | RoleTable | None = None) -> list[dict]:
+def build_param_groups(
+    model: nn.Module | Iterable[Any],
+    name: str,
+    cfg: OptimizerConfig,
+    routing: Mapping[str, str] | None = None,
+    unused: list[str] | None = None,
+    roles: Mapping[str, str] | RoleTable | None = None,
+) -> list[dict]:
     """Param groups routed by ``cfg.roles()``; AdamW groups carry every hyperparameter explicitly (wrappers that
     fill missing group keys from their own defaults, like ZeroRedundancyOptimizer and fairscale OSS, would
     otherwise give them the matrix rule's values). ``unused``, ``roles``: see ``routing.route``."""
@@ -76,13 +91,17 @@ def build_param_groups(model: nn.Module | Iterable[Any], name: str, cfg: Optimiz
     return groups
 
 
-def build_optimizer(model: nn.Module | Iterable[Any], cfg: OptimizerConfig, routing: Mapping[str, str] | None = None,
-                    name: str | None = None) -> ShardedOptimizer:
+def build_optimizer(
+    model: nn.Module | Iterable[Any],
+    cfg: OptimizerConfig,
+    routing: Mapping[str, str] | None = None,
+    name: str | None = None,
+) -> ShardedOptimizer:
     """The optimizer for a validated ``cfg`` (see ``create_optimizer``); ``name`` as the user spelled it."""
     name = name or type(cfg).treatment
     opt = optimizer_class(name).from_config(build_param_groups(model, name, cfg, routing), cfg)
     if isinstance(model, nn.Module):  # hooks.model_watchers: an engine's layouts (legacy FSDP), and a DeepSpeed engine
-        watch_model(model, opt)       # that later runs the model with another optimizer raises (plugin.wrapped)
+        watch_model(model, opt)  # that later runs the model with another optimizer raises (plugin.wrapped)
     return opt
 
 
@@ -91,8 +110,9 @@ def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
     return cfg.constructor_kwargs()
 
 
-def create_optimizer(model: nn.Module | Iterable[Any], name: str, routing: Mapping[str, str] | None = None,
-                     **hyperparameters: Any) -> torch.optim.Optimizer:
+def create_optimizer(
+    model: nn.Module | Iterable[Any], name: str, routing: Mapping[str, str] | None = None, **hyperparameters: Any
+) -> torch.optim.Optimizer:
     """Build shardopt optimizer ``name`` (a key of ``OPTIMIZERS``) for ``model``.
 
     Call it after ``fully_shard`` (FSDP2) or on the plain/DDP model; parameters are routed by role

@@ -19,6 +19,7 @@ User patterns (``fnmatch`` on the parameter name, first match wins) override the
 Without the model (``named_parameters()`` passed to an optimizer or to ``create_optimizer``) roles come from
 the names alone (``roles_from_names``); without names every 2-D tensor is a ``matrix`` (``unnamed_roles``).
 """
+
 from __future__ import annotations
 
 import fnmatch
@@ -30,9 +31,30 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["ROLES", "ROLE_SOURCES", "RoleTable", "find_roles", "role_source", "param_roles", "StandIn", "declare_stand_ins", "forget_stand_ins", "model_parameters", "own_parameters",
-           "unknown_matrices", "roles_from_names", "unnamed_roles", "named_or_unnamed", "route", "RoutingError",
-           "record_role", "role_of", "declare_module_roles", "module_role", "describe_groups"]
+__all__ = [
+    "ROLES",
+    "ROLE_SOURCES",
+    "RoleTable",
+    "find_roles",
+    "role_source",
+    "param_roles",
+    "StandIn",
+    "declare_stand_ins",
+    "forget_stand_ins",
+    "model_parameters",
+    "own_parameters",
+    "unknown_matrices",
+    "roles_from_names",
+    "unnamed_roles",
+    "named_or_unnamed",
+    "route",
+    "RoutingError",
+    "record_role",
+    "role_of",
+    "declare_module_roles",
+    "module_role",
+    "describe_groups",
+]
 
 
 class ConfigError(ValueError):
@@ -41,6 +63,7 @@ class ConfigError(ValueError):
 
 class RoutingError(ConfigError):
     """A routing rule that cannot apply (unknown role, no match, a non-matrix sent to a matrix rule)."""
+
 
 #: matrix rules whose update of W^T is the transpose of their update of W on non-square matrices (they orient by
 #: shape; tests/test_hf_roles.py checks it). Every rule steps a weight stored in x out (``matrix_transposed``) as its
@@ -98,6 +121,7 @@ class StandIn(NamedTuple):
     """One original parameter as routing sees it: ``name`` (its path in ``model.named_parameters()`` style),
     ``module`` and ``attr`` (where the model keeps it), ``seen`` (the tensor there when declared, for roles by module
     type; None if absent) and ``stepped`` (the tensor the optimizer steps in its place)."""
+
     name: str
     module: nn.Module
     attr: str
@@ -130,8 +154,10 @@ def model_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Te
     out: list[tuple[int, tuple[str, torch.Tensor, torch.Tensor]]] = []
     for n, p in model.named_parameters():
         if id(p) in declared:
-            out += [(rank.get(id(s.module), -1), (s.name, s.seen if s.seen is not None else s.stepped, s.stepped))
-                    for s in declared[id(p)]]
+            out += [
+                (rank.get(id(s.module), -1), (s.name, s.seen if s.seen is not None else s.stepped, s.stepped))
+                for s in declared[id(p)]
+            ]
         else:
             out.append((owner.get(id(p), -1), (n, p, p)))
     return [entry for _, entry in sorted(out, key=lambda item: item[0])]
@@ -195,8 +221,11 @@ def module_role_source(tensor: torch.Tensor) -> str | None:
 
 def _is_embedding(m: nn.Module) -> bool:
     """``nn.Embedding`` and look-alikes (Megatron's ``VocabParallelEmbedding``)."""
-    return isinstance(m, nn.Embedding) or (type(m).__name__.endswith("Embedding") and hasattr(m, "num_embeddings")
-                                           and isinstance(getattr(m, "weight", None), torch.Tensor))
+    return isinstance(m, nn.Embedding) or (
+        type(m).__name__.endswith("Embedding")
+        and hasattr(m, "num_embeddings")
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+    )
 
 
 def _is_linear(m: nn.Module) -> bool:
@@ -222,9 +251,13 @@ def _is_conv(m: nn.Module) -> bool:
 def _router_modules(model: nn.Module) -> set[int]:
     """Ids of the 2-D ``weight`` of router modules that are not Linears (transformers 5's ``MixtralTopKRouter``,
     ``Qwen3MoeTopKRouter``, ...: a module whose type names a router and that scores experts with ``F.linear``)."""
-    return {id(m.weight) for m in model.modules()
-            if "Router" in type(m).__name__ and isinstance(getattr(m, "weight", None), torch.Tensor)
-            and logical_dim(m.weight) == 2}
+    return {
+        id(m.weight)
+        for m in model.modules()
+        if "Router" in type(m).__name__
+        and isinstance(getattr(m, "weight", None), torch.Tensor)
+        and logical_dim(m.weight) == 2
+    }
 
 
 def _grouped_experts_role(parent: nn.Module, experts: nn.Module, name: str, p: torch.Tensor) -> str | None:
@@ -255,8 +288,11 @@ def expert_roles(model: nn.Module) -> dict[int, str]:
     for parent in model.modules():
         for experts in parent.children():
             count = getattr(experts, "num_experts", None)
-            batched = [(n, p) for n, p in own_parameters(model, experts)
-                       if logical_dim(p) == 3 and isinstance(count, int) and logical_shape(p)[0] == count]
+            batched = [
+                (n, p)
+                for n, p in own_parameters(model, experts)
+                if logical_dim(p) == 3 and isinstance(count, int) and logical_shape(p)[0] == count
+            ]
             if not batched:
                 continue
             transposed = getattr(experts, "is_transposed", None)
@@ -321,8 +357,23 @@ def _out_features(m: nn.Module) -> int | None:
 
 #: words of an embedding module's name that mark a table of positions, token types or segments: such a table never
 #: defines the vocabulary (a Linear as wide as the positions is not an LM head)
-_NOT_VOCAB_WORDS = {"pos", "position", "positions", "positional", "wpe", "type", "types", "token_type", "segment",
-                    "segments", "rel", "relative", "time", "patch", "bias"}
+_NOT_VOCAB_WORDS = {
+    "pos",
+    "position",
+    "positions",
+    "positional",
+    "wpe",
+    "type",
+    "types",
+    "token_type",
+    "segment",
+    "segments",
+    "rel",
+    "relative",
+    "time",
+    "patch",
+    "bias",
+}
 
 
 def _is_vocab_table(module_name: str) -> bool:
@@ -335,6 +386,7 @@ def _is_vocab_table(module_name: str) -> bool:
 class RoleTable(NamedTuple):
     """Every trainable parameter's default role (``roles``) and where it came from (``sources``, one of
     ``ROLE_SOURCES``), keyed by name; ``guessed`` lists the warnings of ambiguous guesses, if any."""
+
     roles: dict[str, str]
     sources: dict[str, str]
     warnings: list[str]
@@ -381,8 +433,7 @@ def find_roles(model: nn.Module) -> RoleTable:
     linears = [m for m in model.modules() if _is_linear(m)]
     matrices = [m for m in model.modules() if _is_linear(m) or _is_conv1d(m)]
     for m in embeddings:
-        give(id(m.weight), "embedding", "declared" if id(m.weight) in declared.embeddings | declared.others
-             else "type")
+        give(id(m.weight), "embedding", "declared" if id(m.weight) in declared.embeddings | declared.others else "type")
     routers = _routers(model) | _router_modules(model)
     for m in model.modules():
         w = getattr(m, "weight", None)
@@ -411,8 +462,16 @@ def find_roles(model: nn.Module) -> RoleTable:
     return RoleTable(roles, sources, notes)
 
 
-def _guess_head(model: nn.Module, embeddings: list[nn.Module], matrices: list[nn.Module], routers: set[int],
-                module_names: Mapping[int, str], names: Mapping[int, str], give: Any, notes: list[str]) -> None:
+def _guess_head(
+    model: nn.Module,
+    embeddings: list[nn.Module],
+    matrices: list[nn.Module],
+    routers: set[int],
+    module_names: Mapping[int, str],
+    names: Mapping[int, str],
+    give: Any,
+    notes: list[str],
+) -> None:
     """The LM head of a model that declares none: the last 2-D layer, when it is as wide as a token vocabulary."""
     vocab = {m.num_embeddings for m in embeddings if _is_vocab_table(module_names.get(id(m), ""))}
     layers = [m for m in matrices if id(m.weight) not in routers and id(m.weight) in names]
@@ -423,15 +482,19 @@ def _guess_head(model: nn.Module, embeddings: list[nn.Module], matrices: list[nn
     if wide:
         last = wide[-1]
         name = names[id(last.weight)]
-        notes.append(f"{name!r} is as wide as the vocabulary ({_out_features(last)}) but other layers follow it, so "
-                     f"it keeps the role 'matrix' rather than 'lm_head'; if it produces the logits, declare "
-                     f"routing={{'{name}': 'lm_head'}}.")
+        notes.append(
+            f"{name!r} is as wide as the vocabulary ({_out_features(last)}) but other layers follow it, so "
+            f"it keeps the role 'matrix' rather than 'lm_head'; if it produces the logits, declare "
+            f"routing={{'{name}': 'lm_head'}}."
+        )
     tables = [m for m in embeddings if _is_vocab_table(module_names.get(id(m), "")) and id(m.weight) in names]
     if tables and not wide:
         first = names[id(tables[0].weight)]
-        notes.append(f"no layer produces logits as wide as the vocabulary of {first!r} "
-                     f"({tables[0].num_embeddings}); if the logits are computed from that embedding's weight (a tied "
-                     f"head), declare routing={{'{first}': 'lm_head'}}, else nothing gets the LM head's rule.")
+        notes.append(
+            f"no layer produces logits as wide as the vocabulary of {first!r} "
+            f"({tables[0].num_embeddings}); if the logits are computed from that embedding's weight (a tied "
+            f"head), declare routing={{'{first}': 'lm_head'}}, else nothing gets the LM head's rule."
+        )
 
 
 def param_roles(model: nn.Module) -> dict[str, str]:
@@ -458,9 +521,14 @@ def _is_router_name(name: str, expert_prefixes: set[str] = frozenset()) -> bool:
     if len(parts) < 2:
         return False
     module = parts[-2]
-    return module == "router" or (module == "wg" and parts[-3:-2] == ["gate"]) or (
-        module == "gate" and (any("moe" in part.lower() for part in parts[:-2])
-                              or ".".join(parts[:-2]) in expert_prefixes))
+    return (
+        module == "router"
+        or (module == "wg" and parts[-3:-2] == ["gate"])
+        or (
+            module == "gate"
+            and (any("moe" in part.lower() for part in parts[:-2]) or ".".join(parts[:-2]) in expert_prefixes)
+        )
+    )
 
 
 def roles_from_names(named: Sequence[tuple[str, torch.Tensor]]) -> dict[str, str]:
@@ -502,8 +570,10 @@ def unnamed_roles(tensors: Sequence[torch.Tensor]) -> list[str]:
     return ["matrix" if logical_dim(t) == 2 else "vector" for t in tensors]
 
 
-_SET_ERROR = ("optimizer parameters need to be organized in ordered collections, but the ordering of tensors "
-              "in sets will change between runs. Please use a list instead.")
+_SET_ERROR = (
+    "optimizer parameters need to be organized in ordered collections, but the ordering of tensors "
+    "in sets will change between runs. Please use a list instead."
+)
 
 
 def named_or_unnamed(items: Any, where: str = "params") -> tuple[list[torch.Tensor], list[str] | None]:
@@ -511,8 +581,10 @@ def named_or_unnamed(items: Any, where: str = "params") -> tuple[list[torch.Tens
     yields them (all or none named). Returns the tensors and their names (``None`` when unnamed), raising
     torch's ``TypeError`` / ``ValueError`` for a set, a bare tensor or a mix."""
     if isinstance(items, torch.Tensor):
-        raise TypeError("params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
-                        + torch.typename(items))
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+            + torch.typename(items)
+        )
     if isinstance(items, (set, frozenset)):
         raise TypeError(_SET_ERROR)
     tensors: list[torch.Tensor] = []
@@ -537,10 +609,13 @@ def warn_unnamed_once(who: str, treatment: str, stacklevel: int = 2) -> None:
     if who in _WARNED:
         return
     _WARNED.add(who)
-    warnings.warn(f"{who}: parameters were given without names, so every 2-D tensor gets the {treatment!r} rule "
-                  "and everything else AdamW; embedding and LM-head roles need names: pass "
-                  "model.named_parameters(), or the model to shardopt.create_optimizer", UserWarning,
-                  stacklevel=stacklevel + 1)
+    warnings.warn(
+        f"{who}: parameters were given without names, so every 2-D tensor gets the {treatment!r} rule "
+        "and everything else AdamW; embedding and LM-head roles need names: pass "
+        "model.named_parameters(), or the model to shardopt.create_optimizer",
+        UserWarning,
+        stacklevel=stacklevel + 1,
+    )
 
 
 def name_sources(roles: Mapping[str, str]) -> dict[str, str]:
@@ -549,14 +624,16 @@ def name_sources(roles: Mapping[str, str]) -> dict[str, str]:
     return {n: "guessed" if r in ("embedding", "lm_head", "router") else "type" for n, r in roles.items()}
 
 
-def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple[str, torch.Tensor]], RoleTable,
-                                                                        str]:
+def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple[str, torch.Tensor]], RoleTable, str]:
     """``(name, tensor)`` pairs, their roles and sources, and where the names come from: ``"module"``, ``"torch"``
     (the user's ``named_parameters()``, kept as torch's ``param_names``) or ``"position"``."""
     if isinstance(model, nn.Module):
         table = find_roles(model)
-        table = RoleTable({clean_name(n): r for n, r in table.roles.items()},
-                          {clean_name(n): r for n, r in table.sources.items()}, table.warnings)
+        table = RoleTable(
+            {clean_name(n): r for n, r in table.roles.items()},
+            {clean_name(n): r for n, r in table.sources.items()},
+            table.warnings,
+        )
         return [(clean_name(n), stepped) for n, _, stepped in model_parameters(model)], table, "module"
     tensors, names = named_or_unnamed(model)
     if not tensors:
@@ -575,28 +652,43 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
 def warn_unknown_matrices(model: nn.Module, overrides: Mapping[str, str], optimizer_name: str) -> None:
     """Warn, naming each, about 2-D and 3-D parameters sent to AdamW only because their module type is unknown (a
     routing pattern that matches one is a declaration, so it is not named)."""
-    unknown = {n: t for n, t in unknown_matrices(model).items()
-               if not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
+    unknown = {
+        n: t for n, t in unknown_matrices(model).items() if not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)
+    }
     _warn_unknown(unknown, optimizer_name, stacklevel=5)
 
 
-def warn_unknown_batches(named: Sequence[tuple[str, torch.Tensor]], roles: Mapping[str, str],
-                         overrides: Mapping[str, str], optimizer_name: str, stacklevel: int = 4) -> None:
+def warn_unknown_batches(
+    named: Sequence[tuple[str, torch.Tensor]],
+    roles: Mapping[str, str],
+    overrides: Mapping[str, str],
+    optimizer_name: str,
+    stacklevel: int = 4,
+) -> None:
     """Without the model (names only), a 3-D parameter's layout cannot be told (transformers' fused experts are
     stored out x in, GPT-OSS's in x out): warn, naming each that goes to AdamW for that reason."""
-    unknown = {n: "name only" for n, p in named if _looks_batched(n, None, logical_shape(p)) and p.requires_grad
-               and roles.get(n) == "vector" and not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)}
+    unknown = {
+        n: "name only"
+        for n, p in named
+        if _looks_batched(n, None, logical_shape(p))
+        and p.requires_grad
+        and roles.get(n) == "vector"
+        and not any(fnmatch.fnmatchcase(n, pat) for pat in overrides)
+    }
     _warn_unknown(unknown, optimizer_name, stacklevel=stacklevel + 1)
 
 
 def _warn_unknown(unknown: Mapping[str, str], optimizer_name: str, stacklevel: int) -> None:
     if unknown:
         listed = ", ".join(f"{n} ({t})" for n, t in unknown.items())
-        warnings.warn(f"{optimizer_name}: these parameters go to AdamW only because shardopt's routing does not know "
-                      f"their layout: {listed}; declare each with routing={{pattern: 'matrix' | "
-                      "'matrix_transposed' | 'adamw'}} ('matrix' for out x in storage, 'matrix_transposed' for "
-                      "in x out; a 3-D (E, m, n) weight is E such matrices, e.g. fused MoE experts)", UserWarning,
-                      stacklevel=stacklevel)
+        warnings.warn(
+            f"{optimizer_name}: these parameters go to AdamW only because shardopt's routing does not know "
+            f"their layout: {listed}; declare each with routing={{pattern: 'matrix' | "
+            "'matrix_transposed' | 'adamw'}} ('matrix' for out x in storage, 'matrix_transposed' for "
+            "in x out; a 3-D (E, m, n) weight is E such matrices, e.g. fused MoE experts)",
+            UserWarning,
+            stacklevel=stacklevel,
+        )
 
 
 def route(
@@ -651,7 +743,8 @@ def route(
                 f"parameter {name!r} of shape {logical_shape(p)} is stored in x out (role {role!r}, by {why}), and "
                 f"{optimizer_name}'s role table has no 'matrix_transposed' entry (the built-in ones give the matrix "
                 f"rule with 'transposed': True, shardopt.optim.transposed); add one, or route it explicitly: "
-                f"routing={{'{name}': 'adamw'}}")
+                f"routing={{'{name}': 'adamw'}}"
+            )
         else:
             options = dict(role_table[role])
         if options["treatment"] != "adamw" and logical_dim(p) not in (2, 3):
@@ -708,7 +801,10 @@ def describe_groups(groups: Iterable[Mapping[str, Any]], names: Mapping[int, str
     rows = []
     for g in groups:
         for i, p in enumerate(g["params"]):
-            name = (g.get("names") or g.get("param_names") or [None] * len(g["params"]))[i] \
-                or (names or {}).get(id(p)) or "?"
+            name = (
+                (g.get("names") or g.get("param_names") or [None] * len(g["params"]))[i]
+                or (names or {}).get(id(p))
+                or "?"
+            )
             rows.append(describe_row(name, logical_shape(p), role_of(p), role_source(p), g))
     return format_table(rows)

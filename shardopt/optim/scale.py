@@ -15,6 +15,7 @@ Sharded: the per-row/per-column sums of squares are partial sums over local elem
 bucketed all-reduce of the split indices only (none for FSDP2 row shards with ``norm_dim=1``); ``inverse_rms``
 is the math on the completed sums.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Literal, Unpack
@@ -31,8 +32,9 @@ from .nonfinite import skippable_lerp_
 __all__ = ["SCALE", "inverse_rms", "SCALEConfig"]
 
 
-def inverse_rms(sumsq: torch.Tensor, count: int | torch.Tensor, eps: float, norm: str = "rms",
-                out: torch.Tensor | None = None) -> torch.Tensor:
+def inverse_rms(
+    sumsq: torch.Tensor, count: int | torch.Tensor, eps: float, norm: str = "rms", out: torch.Tensor | None = None
+) -> torch.Tensor:
     """``1 / s`` with ``s = max(sqrt(sumsq / count), eps)`` per line (``norm="l2"``: no division by the line
     length ``count``, a number or one per line), from each line's completed sum of squares (into ``out``)."""
     if norm == "rms":
@@ -55,18 +57,26 @@ class SCALEConfig(OptimizerConfig):
 
     lr: float = pydantic.Field(1e-3, ge=0, description="matrix learning rate")
     momentum: float = pydantic.Field(0.9, ge=0, lt=1, description="EMA beta of the LM-head momentum")
-    matrix_momentum: float = pydantic.Field(0.0, ge=0, lt=1, description="EMA beta of the other matrices "
-                                            "(the paper: none); the constructor's momentum")
+    matrix_momentum: float = pydantic.Field(
+        0.0, ge=0, lt=1, description="EMA beta of the other matrices (the paper: none); the constructor's momentum"
+    )
     embedding_momentum: float = pydantic.Field(0.0, ge=0, lt=1, description="Tab. 8 'mmt-(first+last)' variant")
     norm_dim: Literal[0, 1] = pydantic.Field(1, description="1: one statistic per row (output unit), 0: per column")
     eps: float = pydantic.Field(1e-8, gt=0, description="clamp on the RMS")
-    norm: Literal["rms", "l2"] = pydantic.Field("rms", description="line norm: rms (as the released code) or "
-                                                                "l2 (no division by the line length)")
+    norm: Literal["rms", "l2"] = pydantic.Field(
+        "rms", description="line norm: rms (as the released code) or l2 (no division by the line length)"
+    )
     adam_lr: float | None = pydantic.Field(1e-3, ge=0, description="AdamW lr for vectors (the released code)")
 
     def group_defaults(self) -> dict[str, Any]:
-        return dict(lr=self.lr, momentum=self.matrix_momentum, norm_dim=self.norm_dim, eps=self.eps,
-                    norm=self.norm, weight_decay=self.weight_decay)
+        return dict(
+            lr=self.lr,
+            momentum=self.matrix_momentum,
+            norm_dim=self.norm_dim,
+            eps=self.eps,
+            norm=self.norm,
+            weight_decay=self.weight_decay,
+        )
 
     def roles(self) -> dict[str, dict]:
         """The embedding is normalized per column (over the vocabulary); momentum on the LM head only; a weight
@@ -74,7 +84,11 @@ class SCALEConfig(OptimizerConfig):
         return {
             "matrix": {"treatment": "scale", "norm_dim": self.norm_dim, "momentum": self.matrix_momentum},
             # stored in x out (GPT-2's Conv1D): per output unit is the other axis of the stored weight
-            "matrix_transposed": {"treatment": "scale", "norm_dim": 1 - self.norm_dim, "momentum": self.matrix_momentum},
+            "matrix_transposed": {
+                "treatment": "scale",
+                "norm_dim": 1 - self.norm_dim,
+                "momentum": self.matrix_momentum,
+            },
             "embedding": {"treatment": "scale", "norm_dim": 0, "momentum": self.embedding_momentum},
             "lm_head": {"treatment": "scale", "norm_dim": self.norm_dim, "momentum": self.momentum},
             "router": {"treatment": "adamw"},
@@ -99,12 +113,26 @@ class SCALE(ShardedOptimizer):
     state_kinds = {**ShardedOptimizer.state_kinds, "momentum_buffer": "elements"}
     adamw_defaults = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, eps_mode="outside")
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, momentum: float = _D.matrix_momentum,
-                 norm_dim: int = _D.norm_dim, eps: float = _D.eps, norm: str = _D.norm,
-                 weight_decay: float = _D.weight_decay, **options: Unpack[CommonOptions]):
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        momentum: float = _D.matrix_momentum,
+        norm_dim: int = _D.norm_dim,
+        eps: float = _D.eps,
+        norm: str = _D.norm,
+        weight_decay: float = _D.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
         options.setdefault("embedding_momentum", momentum)  # torch's sense: the embedding sets no beta of its own
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, momentum=momentum, norm_dim=norm_dim, eps=eps, norm=norm, weight_decay=weight_decay), options))
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(lr=lr, momentum=momentum, norm_dim=norm_dim, eps=eps, norm=norm, weight_decay=weight_decay),
+                options,
+            ),
+        )
 
     def elementwise_state_copies(self, group: dict) -> int:
         if group.get("treatment", "adamw") == "adamw":
@@ -126,8 +154,7 @@ class SCALE(ShardedOptimizer):
                 return grad
             st = self.state[p]
             if "momentum_buffer" not in st:
-                st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32,
-                                                         memory_format=torch.contiguous_format)
+                st["momentum_buffer"] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
             buf = st["momentum_buffer"]
             if gate is None:
                 buf.lerp_(grad.to(buf.dtype), 1 - beta)
@@ -145,9 +172,19 @@ class SCALE(ShardedOptimizer):
         blocks.add_axis(rnd, stats, axis)
         rnd.run()
         # each row's count is its matrix's n (per-row stats), each column's its m
-        inv = inverse_rms(stats, blocks.row_length if axis == 0 else blocks.col_length, group["eps"], group["norm"],
-                          out=blocks.line_buffer("inverse_rms", axis))  # its per-matrix slices made once
+        inv = inverse_rms(
+            stats,
+            blocks.row_length if axis == 0 else blocks.col_length,
+            group["eps"],
+            group["norm"],
+            out=blocks.line_buffer("inverse_rms", axis),
+        )  # its per-matrix slices made once
         if gate is not None:
             inv.mul_(gate)  # a skipped step adds 0 x (finite) gradient
-        step.apply_scaled(step.grads, group["lr"], group["weight_decay"],
-                          row_scale=inv if axis == 0 else None, col_scale=inv if axis == 1 else None)
+        step.apply_scaled(
+            step.grads,
+            group["lr"],
+            group["weight_decay"],
+            row_scale=inv if axis == 0 else None,
+            col_scale=inv if axis == 1 else None,
+        )

@@ -6,6 +6,7 @@ here every group holds one parameter and names it in torch's own ``param_names``
 holds the parameter with its name or neither. Each group also carries every hyperparameter of its rule, as the
 shardopt optimizer resolves them, so the sharder's own defaults never fill a missing key.
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Mapping
@@ -17,8 +18,9 @@ from .registry import OPTIMIZERS, build_param_groups, optimizer_kwargs, validate
 __all__ = ["param_groups"]
 
 
-def param_groups(model: nn.Module | Iterable[Any], name: str, routing: Mapping[str, str] | None = None,
-                 **hyperparameters: Any) -> list[dict]:
+def param_groups(
+    model: nn.Module | Iterable[Any], name: str, routing: Mapping[str, str] | None = None, **hyperparameters: Any
+) -> list[dict]:
     """One param group per trainable parameter of ``model`` for optimizer ``name`` (as ``create_optimizer``
     routes and validates them), each with ``param_names`` and its rule's complete hyperparameters::
 

@@ -13,6 +13,7 @@ rounds (``L`` collectives per step for all matrices together), ZeRO flat slices 
 A weight stored in x out (``matrix_transposed``) is balanced as its logical out x in matrix: rows first means its
 stored columns first (``optim.transposed``).
 """
+
 from __future__ import annotations
 
 from typing import Any, Iterable, Unpack
@@ -77,11 +78,23 @@ class SinkGD(ShardedOptimizer):
     Config = SinkGDConfig
     matrix_treatments = ("sinkgd",)
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, lr_scale: float = _D.lr_scale,
-                 iterations: int = _D.iterations, weight_decay: float = _D.weight_decay,
-                 **options: Unpack[CommonOptions]):
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, lr_scale=lr_scale, iterations=iterations, weight_decay=weight_decay), options))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        lr_scale: float = _D.lr_scale,
+        iterations: int = _D.iterations,
+        weight_decay: float = _D.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(lr=lr, lr_scale=lr_scale, iterations=iterations, weight_decay=weight_decay),
+                options,
+            ),
+        )
 
     def skips_on_device(self, group: dict) -> bool:
         """SinkGD keeps no state: a skipped step is a row scale of 0 and a decay factor of 1 (``_step_sinkgd``), on

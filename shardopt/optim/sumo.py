@@ -17,6 +17,7 @@ factor and limiter (``_limit_growth_stacked``), the state is written with ``torc
 parameters are updated by ``apply_items``; a step's kernel launches grow with the number of shapes, not of
 matrices (except the per-matrix state writes, one foreach call each).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,16 +30,16 @@ import torch
 
 from ..sharding.iterative import steps_to_converge
 from ..sharding.matfun import polar_factor, polar_kept
+from ..sharding.matrix_ops import OpCost
 from ..sharding.orientation import stored_transposed
 from ..sharding.precision import arrival_dtype, noise_rtol
-from ..sharding.matrix_ops import OpCost
-from ..sharding.subspace import range_basis, refresh_reduced
 from ..sharding.stacking import group_indices, stack_stored, unstack_into
 from ..sharding.state_split import ROWS
+from ..sharding.subspace import range_basis, refresh_reduced
 from .base import ShardedOptimizer
+from .config import CommonOptions, WholeMatrixConfig
 from .items import apply_items
 from .nonfinite import gated, keep_unless_gated, zero_nonfinite
-from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth", "SUMOConfig"]
 
@@ -48,8 +49,12 @@ StepScale = Literal["none", "sqrt_max", "moonlight", "muon"]
 def step_scale(rule: str, shape: tuple[int, int]) -> float:
     """c(m, n) of docs/algorithms/sumo.md."""
     m, n = shape
-    return {"none": 1.0, "sqrt_max": math.sqrt(max(m, n)), "moonlight": 0.2 * math.sqrt(max(m, n)),
-            "muon": math.sqrt(max(1.0, m / n))}[rule]
+    return {
+        "none": 1.0,
+        "sqrt_max": math.sqrt(max(m, n)),
+        "moonlight": 0.2 * math.sqrt(max(m, n)),
+        "muon": math.sqrt(max(1.0, m / n)),
+    }[rule]
 
 
 def carry_moment(Q_new: torch.Tensor, Q: torch.Tensor, M: torch.Tensor) -> torch.Tensor:
@@ -71,8 +76,11 @@ def effective_rank(rank: int, shape: tuple[int, int], name: str, who: str) -> in
     """``min(rank, m, n)``, warning once when the configured rank does not fit the matrix."""
     r = min(rank, *shape)
     if r < rank:
-        warnings.warn(f"{who}: rank {rank} exceeds min{tuple(shape)} of {name!r}; using rank {r} "
-                      "(full-rank projection)", RuntimeWarning, stacklevel=4)
+        warnings.warn(
+            f"{who}: rank {rank} exceeds min{tuple(shape)} of {name!r}; using rank {r} (full-rank projection)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
     return r
 
 
@@ -106,21 +114,55 @@ class SUMO(ShardedOptimizer):
 
     Config = SUMOConfig
     matrix_treatments = ("sumo",)
-    state_kinds = {**ShardedOptimizer.state_kinds, "Q": "matrix", "M": "matrix", "prev_onorm": "matrix",
-                   "refreshes": "matrix"}
+    state_kinds = {
+        **ShardedOptimizer.state_kinds,
+        "Q": "matrix",
+        "M": "matrix",
+        "prev_onorm": "matrix",
+        "refreshes": "matrix",
+    }
     state_key_renames = {"basis": "Q", "moment": "M"}
     #: the truncated SVD of the range finder's small sketch ``Y^T G`` (its orthonormalizations are Cholesky-QR2)
     refresh_factorizations = {"svd": 1}
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, rank: int = _D.rank, alpha: float = _D.alpha,
-                 momentum: float = _D.momentum, refresh_interval: int = _D.refresh_interval,
-                 gamma: float | None = _D.gamma, step_scale: str = _D.step_scale, side: str = _D.side,
-                 oversample: int = _D.oversample, power_iters: int = _D.power_iters, seed: int = _D.seed,
-                 weight_decay: float = _D.weight_decay, **options: Unpack[CommonOptions]):
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, rank=rank, alpha=alpha, momentum=momentum, refresh_interval=refresh_interval, gamma=gamma,
-            step_scale=step_scale, side=side, oversample=oversample, power_iters=power_iters, seed=seed,
-            weight_decay=weight_decay), options))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        rank: int = _D.rank,
+        alpha: float = _D.alpha,
+        momentum: float = _D.momentum,
+        refresh_interval: int = _D.refresh_interval,
+        gamma: float | None = _D.gamma,
+        step_scale: str = _D.step_scale,
+        side: str = _D.side,
+        oversample: int = _D.oversample,
+        power_iters: int = _D.power_iters,
+        seed: int = _D.seed,
+        weight_decay: float = _D.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(
+                    lr=lr,
+                    rank=rank,
+                    alpha=alpha,
+                    momentum=momentum,
+                    refresh_interval=refresh_interval,
+                    gamma=gamma,
+                    step_scale=step_scale,
+                    side=side,
+                    oversample=oversample,
+                    power_iters=power_iters,
+                    seed=seed,
+                    weight_decay=weight_decay,
+                ),
+                options,
+            ),
+        )
 
     whole_matrix_work = True
 
@@ -140,21 +182,32 @@ class SUMO(ShardedOptimizer):
         w = min(r + group["oversample"], rows, cols)
         every = group["refresh_interval"]
         orthonormalizations = 1 + 2 * group["power_iters"]
-        sketch_svd = 4.0 * cols * w * w + 22.0 * w ** 3
+        sketch_svd = 4.0 * cols * w * w + 22.0 * w**3
         refresh_rows = 2.0 * (1 + group["power_iters"]) * 2.0 * rows * cols * w
-        products = 4.0 * cols * r * r + 2.0 * r ** 3
+        products = 4.0 * cols * r * r + 2.0 * r**3
         if self.iterative_routes(group):
             steps = steps_to_converge(min(1.0, polar_kept((r, cols), max(r, cols) * _EPS32) ** 2))
             qr2 = orthonormalizations * (2 * 2.0 * rows * w * w + 2 * rows * w * w)  # two Grams, two solves
-            small = dict(small_matmul=products + 6.0 * r ** 3 * steps + qr2 / every, small_flops=sketch_svd / every,
-                         small_calls=1.0 / every)
+            small = dict(
+                small_matmul=products + 6.0 * r**3 * steps + qr2 / every,
+                small_flops=sketch_svd / every,
+                small_calls=1.0 / every,
+            )
         else:
-            small = dict(small_matmul=products,
-                         small_flops=8.0 * r ** 3 + (orthonormalizations * 4.0 * rows * w * w + sketch_svd) / every,
-                         small_calls=1.0 + (orthonormalizations + 1.0) / every)
-        return OpCost(row_flops=4.0 * rows * cols * r + refresh_rows / every, **small,
-                      reduced=r * cols, state=(rows + cols) * r, row_state=rows * r,
-                      refresh_reduced=refresh_reduced(group, rows, cols, r) + r * r, refresh_every=every)
+            small = dict(
+                small_matmul=products,
+                small_flops=8.0 * r**3 + (orthonormalizations * 4.0 * rows * w * w + sketch_svd) / every,
+                small_calls=1.0 + (orthonormalizations + 1.0) / every,
+            )
+        return OpCost(
+            row_flops=4.0 * rows * cols * r + refresh_rows / every,
+            **small,
+            reduced=r * cols,
+            state=(rows + cols) * r,
+            row_state=rows * r,
+            refresh_reduced=refresh_reduced(group, rows, cols, r) + r * r,
+            refresh_every=every,
+        )
 
     def matrix_state_spec(self, group: dict, a_shape: tuple[int, int]) -> dict:
         return _state_spec(group["rank"], *a_shape)
@@ -173,7 +226,6 @@ class SUMO(ShardedOptimizer):
         steps = self._step_counts(group["params"])  # taken back if the device skips this step
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))
-
 
     def _sumo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
         """One bucket's step, batched: matrices whose blocks and moments have the same shapes (and orientation)
@@ -202,17 +254,31 @@ class SUMO(ShardedOptimizer):
         period = group["refresh_interval"]
         due = [i for i, it in enumerate(items) if (steps[id(it.tensor)] - 1) % period == 0]
         if due:
-            self._refresh(group, items, ops, blocks if blocks is not None else
-                          [_whole_block(p, it.grad) for p, it in zip(plans, items)], due)
+            self._refresh(
+                group,
+                items,
+                ops,
+                blocks if blocks is not None else [_whole_block(p, it.grad) for p, it in zip(plans, items)],
+                due,
+            )
         arrival = [arrival_dtype(self, it.frag.name, it.tensor) for it in items]  # the same on every rank
         if local:
             active = list(range(n))
-            groups = group_indices(active, lambda i: (plans[i].transpose, items[i].layout.shape,
-                                                      states[i]["M"].shape, arrival[i]))
+            groups = group_indices(
+                active, lambda i: (plans[i].transpose, items[i].layout.shape, states[i]["M"].shape, arrival[i])
+            )
         else:
             active = [i for i in range(n) if ops.active(i)]
-            groups = group_indices(active, lambda i: (blocks[i].shape, blocks[i].stride(), states[i]["M"].shape,
-                                                      items[i].layout.shape, arrival[i]))
+            groups = group_indices(
+                active,
+                lambda i: (
+                    blocks[i].shape,
+                    blocks[i].stride(),
+                    states[i]["M"].shape,
+                    items[i].layout.shape,
+                    arrival[i],
+                ),
+            )
         # per group: this rank's rows of the bases, Q^T A in one batched product
         stacked_q, projections = [], []
         parts: dict[int, torch.Tensor] = {}
@@ -270,7 +336,7 @@ class SUMO(ShardedOptimizer):
                     torch._foreach_copy_(targets, [mom[j] for j in stepped] + [norms[j] for j in stepped])
             pos = 0
             for g in gs:
-                polar[g] = o[pos: pos + len(groups[g])]
+                polar[g] = o[pos : pos + len(groups[g])]
                 pos += len(groups[g])
         # alpha c(m, n) Q O, stored like G where the block is a transposed view (as mm_like)
         updates: list[torch.Tensor | None] = [None] * n
@@ -296,9 +362,15 @@ class SUMO(ShardedOptimizer):
         states = [it.state for it in items]
         ranks = {i: effective_rank(group["rank"], ops.plans[i].a_shape, items[i].frag.name, "SUMO") for i in due}
         refresh = [i for i in due if ops.active(i)]
-        new = range_basis(ops, {i: blocks[i] for i in refresh}, ranks, group["seed"],
-                          {i: (items[i].frag.name, int(states[i]["refreshes"])) for i in refresh},
-                          group["oversample"], group["power_iters"])
+        new = range_basis(
+            ops,
+            {i: blocks[i] for i in refresh},
+            ranks,
+            group["seed"],
+            {i: (items[i].frag.name, int(states[i]["refreshes"])) for i in refresh},
+            group["oversample"],
+            group["power_iters"],
+        )
         if not refresh:
             return
         # carry_moment on rows: Q_new^T Q is a sum over the rows of A, so where they are split each rank adds
@@ -323,8 +395,9 @@ def _state_spec(rank: int, rows: int, cols: int) -> dict:
     return {"Q": ((rows, r), ROWS), "M": ((r, cols), 1), "prev_onorm": ((), None), "refreshes": ((), None)}
 
 
-def _limit_growth_stacked(O: torch.Tensor, prev_norm: torch.Tensor,
-                          gamma: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _limit_growth_stacked(
+    O: torch.Tensor, prev_norm: torch.Tensor, gamma: float | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``limit_growth`` of a stack ``O`` (``B x k x l``; scaled in place) with one previous norm each (``B``),
     and the norms of the result. No host read: every matrix is scaled (by exactly 1.0 where it is not limited,
     which leaves it bit for bit) and the norm is recomputed only where it was, all selected on the device."""

@@ -15,6 +15,7 @@ exact float64 eigendecomposition (``whitening="svd"``).
 Whole matrices (single process, or an owner's) are stacked by shape: line norms, Grams and products run
 batched, and the roots of all Grams of one size as one batch. Single process, every sweep runs on the stacks.
 """
+
 from __future__ import annotations
 
 import math
@@ -29,9 +30,9 @@ from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
 from ..sharding.stacking import group_indices, same_shape
 from .base import ShardedOptimizer
+from .config import CommonOptions, WholeMatrixConfig
 from .items import apply_items
 from .nonfinite import zero_nonfinite
-from .config import CommonOptions, WholeMatrixConfig
 
 __all__ = ["SWAN", "line_scale", "whiten", "SWANConfig"]
 
@@ -49,9 +50,9 @@ def whiten(a_rows: torch.Tensor, root: torch.Tensor, k: int) -> torch.Tensor:
 def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int) -> None:
     for b, view in layout.views(x):
         if axis == 0:
-            view.sub_(means[b.row: b.row + b.height, None])
+            view.sub_(means[b.row : b.row + b.height, None])
         else:
-            view.sub_(means[None, b.col: b.col + b.width])
+            view.sub_(means[None, b.col : b.col + b.width])
 
 
 class SWANConfig(WholeMatrixConfig):
@@ -64,8 +65,10 @@ class SWANConfig(WholeMatrixConfig):
     iterations: int = pydantic.Field(1, ge=1, description="normalize + whiten sweeps")
     center: bool = pydantic.Field(False, description="subtract the row means first")
     whitening: Literal["newton_schulz", "svd"] = pydantic.Field(
-        "newton_schulz", description="polar factor by the coupled Newton-Schulz iteration on the Gram, or by an "
-                                     "exact float64 eigendecomposition")
+        "newton_schulz",
+        description="polar factor by the coupled Newton-Schulz iteration on the Gram, or by an "
+        "exact float64 eigendecomposition",
+    )
     ns_steps: int = pydantic.Field(12, ge=1, lt=100, description="coupled Newton-Schulz steps (converges)")
 
 
@@ -79,13 +82,34 @@ class SWAN(ShardedOptimizer):
     Config = SWANConfig
     matrix_treatments = ("swan",)
 
-    def __init__(self, params: Iterable[Any], lr: float = _D.lr, lr_scale: float = _D.lr_scale,
-                 iterations: int = _D.iterations, center: bool = _D.center, whitening: str = _D.whitening,
-                 ns_steps: int = _D.ns_steps, weight_decay: float = _D.weight_decay,
-                 **options: Unpack[CommonOptions]):
-        self._init_from_config(params, self.Config.from_arguments(type(self).__name__, dict(
-            lr=lr, lr_scale=lr_scale, iterations=iterations, center=center, whitening=whitening,
-            ns_steps=ns_steps, weight_decay=weight_decay), options))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _D.lr,
+        lr_scale: float = _D.lr_scale,
+        iterations: int = _D.iterations,
+        center: bool = _D.center,
+        whitening: str = _D.whitening,
+        ns_steps: int = _D.ns_steps,
+        weight_decay: float = _D.weight_decay,
+        **options: Unpack[CommonOptions],
+    ):
+        self._init_from_config(
+            params,
+            self.Config.from_arguments(
+                type(self).__name__,
+                dict(
+                    lr=lr,
+                    lr_scale=lr_scale,
+                    iterations=iterations,
+                    center=center,
+                    whitening=whitening,
+                    ns_steps=ns_steps,
+                    weight_decay=weight_decay,
+                ),
+                options,
+            ),
+        )
 
     def skips_on_device(self, group: dict) -> bool:
         """SWAN keeps no state: a skipped step whitens gradients whose non-finite elements read as 0 and applies
@@ -128,8 +152,13 @@ class SWAN(ShardedOptimizer):
             rnd.run()
             for it in items:
                 inv = line_scale(it.work["norm2"], it.work["k"])
-                scale_into(it.layout, it.work["x"], it.work["x"], inv if it.work["axis"] == 0 else None,
-                           inv if it.work["axis"] == 1 else None)
+                scale_into(
+                    it.layout,
+                    it.work["x"],
+                    it.work["x"],
+                    inv if it.work["axis"] == 0 else None,
+                    inv if it.work["axis"] == 1 else None,
+                )
             self._whiten(items, group)
         _apply_gated(items, lr, group["weight_decay"], gate)
 
@@ -148,10 +177,11 @@ class SWAN(ShardedOptimizer):
         would move the result."""
         rows, k = a_shape
         if group["whitening"] == "svd":
-            small = dict(small_flops=10.0 * k ** 3, small_matmul=2.0 * k ** 3, small_calls=1.0)
+            small = dict(small_flops=10.0 * k**3, small_matmul=2.0 * k**3, small_calls=1.0)
         else:  # a team inside one node may split its products by row blocks (issue 53)
-            small = dict(small_matmul=2.0 * k ** 3 * (3 * group["ns_steps"] - 2), split_k=k,
-                         split_steps=group["ns_steps"])
+            small = dict(
+                small_matmul=2.0 * k**3 * (3 * group["ns_steps"] - 2), split_k=k, split_steps=group["ns_steps"]
+            )
         return OpCost(row_flops=4.0 * rows * k * k, reduced=k * k, shared=k * k, **small)
 
     def _whiten(self, items: list, group: dict) -> None:
@@ -167,8 +197,11 @@ class SWAN(ShardedOptimizer):
         stacks = _stacks({i: blocks[i] for i in active if not ops.split(i)})
         out = _unstack(stacks, _whiten_stacks([a for _, a in stacks], group))
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in spread})
-        roots = ops.compute_once(grams, lambda mine: _gram_roots(mine, items, group),
-                                 split=lambda mine, rows: _gram_roots(mine, items, group, rows))
+        roots = ops.compute_once(
+            grams,
+            lambda mine: _gram_roots(mine, items, group),
+            split=lambda mine, rows: _gram_roots(mine, items, group, rows),
+        )
         out.update({i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in spread})
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
             it.work["x"] = piece

@@ -10,14 +10,23 @@ its logical side) and Muon's shape-dependent lr reads the logical shape. State k
 per-row entry (kind ``"rows"``: RACS's ``q``) is per logical row, i.e. per stored column
 (``ShardedOptimizer.line_axis``), so a checkpoint of a transposed weight means what it means for ``nn.Linear``.
 """
+
 from __future__ import annotations
 
 from typing import Any, Mapping, Sequence
 
 import torch
 
-__all__ = ["TRANSPOSED", "is_transposed", "logical_axes", "logical_2d", "line_sums", "line_length", "line_items",
-           "item_lines"]
+__all__ = [
+    "TRANSPOSED",
+    "is_transposed",
+    "logical_axes",
+    "logical_2d",
+    "line_sums",
+    "line_length",
+    "line_items",
+    "item_lines",
+]
 
 #: the param-group option that marks weights stored in x out (set by the ``matrix_transposed`` role)
 TRANSPOSED = "transposed"
@@ -39,8 +48,9 @@ def logical_2d(shape: Sequence[int], group: Mapping[str, Any]) -> tuple[int, int
     return (n, m) if is_transposed(group) else (m, n)
 
 
-def line_sums(blocks, axis: int, stacks: Sequence, weight: torch.Tensor | None = None,
-              square: bool = False) -> torch.Tensor:
+def line_sums(
+    blocks, axis: int, stacks: Sequence, weight: torch.Tensor | None = None, square: bool = False
+) -> torch.Tensor:
     """Partial sums of the lines along stored ``axis`` (0: row sums, weighted per column; 1: column sums, weighted
     per row) of every matrix of ``blocks`` (``sharding.block_groups.BlockGroups``), concatenated."""
     if axis == 0:

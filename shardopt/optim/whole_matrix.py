@@ -2,6 +2,7 @@
 split matrices is gathered whole for the step and cut back to this rank's share after it, so a rank holds whole
 state only for one bucket at a time.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -15,8 +16,9 @@ from .items import MatrixItem
 __all__ = ["run_buckets"]
 
 
-def run_buckets(opt: Any, group: dict, items: list[MatrixItem],
-                body: Callable[[list[MatrixItem], MatrixOps], None]) -> None:
+def run_buckets(
+    opt: Any, group: dict, items: list[MatrixItem], body: Callable[[list[MatrixItem], MatrixOps], None]
+) -> None:
     """Run ``body(items, ops)`` for ``opt`` (a ``ShardedOptimizer``) bucket by bucket: the small state of each
     bucket's distributed matrices is gathered whole for the step (one all-gather per group, on every step, the
     first included: the state is created from ``matrix_state_spec`` as zeros before it) and cut back to this
@@ -30,14 +32,19 @@ def run_buckets(opt: Any, group: dict, items: list[MatrixItem],
     for idx in ops.buckets(opt.matrix_bucket_elements):
         sub, its = ops.subset(idx), [items[i] for i in idx]
         by_shape: dict[tuple[int, int], StateSpec] = {}
-        specs = [by_shape[p.a_shape] if p.a_shape in by_shape else
-                 by_shape.setdefault(p.a_shape, opt.matrix_state_spec(group, p.a_shape)) for p in sub.plans]
+        specs = [
+            by_shape[p.a_shape]
+            if p.a_shape in by_shape
+            else by_shape.setdefault(p.a_shape, opt.matrix_state_spec(group, p.a_shape))
+            for p in sub.plans
+        ]
         entries, where = [], []
         for i, (it, spec) in enumerate(zip(its, specs)):
             for key, (shape, dim) in spec.items():  # state starts as zeros, created here from its spec
                 if key not in it.state:
-                    it.state[key] = torch.zeros(share_shape(sub.placements[i], shape, dim), dtype=torch.float32,
-                                                device=it.grad.device)
+                    it.state[key] = torch.zeros(
+                        share_shape(sub.placements[i], shape, dim), dtype=torch.float32, device=it.grad.device
+                    )
             if not (sub.split(i) and sub.active(i)):
                 continue  # owner / local: the computing rank already holds all of it; a team's others none
             for key in sorted(spec):

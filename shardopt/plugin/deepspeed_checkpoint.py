@@ -8,6 +8,7 @@ logical file where a conversion put it there. Those files are read with DeepSpee
 load does (full pickle: trusted files only). ``load_checkpoint`` returns what DeepSpeed returns: the model-states
 file read and the checkpoint's entries that are not DeepSpeed's own.
 """
+
 from __future__ import annotations
 
 import os
@@ -20,8 +21,14 @@ from torch import nn
 
 from ..optim.base import ShardedOptimizer
 
-__all__ = ["load_resharded", "module_extras", "read_model_states", "refuse_load_universal", "mark_not_universal",
-           "UNIVERSAL_ROUTE"]
+__all__ = [
+    "load_resharded",
+    "module_extras",
+    "read_model_states",
+    "refuse_load_universal",
+    "mark_not_universal",
+    "UNIVERSAL_ROUTE",
+]
 
 #: what DeepSpeed's universal-checkpoint route would give, and where shardopt gives it
 UNIVERSAL_ROUTE = (
@@ -29,7 +36,8 @@ UNIVERSAL_ROUTE = (
     "which is all DeepSpeed's universal checkpoint holds; shardopt's own checkpoints are universal already: "
     "engine.load_checkpoint(<dir>) loads them at any world size and ZeRO stage (shardopt.checkpoint), and "
     "`shardopt checkpoint convert <dir> <out> --to dcp|file|deepspeed` converts them for FSDP2 or one file "
-    "(docs/checkpoints.md)")
+    "(docs/checkpoints.md)"
+)
 
 _PLAIN = "mp_rank_00_model_states.pt"
 _ZERO3 = re.compile(r"^zero_pp_rank_(\d+)_mp_rank_00_model_states\.pt$")
@@ -71,8 +79,12 @@ def persistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def module_extras(module: nn.Module, checkpoint: dict | None, zero3_ranks: list[dict], reader: Any,
-                  ) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str], list[str]]:
+def module_extras(
+    module: nn.Module,
+    checkpoint: dict | None,
+    zero3_ranks: list[dict],
+    reader: Any,
+) -> tuple[dict[str, tuple[torch.Tensor, torch.Tensor]], list[str], list[str]]:
     """What the optimizer does not step: ``{name: (target tensor, saved value)}`` for the module's frozen
     parameters and persistent buffers, the names the checkpoint lacks, and the checkpoint's module entries
     that the module does not have (``load_module_strict``)."""
@@ -114,8 +126,9 @@ def _copy_into(target: torch.Tensor, value: torch.Tensor) -> None:
             target.data.copy_(flat.view_as(target.data).to(target.dtype))
 
 
-def _full_state_dict(module: nn.Module, reader: Any, extras: Mapping[str, tuple], names: Mapping[int, str]
-                     ) -> dict[str, torch.Tensor]:
+def _full_state_dict(
+    module: nn.Module, reader: Any, extras: Mapping[str, tuple], names: Mapping[int, str]
+) -> dict[str, torch.Tensor]:
     """The whole module state dict from the checkpoint (what ``custom_load_fn`` gets as ``src``, as DeepSpeed
     hands it the saved module): trained parameters from shardopt's fp32 values, the rest from ``extras``."""
     from ..checkpoint.logical import fill_param_range
@@ -138,10 +151,20 @@ def _restore_masters_from_module(engine: Any) -> None:
         restore()
 
 
-def load_resharded(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str], load_dir: str, tag: str, *,
-                   load_module_strict: bool, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                   load_module_only: bool, custom_load_fn: Callable | None,
-                   sync_bit16: Callable[[Any, Any, Mapping[int, str]], None]) -> tuple[str, dict]:
+def load_resharded(
+    engine: Any,
+    opt: ShardedOptimizer,
+    names: Mapping[int, str],
+    load_dir: str,
+    tag: str,
+    *,
+    load_module_strict: bool,
+    load_optimizer_states: bool,
+    load_lr_scheduler_states: bool,
+    load_module_only: bool,
+    custom_load_fn: Callable | None,
+    sync_bit16: Callable[[Any, Any, Mapping[int, str]], None],
+) -> tuple[str, dict]:
     """``engine.load_checkpoint`` from shardopt's file at ``<load_dir>/<tag>``. Collective (every rank)."""
     from .. import checkpoint as ckpt
 
@@ -153,17 +176,18 @@ def load_resharded(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str],
     pipeline = hasattr(engine.module, "load_state_dir") and checkpoint is not None and checkpoint.get("module") is None
     with ckpt.StateReader(ours) as reader:
         # everything checked before anything changes (ckpt.load checks its own part the same way)
-        extras, missing, unexpected = ({}, [], []) if pipeline else \
-            module_extras(engine.module, checkpoint, zero3_ranks, reader)
+        extras, missing, unexpected = (
+            ({}, [], []) if pipeline else module_extras(engine.module, checkpoint, zero3_ranks, reader)
+        )
         if load_module_strict and (missing or unexpected):
             raise RuntimeError(
                 f"{tag_dir}: the checkpoint does not match the model (load_module_strict=True): missing "
                 f"{missing or 'nothing'}, unexpected {unexpected or 'nothing'}; a checkpoint saved with "
                 "exclude_frozen_parameters=True has no frozen parameters: pass load_module_strict=False to keep "
-                "the model's own values for what is missing")
+                "the model's own values for what is missing"
+            )
         if pipeline:  # a PipelineModule keeps its layers in files of their own, readable at any layout
-            engine.module.load_state_dir(tag_dir, checkpoint_engine=engine.checkpoint_engine,
-                                         strict=load_module_strict)
+            engine.module.load_state_dir(tag_dir, checkpoint_engine=engine.checkpoint_engine, strict=load_module_strict)
         if custom_load_fn is not None:
             src = _full_state_dict(engine.module, reader, extras, names)
             from deepspeed import zero
@@ -193,11 +217,15 @@ def load_resharded(engine: Any, opt: ShardedOptimizer, names: Mapping[int, str],
     return load_path, client_state(checkpoint, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
 
-def client_state(checkpoint: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool,
-                 load_module_only: bool) -> dict:
+def client_state(
+    checkpoint: dict, load_optimizer_states: bool, load_lr_scheduler_states: bool, load_module_only: bool
+) -> dict:
     """What DeepSpeed's ``_load_checkpoint`` returns as the client state: the entries it did not consume."""
-    consumed = ["module"] if load_module_only else [
-        "module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd"]
+    consumed = (
+        ["module"]
+        if load_module_only
+        else ["module", "skipped_steps", "global_steps", "dp_world_size", "mp_world_size", "data_sampler", "random_ltd"]
+    )
     if load_lr_scheduler_states:
         consumed.append("lr_scheduler")
     if load_optimizer_states:
@@ -212,8 +240,10 @@ def refuse_load_universal(cfg: Mapping[str, Any]) -> None:
 
     section = cfg.get("checkpoint") or {}
     if isinstance(section, Mapping) and section.get("load_universal"):
-        raise ConfigError(f"checkpoint.load_universal = true: {UNIVERSAL_ROUTE}. Remove checkpoint.load_universal "
-                          "and call engine.load_checkpoint on the directory shardopt's engine saved")
+        raise ConfigError(
+            f"checkpoint.load_universal = true: {UNIVERSAL_ROUTE}. Remove checkpoint.load_universal "
+            "and call engine.load_checkpoint on the directory shardopt's engine saved"
+        )
 
 
 #: DeepSpeed's key for AutoEP layer metadata, which ``ds_to_universal`` validates first on a ZeRO-3 checkpoint
@@ -225,8 +255,14 @@ def _zero3_stop(message: str) -> list[dict]:
     reads any ZeRO-3 optimizer file and stops with ``RuntimeError: ds_autoep_layers metadata has duplicate
     moe_layer_id: <message>``. Nothing else reads them on a model without MoE layers (DeepSpeed's load reads them
     only for MoE layers, ``zero_to_fp32`` only entries of the partitioned format, which these are not)."""
-    entry = {"moe_layer_id": message, "module_path": "", "num_experts": 1, "num_local_experts": 1, "ep_size": 1,
-             "expert_key_prefix": ""}
+    entry = {
+        "moe_layer_id": message,
+        "module_path": "",
+        "num_experts": 1,
+        "num_local_experts": 1,
+        "ep_size": 1,
+        "expert_key_prefix": "",
+    }
     return [entry, {**entry, "expert_key_prefix": "-"}]
 
 
@@ -236,8 +272,12 @@ def mark_not_universal(client_state: Mapping[str, Any], engine: Any = None) -> d
     on ZeRO-1/2 a ``universal_checkpoint_info`` whose unsupported-parameter check runs first, on ZeRO-3 AutoEP
     metadata that its first validation refuses (``_zero3_stop``). An engine with DeepSpeed MoE layers is left
     unmarked: its save reserves both keys for DeepSpeed's own metadata."""
-    from deepspeed.checkpoint.constants import (AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS, UNIVERSAL_CHECKPOINT_INFO,
-                                                UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
+    from deepspeed.checkpoint.constants import (
+        AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS,
+        UNIVERSAL_CHECKPOINT_INFO,
+        UNIVERSAL_CHECKPOINT_VERSION_KEY,
+        UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+    )
 
     if engine is not None and getattr(engine, "has_moe_layers", False):
         return dict(client_state)

@@ -8,6 +8,7 @@ DeepSpeed's partitioning rules (``shared/notes/engines.md`` section 4). The tabl
 ``round_robin_bit16_groups`` and its recorded offsets, never from ``_hp_mapping``, which is wrong under
 ``round_robin_gradients`` in DeepSpeed 0.19.8.
 """
+
 from __future__ import annotations
 
 import copy
@@ -29,8 +30,17 @@ from ..sharding.fragment import Fragment
 from ..sharding.precision import LOW_PRECISION, record_arrival_dtypes
 from .zero_layouts import flat_fragments, zero3_fragments
 
-__all__ = ["initialize", "ShardoptSection", "load_config", "parse_section", "parse_shardopt_section",
-           "attach_zero_layouts", "OFFLOAD_KEYS", "offload_devices", "apply_offload_keys"]
+__all__ = [
+    "initialize",
+    "ShardoptSection",
+    "load_config",
+    "parse_section",
+    "parse_shardopt_section",
+    "attach_zero_layouts",
+    "OFFLOAD_KEYS",
+    "offload_devices",
+    "apply_offload_keys",
+]
 
 
 class ShardoptSection(pydantic.BaseModel):
@@ -54,8 +64,9 @@ class ShardoptSection(pydantic.BaseModel):
     def from_config(cls, config: OptimizerConfig, routing: Mapping[str, str] | None = None) -> "ShardoptSection":
         """A section for hyperparameters validated elsewhere (the trainer's ``optimizer``), so DeepSpeed's
         ``initialize`` does not parse them again."""
-        section = cls(optimizer=type(config).treatment, params=config.model_dump(exclude_unset=True),
-                      routing=dict(routing or {}))
+        section = cls(
+            optimizer=type(config).treatment, params=config.model_dump(exclude_unset=True), routing=dict(routing or {})
+        )
         section._config = config
         return section
 
@@ -69,8 +80,9 @@ def parse_shardopt_section(raw: Any, where: str = "shardopt") -> ShardoptSection
         section = ShardoptSection(**raw) if isinstance(raw, Mapping) else ShardoptSection.model_validate(raw)
     except pydantic.ValidationError as err:
         raise ConfigError(format_errors(err, where)) from None
-    section._config = validate_hyperparameters(section.optimizer, section.params, where=f"{where}.params",
-                                               name_key=f"{where}.optimizer")
+    section._config = validate_hyperparameters(
+        section.optimizer, section.params, where=f"{where}.params", name_key=f"{where}.optimizer"
+    )
     return section
 
 
@@ -88,11 +100,15 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, OptimizerConfig
     """Pop and validate the ``"shardopt"`` section (a ``ShardoptSection`` parsed already, as the trainer passes,
     is not parsed again); refuse configs DeepSpeed would handle differently."""
     if "shardopt" not in cfg:
-        raise ConfigError("DeepSpeed config has no 'shardopt' section; add e.g. "
-                          '"shardopt": {"optimizer": "scale", "params": {"lr": 1e-3}}')
+        raise ConfigError(
+            "DeepSpeed config has no 'shardopt' section; add e.g. "
+            '"shardopt": {"optimizer": "scale", "params": {"lr": 1e-3}}'
+        )
     if "optimizer" in cfg:
-        raise ConfigError("DeepSpeed config has both an 'optimizer' block and a 'shardopt' section; remove the "
-                          "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)")
+        raise ConfigError(
+            "DeepSpeed config has both an 'optimizer' block and a 'shardopt' section; remove the "
+            "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)"
+        )
     section = parse_shardopt_section(cfg.pop("shardopt"))
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
         if key in cfg and (isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1):
@@ -137,26 +153,30 @@ def offload_devices(cfg: Mapping[str, Any]) -> dict[str, str]:
     for key in ("offload_optimizer", "offload_param"):
         off = zero.get(key) if isinstance(zero, Mapping) else None
         if off is not None and not isinstance(off, Mapping):
-            raise ConfigError(f"zero_optimization.{key}: expected an object such as {{\"device\": \"cpu\"}}, "
-                              f"got {off!r}")
+            raise ConfigError(f'zero_optimization.{key}: expected an object such as {{"device": "cpu"}}, got {off!r}')
         raw = (off or {}).get("device", "none")
         device = str(getattr(raw, "value", raw) or "none").lower()
         if device == "nvme":
             raise ConfigError(
                 f"zero_optimization.{key}.device = 'nvme': shardopt does not run with NVMe offload (DeepSpeed's "
                 "swapper moves the optimizer state it knows, keyed by its flat partitions, not shardopt's per-matrix "
-                f"state); use CPU offload instead: \"{key}\": {{\"device\": \"cpu\"}}")
+                f'state); use CPU offload instead: "{key}": {{"device": "cpu"}}'
+            )
         if device not in ("none", "cpu"):
             raise ConfigError(f"zero_optimization.{key}.device = {raw!r}: expected 'none' or 'cpu'")
         devices[key] = device
     if devices["offload_optimizer"] == "cpu" and stage not in (1, 2, 3):
-        raise ConfigError(f"zero_optimization.offload_optimizer.device = 'cpu' needs zero_optimization.stage 1, 2 "
-                          f"or 3 (got stage {stage!r}, where DeepSpeed offloads nothing); set the stage or remove "
-                          "the offload")
+        raise ConfigError(
+            f"zero_optimization.offload_optimizer.device = 'cpu' needs zero_optimization.stage 1, 2 "
+            f"or 3 (got stage {stage!r}, where DeepSpeed offloads nothing); set the stage or remove "
+            "the offload"
+        )
     if devices["offload_param"] == "cpu" and stage != 3:
-        raise ConfigError(f"zero_optimization.offload_param.device = 'cpu' needs zero_optimization.stage 3 (got "
-                          f"stage {stage!r}, where DeepSpeed keeps every parameter on the device); set stage 3, "
-                          "or use offload_optimizer alone")
+        raise ConfigError(
+            f"zero_optimization.offload_param.device = 'cpu' needs zero_optimization.stage 3 (got "
+            f"stage {stage!r}, where DeepSpeed keeps every parameter on the device); set stage 3, "
+            "or use offload_optimizer alone"
+        )
     return devices
 
 
@@ -170,18 +190,28 @@ def apply_offload_keys(cfg: dict[str, Any], where: str = "the DeepSpeed config")
             if key == "zero_force_ds_cpu_optimizer" and key in cfg and cfg[key] != value:
                 raise ConfigError(
                     f"{key} = {cfg[key]!r} in {where}: with zero_optimization.offload_optimizer.device 'cpu' a "
-                    f"shardopt optimizer needs \"{key}\": {str(value).lower()} (with true DeepSpeed refuses it, "
-                    "and accelerate swaps in DeepSpeedCPUAdam); remove the key or set it so")
+                    f'shardopt optimizer needs "{key}": {str(value).lower()} (with true DeepSpeed refuses it, '
+                    "and accelerate swaps in DeepSpeedCPUAdam); remove the key or set it so"
+                )
             cfg[key] = value
     return devices
 
 
-def _flat_layouts(order: list[torch.nn.Parameter], offsets: list[int], partition: int, rank: int, world: int,
-                  group: Any, names: Mapping[int, str], shape_of) -> list[Fragment]:
+def _flat_layouts(
+    order: list[torch.nn.Parameter],
+    offsets: list[int],
+    partition: int,
+    rank: int,
+    world: int,
+    group: Any,
+    names: Mapping[int, str],
+    shape_of,
+) -> list[Fragment]:
     """Fragments of parameters concatenated at ``offsets`` into a flat buffer cut into ``world`` parts of
     ``partition`` elements (ZeRO-1/2 and the bf16 ZeRO-1 wrapper; ``zero_layouts.flat_fragments``)."""
-    return flat_fragments([names[id(p)] for p in order], [shape_of(p) for p in order], offsets, partition, world,
-                          rank, group)
+    return flat_fragments(
+        [names[id(p)] for p in order], [shape_of(p) for p in order], offsets, partition, world, rank, group
+    )
 
 
 def expert_layers(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
@@ -202,7 +232,8 @@ def refuse_unsupported(model: nn.Module | None) -> None:
             raise NotImplementedError(
                 f"deepspeed.moe.layer.MoE at {name!r}: enable_expert_tensor_parallelism=True splits each expert "
                 "over the tensor-parallel group, which shardopt's DeepSpeed adapter does not map; build the MoE "
-                "layer with enable_expert_tensor_parallelism=False")
+                "layer with enable_expert_tensor_parallelism=False"
+            )
 
 
 def global_expert_names(model: nn.Module, names: dict[int, str]) -> None:
@@ -216,8 +247,11 @@ def global_expert_names(model: nn.Module, names: dict[int, str]) -> None:
 
     for layer_name, layer in expert_layers(model):
         ep_rank = ds_groups._get_expert_parallel_rank(layer.expert_group_name)
-        prefix = f"{layer_name}.deepspeed_moe.experts.deepspeed_experts" if layer_name else \
-            "deepspeed_moe.experts.deepspeed_experts"
+        prefix = (
+            f"{layer_name}.deepspeed_moe.experts.deepspeed_experts"
+            if layer_name
+            else "deepspeed_moe.experts.deepspeed_experts"
+        )
         for local, expert in enumerate(layer.deepspeed_moe.experts.deepspeed_experts):
             index = ep_rank * layer.num_local_experts + local
             for pname, p in expert.named_parameters():
@@ -295,15 +329,19 @@ def pipeline_roles(model: nn.Module) -> RoleTable | None:
     except Exception as err:  # a spec that needs real memory or devices to build
         heads = _head_candidates(model)
         named = f"; on this stage {heads} would be the LM head by shape and position" if heads else ""
-        warnings.warn(f"shardopt: the pipeline's layer specs could not be built on the meta device ({err}); each "
-                      "stage's parameters get the roles found on that stage alone, so an LM head on a stage without "
-                      "the embedding is a plain matrix" + named + ": declare it with routing={'<name>': 'lm_head'} "
-                      "(and 'embedding' for an embedding that is not an nn.Embedding)", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"shardopt: the pipeline's layer specs could not be built on the meta device ({err}); each "
+            "stage's parameters get the roles found on that stage alone, so an LM head on a stage without "
+            "the embedding is a plain matrix" + named + ": declare it with routing={'<name>': 'lm_head'} "
+            "(and 'embedding' for an embedding that is not an nn.Embedding)",
+            UserWarning,
+            stacklevel=3,
+        )
         return None
     whole.tied_modules = tied
     table = find_roles(whole)
     for key, count in uses.items():
-        for attr in ([attrs[key]] if isinstance(attrs[key], str) else attrs[key] or []):
+        for attr in [attrs[key]] if isinstance(attrs[key], str) else attrs[key] or []:
             name = f"tied_modules.{key}.{attr}"
             if count > 1 and table.roles.get(name) == "embedding":
                 # the embedding tied to the output projection: one process's head
@@ -362,7 +400,8 @@ def balance_stage_norms(engine: Any) -> None:
             f"pipeline stages form different numbers of param groups ({sorted(set(counts))}) under DeepSpeed's "
             f"{type(wrapper).__name__}, which computes one gradient-norm collective per group across the stages; "
             "shardopt pads those of ZeRO-1 (zero_optimization.stage 1) and needs none for fp32/bf16 ZeRO-0 "
-            "(stage 0 without fp16)")
+            "(stage 0 without fp16)"
+        )
     if missing <= 0:
         return
     original = wrapper.scaled_global_norm
@@ -379,8 +418,11 @@ def balance_stage_norms(engine: Any) -> None:
             extra += pad
         if is_invalid_grad_norm(norm) or not bool(torch.isfinite(extra)):
             return torch.full_like(norm, float("inf")) if torch.is_tensor(norm) else float("inf")
-        return (norm.float() ** 2 + extra.to(norm.device)).sqrt().to(norm.dtype) if torch.is_tensor(norm) \
-            else float((norm ** 2 + float(extra)) ** 0.5)
+        return (
+            (norm.float() ** 2 + extra.to(norm.device)).sqrt().to(norm.dtype)
+            if torch.is_tensor(norm)
+            else float((norm**2 + float(extra)) ** 0.5)
+        )
 
     wrapper.scaled_global_norm = scaled_global_norm
 
@@ -408,9 +450,15 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             pg = wrapper.real_dp_process_group[g]
             world = dist.get_world_size(group=pg)
             frags = _flat_layouts(
-                wrapper.round_robin_bit16_groups[g], wrapper.round_robin_bit16_offsets[g],
-                wrapper.bit16_groups_flat[g].numel() // world, dist.get_rank(group=pg), world, pg, names,
-                lambda p: tuple(p.shape))
+                wrapper.round_robin_bit16_groups[g],
+                wrapper.round_robin_bit16_offsets[g],
+                wrapper.bit16_groups_flat[g].numel() // world,
+                dist.get_rank(group=pg),
+                world,
+                pg,
+                names,
+                lambda p: tuple(p.shape),
+            )
             flat.append((partition, frags))
             bit16.extend(wrapper.round_robin_bit16_groups[g])
     elif isinstance(wrapper, BF16_Optimizer):
@@ -419,25 +467,43 @@ def attach_zero_layouts(engine: Any, opt: ShardedOptimizer, names: Mapping[int, 
             world = dist.get_world_size(group=pg)
             order = wrapper.bf16_groups[g]
             offsets = [sum(p.numel() for p in order[:i]) for i in range(len(order))]
-            frags = _flat_layouts(order, offsets, wrapper.bf16_groups_flat[g].numel() // world,
-                                  dist.get_rank(group=pg), world, pg, names, lambda p: tuple(p.shape))
+            frags = _flat_layouts(
+                order,
+                offsets,
+                wrapper.bf16_groups_flat[g].numel() // world,
+                dist.get_rank(group=pg),
+                world,
+                pg,
+                names,
+                lambda p: tuple(p.shape),
+            )
             flat.append((partition, frags))
             bit16.extend(order)
     elif isinstance(wrapper, DeepSpeedZeroOptimizer_Stage3):
         for sg, partition in enumerate(wrapper.fp32_partitioned_groups_flat):
-            pg = wrapper.sub_group_process_groups[sg] if hasattr(wrapper, "sub_group_process_groups") \
+            pg = (
+                wrapper.sub_group_process_groups[sg]
+                if hasattr(wrapper, "sub_group_process_groups")
                 else wrapper.dp_process_group
+            )
             world = dist.get_world_size(group=pg)
             rank = dist.get_rank(group=pg)
             params = wrapper.fp16_groups[sg]
-            frags, _ = zero3_fragments([names[id(p)] for p in params], [tuple(p.ds_shape) for p in params], world,
-                                       rank, pg, partition_numels=[p.partition_numel() for p in params])
+            frags, _ = zero3_fragments(
+                [names[id(p)] for p in params],
+                [tuple(p.ds_shape) for p in params],
+                world,
+                rank,
+                pg,
+                partition_numels=[p.partition_numel() for p in params],
+            )
             flat.append((partition, frags))
             bit16.extend(params)
     else:
         raise NotImplementedError(
             f"DeepSpeed wrapped the optimizer in {type(wrapper).__name__}, which shardopt cannot map to "
-            "matrices; use zero_optimization.stage 1, 2 or 3 (or stage 0 with fp32)")
+            "matrices; use zero_optimization.stage 1, 2 or 3 (or stage 0 with fp32)"
+        )
     opt.use_layouts(flat=flat)
     opt.engine_skips_nonfinite = _skips_nonfinite_steps(wrapper)
     # bf16/fp16 weights: the rules' numerical-zero cutoffs follow that precision, not the fp32 partitions'
@@ -458,7 +524,8 @@ def _skips_nonfinite_steps(wrapper: Any) -> bool:
         return True
     if isinstance(wrapper, DeepSpeedZeroOptimizer):
         return bool(getattr(wrapper, "check_grad_overflow", False)) or (
-            bool(getattr(wrapper, "compute_grad_norm", False)) and getattr(wrapper, "dtype", None) != torch.bfloat16)
+            bool(getattr(wrapper, "compute_grad_norm", False)) and getattr(wrapper, "dtype", None) != torch.bfloat16
+        )
     return False
 
 
@@ -483,8 +550,14 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
     names = {id(p): n for n, p in model.named_parameters()}
     stage = pipeline_stage(model)
     unused: list[str] | None = None if stage is None else []
-    groups = build_param_groups(model, section.optimizer, hp, section.routing, unused=unused,
-                                roles=pipeline_roles(model) if stage is not None else None)
+    groups = build_param_groups(
+        model,
+        section.optimizer,
+        hp,
+        section.routing,
+        unused=unused,
+        roles=pipeline_roles(model) if stage is not None else None,
+    )
     if stage is not None:
         check_pipeline_stages(stage, groups, unused)
     cls = optimizer_class(section.optimizer)
@@ -611,22 +684,43 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
         tag = tag if tag is not None else f"global_step{engine.global_steps}"
 
         def ours(tag_dir: str) -> None:
-            extra = {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
-                     "zero_stage": engine.zero_optimization_stage(), "client_state": client_state,
-                     "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
-                     "commit": "marker"}  # complete only with the tag's marker (checkpoint.commit)
+            extra = {
+                "global_steps": engine.global_steps,
+                "global_samples": engine.global_samples,
+                "zero_stage": engine.zero_optimization_stage(),
+                "client_state": client_state,
+                "lr_scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+                "commit": "marker",
+            }  # complete only with the tag's marker (checkpoint.commit)
             ckpt.save(tag_dir, opt, engine="deepspeed", extra=extra)
 
         marked = mark_not_universal(client_state, engine)  # ds_to_universal stops at once, naming shardopt's route
-        return _committed_save(engine, str(save_dir), str(tag), save_latest,
-                               lambda: ds_save(save_dir, tag=tag, client_state=marked, save_latest=False,
-                                               **kwargs), ours)
+        return _committed_save(
+            engine,
+            str(save_dir),
+            str(tag),
+            save_latest,
+            lambda: ds_save(save_dir, tag=tag, client_state=marked, save_latest=False, **kwargs),
+            ours,
+        )
 
-    def load_checkpoint(load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
-                        load_lr_scheduler_states=True, load_module_only=False, custom_load_fn=None, **kwargs):
-        options = dict(load_module_strict=load_module_strict, load_optimizer_states=load_optimizer_states,
-                       load_lr_scheduler_states=load_lr_scheduler_states, load_module_only=load_module_only,
-                       custom_load_fn=custom_load_fn)
+    def load_checkpoint(
+        load_dir,
+        tag=None,
+        load_module_strict=True,
+        load_optimizer_states=True,
+        load_lr_scheduler_states=True,
+        load_module_only=False,
+        custom_load_fn=None,
+        **kwargs,
+    ):
+        options = dict(
+            load_module_strict=load_module_strict,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+            custom_load_fn=custom_load_fn,
+        )
 
         # Decide on rank 0 and share it: the two paths issue different collectives, so a rank that sees the
         # files differently (node-local disk, a lagging shared filesystem) must not choose on its own.
@@ -642,9 +736,11 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
                 if problem is None and ours is not None and os.path.isfile(ours):
                     meta = ckpt.read_metadata(ours)
                     extra = meta.get("extra") or {}
-                    use_ours = not (meta.get("engine") == "deepspeed"
-                                    and meta.get("world_size") == dist.get_world_size()
-                                    and extra.get("zero_stage") == engine.zero_optimization_stage())
+                    use_ours = not (
+                        meta.get("engine") == "deepspeed"
+                        and meta.get("world_size") == dist.get_world_size()
+                        and extra.get("zero_stage") == engine.zero_optimization_stage()
+                    )
                     if not use_ours:  # DeepSpeed's files load, but a damaged tag is refused now, not at a reshard
                         with ckpt.StateReader(ours, meta) as reader:
                             if reader.verify:
@@ -659,8 +755,10 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
         if not use_ours:
             return ds_load(load_dir, tag=tag, **options, **kwargs)
         if kwargs:
-            raise TypeError(f"engine.load_checkpoint: {sorted(kwargs)} are not DeepSpeed's load options, which "
-                            "shardopt's resharding load takes (another world size or ZeRO stage)")
+            raise TypeError(
+                f"engine.load_checkpoint: {sorted(kwargs)} are not DeepSpeed's load options, which "
+                "shardopt's resharding load takes (another world size or ZeRO stage)"
+            )
         from .deepspeed_checkpoint import load_resharded
 
         return load_resharded(engine, opt, names, str(load_dir), str(tag), sync_bit16=_sync_bit16_params, **options)

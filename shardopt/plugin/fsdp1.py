@@ -23,6 +23,7 @@ the tensors the user sees. Checkpoints carry the original names, so either setti
 Parameters of an FSDP1 model that reach an optimizer without the model (``model.parameters()``) are refused, since
 their shapes are gone.
 """
+
 from __future__ import annotations
 
 import math
@@ -34,15 +35,31 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..optim.hooks import (register_model_inspector, register_model_watcher, register_param_source,
-                           register_pre_step_check, register_zero_grad_hook)
+from ..optim.hooks import (
+    register_model_inspector,
+    register_model_watcher,
+    register_param_source,
+    register_pre_step_check,
+    register_zero_grad_hook,
+)
 from ..optim.routing import StandIn, declare_logical_shape, declare_stand_ins, forget_stand_ins
 from ..sharding.discover import layout_of, matrix_shape
 from ..sharding.layout import MatrixLayout
 from .zero_layouts import flat_pieces
 
-__all__ = ["inspect_model", "watch_model", "adopt", "fsdp1_layout", "refuse_unknown_flattened", "sync_flat_views",
-           "clear_flat_grads", "ensure_layouts", "drop_view_grads", "refuse_fsdp1_optim_state_dict", "FSDP1Error"]
+__all__ = [
+    "inspect_model",
+    "watch_model",
+    "adopt",
+    "fsdp1_layout",
+    "refuse_unknown_flattened",
+    "sync_flat_views",
+    "clear_flat_grads",
+    "ensure_layouts",
+    "drop_view_grads",
+    "refuse_fsdp1_optim_state_dict",
+    "FSDP1Error",
+]
 
 #: each original parameter of an FSDP1 module that ``inspect_model`` described -> its layout
 _LAYOUTS: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -58,6 +75,7 @@ _VIEWS_OF: WeakIdKeyDictionary = WeakIdKeyDictionary()
 class _FlatView(NamedTuple):
     """Where a stand-in view lives: the local shard ``[lo, hi)`` of the flat parameter ``ref`` refers to (weakly: the
     flat parameter keys ``_VIEWS_OF``, whose value holds the view), viewed as ``shape`` (None: 1-D)."""
+
     ref: Any
     lo: int
     hi: int
@@ -68,7 +86,7 @@ class _FlatView(NamedTuple):
         return self.ref()
 
     def of(self, t: torch.Tensor) -> torch.Tensor:
-        piece = t[self.lo:self.hi]
+        piece = t[self.lo : self.hi]
         return piece.view(self.shape) if self.shape is not None else piece
 
 
@@ -76,9 +94,11 @@ class FSDP1Error(NotImplementedError):
     """A legacy FSDP layout shardopt cannot describe (flat parameters, or parameters without their model)."""
 
 
-_FIX = ("wrap with FullyShardedDataParallel(..., use_orig_params=True) (accelerate: fsdp_use_orig_params: true; HF "
-        "Trainer: fsdp_config={'use_orig_params': True}) and pass the wrapped model to shardopt.create_optimizer, or "
-        "use FSDP2 (torch.distributed.fsdp.fully_shard)")
+_FIX = (
+    "wrap with FullyShardedDataParallel(..., use_orig_params=True) (accelerate: fsdp_use_orig_params: true; HF "
+    "Trainer: fsdp_config={'use_orig_params': True}) and pass the wrapped model to shardopt.create_optimizer, or "
+    "use FSDP2 (torch.distributed.fsdp.fully_shard)"
+)
 
 
 def _fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -103,8 +123,9 @@ def _originals(flat: torch.Tensor, world: int, chunk: int) -> list[tuple[tuple[i
     for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
         numel = int(numel)
         if not padding:
-            out.append((tuple(flat._shapes[real]), offset, flat_pieces(offset, numel, chunk, world) if world > 1
-                        else None))
+            out.append(
+                (tuple(flat._shapes[real]), offset, flat_pieces(offset, numel, chunk, world) if world > 1 else None)
+            )
             real += 1
         offset += numel
     return out
@@ -122,18 +143,27 @@ def inspect_model(model: nn.Module) -> None:
         world, rank, group = _shard_group(handle)
         chunk = -(-sum(int(n) for n in flat._numels_with_padding) // world)
         originals = _originals(flat, world, chunk)
-        views = None if handle._use_orig_params else _flat_views(model, module, prefixes, flat, originals, rank,
-                                                                 chunk)
+        views = None if handle._use_orig_params else _flat_views(model, module, prefixes, flat, originals, rank, chunk)
         for index, (shape, _, pieces) in enumerate(originals):
             param = flat._params[index] if views is None else views[index]
             declare_logical_shape(param, shape)
-            _LAYOUTS[param] = (MatrixLayout(matrix_shape(shape), pieces, rank, group) if pieces is not None
-                               else MatrixLayout.whole(matrix_shape(shape)))
+            _LAYOUTS[param] = (
+                MatrixLayout(matrix_shape(shape), pieces, rank, group)
+                if pieces is not None
+                else MatrixLayout.whole(matrix_shape(shape))
+            )
             _FLAT_OF[param] = (weakref.ref(flat), index)
 
 
-def _flat_views(model: nn.Module, module: nn.Module, prefixes: dict[int, str], flat: torch.Tensor,
-                originals: list, rank: int, chunk: int) -> list[torch.Tensor]:
+def _flat_views(
+    model: nn.Module,
+    module: nn.Module,
+    prefixes: dict[int, str],
+    flat: torch.Tensor,
+    originals: list,
+    rank: int,
+    chunk: int,
+) -> list[torch.Tensor]:
     """One view per original parameter of ``flat`` (use_orig_params=False), declared to routing as stand-ins: a
     1-D ``nn.Parameter`` aliasing its elements in this rank's shard (its piece of the layout, empty where the rank
     holds none), or the whole parameter in its shape when the flat parameter is not sharded."""
@@ -145,16 +175,27 @@ def _flat_views(model: nn.Module, module: nn.Module, prefixes: dict[int, str], f
                 where = _FlatView(weakref.ref(flat), offset, offset + math.prod(shape), shape)
             else:  # the layout's piece, moved into this rank's shard
                 start = offset - rank * chunk
-                where = _FlatView(weakref.ref(flat), min(max(start + pieces[rank].lo, 0), chunk),
-                                  min(max(start + pieces[rank].hi, 0), chunk), None)
+                where = _FlatView(
+                    weakref.ref(flat),
+                    min(max(start + pieces[rank].lo, 0), chunk),
+                    min(max(start + pieces[rank].hi, 0), chunk),
+                    None,
+                )
             view = nn.Parameter(where.of(flat.data), requires_grad=flat.requires_grad)
             _VIEWS[view] = where
             views.append(view)
         _VIEWS_OF[flat] = views
     prefix = prefixes[id(module)]
-    stand_ins = [StandIn(f"{prefix}.{fqn}" if prefix else fqn, info.module, info.param_name,
-                         getattr(info.module, info.param_name, None), view)
-                 for fqn, info, view in zip(flat._fqns, flat._param_infos, views)]
+    stand_ins = [
+        StandIn(
+            f"{prefix}.{fqn}" if prefix else fqn,
+            info.module,
+            info.param_name,
+            getattr(info.module, info.param_name, None),
+            view,
+        )
+        for fqn, info, view in zip(flat._fqns, flat._param_infos, views)
+    ]
     declare_stand_ins(model, flat, stand_ins)
     return views
 
@@ -198,7 +239,8 @@ def adopt(models: Any, optimizer: Any) -> None:
                 f"parameter of the models prepared with it: with use_orig_params=False FullyShardedDataParallel "
                 f"replaces the model's parameters by flat parameters mixing matrices and vectors, so an optimizer "
                 f"built before wrapping steps tensors the model no longer uses. Build the optimizer after wrapping, "
-                f"from the wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}")
+                f"from the wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}"
+            )
     ids = {id(p) for p in stepped}
     for model in wrapped:
         if any(id(p) in ids for p in model.parameters()):
@@ -217,8 +259,10 @@ def drop_view_grads(optimizer: Any, args: Any = None, kwargs: Any = None) -> Non
 
 #: where legacy FSDP's optimizer state dict API runs: ``FSDP.optim_state_dict`` and DCP's ``get_state_dict`` (which
 #: calls it for FSDP1 modules)
-_FSDP1_STATE_DICT_CALLERS = (("fsdp/fully_sharded_data_parallel.py", "optim_state_dict"),
-                             ("checkpoint/state_dict.py", "_get_optim_state_dict"))
+_FSDP1_STATE_DICT_CALLERS = (
+    ("fsdp/fully_sharded_data_parallel.py", "optim_state_dict"),
+    ("checkpoint/state_dict.py", "_get_optim_state_dict"),
+)
 
 
 def refuse_fsdp1_optim_state_dict(optimizer: Any) -> None:
@@ -229,15 +273,18 @@ def refuse_fsdp1_optim_state_dict(optimizer: Any) -> None:
     frame = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
-        if any(code.co_filename.replace("\\", "/").endswith(f) and code.co_name == fn
-               for f, fn in _FSDP1_STATE_DICT_CALLERS):
+        if any(
+            code.co_filename.replace("\\", "/").endswith(f) and code.co_name == fn
+            for f, fn in _FSDP1_STATE_DICT_CALLERS
+        ):
             raise FSDP1Error(
                 f"shardopt: {code.co_name} (legacy FSDP's optimizer state dict, also under FSDP.state_dict_type and "
                 f"torch.distributed.checkpoint's get_state_dict) reshapes optimizer state like flat parameter shards, "
                 f"which {type(optimizer).__name__}'s matrix state is not. Save the optimizer with "
                 f"shardopt.checkpoint.save(path, optimizer, engine='fsdp1') and load it with "
                 f"shardopt.checkpoint.load(path, optimizer) (any world size; FSDP2 and DeepSpeed load it too); save "
-                f"the model with FSDP.state_dict_type as before")
+                f"the model with FSDP.state_dict_type as before"
+            )
         frame = frame.f_back
 
 
@@ -266,8 +313,11 @@ def ensure_layouts(optimizer: Any) -> None:
     """Before a step: an optimizer stepping FSDP1's views whose layouts it was not given (built by a path that did
     not pass through ``watch_model``) reads them now, rather than normalizing each rank's piece as if it were the
     matrix."""
-    if not _LAYOUTS or getattr(optimizer, "_layout_resolver", fsdp1_layout) is fsdp1_layout \
-            or not hasattr(optimizer, "use_layouts"):
+    if (
+        not _LAYOUTS
+        or getattr(optimizer, "_layout_resolver", fsdp1_layout) is fsdp1_layout
+        or not hasattr(optimizer, "use_layouts")
+    ):
         return
     if any(p in _LAYOUTS for g in optimizer.param_groups for p in g["params"]):
         optimizer.use_layouts(resolver=fsdp1_layout)
@@ -292,9 +342,11 @@ def sync_flat_views(optimizer: Any) -> None:
                 p.grad = None
             else:
                 if flat.grad.numel() != flat.numel():
-                    raise FSDP1Error(f"shardopt: a step inside FullyShardedDataParallel.no_sync() (the flat gradient "
-                                     f"holds {flat.grad.numel()} elements, the shard {flat.numel()}): step after the "
-                                     "synchronizing backward")
+                    raise FSDP1Error(
+                        f"shardopt: a step inside FullyShardedDataParallel.no_sync() (the flat gradient "
+                        f"holds {flat.grad.numel()} elements, the shard {flat.numel()}): step after the "
+                        "synchronizing backward"
+                    )
                 grad = where.of(flat.grad)
                 p.grad = grad if grad.dtype == p.dtype else grad.to(p.dtype)  # keep_low_precision_grads
 
@@ -304,8 +356,12 @@ def clear_flat_grads(optimizer: Any, set_to_none: bool) -> None:
     accumulates a backward into a flat gradient left in place."""
     if not _VIEWS:
         return
-    flats = {id(f): f for g in optimizer.param_groups for p in g["params"]
-             if (w := _VIEWS.get(p)) is not None and (f := w.flat) is not None}
+    flats = {
+        id(f): f
+        for g in optimizer.param_groups
+        for p in g["params"]
+        if (w := _VIEWS.get(p)) is not None and (f := w.flat) is not None
+    }
     for flat in flats.values():
         if flat.grad is None:
             continue
@@ -330,9 +386,11 @@ def refuse_unknown_flattened(params: Any, who: str) -> Any:
         for t in tensors:
             t = t[1] if isinstance(t, tuple) and len(t) == 2 else t
             if isinstance(t, torch.Tensor) and getattr(t, "_fsdp_flattened", False) and t not in _LAYOUTS:
-                raise FSDP1Error(f"{who}: given a parameter flattened by FullyShardedDataParallel (shape "
-                                 f"{tuple(t.shape)}) without its model, so its matrix shape is unknown. Pass the "
-                                 f"wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}")
+                raise FSDP1Error(
+                    f"{who}: given a parameter flattened by FullyShardedDataParallel (shape "
+                    f"{tuple(t.shape)}) without its model, so its matrix shape is unknown. Pass the "
+                    f"wrapped model: shardopt.create_optimizer(fsdp_model, ...). Or: {_FIX}"
+                )
     return params
 
 

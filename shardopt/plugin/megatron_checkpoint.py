@@ -10,6 +10,7 @@ per-column and small per-matrix state is whole after ``local_records``' reductio
 <name>::<entry>``, written by one rank). Loading reads them back through a ``checkpoint.logical`` source, so every
 state kind lands exactly as ``shardopt.checkpoint.load`` would place it.
 """
+
 from __future__ import annotations
 
 import math
@@ -45,8 +46,9 @@ def _materialize(wrapper: Any) -> None:
     """Give a fresh optimizer its state entries (what a load fills): one step with zero gradients at lr 0, which
     changes no parameter (zero gradients make no NaN, and ``p - 0 * u`` is ``p``)."""
     opt = wrapper.optimizer
-    fresh = torch.tensor([0.0 if any(opt.state.get(t) for t in opt.stepped_tensors()) else 1.0],
-                         device=_device_of(wrapper))
+    fresh = torch.tensor(
+        [0.0 if any(opt.state.get(t) for t in opt.stepped_tensors()) else 1.0], device=_device_of(wrapper)
+    )
     dist.all_reduce(fresh, op=dist.ReduceOp.MAX)  # every rank takes the step, or none (it is collective)
     if not fresh.item():
         return
@@ -89,8 +91,11 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
     elements = [r for r in records if r.kind == "elements"]
     whole = [r for r in records if r.kind != "elements"]
     # split small state (a share of a per-matrix tensor): whole again, from every rank's shares (small by design)
-    split = [(r.key, r.kind, r.shape, r.view, r.piece, r.data.detach().float().cpu()) for r in whole
-             if r.kind == "matrix" and tuple(r.data.shape) != () and r.data.numel() != math.prod(r.shape or (1,))]
+    split = [
+        (r.key, r.kind, r.shape, r.view, r.piece, r.data.detach().float().cpu())
+        for r in whole
+        if r.kind == "matrix" and tuple(r.data.shape) != () and r.data.numel() != math.prod(r.shape or (1,))
+    ]
     # and who holds which whole entry: the lowest global rank holding one writes it (per-matrix state may live on
     # its owner rank only)
     gathered: list[Any] = [None] * dist.get_world_size()
@@ -128,7 +133,7 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
         flat = torch.zeros(max(sizes + [1]), device=_device_of(wrapper))  # NCCL groups take device tensors
         if with_data and recs:
             mine = torch.cat([r.data.detach().float().reshape(-1) for r in recs])
-            flat[:mine.numel()] = mine.to(flat.device)
+            flat[: mine.numel()] = mine.to(flat.device)
         datas = [torch.empty_like(flat) for _ in peers]
         dist.all_gather(datas, flat, group=group)
         datas = [d.cpu() for d in datas]
@@ -138,8 +143,9 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
             for key, shape, view, piece, numel in m:
                 p = wrapper.param_of[key.split(SEP)[0]]
                 r0, c0, local_view = _tp_origin(p, tuple(view))
-                put_piece(shards.setdefault(key, torch.zeros(local_view)), piece, data[pos:pos + numel], view,
-                          (r0, c0))
+                put_piece(
+                    shards.setdefault(key, torch.zeros(local_view)), piece, data[pos : pos + numel], view, (r0, c0)
+                )
                 pos += numel
         for key, tensor in shards.items():
             p = wrapper.param_of[key.split(SEP)[0]]
@@ -176,8 +182,10 @@ def model_space_state(wrapper: Any, model_sharded_state_dict: dict, is_loading: 
         p = wrapper.param_of[name]
         sh = model_keys.get(id(p))
         if sh is None:
-            raise KeyError(f"shardopt.megatron: parameter {name!r} is not in the model's sharded state dict; build it "
-                           "with model.sharded_state_dict() (parameters kept as variables)")
+            raise KeyError(
+                f"shardopt.megatron: parameter {name!r} is not in the model's sharded state dict; build it "
+                "with model.sharded_state_dict() (parameters kept as variables)"
+            )
         data = torch.zeros_like(tensor) if is_loading else tensor
         kwargs = dict(key=f"{PREFIX}.{entry}.{sh.key}", data=data)
         if not isinstance(sh, ShardedTensorFactory):
@@ -185,8 +193,7 @@ def model_space_state(wrapper: Any, model_sharded_state_dict: dict, is_loading: 
         state[f"elements{SEP}{key}"] = replace(sh, **kwargs)
     for key, replica, shape, data in whole:
         data = torch.zeros(shape) if is_loading else data.contiguous()
-        state[f"whole{SEP}{key}"] = ShardedTensor.from_rank_offsets(f"{PREFIX}.whole.{key}", data,
-                                                                    replica_id=replica)
+        state[f"whole{SEP}{key}"] = ShardedTensor.from_rank_offsets(f"{PREFIX}.whole.{key}", data, replica_id=replica)
     return {"shardopt_param_state": state, "param_state": "shardopt"}
 
 

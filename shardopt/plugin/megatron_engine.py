@@ -17,6 +17,7 @@ Checkpoints: ``state_dict``/``load_state_dict`` (same topology), ``sharded_state
 ``megatron.core.dist_checkpointing`` (model space: each parameter's state as its tensor-parallel shard, under the
 model's own sharded keys, so it reloads at another data-parallel size), and ``shardopt.checkpoint.save/load``.
 """
+
 from __future__ import annotations
 
 import re
@@ -34,8 +35,14 @@ from ..sharding.fragment import Fragment
 from ..sharding.layout import ColFlatPiece, FlatPiece, MatrixLayout
 from .zero_layouts import flat_pieces
 
-__all__ = ["get_megatron_optimizer", "MegatronError", "megatron_roles", "megatron_layouts", "unwrap",
-           "global_named_parameters"]
+__all__ = [
+    "get_megatron_optimizer",
+    "MegatronError",
+    "megatron_roles",
+    "megatron_layouts",
+    "unwrap",
+    "global_named_parameters",
+]
 
 
 class MegatronError(ConfigError):
@@ -60,41 +67,60 @@ def refuse_unsupported(config: Any, model_chunks: Sequence[nn.Module]) -> None:
     for i, chunk in enumerate(model_chunks):
         ddp_config = getattr(chunk, "ddp_config", None)
         if ddp_config is None or not hasattr(chunk, "buffers"):
-            raise _config_error(f"model_chunks[{i}]", f"is a {type(chunk).__name__}, not Megatron's "
-                                "DistributedDataParallel", "wrap each chunk in megatron.core.distributed."
-                                "DistributedDataParallel(config, ddp_config, module) first")
+            raise _config_error(
+                f"model_chunks[{i}]",
+                f"is a {type(chunk).__name__}, not Megatron's DistributedDataParallel",
+                "wrap each chunk in megatron.core.distributed."
+                "DistributedDataParallel(config, ddp_config, module) first",
+            )
         if not ddp_config.use_distributed_optimizer:
-            raise _config_error("DistributedDataParallelConfig.use_distributed_optimizer", "False",
-                                "set it to True (shardopt steps the distributed optimizer's pieces of Megatron's grad "
-                                "buffers)")
+            raise _config_error(
+                "DistributedDataParallelConfig.use_distributed_optimizer",
+                "False",
+                "set it to True (shardopt steps the distributed optimizer's pieces of Megatron's grad buffers)",
+            )
         if getattr(ddp_config, "use_megatron_fsdp", False):
-            raise _config_error("DistributedDataParallelConfig.use_megatron_fsdp", "Megatron FSDP is not supported",
-                                "use the distributed optimizer (use_megatron_fsdp=False)")
+            raise _config_error(
+                "DistributedDataParallelConfig.use_megatron_fsdp",
+                "Megatron FSDP is not supported",
+                "use the distributed optimizer (use_megatron_fsdp=False)",
+            )
         if getattr(ddp_config, "num_distributed_optimizer_instances", 1) != 1:
-            raise _config_error("DistributedDataParallelConfig.num_distributed_optimizer_instances",
-                                f"{ddp_config.num_distributed_optimizer_instances} instances are not supported",
-                                "use 1")
+            raise _config_error(
+                "DistributedDataParallelConfig.num_distributed_optimizer_instances",
+                f"{ddp_config.num_distributed_optimizer_instances} instances are not supported",
+                "use 1",
+            )
         if getattr(chunk, "expert_parallel_buffers", None):
-            raise _config_error("expert-parallel parameters", "Megatron's expert-parallel buffers are not supported "
-                                "yet", "train MoE experts without expert parallelism (expert_model_parallel_size=1)")
+            raise _config_error(
+                "expert-parallel parameters",
+                "Megatron's expert-parallel buffers are not supported yet",
+                "train MoE experts without expert parallelism (expert_model_parallel_size=1)",
+            )
     if not config.use_distributed_optimizer:
         raise _config_error("OptimizerConfig.use_distributed_optimizer", "False", "set it to True")
-    if _pipeline_size() > 1 and any(getattr(unwrap(c), "share_embeddings_and_output_weights", False)
-                                    for c in model_chunks):
-        raise _config_error("share_embeddings_and_output_weights with pipeline parallelism",
-                            "the first stage's embedding and the last stage's copy would be stepped apart (flat "
-                            "pieces cut differently, seeded draws under two names)",
-                            "untie them (share_embeddings_and_output_weights=False) or use one pipeline stage")
-    for key, fix in (("fp16", "use bf16=True (bf16 params, fp32 main params) or fp32"),
-                     ("use_precision_aware_optimizer", "set it to False: shardopt keeps fp32 statistics itself"),
-                     ("optimizer_cpu_offload", "set it to False"),
-                     ("overlap_param_gather_with_optimizer_step", "set it to False"),
-                     ("reuse_grad_buf_for_mxfp8_param_ag", "set it to False")):
+    if _pipeline_size() > 1 and any(
+        getattr(unwrap(c), "share_embeddings_and_output_weights", False) for c in model_chunks
+    ):
+        raise _config_error(
+            "share_embeddings_and_output_weights with pipeline parallelism",
+            "the first stage's embedding and the last stage's copy would be stepped apart (flat "
+            "pieces cut differently, seeded draws under two names)",
+            "untie them (share_embeddings_and_output_weights=False) or use one pipeline stage",
+        )
+    for key, fix in (
+        ("fp16", "use bf16=True (bf16 params, fp32 main params) or fp32"),
+        ("use_precision_aware_optimizer", "set it to False: shardopt keeps fp32 statistics itself"),
+        ("optimizer_cpu_offload", "set it to False"),
+        ("overlap_param_gather_with_optimizer_step", "set it to False"),
+        ("reuse_grad_buf_for_mxfp8_param_ag", "set it to False"),
+    ):
         if getattr(config, key, False):
             raise _config_error(f"OptimizerConfig.{key}", "True is not supported", fix)
     if any(getattr(getattr(unwrap(c), "config", None), "fp8_param", False) for c in model_chunks):
-        raise _config_error("TransformerConfig.fp8_param", "fp8 parameters are not supported",
-                            "keep bf16 or fp32 parameters")
+        raise _config_error(
+            "TransformerConfig.fp8_param", "fp8 parameters are not supported", "keep bf16 or fp32 parameters"
+        )
 
 
 # ---------------------------------------------------------------------------------------------- names and roles
@@ -114,11 +140,11 @@ def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str
             number = getattr(m, "layer_number", None)
             found = list(_LAYER.finditer(name + "."))
             if isinstance(number, int) and found and found[-1].end() == len(name) + 1:
-                layer_of[name + "."] = name[:found[-1].start(2)] + f"{number - 1}."
+                layer_of[name + "."] = name[: found[-1].start(2)] + f"{number - 1}."
         for name, p in model.named_parameters():
             for local, global_ in layer_of.items():
                 if name.startswith(local):
-                    name = global_ + name[len(local):]
+                    name = global_ + name[len(local) :]
                     break
             out.append((prefix + name, p))
     taken: dict[str, int] = {}
@@ -126,8 +152,10 @@ def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str
         taken[name] = taken.get(name, 0) + 1
     twice = sorted(n for n, c in taken.items() if c > 1)
     if twice:
-        raise MegatronError(f"shardopt.megatron: parameters {twice[:3]} have the same name in several model chunks "
-                            "(layers without a global layer_number?); shardopt names state by parameter name")
+        raise MegatronError(
+            f"shardopt.megatron: parameters {twice[:3]} have the same name in several model chunks "
+            "(layers without a global layer_number?); shardopt names state by parameter name"
+        )
     return out
 
 
@@ -164,21 +192,28 @@ def _tp_and_dp(p: torch.Tensor, dp_group: Any, cache: dict) -> tuple[Any, list[t
         return cache[id(dp_group)]
     from megatron.core import parallel_state as ps
 
-    group = ps.get_tensor_and_data_parallel_group(with_context_parallel=dist.get_world_size(dp_group)
-                                                  != ps.get_data_parallel_world_size())
+    group = ps.get_tensor_and_data_parallel_group(
+        with_context_parallel=dist.get_world_size(dp_group) != ps.get_data_parallel_world_size()
+    )
     coords: list[Any] = [None] * dist.get_world_size(group)
     dist.all_gather_object(coords, (ps.get_tensor_model_parallel_rank(), dist.get_rank(dp_group)), group=group)
     tp, dp = ps.get_tensor_model_parallel_world_size(), dist.get_world_size(dp_group)
     if sorted(coords) != [(t, d) for t in range(tp) for d in range(dp)]:
-        raise MegatronError("shardopt.megatron: the tensor x data-parallel group is not the product of the "
-                            f"tensor-parallel ({tp}) and the buffers' data-parallel ({dp}) groups; shardopt reads "
-                            "tensor-parallel weights only over Megatron's tensor_and_data_parallel group")
+        raise MegatronError(
+            "shardopt.megatron: the tensor x data-parallel group is not the product of the "
+            f"tensor-parallel ({tp}) and the buffers' data-parallel ({dp}) groups; shardopt reads "
+            "tensor-parallel weights only over Megatron's tensor_and_data_parallel group"
+        )
     cache[id(dp_group)] = (group, [tuple(c) for c in coords], dist.get_rank(group))
     return cache[id(dp_group)]
 
 
-def _tp_pieces(dp_pieces: list[FlatPiece], coords: list[tuple[int, int]], dim: int, local: tuple[int, int],
-               ) -> list:
+def _tp_pieces(
+    dp_pieces: list[FlatPiece],
+    coords: list[tuple[int, int]],
+    dim: int,
+    local: tuple[int, int],
+) -> list:
     """Every tensor x data-parallel rank's piece of the logical matrix: this rank's tensor-parallel shard (rows
     ``dim == 0``, columns ``dim == 1`` of the logical ``(m, n)``) cut flat as the data-parallel pieces say."""
     m_loc, n_loc = local
@@ -212,8 +247,9 @@ def megatron_layouts(buffers: Sequence[Any], names: Mapping[int, str]) -> dict[i
             dim = int(p.partition_dim) if p.dim() == 2 else 0  # vectors (column-parallel biases): their elements
             logical = list(local)
             logical[dim] *= max(t for t, _ in coords) + 1
-            layout = MatrixLayout(matrix_shape(tuple(logical)),
-                                  _tp_pieces(pieces, coords, dim, matrix_shape(local)), rank, group)
+            layout = MatrixLayout(
+                matrix_shape(tuple(logical)), _tp_pieces(pieces, coords, dim, matrix_shape(local)), rank, group
+            )
             out[id(p)] = (layout, tuple(logical))
     return out
 
@@ -229,9 +265,16 @@ def _defaults_from(config: Any, hyperparameters: Mapping[str, Any]) -> dict[str,
     return hp
 
 
-def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optimizer: str = "racs",
-                           routing: Mapping[str, str] | None = None, *, use_gloo_process_groups: bool = True,
-                           pg_collection: Any = None, **hyperparameters: Any):
+def get_megatron_optimizer(
+    config: Any,
+    model_chunks: Sequence[nn.Module],
+    optimizer: str = "racs",
+    routing: Mapping[str, str] | None = None,
+    *,
+    use_gloo_process_groups: bool = True,
+    pg_collection: Any = None,
+    **hyperparameters: Any,
+):
     """Megatron's ``DistributedOptimizer`` stepping shardopt optimizer ``optimizer`` (``megatron.core.optimizer.
     get_megatron_optimizer``'s shape): Megatron's training loop drives it unchanged (``step() -> (update_successful,
     grad_norm, num_zeros_in_grad)``, ``zero_grad``, ``get_loss_scale``, ``reload_model_params``, ``state_dict`` and
@@ -247,16 +290,18 @@ def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optim
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     refuse_unsupported(config, model_chunks)
-    cfg = validate_hyperparameters(optimizer, _defaults_from(config, hyperparameters),
-                                   where="shardopt.megatron.get_megatron_optimizer")
+    cfg = validate_hyperparameters(
+        optimizer, _defaults_from(config, hyperparameters), where="shardopt.megatron.get_megatron_optimizer"
+    )
     named = global_named_parameters(model_chunks)
     names = {id(p): n for n, p in named}
     pipelined = _pipeline_size() > 1
     unused: list[str] | None = [] if pipelined else None
     failure: Exception | None = None
     try:
-        groups = build_param_groups(named, optimizer, cfg, routing, unused=unused,
-                                    roles=megatron_roles(model_chunks, names))
+        groups = build_param_groups(
+            named, optimizer, cfg, routing, unused=unused, roles=megatron_roles(model_chunks, names)
+        )
     except ConfigError as err:  # raised on this stage's parameters only: every stage must learn of it
         if not pipelined:
             raise
@@ -271,25 +316,35 @@ def get_megatron_optimizer(config: Any, model_chunks: Sequence[nn.Module], optim
             raise ConfigError(f"shardopt.megatron: another pipeline stage refused its parameters: {errors[0]}")
         nowhere = sorted(set.intersection(*(set(u) for u, _ in seen)))
         if nowhere:
-            raise ConfigError(f"shardopt.megatron: routing patterns {nowhere} match no trainable parameter on any "
-                              "pipeline stage (names as one process gives them: decoder layers by global number)")
+            raise ConfigError(
+                f"shardopt.megatron: routing patterns {nowhere} match no trainable parameter on any "
+                "pipeline stage (names as one process gives them: decoder layers by global number)"
+            )
     for g in groups:
         g.pop("param_names", None)  # names travel in "names"; torch's param_names would ask for them on load
     opt = optimizer_class(optimizer).from_config(groups, cfg)
     opt.param_names.update(names)
     model_params = [list(g["params"]) for g in opt.param_groups]
 
-    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(pg_collection, list(model_chunks),
-                                                                    use_gloo_process_groups)
+    pgs = ProcessGroupCollection.setup_process_groups_for_optimizer(
+        pg_collection, list(model_chunks), use_gloo_process_groups
+    )
     # Megatron's DistributedOptimizer takes only Adam: it is built around a placeholder over the same groups (Adam
     # keeps no state before its first step) and shardopt's optimizer then takes its place over the main tensors
     holder = torch.optim.AdamW([{"params": ps} for ps in model_params], lr=0.0)
     scaler = ConstantGradScaler(config.loss_scale) if config.loss_scale else None
     wrapper = ShardoptDistributedOptimizer(
-        holder, config, scaler, None, model_chunks=list(model_chunks),
+        holder,
+        config,
+        scaler,
+        None,
+        model_chunks=list(model_chunks),
         per_model_buffers={i: c.buffers for i, c in enumerate(model_chunks)},
-        data_parallel_group=pgs["intra_dp_cp_group"], data_parallel_group_gloo=pgs["intra_dp_cp_group_gloo"],
-        data_parallel_group_idx=dist.get_rank(pgs["mp_group"]), distributed_optimizer_instance_id=0)
+        data_parallel_group=pgs["intra_dp_cp_group"],
+        data_parallel_group_gloo=pgs["intra_dp_cp_group_gloo"],
+        data_parallel_group_idx=dist.get_rank(pgs["mp_group"]),
+        distributed_optimizer_instance_id=0,
+    )
     wrapper.grad_stats_parallel_group = pgs["intra_dist_opt_group"]
     from megatron.core import parallel_state as ps
 
@@ -310,13 +365,16 @@ def _make_wrapper_class():
     class ShardoptDistributedOptimizer(DistributedOptimizer):
         """Megatron's ``DistributedOptimizer`` whose inner optimizer is a shardopt optimizer over its main tensors."""
 
-        def adopt(self, opt: ShardedOptimizer, model_params: list[list[torch.Tensor]], names: Mapping[int, str],
-                  config: Any) -> None:
+        def adopt(
+            self, opt: ShardedOptimizer, model_params: list[list[torch.Tensor]], names: Mapping[int, str], config: Any
+        ) -> None:
             """Put ``opt`` in the placeholder's place: each group's tensors become this rank's main pieces (0-element
             stand-ins for parameters it holds none of), described by their layouts."""
             main_of = {}
-            for model_groups, main_groups in ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
-                                              (self.model_fp32_groups, self.shard_fp32_groups)):
+            for model_groups, main_groups in (
+                (self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                (self.model_fp32_groups, self.shard_fp32_groups),
+            ):
                 for mg, sg in zip(model_groups, main_groups):
                     main_of.update({id(p): s for p, s in zip(mg, sg)})
             layouts = megatron_layouts(self.buffers, names)
@@ -338,9 +396,11 @@ def _make_wrapper_class():
                         t.grad = torch.zeros(0, dtype=torch.float32, device=p.device)
                         self._stand_ins.append(t)
                     if t.numel() != layout.local_numel:
-                        raise MegatronError(f"shardopt.megatron: {name}: this rank's main piece has {t.numel()} "
-                                            f"elements, the buffer layout says {layout.local_numel} (an unsupported "
-                                            "Megatron buffer layout)")
+                        raise MegatronError(
+                            f"shardopt.megatron: {name}: this rank's main piece has {t.numel()} "
+                            f"elements, the buffer layout says {layout.local_numel} (an unsupported "
+                            "Megatron buffer layout)"
+                        )
                     opt.param_names[id(t)] = name
                     flat.append((t, [Fragment(name, layout, 0, tuple(logical))]))
                     tensors.append(t)
@@ -382,8 +442,10 @@ def _make_wrapper_class():
         def state_dict(self):
             """This rank's pieces: shardopt's state dict, the fp32 main values it steps, and the loss scale (the same
             topology only; for another data-parallel size use ``sharded_state_dict`` or ``shardopt.checkpoint``)."""
-            out = {"shardopt": self.optimizer.state_dict(),
-                   "main_pieces": [t.detach().clone() for t in self.optimizer.stepped_tensors()]}
+            out = {
+                "shardopt": self.optimizer.state_dict(),
+                "main_pieces": [t.detach().clone() for t in self.optimizer.stepped_tensors()],
+            }
             if self.grad_scaler is not None:
                 out["grad_scaler"] = self.grad_scaler.state_dict()
             return out
@@ -395,9 +457,11 @@ def _make_wrapper_class():
                 load_model_space(self, state_dict)
                 return
             if "shardopt" not in state_dict:
-                raise MegatronError("shardopt.megatron: load_state_dict: not a shardopt state dict (Megatron's own "
-                                    "optimizer formats hold Adam's state); load what this optimizer's state_dict() or "
-                                    "sharded_state_dict() saved, or use shardopt.checkpoint.load")
+                raise MegatronError(
+                    "shardopt.megatron: load_state_dict: not a shardopt state dict (Megatron's own "
+                    "optimizer formats hold Adam's state); load what this optimizer's state_dict() or "
+                    "sharded_state_dict() saved, or use shardopt.checkpoint.load"
+                )
             self.optimizer.load_state_dict(state_dict["shardopt"])
             pieces = state_dict.get("main_pieces")
             if pieces is not None:
@@ -409,17 +473,24 @@ def _make_wrapper_class():
                 self.grad_scaler.load_state_dict(state_dict["grad_scaler"])
 
         def _unsupported_format(self, *args, **kwargs):
-            raise MegatronError("shardopt.megatron: Megatron's flat-buffer optimizer state formats (save_parameter_"
-                                "state, the torch/dp_zero checkpoint formats) hold Adam's state; save with "
-                                "sharded_state_dict (megatron.core.dist_checkpointing, --ckpt-format torch_dist) or "
-                                "shardopt.checkpoint.save")
+            raise MegatronError(
+                "shardopt.megatron: Megatron's flat-buffer optimizer state formats (save_parameter_"
+                "state, the torch/dp_zero checkpoint formats) hold Adam's state; save with "
+                "sharded_state_dict (megatron.core.dist_checkpointing, --ckpt-format torch_dist) or "
+                "shardopt.checkpoint.save"
+            )
 
         save_parameter_state = load_parameter_state = _unsupported_format
         get_parameter_state_dp_zero = get_parameter_state_dp_reshardable = _unsupported_format
         load_parameter_state_from_dp_zero = load_parameter_state_from_dp_reshardable = _unsupported_format
 
-        def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False,
-                               sharding_type: str | None = None, metadata: dict | None = None):
+        def sharded_state_dict(
+            self,
+            model_sharded_state_dict=None,
+            is_loading: bool = False,
+            sharding_type: str | None = None,
+            metadata: dict | None = None,
+        ):
             """shardopt's state for ``megatron.core.dist_checkpointing`` in model space: every parameter's element-wise
             state (and fp32 main values) as its tensor-parallel shard under the model's sharded key, other state whole;
             data-parallel size free on reload."""

@@ -19,6 +19,7 @@ The optimizers do not import this module (the engine boundary, ``tests/test_impo
 ``check_stepped_tensors``, ``names_from_trainer`` and ``watch_model`` in ``shardopt.optim.hooks`` when imported,
 and ``shardopt/__init__.py`` imports it, so the hooks are in place before any optimizer is built.
 """
+
 from __future__ import annotations
 
 import sys
@@ -33,8 +34,16 @@ from ..optim import hooks
 from ..optim.routing import declare_module_roles, find_roles, logical_shape, warn_unknown_matrices
 from ..sharding.precision import model_arrival_dtypes, record_arrival_dtypes
 
-__all__ = ["UnmappedTensorError", "check_stepped_tensors", "rekey_names", "find_deepspeed_caller", "map_deepspeed",
-           "engine_hooked", "names_from_trainer", "watch_model"]
+__all__ = [
+    "UnmappedTensorError",
+    "check_stepped_tensors",
+    "rekey_names",
+    "find_deepspeed_caller",
+    "map_deepspeed",
+    "engine_hooked",
+    "names_from_trainer",
+    "watch_model",
+]
 
 #: DeepSpeed engines whose save/load_checkpoint already write/read shardopt's logical state (kept beside the
 #: engines, not as attributes on them)
@@ -45,14 +54,17 @@ def engine_hooked(engine: Any) -> bool:
     """Whether ``map_deepspeed`` already installed shardopt's checkpoint hooks on ``engine``."""
     return engine in _HOOKED_ENGINES
 
+
 #: how far up the stack the ZeRO wrapper and the engine are looked for (engine.step -> wrapper.step ->
 #: wrapper._optimizer_step -> our step is 3-6 frames; accelerate adds 2)
 _MAX_FRAMES = 40
 
-_FIX = ("build the engine with shardopt.deepspeed.initialize(model=..., config=...), or call "
-        "shardopt.deepspeed.attach_zero_layouts(engine, optimizer, names) right after deepspeed.initialize; "
-        "with Hugging Face use shardopt.integrations.transformers.enable(trainer, ...) or "
-        "shardopt.integrations.accelerate.prepare(accelerator, model, optimizer)")
+_FIX = (
+    "build the engine with shardopt.deepspeed.initialize(model=..., config=...), or call "
+    "shardopt.deepspeed.attach_zero_layouts(engine, optimizer, names) right after deepspeed.initialize; "
+    "with Hugging Face use shardopt.integrations.transformers.enable(trainer, ...) or "
+    "shardopt.integrations.accelerate.prepare(accelerator, model, optimizer)"
+)
 
 
 class UnmappedTensorError(RuntimeError):
@@ -116,8 +128,10 @@ def map_deepspeed(opt: Any, wrapper: Any, engine: Any = None) -> None:
 
 def _describe(opt: Any, p: torch.Tensor) -> str:
     if hasattr(p, "ds_id"):
-        return (f"parameter {opt.param_names.get(id(p), '?')!r} whose data DeepSpeed ZeRO-3 replaced (logical "
-                f"shape {tuple(getattr(p, 'ds_shape', ()))})")
+        return (
+            f"parameter {opt.param_names.get(id(p), '?')!r} whose data DeepSpeed ZeRO-3 replaced (logical "
+            f"shape {tuple(getattr(p, 'ds_shape', ()))})"
+        )
     return f"a {p.dim()}-D tensor of shape {tuple(p.shape)} that is none of the parameters it was built with"
 
 
@@ -148,8 +162,13 @@ def check_stepped_tensors(opt: Any) -> None:
         return  # the same tensors as at the last check, which passed (use_layouts drops this)
     if any(id(p) not in opt.param_names and hasattr(p, "placements") for p in stepped):
         rekey_names(opt)
-    bad = [(g, p) for g in opt.param_groups if g.get("treatment", "adamw") != "adamw"
-           for p in g["params"] if _needs_mapping(opt, p)]
+    bad = [
+        (g, p)
+        for g in opt.param_groups
+        if g.get("treatment", "adamw") != "adamw"
+        for p in g["params"]
+        if _needs_mapping(opt, p)
+    ]
     if not bad:
         opt._verified_tensors = stepped
         return
@@ -157,9 +176,12 @@ def check_stepped_tensors(opt: Any) -> None:
     if wrapper is not None:
         map_deepspeed(opt, wrapper, engine)
         if engine is None:
-            warnings.warn(f"{type(opt).__name__}: mapped DeepSpeed's {type(wrapper).__name__} partitions to "
-                          "matrices at the first step, but found no engine to hook checkpoints into; "
-                          + _FIX, RuntimeWarning, stacklevel=4)
+            warnings.warn(
+                f"{type(opt).__name__}: mapped DeepSpeed's {type(wrapper).__name__} partitions to "
+                "matrices at the first step, but found no engine to hook checkpoints into; " + _FIX,
+                RuntimeWarning,
+                stacklevel=4,
+            )
         bad = [(g, p) for g, p in bad if _needs_mapping(opt, p)]
         if not bad:
             return
@@ -168,8 +190,8 @@ def check_stepped_tensors(opt: Any) -> None:
     raise UnmappedTensorError(
         f"{type(opt).__name__} was asked to step {_describe(opt, p)} in its {group['treatment']!r} matrix group: "
         f"{holder} replaced the parameters and shardopt does not know which matrices this tensor holds "
-        f"(stepping it would treat it as a ({p.numel()}, 1) matrix, i.e. sign-SGD). Fix: {_FIX}")
-
+        f"(stepping it would treat it as a ({p.numel()}, 1) matrix, i.e. sign-SGD). Fix: {_FIX}"
+    )
 
 
 # ------------------------------------------------------------------ Hugging Face Trainer's own optimizer paths
@@ -180,8 +202,9 @@ def _trainer_model(max_frames: int = 12) -> Any:
     for _ in range(max_frames):
         if frame is None:
             return None
-        if frame.f_code.co_name == "create_optimizer" and \
-                str(frame.f_globals.get("__name__", "")).startswith("transformers."):
+        if frame.f_code.co_name == "create_optimizer" and str(frame.f_globals.get("__name__", "")).startswith(
+            "transformers."
+        ):
             model = frame.f_locals.get("opt_model")
             return model if isinstance(model, torch.nn.Module) else None
         frame = frame.f_back
@@ -209,7 +232,9 @@ def names_from_trainer(params: Any, who: str) -> Any:
     for g in params:
         group = dict(g)
         group["params"] = [(names[id(t)], t) for t in group["params"]]
-        declare_module_roles((t, roles[n], sources[n]) for n, t in group["params"])  # groups.normalize_param_groups reads them
+        declare_module_roles(
+            (t, roles[n], sources[n]) for n, t in group["params"]
+        )  # groups.normalize_param_groups reads them
         out.append(group)
     return out
 
@@ -263,13 +288,15 @@ class _WatchEngine:
                 '"zero_force_ds_cpu_optimizer" at its default, true. Fix: set "zero_force_ds_cpu_optimizer": false '
                 "in the DeepSpeed config, or prepare with shardopt.integrations.accelerate.prepare(accelerator, "
                 "model, optimizer) (with the Trainer: shardopt.integrations.transformers.enable(trainer, ...)), "
-                "which sets it")
+                "which sets it"
+            )
         raise UnmappedTensorError(
             f"a shardopt {self.who} optimizer was built for this model, but the DeepSpeed engine running it steps "
             f"{client}: the wrapper that set DeepSpeed up dropped the shardopt optimizer (Hugging Face Trainer "
             "does so with Trainer(optimizers=(opt, None)) under DeepSpeed). Fix: with the Trainer call "
             "shardopt.integrations.transformers.enable(trainer, ...) and pass no optimizer; with DeepSpeed "
-            "directly use shardopt.deepspeed.initialize(model=..., config=...)")
+            "directly use shardopt.deepspeed.initialize(model=..., config=...)"
+        )
 
 
 def _offloads_optimizer(engine: Any) -> bool:

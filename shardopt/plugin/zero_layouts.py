@@ -15,18 +15,29 @@ DeepSpeed. The rules are those of DeepSpeed 0.19 (``deepspeed/runtime/zero``):
   concatenates its parameters' partitions, and sub-groups close when their partitions reach
   ``sub_group_size`` elements.
 """
+
 from __future__ import annotations
 
 import math
 from typing import Any, Sequence
 
+from ..sharding.discover import matrix_shape
 from ..sharding.fragment import Fragment
 from ..sharding.layout import FlatPiece, MatrixLayout
-from ..sharding.discover import matrix_shape
 
-__all__ = ["NCCL_START_ALIGNMENT_FACTOR", "SUB_GROUP_SIZE", "round_robin_order", "zero12_offsets",
-           "zero12_partition_size", "flat_pieces", "flat_fragments", "zero12_fragments", "zero3_partition_numel",
-           "zero3_fragments", "zero3_sub_groups"]
+__all__ = [
+    "NCCL_START_ALIGNMENT_FACTOR",
+    "SUB_GROUP_SIZE",
+    "round_robin_order",
+    "zero12_offsets",
+    "zero12_partition_size",
+    "flat_pieces",
+    "flat_fragments",
+    "zero12_fragments",
+    "zero3_partition_numel",
+    "zero3_fragments",
+    "zero3_sub_groups",
+]
 
 #: ``DeepSpeedZeroOptimizer.nccl_start_alignment_factor``: 4-byte alignment / sizeof(fp16)
 NCCL_START_ALIGNMENT_FACTOR = 2
@@ -55,8 +66,7 @@ def zero12_offsets(numels: Sequence[int], param_alignment: int = 1) -> tuple[lis
     return offsets, cursor
 
 
-def zero12_partition_size(padded_numel: int, world: int,
-                          alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> int:
+def zero12_partition_size(padded_numel: int, world: int, alignment_factor: int = NCCL_START_ALIGNMENT_FACTOR) -> int:
     """Elements of each rank's partition: the flat buffer (``align_dense_tensors``) is padded to a multiple of
     ``alignment_factor x world`` and split evenly (``get_data_parallel_partitions``)."""
     alignment = alignment_factor * world
@@ -69,9 +79,13 @@ def flat_pieces(start: int, numel: int, partition: int, world: int) -> list[Flat
     ``world`` parts of ``partition`` elements (pieces relative to the parameter; ranks before it hold
     ``[0, 0)``, ranks after it ``[numel, numel)``). O(ranks it spans) work beyond the list itself."""
     if numel <= 0 or partition <= 0:
-        return [FlatPiece(min(max(start, r * partition), start + numel) - start,
-                          max(min(start + numel, (r + 1) * partition), min(max(start, r * partition), start + numel))
-                          - start) for r in range(world)]
+        return [
+            FlatPiece(
+                min(max(start, r * partition), start + numel) - start,
+                max(min(start + numel, (r + 1) * partition), min(max(start, r * partition), start + numel)) - start,
+            )
+            for r in range(world)
+        ]
     first = min(max(start // partition, 0), world - 1)
     last = min(max((start + numel - 1) // partition, 0), world - 1)
     pieces = [FlatPiece(0, 0)] * first
@@ -83,8 +97,15 @@ def flat_pieces(start: int, numel: int, partition: int, world: int) -> list[Flat
     return pieces
 
 
-def flat_fragments(names: Sequence[str], shapes: Sequence[Sequence[int]], offsets: Sequence[int], partition: int,
-                   world: int, rank: int, group: Any = None) -> list[Fragment]:
+def flat_fragments(
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    offsets: Sequence[int],
+    partition: int,
+    world: int,
+    rank: int,
+    group: Any = None,
+) -> list[Fragment]:
     """Fragments of parameters (``names``, logical ``shapes``) concatenated at ``offsets`` into a flat buffer
     cut into ``world`` parts of ``partition`` elements; ``rank``'s flat partition holds the local pieces
     (ZeRO-1/2 and the bf16 ZeRO-1 wrapper)."""
@@ -100,9 +121,16 @@ def flat_fragments(names: Sequence[str], shapes: Sequence[Sequence[int]], offset
     return frags
 
 
-def zero12_fragments(names: Sequence[str], shapes: Sequence[Sequence[int]], world: int, rank: int, group: Any = None,
-                     round_robin: bool = False, parameter_alignment: bool = False,
-                     element_size: int = 2) -> tuple[list[Fragment], int]:
+def zero12_fragments(
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    world: int,
+    rank: int,
+    group: Any = None,
+    round_robin: bool = False,
+    parameter_alignment: bool = False,
+    element_size: int = 2,
+) -> tuple[list[Fragment], int]:
     """One ZeRO-1/2 param group's fragments on ``rank`` and its partition size (elements of each rank's flat
     fp32 tensor), from the trainable parameters' names and shapes in param-group order.
     ``element_size``: bytes per element of the model's (bit16) parameters, for ``parameter_alignment``."""
@@ -135,8 +163,14 @@ def zero3_sub_groups(partition_numels: Sequence[int], sub_group_size: int = SUB_
     return groups
 
 
-def zero3_fragments(names: Sequence[str], shapes: Sequence[Sequence[int]], world: int, rank: int, group: Any = None,
-                    partition_numels: Sequence[int] | None = None) -> tuple[list[Fragment], int]:
+def zero3_fragments(
+    names: Sequence[str],
+    shapes: Sequence[Sequence[int]],
+    world: int,
+    rank: int,
+    group: Any = None,
+    partition_numels: Sequence[int] | None = None,
+) -> tuple[list[Fragment], int]:
     """Fragments of one ZeRO-3 sub-group's flat fp32 tensor on ``rank`` and its length: each parameter is cut
     into ``world`` parts of ``partition_numel`` elements (default: ``zero3_partition_numel``; the adapter passes
     the engine's own values), and the sub-group's tensor concatenates this rank's parts."""

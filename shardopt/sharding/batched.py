@@ -15,6 +15,7 @@ engine layout map onto slices without any engine knowledge:
 * N-D boxes (a DTensor sharded along any dimensions: experts over an ``ep`` mesh dimension, ``Shard(1)`` /
   ``Shard(2)`` inside the experts, both): ``box_fragments`` cuts each rank's box into per-slice rectangles.
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -45,7 +46,8 @@ def split_flat(frag: Fragment) -> list[Fragment]:
         raise NotImplementedError(
             f"{frag.name!r} of shape {shape}: its layout cuts the parameter other than into element ranges "
             f"({lay.pieces[lay.rank]}); shardopt splits such a batched parameter into matrices from DTensor "
-            "placements or flat partitions only")
+            "placements or flat partitions only"
+        )
     size = m * n
     mine = lay.pieces[lay.rank]
     out = []
@@ -54,13 +56,22 @@ def split_flat(frag: Fragment) -> list[Fragment]:
         pieces = [FlatPiece(min(max(p.lo - base, 0), size), min(max(p.hi - base, 0), size)) for p in lay.pieces]
         here = pieces[lay.rank]
         offset = frag.offset + max(mine.lo, base) - mine.lo if here.numel else 0
-        out.append(Fragment(matrix_name(frag.name, e), MatrixLayout((m, n), pieces, lay.rank, lay.group), offset,
-                            (m, n), index=e, param_name=frag.name))
+        out.append(
+            Fragment(
+                matrix_name(frag.name, e),
+                MatrixLayout((m, n), pieces, lay.rank, lay.group),
+                offset,
+                (m, n),
+                index=e,
+                param_name=frag.name,
+            )
+        )
     return out
 
 
-def _slice_piece(origin: Sequence[int], extent: Sequence[int], e: int, m: int, n: int
-                 ) -> FlatPiece | ColPiece | RectPiece:
+def _slice_piece(
+    origin: Sequence[int], extent: Sequence[int], e: int, m: int, n: int
+) -> FlatPiece | ColPiece | RectPiece:
     """The piece of slice ``e`` inside a box at ``origin`` of size ``extent`` (empty when the box misses it)."""
     if not all(extent) or not origin[0] <= e < origin[0] + extent[0]:
         return FlatPiece(0, 0)
@@ -72,8 +83,9 @@ def _slice_piece(origin: Sequence[int], extent: Sequence[int], e: int, m: int, n
     return RectPiece(r0, r1, c0, c1)
 
 
-def box_fragments(name: str, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], rank: int,
-                  group: Any = None) -> list[Fragment]:
+def box_fragments(
+    name: str, shape: Sequence[int], boxes: Sequence[tuple[Sequence[int], Sequence[int]]], rank: int, group: Any = None
+) -> list[Fragment]:
     """One fragment per slice of batched parameter ``name`` (global ``shape``) when rank ``r`` of ``group`` holds
     the contiguous box ``boxes[r] = (origin, extent)`` of it (a DTensor's local shard and its global offset)."""
     count, m, n = (int(s) for s in shape)
@@ -84,6 +96,14 @@ def box_fragments(name: str, shape: Sequence[int], boxes: Sequence[tuple[Sequenc
         pieces = [_slice_piece(o, x, e, m, n) for o, x in boxes]
         held = all(extent) and origin[0] <= e < origin[0] + extent[0]
         offset = (e - origin[0]) * per_slice if held else 0
-        out.append(Fragment(matrix_name(name, e), MatrixLayout((m, n), pieces, rank, group), offset, (m, n),
-                            index=e, param_name=name))
+        out.append(
+            Fragment(
+                matrix_name(name, e),
+                MatrixLayout((m, n), pieces, rank, group),
+                offset,
+                (m, n),
+                index=e,
+                param_name=name,
+            )
+        )
     return out

@@ -21,6 +21,7 @@ layers; ZeRO's partial rows add a few small groups per partition boundary. Large
 per-block kernels of ``primitives`` inside their group (the Python overhead is negligible there, and those
 kernels are cache-friendlier than batched strided reductions).
 """
+
 from __future__ import annotations
 
 from typing import Any, Sequence
@@ -44,8 +45,24 @@ INDEX_ELEMENTS = 1 << 20
 class Group:
     """The blocks of one ``(height, width)`` shape: which matrix, where in its local piece, which lines."""
 
-    __slots__ = ("h", "w", "items", "starts", "whole", "row_index", "col_index", "row_flat", "col_flat", "big",
-                 "item_tensor", "owners", "all_whole", "one_source", "elements", "kept_views")
+    __slots__ = (
+        "h",
+        "w",
+        "items",
+        "starts",
+        "whole",
+        "row_index",
+        "col_index",
+        "row_flat",
+        "col_flat",
+        "big",
+        "item_tensor",
+        "owners",
+        "all_whole",
+        "one_source",
+        "elements",
+        "kept_views",
+    )
 
     def __init__(self, h: int, w: int):
         self.h, self.w = h, w
@@ -69,9 +86,14 @@ class BlockGroups:
     is all of the matrix is the source itself, viewed 2-D). Defaults: one source per matrix, whole.
     """
 
-    def __init__(self, layouts: Sequence[MatrixLayout], device: torch.device | str = "cpu",
-                 owners: Sequence[int] | None = None, offsets: Sequence[int] | None = None,
-                 whole: Sequence[bool] | None = None):
+    def __init__(
+        self,
+        layouts: Sequence[MatrixLayout],
+        device: torch.device | str = "cpu",
+        owners: Sequence[int] | None = None,
+        offsets: Sequence[int] | None = None,
+        whole: Sequence[bool] | None = None,
+    ):
         self.layouts = list(layouts)
         self.owners = list(owners) if owners is not None else list(range(len(self.layouts)))
         offsets = list(offsets) if offsets is not None else [0] * len(self.layouts)
@@ -152,22 +174,25 @@ class BlockGroups:
                     any_owned = True
                     mask = torch.zeros(sizes[i], dtype=torch.bool)
                     mask[plan.owned] = True
-                    owned[bases[i]: bases[i] + sizes[i]] = mask
+                    owned[bases[i] : bases[i] + sizes[i]] = mask
             self.split[axis] = {k: (grp, torch.cat(ix).to(dev)) for k, (grp, ix) in parts.items()}
             self.owned[axis] = owned.to(dev) if any_owned else None
             # which matrices register an owner-counted sum on this axis (not replicated after reduction)
         for i, lay in enumerate(self.layouts):
             if lay.group is not None:
                 self.sum_items.setdefault(id(lay.group), (lay.group, []))[1].append(i)
-        self.sum_items = {k: (grp, torch.tensor(ix, dtype=torch.int64).to(dev)) for k, (grp, ix) in self.sum_items.items()}
+        self.sum_items = {
+            k: (grp, torch.tensor(ix, dtype=torch.int64).to(dev)) for k, (grp, ix) in self.sum_items.items()
+        }
         self.axis_sum_items: dict[int, dict[int, tuple[Any, torch.Tensor]]] = {}
         for axis in (0, 1):
             found: dict[int, tuple[Any, list[int]]] = {}
             for i, lay in enumerate(self.layouts):
                 if not lay.axis_plan(axis).replicated:
                     found.setdefault(id(lay.group), (lay.group, []))[1].append(i)
-            self.axis_sum_items[axis] = {k: (grp, torch.tensor(ix, dtype=torch.int64).to(dev))
-                                         for k, (grp, ix) in found.items()}
+            self.axis_sum_items[axis] = {
+                k: (grp, torch.tensor(ix, dtype=torch.int64).to(dev)) for k, (grp, ix) in found.items()
+            }
 
     def add_axis(self, rnd: Round, vector: torch.Tensor, axis: int) -> None:
         """Register the split indices of all matrices' partial line sums (``vector``: concatenated rows or
@@ -250,8 +275,9 @@ class BlockGroups:
         """Whether group ``g``'s data is a list of blocks (large blocks on a CPU) rather than a stack."""
         return g.big and self.device.type == "cpu"
 
-    def block_views(self, tensors: Sequence[torch.Tensor | None], g: Group, fill: bool = False,
-                    persistent: str | None = None) -> list[torch.Tensor]:
+    def block_views(
+        self, tensors: Sequence[torch.Tensor | None], g: Group, fill: bool = False, persistent: str | None = None
+    ) -> list[torch.Tensor]:
         """The 2-D views of group ``g``'s blocks in ``tensors`` (the sources' local elements); blocks of a
         ``None`` source are zeros with ``fill``, else left out. ``persistent`` names sources that live across
         steps (``"param"``, ``"state"``): a flat source's views are kept for that role and reused while it is
@@ -268,7 +294,7 @@ class BlockGroups:
                 kept = g.kept_views.get(persistent)
                 if kept is None or kept[0] != key:
                     flat = src.reshape(-1)
-                    kept = g.kept_views[persistent] = (key, [flat[s: s + h * w].view(h, w) for s in g.starts])
+                    kept = g.kept_views[persistent] = (key, [flat[s : s + h * w].view(h, w) for s in g.starts])
                 return list(kept[1])
         out = []
         for t, start, whole in zip(map(tensors.__getitem__, g.owners), g.starts, g.whole):
@@ -279,7 +305,7 @@ class BlockGroups:
             elif whole:
                 out.append(t if t.shape == (h, w) else t.view(h, w))
             else:
-                out.append(t.reshape(-1)[start: start + h * w].view(h, w))
+                out.append(t.reshape(-1)[start : start + h * w].view(h, w))
         return out
 
     @staticmethod
@@ -327,8 +353,13 @@ class BlockGroups:
             out.index_add_(0, g.col_flat, part.reshape(-1))
         return out
 
-    def scale(self, stacks: Sequence, row_scale: torch.Tensor | None = None, col_scale: torch.Tensor | None = None,
-              out: Sequence | None = None) -> list:
+    def scale(
+        self,
+        stacks: Sequence,
+        row_scale: torch.Tensor | None = None,
+        col_scale: torch.Tensor | None = None,
+        out: Sequence | None = None,
+    ) -> list:
         """``diag(row_scale) X diag(col_scale)`` of every block (``primitives.scale_into``): into ``out`` (data
         shaped like ``stacks``, e.g. a temporary that is no longer needed), else new tensors."""
         result = []

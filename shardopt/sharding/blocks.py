@@ -18,6 +18,7 @@ each rank gets; the plans come in three kinds:
 when the static plans move nothing); ``from_blocks`` returns block-shaped results to the engine's pieces the
 same way. Elements a rank keeps are copied locally and never cross the network.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -66,7 +67,10 @@ class RowPlan:
             return (0, rows)
         # rows of A held by few ranks each (row or rectangular pieces of G; column pieces of G^T): rows stay with
         # the rank that holds most of them; across the grain they are cut evenly
-        along = isinstance(layout.pieces[0], RectPiece) or isinstance(layout.pieces[0], (ColPiece, ColFlatPiece)) == transpose
+        along = (
+            isinstance(layout.pieces[0], RectPiece)
+            or isinstance(layout.pieces[0], (ColPiece, ColFlatPiece)) == transpose
+        )
         if along:
             runs = cls._majority_runs(layout, transpose)
             if all(a[2] <= b[2] for a, b in zip(runs, runs[1:])):  # holders non-decreasing along the rows
@@ -231,8 +235,10 @@ class RowPlan:
             ivals, k = spans
             starts = [x * k for x in self.starts]
             lo, hi = lo * k, hi * k
-            return tuple(max(min(b, hi) - max(a, lo), 0) - max(min(b, a1) - max(a, a0), 0)
-                         for (a, b), a0, a1 in zip(ivals, starts, starts[1:]))
+            return tuple(
+                max(min(b, hi) - max(a, lo), 0) - max(min(b, a1) - max(a, a0), 0)
+                for (a, b), a0, a1 in zip(ivals, starts, starts[1:])
+            )
         out = []
         for s, blocks in enumerate(self._piece_blocks):
             a0, a1 = self.starts[s], self.starts[s + 1]
@@ -311,9 +317,12 @@ class RowPlan:
         cache = self.__dict__.setdefault("_assembles_cache", {})
         found = cache.get(rank)
         if found is None:
-            found = cache[rank] = (self.transpose and self.a_shape[0] > 0
-                                   and self.rows(rank) == (0, self.a_shape[0])
-                                   and _element_spans(self.layout, False) is not None)
+            found = cache[rank] = (
+                self.transpose
+                and self.a_shape[0] > 0
+                and self.rows(rank) == (0, self.a_shape[0])
+                and _element_spans(self.layout, False) is not None
+            )
         return found
 
     def _g_span(self, src: int) -> tuple[int, int]:
@@ -350,7 +359,7 @@ class RowPlan:
         me = self.layout.rank
         if self.held != "some" or self.moved(me, me) or len(self._sends) != 1:
             return None
-        (src, k), = self._sends.items()
+        ((src, k),) = self._sends.items()
         if k != self.layout.local_numel or not (self._flat is not None or self._assembles_g(src)):
             return None
         return src
@@ -367,14 +376,14 @@ class RowPlan:
         if self._flat is not None:
             x, y = self._overlap(me, dst)
             lo = self._flat[0][me][0]
-            return [piece[x - lo: y - lo]] if y > x else []
+            return [piece[x - lo : y - lo]] if y > x else []
         if self._assembles_g(dst):  # dst's block is all of G: the whole piece, in G's order
             lo, hi = self._g_span(me)
-            return [piece[:hi - lo]] if hi > lo else []
+            return [piece[: hi - lo]] if hi > lo else []
         out = []
         for b, (i0, i1), (j0, j1) in self._cuts(me, dst):
-            view = piece[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
-            out.append(view[i0 - b.row: i1 - b.row, j0 - b.col: j1 - b.col].reshape(-1))
+            view = piece[b.offset : b.offset + b.height * b.width].view(b.height, b.width)
+            out.append(view[i0 - b.row : i1 - b.row, j0 - b.col : j1 - b.col].reshape(-1))
         return out
 
     def unpack_into_block(self, block: torch.Tensor, src: int, flat: torch.Tensor) -> None:
@@ -383,7 +392,7 @@ class RowPlan:
         if self._flat is not None and block.is_contiguous():
             x, y = self._overlap(src, self.layout.rank)
             base = a0 * self._flat[1]
-            block.view(-1)[x - base: y - base].copy_(flat)
+            block.view(-1)[x - base : y - base].copy_(flat)
             return
         if self._assembles_g(self.layout.rank) and block.mT.is_contiguous():
             lo, hi = self._g_span(src)
@@ -392,12 +401,12 @@ class RowPlan:
         pos = 0
         for _, (i0, i1), (j0, j1) in self._cuts(src, self.layout.rank):
             h, w = i1 - i0, j1 - j0
-            chunk = flat[pos: pos + h * w].view(h, w)
+            chunk = flat[pos : pos + h * w].view(h, w)
             pos += h * w
             if self.transpose:
-                block[j0 - a0: j1 - a0, i0:i1] = chunk.T
+                block[j0 - a0 : j1 - a0, i0:i1] = chunk.T
             else:
-                block[i0 - a0: i1 - a0, j0:j1] = chunk
+                block[i0 - a0 : i1 - a0, j0:j1] = chunk
 
     def pack_block(self, block: torch.Tensor, dst: int) -> list[torch.Tensor]:
         """The parts of this rank's block that belong to ``dst``'s piece, in ``dst``'s block order."""
@@ -405,13 +414,13 @@ class RowPlan:
         if self._flat is not None and block.is_contiguous():
             x, y = self._overlap(dst, self.layout.rank)
             base = a0 * self._flat[1]
-            return [block.view(-1)[x - base: y - base]] if y > x else []
+            return [block.view(-1)[x - base : y - base]] if y > x else []
         if self._assembles_g(self.layout.rank) and block.mT.is_contiguous():
             lo, hi = self._g_span(dst)
             return [block.mT.view(-1)[lo:hi]] if hi > lo else []
         out = []
         for _, (i0, i1), (j0, j1) in self._cuts(dst, self.layout.rank):
-            part = block[j0 - a0: j1 - a0, i0:i1].T if self.transpose else block[i0 - a0: i1 - a0, j0:j1]
+            part = block[j0 - a0 : j1 - a0, i0:i1].T if self.transpose else block[i0 - a0 : i1 - a0, j0:j1]
             out.append(part.reshape(-1))
         return out
 
@@ -421,16 +430,16 @@ class RowPlan:
         if self._flat is not None:
             x, y = self._overlap(me, src)
             lo = self._flat[0][me][0]
-            piece[x - lo: y - lo].copy_(flat)
+            piece[x - lo : y - lo].copy_(flat)
             return
         if self._assembles_g(src):  # src sent the whole piece, as a slice of G
-            piece[:flat.numel()].copy_(flat)
+            piece[: flat.numel()].copy_(flat)
             return
         pos = 0
         for b, (i0, i1), (j0, j1) in self._cuts(me, src):
             h, w = i1 - i0, j1 - j0
-            view = piece[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
-            view[i0 - b.row: i1 - b.row, j0 - b.col: j1 - b.col] = flat[pos: pos + h * w].view(h, w)
+            view = piece[b.offset : b.offset + b.height * b.width].view(b.height, b.width)
+            view[i0 - b.row : i1 - b.row, j0 - b.col : j1 - b.col] = flat[pos : pos + h * w].view(h, w)
             pos += h * w
 
 
@@ -481,8 +490,11 @@ def _tiled_majority_runs(ivals: list[tuple[int, int]], k: int, size: int) -> lis
         prev_hi = hi
         r0, c0 = divmod(lo, k)
         r1, c1 = divmod(hi, k)
-        parts = [(r0, c1 - c0)] if r0 == r1 else ([(r0, k - c0)] if c0 else []) + [(None, (r0 + (c0 > 0), r1))] + \
-            ([(r1, c1)] if c1 else [])
+        parts = (
+            [(r0, c1 - c0)]
+            if r0 == r1
+            else ([(r0, k - c0)] if c0 else []) + [(None, (r0 + (c0 > 0), r1))] + ([(r1, c1)] if c1 else [])
+        )
         for row, w in parts:
             if row is None:  # whole rows of this rank alone
                 a, b = w
@@ -505,9 +517,14 @@ def _tiled_majority_runs(ivals: list[tuple[int, int]], k: int, size: int) -> lis
     return runs
 
 
-def _exchange(plans: Sequence[RowPlan], send_parts: list[dict[int, list[torch.Tensor]]],
-              recv_counts: list[dict[int, int]], dtype: torch.dtype, device: torch.device,
-              tags: Sequence[str]) -> list[dict[int, torch.Tensor]]:
+def _exchange(
+    plans: Sequence[RowPlan],
+    send_parts: list[dict[int, list[torch.Tensor]]],
+    recv_counts: list[dict[int, int]],
+    dtype: torch.dtype,
+    device: torch.device,
+    tags: Sequence[str],
+) -> list[dict[int, torch.Tensor]]:
     """One ``all_to_all_single`` for the entries of one group: ``send_parts[e][dst]`` -> ``out[e][src]``.
 
     Only the ranks an entry exchanges with appear in its maps (never this rank), so the work is proportional
@@ -540,7 +557,7 @@ def _exchange(plans: Sequence[RowPlan], send_parts: list[dict[int, list[torch.Te
     result: list[dict[int, torch.Tensor]] = [{} for _ in plans]
     pos = 0
     for s, e, k in arrivals:
-        result[e][s] = out[pos: pos + k]
+        result[e][s] = out[pos : pos + k]
         pos += k
     return result
 
@@ -553,10 +570,16 @@ def _groups(plans: Sequence[RowPlan]) -> dict[int, list[int]]:
     return by
 
 
-def _exchange_groups(plans: Sequence[RowPlan], send: Callable[[int, int], list[torch.Tensor]],
-                     sends_to: Callable[[RowPlan], dict[int, int]], receives_from: Callable[[RowPlan], dict[int, int]],
-                     receive: Callable[[int, int, torch.Tensor], None],
-                     tags: Sequence[str], dtype: torch.dtype, device: torch.device) -> None:
+def _exchange_groups(
+    plans: Sequence[RowPlan],
+    send: Callable[[int, int], list[torch.Tensor]],
+    sends_to: Callable[[RowPlan], dict[int, int]],
+    receives_from: Callable[[RowPlan], dict[int, int]],
+    receive: Callable[[int, int, torch.Tensor], None],
+    tags: Sequence[str],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> None:
     """One ``all_to_all`` per process group for every entry that moves: ``send(e, dst)`` packs for each rank
     of ``sends_to(plan)``, ``receives_from(plan)`` says how much arrives from which rank, ``receive(e, src,
     flat)`` unpacks. Groups whose static plans move nothing issue no collective on any rank."""
@@ -600,15 +623,25 @@ def to_blocks(plans: Sequence[RowPlan], pieces: Sequence[torch.Tensor], tags: Se
             plan.unpack_into_block(block, plan.layout.rank, parts[0] if len(parts) == 1 else torch.cat(parts))
         blocks.append(block)
     if pieces:
-        _exchange_groups(plans, lambda e, d: plans[e].pack_piece(pieces[e], d),
-                         lambda p: p._sends, lambda p: p._received,
-                         lambda e, s, flat: plans[e].unpack_into_block(blocks[e], s, flat),
-                         tags, pieces[0].dtype, pieces[0].device)
+        _exchange_groups(
+            plans,
+            lambda e, d: plans[e].pack_piece(pieces[e], d),
+            lambda p: p._sends,
+            lambda p: p._received,
+            lambda e, s, flat: plans[e].unpack_into_block(blocks[e], s, flat),
+            tags,
+            pieces[0].dtype,
+            pieces[0].device,
+        )
     return blocks
 
 
-def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None], tags: Sequence[str],
-                device: torch.device | str = "cpu") -> list[torch.Tensor]:
+def from_blocks(
+    plans: Sequence[RowPlan],
+    blocks: Sequence[torch.Tensor | None],
+    tags: Sequence[str],
+    device: torch.device | str = "cpu",
+) -> list[torch.Tensor]:
     """Inverse of ``to_blocks``: this rank's 1-D piece of each entry from the block-shaped results.
 
     ``blocks[e]`` may be ``None`` on a rank that holds no row of entry ``e``; ``device`` is where the pieces
@@ -616,8 +649,9 @@ def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None],
     blocks = [b if b is not None else torch.zeros(0, p.a_shape[1], device=device) for p, b in zip(plans, blocks)]
     # an owner of A = G^T sends slices of G: one transposing copy of the whole result here (none where the
     # algorithm already wrote it in G's layout) instead of one per piece
-    blocks = [b.mT.contiguous().mT if p.held == "some" and p._assembles_g(p.layout.rank) else b
-              for p, b in zip(plans, blocks)]
+    blocks = [
+        b.mT.contiguous().mT if p.held == "some" and p._assembles_g(p.layout.rank) else b for p, b in zip(plans, blocks)
+    ]
     pieces: list[torch.Tensor | None] = []
     for plan, block in zip(plans, blocks):
         held = plan.held
@@ -644,9 +678,16 @@ def from_blocks(plans: Sequence[RowPlan], blocks: Sequence[torch.Tensor | None],
             plans[e].unpack_into_piece(pieces[e], src, flat)
 
     if pieces:
-        _exchange_groups(plans, lambda e, d: plans[e].pack_block(blocks[e], d),
-                         lambda p: p._received, lambda p: p._sends, receive,
-                         tags, blocks[0].dtype, blocks[0].device)
+        _exchange_groups(
+            plans,
+            lambda e, d: plans[e].pack_block(blocks[e], d),
+            lambda p: p._received,
+            lambda p: p._sends,
+            receive,
+            tags,
+            blocks[0].dtype,
+            blocks[0].device,
+        )
     if any(p is None for p in pieces):
         raise RuntimeError("from_blocks: the rank computing a piece sent nothing (plans differ across ranks)")
     return pieces  # type: ignore[return-value]

@@ -6,12 +6,12 @@ one fp32 buffer per process group, issues one ``all_reduce`` for each, and write
 Whether a matrix registers anything depends only on its static layout, so every rank issues the same
 collectives in the same order, including ranks whose shard is empty.
 """
+
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 from typing import Any, Iterator
-
-import weakref
 
 import torch
 
@@ -29,6 +29,7 @@ def on_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device not in copies:
         copies[device] = t.to(device)
     return copies[device]
+
 
 __all__ = ["Round", "CollectiveCounter", "collective_counter", "on_device"]
 
@@ -146,7 +147,7 @@ class Round:
             start = 0
             for (tensor, index), part in zip(items, parts):
                 size = part.numel()
-                chunk = buf[start: start + size]
+                chunk = buf[start : start + size]
                 chunk = chunk if tensor.dtype is torch.float32 else chunk.to(tensor.dtype)
                 start += size
                 if index is None:

@@ -9,6 +9,7 @@ dimension) the group is those dimensions flattened (``DeviceMesh._flatten``, row
 does), and each rank's block is what DTensor itself computes for its coordinate; ``Replicate`` dimensions hold
 replicas, which reduce separately and identically (as HSDP's replicas), never double-counting.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -21,8 +22,17 @@ from .batched import box_fragments, split_flat
 from .fragment import Fragment
 from .layout import ColPiece, FlatPiece, MatrixLayout, RectPiece
 
-__all__ = ["layout_of", "matrix_shape", "global_shape", "shard_mesh", "complete_partial_grads", "align_grads",
-           "check_grad_placements", "GradientPlacementError", "batched_fragments"]
+__all__ = [
+    "layout_of",
+    "matrix_shape",
+    "global_shape",
+    "shard_mesh",
+    "complete_partial_grads",
+    "align_grads",
+    "check_grad_placements",
+    "GradientPlacementError",
+    "batched_fragments",
+]
 
 
 def _megatron_tp(p: torch.Tensor):
@@ -33,8 +43,12 @@ def _megatron_tp(p: torch.Tensor):
 
     if getattr(p, "partition_stride", 1) != 1:
         raise NotImplementedError("Megatron parameters with partition_stride != 1 are not supported")
-    return (ps.get_tensor_model_parallel_group(), ps.get_tensor_model_parallel_world_size(),
-            ps.get_tensor_model_parallel_rank(), int(p.partition_dim))
+    return (
+        ps.get_tensor_model_parallel_group(),
+        ps.get_tensor_model_parallel_world_size(),
+        ps.get_tensor_model_parallel_rank(),
+        int(p.partition_dim),
+    )
 
 
 def global_shape(p: torch.Tensor) -> tuple[int, ...]:
@@ -90,8 +104,10 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
     elif placement.dim in (1, -1) and p.dim() == 2:
         layout = MatrixLayout.col_chunks(shape, world, rank, group)
     else:
-        raise NotImplementedError(f"shard dim {placement.dim} of a parameter of shape {tuple(p.shape)} is not "
-                                  "supported; shard dim 0 (any rank) or dim 1 of a matrix")
+        raise NotImplementedError(
+            f"shard dim {placement.dim} of a parameter of shape {tuple(p.shape)} is not "
+            "supported; shard dim 0 (any rank) or dim 1 of a matrix"
+        )
     local = p.to_local()
     if local.numel() != layout.local_numel:
         raise RuntimeError(
@@ -114,8 +130,10 @@ def batched_fragments(p: torch.Tensor, name: str, resolver=None) -> list[Fragmen
     group, rank, boxes = _shard_boxes(p, dims, repr(name))
     frags = box_fragments(name, shape, boxes, rank, group)
     if tuple(p.to_local().shape) != tuple(boxes[rank][1]):
-        raise RuntimeError(f"{name!r}: DTensor local shard has shape {tuple(p.to_local().shape)} but its placements "
-                           f"{tuple(p.placements)} give {boxes[rank][1]}; padded local shards are not supported")
+        raise RuntimeError(
+            f"{name!r}: DTensor local shard has shape {tuple(p.to_local().shape)} but its placements "
+            f"{tuple(p.placements)} give {boxes[rank][1]}; padded local shards are not supported"
+        )
     return frags
 
 
@@ -143,7 +161,8 @@ def check_grad_placements(params, names=None) -> None:
                 f"{_placements_str(g)} on mesh {g.device_mesh}, but the parameter has shape {tuple(p.shape)} and "
                 f"placements {_placements_str(p)} on mesh {p.device_mesh}; shardopt reads a gradient's elements "
                 "where the parameter's are, so the two must share mesh and shape: check the parallelize plan of "
-                "this parameter's module")
+                "this parameter's module"
+            )
 
 
 def align_grads(params, names=None) -> None:
@@ -172,7 +191,8 @@ def align_grads(params, names=None) -> None:
             raise GradientPlacementError(
                 f"the gradient of {name!r} has local shape {tuple(p.grad.to_local().shape)} with placements "
                 f"{_placements_str(p.grad)}, the parameter local shape {tuple(p.to_local().shape)} with "
-                f"{_placements_str(p)}")
+                f"{_placements_str(p)}"
+            )
 
 
 def complete_partial_grads(params) -> None:
@@ -191,8 +211,10 @@ def complete_partial_grads(params) -> None:
             for i in partial:
                 op = getattr(g.placements[i], "reduce_op", "sum")
                 if op not in ("sum", "avg"):
-                    raise NotImplementedError(f"a gradient with placement {g.placements[i]} (reduce op {op!r}) on "
-                                              f"mesh {g.device_mesh}; shardopt completes Partial(sum) and Partial(avg)")
+                    raise NotImplementedError(
+                        f"a gradient with placement {g.placements[i]} (reduce op {op!r}) on "
+                        f"mesh {g.device_mesh}; shardopt completes Partial(sum) and Partial(avg)"
+                    )
             buckets.setdefault((id(g.device_mesh), partial, g.dtype), []).append(p)
     for (_, dims, _), ps in buckets.items():
         mesh = ps[0].grad.device_mesh
@@ -205,11 +227,12 @@ def complete_partial_grads(params) -> None:
         pos = 0
         for p, t in zip(ps, locals_):
             g = p.grad
-            done = flat[pos: pos + t.numel()].view_as(t).clone()
+            done = flat[pos : pos + t.numel()].view_as(t).clone()
             pos += t.numel()
             placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
-            p.grad = DTensor.from_local(done, g.device_mesh, placements, run_check=False, shape=g.shape,
-                                        stride=g.stride())
+            p.grad = DTensor.from_local(
+                done, g.device_mesh, placements, run_check=False, shape=g.shape, stride=g.stride()
+            )
 
 
 def shard_mesh(p: torch.Tensor) -> tuple:
@@ -246,7 +269,8 @@ def _shard_boxes(p: torch.Tensor, dims: list[int], what: str) -> tuple[Any, int,
         raise NotImplementedError(
             f"{what} of shape {tuple(p.shape)} is sharded over mesh dimensions {dims} {tuple(p.placements)} of a mesh "
             "without dimension names; name them (init_device_mesh(..., mesh_dim_names=...)) so that shardopt can "
-            "reduce over the sharded dimensions together")
+            "reduce over the sharded dimensions together"
+        )
     else:
         flat, _ = shard_mesh(p)
         group, rank = flat.get_group(), flat.get_local_rank()
@@ -268,13 +292,16 @@ def _mesh_layout(p: torch.Tensor, shape: tuple[int, int], dims: list[int]) -> Ma
     pieces = [_piece(tuple(p.shape), shape, extent, origin, placements) for origin, extent in boxes]
     layout = MatrixLayout(shape, pieces, rank, group)
     if p.to_local().numel() != layout.local_numel:
-        raise RuntimeError(f"DTensor local shard has {p.to_local().numel()} elements but its placements "
-                           f"{tuple(placements)} give {layout.local_numel} for shape {tuple(p.shape)}")
+        raise RuntimeError(
+            f"DTensor local shard has {p.to_local().numel()} elements but its placements "
+            f"{tuple(placements)} give {layout.local_numel} for shape {tuple(p.shape)}"
+        )
     return layout
 
 
-def _piece(tensor_shape: tuple[int, ...], shape: tuple[int, int], local: tuple[int, ...], offset: tuple[int, ...],
-           placements) -> FlatPiece | ColPiece | RectPiece:
+def _piece(
+    tensor_shape: tuple[int, ...], shape: tuple[int, int], local: tuple[int, ...], offset: tuple[int, ...], placements
+) -> FlatPiece | ColPiece | RectPiece:
     """The piece of the ``shape`` (row-major 2-D) view that a block ``local`` at ``offset`` of the tensor is."""
     m, n = shape
     rows = (offset[0], offset[0] + local[0]) if local[0] else (0, 0)
@@ -284,7 +311,8 @@ def _piece(tensor_shape: tuple[int, ...], shape: tuple[int, int], local: tuple[i
             if s != full:
                 raise NotImplementedError(
                     f"a {len(tensor_shape)}-D parameter of shape {tensor_shape} sharded along a dimension other than "
-                    f"the first ({tuple(placements)}) is not supported; shard it along dim 0")
+                    f"the first ({tuple(placements)}) is not supported; shard it along dim 0"
+                )
             rest *= s
         return FlatPiece(rows[0] * n, rows[1] * n)
     if local[1] == n:

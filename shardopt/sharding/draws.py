@@ -3,6 +3,7 @@
 Keyed by ``(seed, *keys)`` (a parameter name, a refresh count), drawn on the CPU and then moved, so SUMO's range
 finder and Alice's complement draws never depend on the process layout.
 """
+
 from __future__ import annotations
 
 import zlib

@@ -5,6 +5,7 @@ partitions that concatenate many matrices (DeepSpeed ZeRO). A ``Fragment`` names
 layout, and where its local elements sit inside the stepped tensor, so algorithms never ask which engine
 they run under.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -26,9 +27,11 @@ def local_flat(t: torch.Tensor) -> torch.Tensor:
     """This rank's elements of ``t`` as a 1-D view (a DTensor's local shard, or the tensor itself)."""
     local = local_tensor(t)
     if not local.is_contiguous():
-        raise RuntimeError(f"shardopt needs a flat view of this tensor's local elements, but it is a non-contiguous "
-                           f"view (shape {tuple(local.shape)}, strides {local.stride()}); optimizer.step() handles "
-                           "such parameters, elsewhere pass t.contiguous()")
+        raise RuntimeError(
+            f"shardopt needs a flat view of this tensor's local elements, but it is a non-contiguous "
+            f"view (shape {tuple(local.shape)}, strides {local.stride()}); optimizer.step() handles "
+            "such parameters, elsewhere pass t.contiguous()"
+        )
     return local.view(-1)
 
 
@@ -64,4 +67,4 @@ class Fragment:
         flat = local_flat(t)
         if self.offset == 0 and self.numel == flat.numel():
             return flat  # the whole tensor: no second view (a step asks for every matrix's piece)
-        return flat[self.offset: self.offset + self.numel]
+        return flat[self.offset : self.offset + self.numel]

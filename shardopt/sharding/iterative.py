@@ -18,6 +18,7 @@ eigendirection converged to float32 rounding. The caller recomputes the matrices
 eigendecomposition, so a result is always the float64 one to float32 rounding; deciding which failed is the one
 host read these routines cost.
 """
+
 from __future__ import annotations
 
 import collections
@@ -27,9 +28,25 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["RESIDUAL_TOL", "MAX_STEPS", "steps_to_converge", "coupled_iteration", "coupled_iteration_rows",
-           "split_exchange", "inverse_sqrt_checked_rows", "coupled_inverse_sqrt_rows", "inverse_sqrt_checked", "polar_from_gram_checked",
-           "cholesky_qr2_checked", "orthonormal_columns", "iterative_device", "forced", "fallback_counts", "count_fallbacks", "routed_counts"]
+__all__ = [
+    "RESIDUAL_TOL",
+    "MAX_STEPS",
+    "steps_to_converge",
+    "coupled_iteration",
+    "coupled_iteration_rows",
+    "split_exchange",
+    "inverse_sqrt_checked_rows",
+    "coupled_inverse_sqrt_rows",
+    "inverse_sqrt_checked",
+    "polar_from_gram_checked",
+    "cholesky_qr2_checked",
+    "orthonormal_columns",
+    "iterative_device",
+    "forced",
+    "fallback_counts",
+    "count_fallbacks",
+    "routed_counts",
+]
 
 #: the iteration's residual ``|I - Z Y|_F`` a result must reach: each eigendirection's scale within 1e-7
 #: relative, float32 rounding of the result
@@ -52,8 +69,9 @@ def steps_to_converge(y0: float, tol: float = 1e-10) -> int:
     return steps
 
 
-def coupled_iteration(a: torch.Tensor, s: torch.Tensor, steps: int,
-                      residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def coupled_iteration(
+    a: torch.Tensor, s: torch.Tensor, steps: int, residual: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``steps`` of the coupled Newton-Schulz iteration on ``a / s`` (symmetric PSD, any leading dimensions; ``s``:
     one scale per matrix, shape ``a.shape[:-2]``): ``Y0 = a/s, Z0 = I``, ``T = (3I - Z Y)/2``, ``Y <- Y T``,
     ``Z <- T Z``. Returns ``Z``, which tends to ``(a/s)^{-1/2}`` where every eigenvalue of ``a / s`` lies in
@@ -92,8 +110,9 @@ def split_exchange(steps: int, residual: bool) -> tuple[int, int]:
     return 3 * steps - 3, 2 * steps - 1 if steps > 1 else 0
 
 
-def coupled_iteration_rows(a: torch.Tensor, s: torch.Tensor, steps: int, rows,
-                           residual: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def coupled_iteration_rows(
+    a: torch.Tensor, s: torch.Tensor, steps: int, rows, residual: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``coupled_iteration`` of a ``(B, k, k)`` stack with its products split by row blocks over a team (issue
     53): ``rows`` (``teams.RowExchange``) gives this member's block ``[lo, hi)`` and all-gathers the members'
     blocks into whole matrices (``rows.gather``) or sums a per-matrix scalar (``rows.sum``). Every element is
@@ -165,7 +184,9 @@ def inverse_sqrt_checked(a: torch.Tensor, floor: float) -> tuple[torch.Tensor, t
     return (z + z.mT) * 0.5, torch.isfinite(residual) & (residual <= RESIDUAL_TOL)
 
 
-def polar_from_gram_checked(g: torch.Tensor, tol: float, kept: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def polar_from_gram_checked(
+    g: torch.Tensor, tol: float, kept: float | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The polar factor ``U V^T`` of a ``(B, m, n)`` float64 stack where no singular value falls below ``kept``
     (default ``2 tol``) times the largest, and a mask of the matrices where that holds and the result is exact to
     float32 rounding.
@@ -186,8 +207,9 @@ def polar_from_gram_checked(g: torch.Tensor, tol: float, kept: float | None = No
     margin = (2.0 * tol if kept is None else kept) ** 2
     _, info = torch.linalg.cholesky_ex(gram - (margin * s)[:, None, None] * eye)
     steps = steps_to_converge(margin)
-    z, residual = coupled_iteration(gram, s.clamp(min=torch.finfo(gram.dtype).tiny), min(steps, MAX_STEPS),
-                                    residual=True)
+    z, residual = coupled_iteration(
+        gram, s.clamp(min=torch.finfo(gram.dtype).tiny), min(steps, MAX_STEPS), residual=True
+    )
     out = (z / s.sqrt()[:, None, None]) @ a
     ok = (info == 0) & torch.isfinite(residual) & (residual <= RESIDUAL_TOL) & (steps <= MAX_STEPS)
     return (out if wide else out.mT), ok
@@ -290,4 +312,3 @@ def forced(value: bool = True) -> Iterator[None]:
         yield
     finally:
         _FORCED = old
-

@@ -19,6 +19,7 @@ From the pieces of *all* ranks the layout derives, statically and identically on
 column indices are split between ranks. Only split indices of a statistic ever cross the network; that is
 what keeps results exact (no shard is normalized as if it were the matrix) and traffic small.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,18 @@ from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
-__all__ = ["FlatPiece", "ColPiece", "RectPiece", "ColFlatPiece", "Block", "MatrixLayout", "AxisPlan", "piece_numel",
-           "put_piece", "take_piece"]
+__all__ = [
+    "FlatPiece",
+    "ColPiece",
+    "RectPiece",
+    "ColFlatPiece",
+    "Block",
+    "MatrixLayout",
+    "AxisPlan",
+    "piece_numel",
+    "put_piece",
+    "take_piece",
+]
 
 
 @dataclass(frozen=True)
@@ -126,8 +137,10 @@ def _blocks_of(piece: Piece, m: int, n: int) -> tuple[Block, ...]:
         w = piece.c1 - piece.c0
         return (Block(0, piece.c0, m, w, 0),) if w > 0 and m > 0 else ()
     if isinstance(piece, ColFlatPiece):
-        return tuple(b._replace(col=b.col + piece.c0)
-                     for b in _blocks_of(FlatPiece(piece.lo, piece.hi), m, max(piece.c1 - piece.c0, 0)))
+        return tuple(
+            b._replace(col=b.col + piece.c0)
+            for b in _blocks_of(FlatPiece(piece.lo, piece.hi), m, max(piece.c1 - piece.c0, 0))
+        )
     lo, hi = piece.lo, piece.hi
     if hi <= lo or n == 0:
         return ()
@@ -149,23 +162,27 @@ def _blocks_of(piece: Piece, m: int, n: int) -> tuple[Block, ...]:
     return tuple(blocks)
 
 
-def put_piece(out: torch.Tensor, piece: Piece, data: torch.Tensor, shape: tuple[int, int],
-              origin: tuple[int, int] = (0, 0)) -> None:
+def put_piece(
+    out: torch.Tensor, piece: Piece, data: torch.Tensor, shape: tuple[int, int], origin: tuple[int, int] = (0, 0)
+) -> None:
     """Write ``piece`` of an ``shape`` matrix, held 1-D in ``data``, into the 2-D ``out``: the matrix seen from
     ``origin`` (its element ``origin`` is ``out[0, 0]``: a tensor-parallel shard of it, or the whole matrix)."""
     r0, c0 = origin
     for b in _blocks_of(piece, *shape):
-        out[b.row - r0:b.row - r0 + b.height, b.col - c0:b.col - c0 + b.width] = \
-            data[b.offset:b.offset + b.height * b.width].view(b.height, b.width)
+        out[b.row - r0 : b.row - r0 + b.height, b.col - c0 : b.col - c0 + b.width] = data[
+            b.offset : b.offset + b.height * b.width
+        ].view(b.height, b.width)
 
 
-def take_piece(src: torch.Tensor, piece: Piece, out: torch.Tensor, shape: tuple[int, int],
-               origin: tuple[int, int] = (0, 0)) -> None:
+def take_piece(
+    src: torch.Tensor, piece: Piece, out: torch.Tensor, shape: tuple[int, int], origin: tuple[int, int] = (0, 0)
+) -> None:
     """Read ``piece`` of an ``shape`` matrix from the 2-D ``src`` (the matrix seen from ``origin``) into 1-D ``out``."""
     r0, c0 = origin
     for b in _blocks_of(piece, *shape):
-        out[b.offset:b.offset + b.height * b.width].view(b.height, b.width).copy_(
-            src[b.row - r0:b.row - r0 + b.height, b.col - c0:b.col - c0 + b.width])
+        out[b.offset : b.offset + b.height * b.width].view(b.height, b.width).copy_(
+            src[b.row - r0 : b.row - r0 + b.height, b.col - c0 : b.col - c0 + b.width]
+        )
 
 
 class MatrixLayout:
@@ -235,7 +252,7 @@ class MatrixLayout:
     def views(self, local: torch.Tensor) -> Iterator[tuple[Block, torch.Tensor]]:
         """Yield ``(block, 2-D view)`` for each block of this rank's 1-D local piece ``local``."""
         for b in self.blocks:
-            yield b, local[b.offset: b.offset + b.height * b.width].view(b.height, b.width)
+            yield b, local[b.offset : b.offset + b.height * b.width].view(b.height, b.width)
 
     @cached_property
     def holders(self) -> int:
@@ -261,9 +278,9 @@ class MatrixLayout:
         mask = torch.zeros(size, dtype=torch.bool)
         for b in self.blocks:
             if axis == 0:
-                mask[b.row: b.row + b.height] = True
+                mask[b.row : b.row + b.height] = True
             else:
-                mask[b.col: b.col + b.width] = True
+                mask[b.col : b.col + b.width] = True
         return mask
 
     def axis_plan(self, axis: int) -> AxisPlan:

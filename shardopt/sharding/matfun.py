@@ -8,6 +8,7 @@ by its driver (``shardopt.optim.muon``). The coupled inverse-root iteration is w
 ``iterative.coupled_iteration``: behind SWAN's whitening and ASGO's Newton-Schulz root
 (``coupled_inverse_sqrt``) and the checked roots and polar factors of the GPU path.
 """
+
 from __future__ import annotations
 
 import math
@@ -15,12 +16,29 @@ from typing import Callable, Generator
 
 import torch
 
-from .iterative import coupled_iteration, count_fallbacks, inverse_sqrt_checked, iterative_device, polar_from_gram_checked
+from .iterative import (
+    count_fallbacks,
+    coupled_iteration,
+    inverse_sqrt_checked,
+    iterative_device,
+    polar_from_gram_checked,
+)
 from .stacking import same_shape
 
-__all__ = ["MUON_COEFFICIENTS", "newton_schulz", "newton_schulz_iteration", "muon_gram_products", "complete_locally",
-           "polar_factor",
-           "GRAM_RTOL", "by_shape", "gram_inverse_sqrt", "inverse_root", "coupled_inverse_sqrt", "polar_kept"]
+__all__ = [
+    "MUON_COEFFICIENTS",
+    "newton_schulz",
+    "newton_schulz_iteration",
+    "muon_gram_products",
+    "complete_locally",
+    "polar_factor",
+    "GRAM_RTOL",
+    "by_shape",
+    "gram_inverse_sqrt",
+    "inverse_root",
+    "coupled_inverse_sqrt",
+    "polar_kept",
+]
 
 #: quintic coefficients of Muon (KellerJordan/Muon; torch.optim.Muon defaults)
 MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -29,8 +47,9 @@ MUON_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 Iteration = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
-def newton_schulz_iteration(x: torch.Tensor, steps: int, coefficients=MUON_COEFFICIENTS,
-                            eps: float = 1e-7, gram_products: bool = False, mm=None) -> Iteration:
+def newton_schulz_iteration(
+    x: torch.Tensor, steps: int, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7, gram_products: bool = False, mm=None
+) -> Iteration:
     """Quintic Newton-Schulz on the wide orientation ``x`` (``k x l``, ``k <= l``), or on a block of its
     columns when they are spread over ranks; batched over leading dimensions (``(..., k, l)``: one kernel per
     product for many same-shape matrices).
@@ -93,8 +112,14 @@ def complete_locally(iteration: Iteration) -> torch.Tensor:
             return stop.value
 
 
-def newton_schulz(g: torch.Tensor, steps: int = 5, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7,
-                  dtype: torch.dtype = torch.float32, mm=None) -> torch.Tensor:
+def newton_schulz(
+    g: torch.Tensor,
+    steps: int = 5,
+    coefficients=MUON_COEFFICIENTS,
+    eps: float = 1e-7,
+    dtype: torch.dtype = torch.float32,
+    mm=None,
+) -> torch.Tensor:
     """Approximate orthogonalization ``U V^T`` of ``g`` (singular values land near 1), run in ``dtype`` on the
     wide orientation, returned in fp32; ``g`` may be a ``(B, m, n)`` stack of same-shape matrices (one batched
     iteration for all). ``dtype=torch.bfloat16`` reproduces ``torch.optim.Muon``."""
@@ -209,8 +234,9 @@ def by_shape(fn: Callable[[torch.Tensor], torch.Tensor], mats: dict[int, torch.T
     return out
 
 
-def gram_inverse_sqrt(gram: torch.Tensor, method: str = "newton_schulz", steps: int = 12,
-                      eps: float = 1e-12) -> torch.Tensor:
+def gram_inverse_sqrt(
+    gram: torch.Tensor, method: str = "newton_schulz", steps: int = 12, eps: float = 1e-12
+) -> torch.Tensor:
     """``(A^T A)^{-1/2}`` from the Gram matrix alone, so that ``A @ result`` whitens ``A`` (its polar factor).
 
     ``newton_schulz``: the coupled iteration of docs/algorithms/swan.md, ``Y0 = S/|S|_F, Z0 = I``,
@@ -265,7 +291,7 @@ def _stable_or_eigh(root: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     eye = torch.eye(k, dtype=torch.float64, device=a.device)
     z = root.double()
     residual = torch.linalg.matrix_norm(z @ a @ z - eye)
-    bad = ~torch.isfinite(residual) | (residual > 1.5 * k ** 0.5)
+    bad = ~torch.isfinite(residual) | (residual > 1.5 * k**0.5)
     if not bool(bad.any()):
         return root
     out = root.clone()

@@ -36,6 +36,7 @@ Reductions over the rows of symmetric small matrices (Grams, roots) may be sent 
 Small persistent state (``OpCost.state``) rests split over the ranks by ``shardopt.sharding.state_split``; a
 step runs in buckets (``buckets``) whose whole-tensor transients stay below a bound, not the model's size.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -54,8 +55,16 @@ from .state_split import Placement
 from .teams import RowExchange, TeamCost, TeamPlan, choose, team_group, team_sizes
 from .time_model import HardwareProfile, StepCost, resolve_profile
 
-__all__ = ["MatrixOps", "OpCost", "Strategy", "FLOPS_PER_BYTE", "STRATEGIES", "STATE_SLACK", "BUDGET_SLACK",
-           "BUCKET_ELEMENTS"]
+__all__ = [
+    "MatrixOps",
+    "OpCost",
+    "Strategy",
+    "FLOPS_PER_BYTE",
+    "STRATEGIES",
+    "STATE_SLACK",
+    "BUDGET_SLACK",
+    "BUCKET_ELEMENTS",
+]
 
 Strategy = Literal["auto", "gather", "distributed", "team"]
 STRATEGIES = ("auto", "gather", "distributed", "team")
@@ -144,10 +153,17 @@ def _packed(k: int) -> int:
 class MatrixOps:
     """The whole-matrix plan of one step for ``layouts`` (oriented by ``transposes``), identical on every rank."""
 
-    def __init__(self, layouts: Sequence[MatrixLayout], names: Sequence[str], transposes: Sequence[bool],
-                 strategy: str, cost: Callable[..., OpCost],
-                 profile: HardwareProfile | str | dict | None = None, memory_budget_mib: float | None = None,
-                 team_size: int | None = None):
+    def __init__(
+        self,
+        layouts: Sequence[MatrixLayout],
+        names: Sequence[str],
+        transposes: Sequence[bool],
+        strategy: str,
+        cost: Callable[..., OpCost],
+        profile: HardwareProfile | str | dict | None = None,
+        memory_budget_mib: float | None = None,
+        team_size: int | None = None,
+    ):
         """``cost(a_shape)`` or ``cost(a_shape, parts)``: the matrix's work when its rows of ``A`` are computed
         on ``parts`` ranks (1: whole on one rank), which may change how an algorithm computes (Muon)."""
         if strategy not in STRATEGIES:
@@ -157,7 +173,7 @@ class MatrixOps:
         self.names = list(names)
         self.strategy = strategy
         self.profile = resolve_profile(profile, _device_type(layouts))
-        self.budget_elements = None if memory_budget_mib is None else float(memory_budget_mib) * 2 ** 20 / _B
+        self.budget_elements = None if memory_budget_mib is None else float(memory_budget_mib) * 2**20 / _B
         self.team_size = team_size
         self._cost = cost
         try:
@@ -191,8 +207,9 @@ class MatrixOps:
         else:
             self.owners = self._assign_owners(layouts, strategy == "distributed")
         self.factor_owners = self._assign_factor_owners(layouts)
-        self.split_roots = [k == "team" and self._split_pays(i, len(self.teams[i]), self.teams[i])
-                            for i, k in enumerate(self.kinds)]
+        self.split_roots = [
+            k == "team" and self._split_pays(i, len(self.teams[i]), self.teams[i]) for i, k in enumerate(self.kinds)
+        ]
         self.plans: list[RowPlan] = []
         #: where each matrix's small state rests (shardopt.sharding.state_split)
         self.placements: list[Placement] = []
@@ -203,8 +220,9 @@ class MatrixOps:
                 self.plans.append(RowPlan.team(lay, t, self.teams[i]))
             else:
                 self.plans.append(RowPlan.aligned(lay, t))
-            self.placements.append(Placement.of(self.plans[-1], self.owners[i] if self.kinds[i] == "gather" else None,
-                                                self.teams[i]))
+            self.placements.append(
+                Placement.of(self.plans[-1], self.owners[i] if self.kinds[i] == "gather" else None, self.teams[i])
+            )
         self._mark_whole_here()
 
     # ------------------------------------------------------------------ kinds
@@ -285,9 +303,11 @@ class MatrixOps:
                         self.kinds[i] = "distributed"
         while True:
             gathered = [i for i in range(n) if self.kinds[i] == "gather"]
-            owners = owner_plan([layouts[i] for i in gathered], [self.names[i] for i in gathered],
-                                _balance_weights([self.costs[i] for i in gathered],
-                                                 [layouts[i].shape for i in gathered], self.profile))
+            owners = owner_plan(
+                [layouts[i] for i in gathered],
+                [self.names[i] for i in gathered],
+                _balance_weights([self.costs[i] for i in gathered], [layouts[i].shape for i in gathered], self.profile),
+            )
             result = [-1] * n
             for i, o in zip(gathered, owners):
                 result[i] = o
@@ -342,10 +362,19 @@ class MatrixOps:
                 sizes = [g for g in self._node_team_sizes(idx[0], team_sizes(world)) if g >= 2] or [world]
             sole = {i: sole_holder(layouts[i]) if layouts[i].holders <= 1 else None for i in idx}
             t_gather = {i: self.seconds(i, "gather") for i in idx}
-            costs = {i: self._team_costs(i, [1] if sole[i] is not None or world < 2 else sizes, t_gather[i])
-                     for i in idx}
-            plan = choose(idx, self.names, costs, world, torch.zeros(world, dtype=torch.float64),
-                          {i: self.costs[i].state for i in idx}, sole, self._capacity(idx, world, 0.0, force=True))
+            costs = {
+                i: self._team_costs(i, [1] if sole[i] is not None or world < 2 else sizes, t_gather[i]) for i in idx
+            }
+            plan = choose(
+                idx,
+                self.names,
+                costs,
+                world,
+                torch.zeros(world, dtype=torch.float64),
+                {i: self.costs[i].state for i in idx},
+                sole,
+                self._capacity(idx, world, 0.0, force=True),
+            )
             self._apply_team_plan(idx, plan, owners)
         return owners
 
@@ -360,9 +389,13 @@ class MatrixOps:
                 out.add(global_team(plan.layout.group, team))
         return sorted(out)
 
-    def compute_once(self, inputs: dict[int, torch.Tensor],
-                     fn: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]],
-                     symmetric: bool = False, split: Callable | None = None) -> dict[int, torch.Tensor]:
+    def compute_once(
+        self,
+        inputs: dict[int, torch.Tensor],
+        fn: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]],
+        symmetric: bool = False,
+        split: Callable | None = None,
+    ) -> dict[int, torch.Tensor]:
         """``fn`` of identical small inputs (reduced Grams, EMA statistics) without repeating it on every rank:
         a split matrix's result (``distributed`` or ``team``) is computed by its factorization owner alone and
         shared with one all-reduce per process group or team (the others add exact zeros, so every rank gets the
@@ -387,8 +420,9 @@ class MatrixOps:
                 RowExchange.seen_steps = max(RowExchange.seen_steps, rows.steps)
             rest = self.compute_once(inputs, fn, symmetric) if inputs else {}
             return {**rest, **out_split}
-        mine = {i: x for i, x in inputs.items()
-                if not self.split(i) or self.factor_owners[i] == self.plans[i].layout.rank}
+        mine = {
+            i: x for i, x in inputs.items() if not self.split(i) or self.factor_owners[i] == self.plans[i].layout.rank
+        }
         out = fn(mine) if mine else {}
         spread = {i: out[i] if i in out else torch.zeros_like(x) for i, x in inputs.items() if self.split(i)}
         if spread:
@@ -396,8 +430,15 @@ class MatrixOps:
         return out
 
     # ------------------------------------------------------------------ the time model (issue 27)
-    def op_cost(self, i: int, kind: str | None = None, owner: bool = True, bound: bool = False,
-                size: int | None = None, rank: int | None = None) -> StepCost:
+    def op_cost(
+        self,
+        i: int,
+        kind: str | None = None,
+        owner: bool = True,
+        bound: bool = False,
+        size: int | None = None,
+        rank: int | None = None,
+    ) -> StepCost:
         """Modeled work of matrix ``i`` on one rank under ``kind`` (default: its strategy): on the owner
         (``owner``) or on another rank under ``gather``; under ``distributed`` on the busiest rank's rows, with
         the factorization where it runs (every rank, or only its factorization owner when ``shared``); on a
@@ -410,8 +451,9 @@ class MatrixOps:
         kind = kind or self.kinds[i]
         return cost.on_node() if kind in ("gather", "distributed") and self._group_on_node(i) else cost
 
-    def _op_cost(self, i: int, kind: str | None, owner: bool, bound: bool, size: int | None,
-                 rank: int | None) -> StepCost:
+    def _op_cost(
+        self, i: int, kind: str | None, owner: bool, bound: bool, size: int | None, rank: int | None
+    ) -> StepCost:
         kind = kind or self.kinds[i]
         c, lay = self.costs[i], self._layouts[i]
         m, n = lay.shape
@@ -422,9 +464,14 @@ class MatrixOps:
             if not owner:  # its piece to the owner and the result back
                 return StepCost(sent=_B * piece * c.channels, received=_B * piece, rounds=2.0)
             moved = m * n - piece  # the other holders' pieces in (``channels`` tensors), their results out
-            return StepCost(matmul=c.row_flops + c.small_matmul, factor=c.small_flops, calls=c.small_calls,
-                            sent=_B * moved,
-                            received=_B * moved * c.channels, rounds=2.0 if moved else 0.0)
+            return StepCost(
+                matmul=c.row_flops + c.small_matmul,
+                factor=c.small_flops,
+                calls=c.small_calls,
+                sent=_B * moved,
+                received=_B * moved * c.channels,
+                rounds=2.0 if moved else 0.0,
+            )
         if kind == "team":
             return self._team_cost(i, size or len(self.teams[i]), owner, rank)
         world = lay.world
@@ -439,9 +486,14 @@ class MatrixOps:
         state = c.moving_state * (world - 1) / world  # the resting state all-gathered for the step
         net = _B * ((c.channels + 1) * moved + ring * (c.reduced + c.shared + c.refresh_per_step) + state)
         mine = not c.shared or owner  # where the small work runs: every rank, or the factorization owner
-        return StepCost(matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
-                        factor=c.small_flops if mine else 0.0, calls=c.small_calls if mine else 0.0, sent=net,
-                        received=net, rounds=c.split_rounds())
+        return StepCost(
+            matmul=c.row_flops * share + (c.small_matmul if mine else 0.0),
+            factor=c.small_flops if mine else 0.0,
+            calls=c.small_calls if mine else 0.0,
+            sent=net,
+            received=net,
+            rounds=c.split_rounds(),
+        )
 
     def _team_cost(self, i: int, g: int, factor: bool, rank: int | None = None) -> StepCost:
         """Matrix ``i`` on a team of ``g`` ranks, for one member (``factor``: the member that runs the shared
@@ -481,9 +533,14 @@ class MatrixOps:
         shared = 0.0 if split else c.shared
         coll = 2.0 * (g - 1) / g * (c.reduced + shared + c.refresh_per_step) + c.moving_state * (g - 1) / g
         mine = not c.shared or factor
-        inner = StepCost(matmul=c.row_flops * share + (c.small_matmul if mine and not split else 0.0),
-                         factor=c.small_flops if mine else 0.0, calls=c.small_calls if mine else 0.0,
-                         sent=_B * coll, received=_B * coll, rounds=c.split_rounds() - 2.0 - (1.0 if split and c.shared else 0.0))
+        inner = StepCost(
+            matmul=c.row_flops * share + (c.small_matmul if mine and not split else 0.0),
+            factor=c.small_flops if mine else 0.0,
+            calls=c.small_calls if mine else 0.0,
+            sent=_B * coll,
+            received=_B * coll,
+            rounds=c.split_rounds() - 2.0 - (1.0 if split and c.shared else 0.0),
+        )
         if split:  # every member runs its rows of the root's products and all-gathers the rest
             inner.matmul += c.small_matmul * self._split_share(c, g)
             ex, ex_rounds = self._split_exchange(c, g)
@@ -502,8 +559,11 @@ class MatrixOps:
             if g == 1:
                 out[1] = TeamCost(1, t_gather, t_gather)
             else:
-                out[g] = TeamCost(g, self._team_cost(i, g, False).seconds(self.profile),
-                                  self._team_cost(i, g, True).seconds(self.profile))
+                out[g] = TeamCost(
+                    g,
+                    self._team_cost(i, g, False).seconds(self.profile),
+                    self._team_cost(i, g, True).seconds(self.profile),
+                )
         return out
 
     # ------------------------------------------------------------------ nodes and split roots (issue 53)
@@ -547,7 +607,7 @@ class MatrixOps:
         if key not in cache:
             ranks = self._global_ranks(i)
             span = len(ranks) // g * g
-            cache[key] = all(self.profile.within_node(ranks[b: b + g]) for b in range(0, span, g))
+            cache[key] = all(self.profile.within_node(ranks[b : b + g]) for b in range(0, span, g))
         return cache[key]
 
     @staticmethod
@@ -579,10 +639,12 @@ class MatrixOps:
         if team is None and not self._blocks_on_node(i, g):
             return False
         ex, rounds = self._split_exchange(c, g)
-        split = self.profile.seconds(matmul=c.small_matmul * self._split_share(c, g), node_bytes=_B * ex,
-                                     node_rounds=rounds)
-        whole = self.profile.seconds(matmul=c.small_matmul, node_bytes=_B * 2.0 * (g - 1) / g * c.shared,
-                                     node_rounds=1.0 if c.shared else 0.0)
+        split = self.profile.seconds(
+            matmul=c.small_matmul * self._split_share(c, g), node_bytes=_B * ex, node_rounds=rounds
+        )
+        whole = self.profile.seconds(
+            matmul=c.small_matmul, node_bytes=_B * 2.0 * (g - 1) / g * c.shared, node_rounds=1.0 if c.shared else 0.0
+        )
         return split < whole
 
     def seconds(self, i: int, kind: str | None = None, owner: bool = True) -> float:
@@ -627,8 +689,9 @@ class MatrixOps:
             self._consider_teams(idx, world, t_gather, t_dist, owners)
         return owners
 
-    def _consider_teams(self, idx: Sequence[int], world: int, t_gather: dict[int, float], t_dist: dict[int, float],
-                        owners: list[int]) -> None:
+    def _consider_teams(
+        self, idx: Sequence[int], world: int, t_gather: dict[int, float], t_dist: dict[int, float], owners: list[int]
+    ) -> None:
         """``auto``, after the gather / distributed plan of one process group: the same estimate of its busiest
         rank (every rank pays the distributed matrices and the moves of its pieces; owners their matrices)
         against two team plans (``teams.choose``): the gathered matrices on teams beside the distributed ones,
@@ -641,8 +704,9 @@ class MatrixOps:
         sole = {i: sole_holder(lays[i]) if lays[i].holders <= 1 else None for i in idx}
         state = {i: self.costs[i].state for i in idx}
         costs = {i: self._team_costs(i, [1] if sole[i] is not None else sizes, t_gather[i]) for i in idx}
-        moves = {i: self.op_cost(i, "gather", owner=False).seconds(self.profile) if sole[i] is None else 0.0
-                 for i in idx}  # a holder's piece to the owner or team and its results back
+        moves = {
+            i: self.op_cost(i, "gather", owner=False).seconds(self.profile) if sole[i] is None else 0.0 for i in idx
+        }  # a holder's piece to the owner or team and its results back
         gathered = [i for i in idx if self.kinds[i] == "gather"]
         spread = [i for i in idx if self.kinds[i] == "distributed"]
         if any(owners[i] < 0 for i in gathered):
@@ -658,8 +722,16 @@ class MatrixOps:
             (list(idx), sum(moves[i] for i in idx), 0.0),
         ]
         for mats, start, held in candidates:
-            plan = choose(mats, self.names, costs, world, torch.full((world,), start, dtype=torch.float64), state,
-                          sole, self._capacity(idx, world, held))
+            plan = choose(
+                mats,
+                self.names,
+                costs,
+                world,
+                torch.full((world,), start, dtype=torch.float64),
+                state,
+                sole,
+                self._capacity(idx, world, held),
+            )
             if plan is not None and plan.busiest < best_busiest * (1 - 1e-9):
                 best, best_busiest = (mats, plan), plan.busiest
         if best is not None:
@@ -776,12 +848,21 @@ class MatrixOps:
         out = {}
         for i in idx:
             split = self.cost_of(i, world)
-            out[i] = self.profile.seconds(split.small_matmul, split.small_flops, calls=split.small_calls) \
-                if split.shared else 0.0
+            out[i] = (
+                self.profile.seconds(split.small_matmul, split.small_flops, calls=split.small_calls)
+                if split.shared
+                else 0.0
+            )
         return out
 
-    def _distribute_first(self, idx: Sequence[int], t_gather: dict[int, float], t_dist: dict[int, float],
-                          world: int, t_shared: dict[int, float]) -> list[int]:
+    def _distribute_first(
+        self,
+        idx: Sequence[int],
+        t_gather: dict[int, float],
+        t_dist: dict[int, float],
+        world: int,
+        t_shared: dict[int, float],
+    ) -> list[int]:
         """The matrices to start distributed: those most favourable to it (smallest distributed / gathered
         seconds) up to the count that minimizes the estimated busiest rank: what every rank pays for each
         distributed one, plus the balanced load of the owners (their mean over the ranks, or the largest one),
@@ -833,13 +914,19 @@ class MatrixOps:
             total += c
         total.rounds = sum(used.values())
         total.node_rounds = sum(used_node.values())
-        return {"matmul_flops": total.matmul, "factor_flops": total.factor,
-                "sent_bytes": total.sent + total.node_sent, "received_bytes": total.received + total.node_received,
-                "node_bytes": total.node_bytes, "rounds": total.rounds + total.node_rounds,
-                "seconds": total.seconds(self.profile)}
+        return {
+            "matmul_flops": total.matmul,
+            "factor_flops": total.factor,
+            "sent_bytes": total.sent + total.node_sent,
+            "received_bytes": total.received + total.node_received,
+            "node_bytes": total.node_bytes,
+            "rounds": total.rounds + total.node_rounds,
+            "seconds": total.seconds(self.profile),
+        }
 
-    def modeled_payload(self, rank: int | None = None, state_share=None, refresh: bool = False,
-                        steps: int | None = None) -> dict[str, float]:
+    def modeled_payload(
+        self, rank: int | None = None, state_share=None, refresh: bool = False, steps: int | None = None
+    ) -> dict[str, float]:
         """Bytes ``rank`` hands to collectives per step by ``collective_counter`` tag (what ``comm_stats``
         records: the send buffer of each call), as the plan predicts them: ``gather`` (pieces to owners or
         teams and results back), ``realign`` (rows to the distributed row blocks and back), ``distributed``
@@ -870,12 +957,16 @@ class MatrixOps:
 
                         g = len(self.teams[i])
                         gathers, _ = split_exchange(steps or c.split_steps, c.split_residual)
-                        out["distributed"] += _B * (c.reduced + (c.refresh_reduced if refresh else 0.0)) + (
-                            gathers * -(-c.split_k // g) * c.split_k + (1 if c.split_residual else 0)) * c.split_itemsize
+                        out["distributed"] += (
+                            _B * (c.reduced + (c.refresh_reduced if refresh else 0.0))
+                            + (gathers * -(-c.split_k // g) * c.split_k + (1 if c.split_residual else 0))
+                            * c.split_itemsize
+                        )
                     else:
                         out["distributed"] += _B * (c.reduced + c.shared + (c.refresh_reduced if refresh else 0.0))
-                    out["state"] += _B * (state_share(i, r) if state_share is not None else
-                                          c.moving_state / len(self.teams[i]))
+                    out["state"] += _B * (
+                        state_share(i, r) if state_share is not None else c.moving_state / len(self.teams[i])
+                    )
             elif kind == "distributed":
                 plan = RowPlan.aligned(lay, self._transposes[i])
                 back = sum(plan.moved(q, r) for q in range(lay.world) if q != r)
@@ -895,15 +986,18 @@ class MatrixOps:
                 owner = str(self.owners[i])
             elif kind == "team":
                 team = self.teams[i]
-                owner = f"{team[0]}-{team[-1]}" if team == tuple(range(team[0], team[-1] + 1)) else \
-                    ",".join(map(str, team))
+                owner = (
+                    f"{team[0]}-{team[-1]}" if team == tuple(range(team[0], team[-1] + 1)) else ",".join(map(str, team))
+                )
             else:
                 owner = "-"
             rows.append(f"{name[-40:]:40s} {shape:>13s} {kind:11s} {owner:>11s} {1e3 * self.seconds(i):10.3f}")
         m = self.modeled()
-        rows.append(f"this rank: {1e3 * m['seconds']:.3f} ms modeled ({m['matmul_flops'] / 1e9:.3g} GFLOP products, "
-                    f"{m['factor_flops'] / 1e9:.3g} GFLOP factorizations, {m['sent_bytes'] / 2**20:.3g} MiB sent, "
-                    f"{m['received_bytes'] / 2**20:.3g} MiB received) under {self.profile.describe()}")
+        rows.append(
+            f"this rank: {1e3 * m['seconds']:.3f} ms modeled ({m['matmul_flops'] / 1e9:.3g} GFLOP products, "
+            f"{m['factor_flops'] / 1e9:.3g} GFLOP factorizations, {m['sent_bytes'] / 2**20:.3g} MiB sent, "
+            f"{m['received_bytes'] / 2**20:.3g} MiB received) under {self.profile.describe()}"
+        )
         return "\n".join(rows)
 
     def _transient(self, i: int, rank: int | None) -> float:
@@ -1023,14 +1117,15 @@ class MatrixOps:
         flat = to_blocks(plans, pieces, tags)
         out, pos = [], 0
         for chans in channels:
-            out.append(flat[pos: pos + len(chans)])
+            out.append(flat[pos : pos + len(chans)])
             pos += len(chans)
         return out
 
     def from_blocks(self, blocks: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
         """Row-block results (``None`` where this rank computed nothing) -> this rank's 1-D pieces."""
-        return from_blocks(self.plans, blocks, [self._tag(i) for i in range(len(self))],
-                           getattr(self, "_device", "cpu"))
+        return from_blocks(
+            self.plans, blocks, [self._tag(i) for i in range(len(self))], getattr(self, "_device", "cpu")
+        )
 
     def _tag(self, i: int) -> str:
         return "realign" if self.kinds[i] == "distributed" else "gather"
@@ -1048,8 +1143,9 @@ class MatrixOps:
                 lay = self.plans[i].layout
                 buckets.setdefault((id(lay.group), self.teams[i], parts[i].dtype), []).append(i)
         out = dict(parts)
-        keys = [k for k in buckets if k[1] is None] + sorted((k for k in buckets if k[1] is not None),
-                                                                key=lambda k: (k[1], str(k[2])))
+        keys = [k for k in buckets if k[1] is None] + sorted(
+            (k for k in buckets if k[1] is not None), key=lambda k: (k[1], str(k[2]))
+        )
         for key in keys:
             idx = buckets[key]
             lay = self.plans[idx[0]].layout
@@ -1061,7 +1157,7 @@ class MatrixOps:
             pos = 0
             for i, piece in zip(idx, pieces):
                 k = piece.numel()
-                chunk = flat[pos: pos + k]
+                chunk = flat[pos : pos + k]
                 out[i] = _from_triangle(chunk, parts[i].shape[-1]) if symmetric else chunk.view(parts[i].shape)
                 pos += k
         return out
@@ -1097,8 +1193,11 @@ class MatrixOps:
             c = self.cost_of(i)
             a0, a1 = plan.rows()
             share = (a1 - a0) / max(plan.a_shape[0], 1)
-            small = c.small_flops + c.small_matmul if not (self.split(i) and c.shared) \
-                or self.factor_owners[i] == plan.layout.rank else 0.0
+            small = (
+                c.small_flops + c.small_matmul
+                if not (self.split(i) and c.shared) or self.factor_owners[i] == plan.layout.rank
+                else 0.0
+            )
             if self.split_roots[i]:  # every member its rows of the root's products
                 small = c.small_matmul * self._split_share(c, len(self.teams[i]))
             totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + small
@@ -1151,8 +1250,9 @@ def _by_group(layouts: Sequence[MatrixLayout]) -> dict[int, list[int]]:
     return by
 
 
-def _balance_weights(costs: Sequence[OpCost], shapes: Sequence[tuple[int, int]],
-                     profile: HardwareProfile | None = None) -> list[float]:
+def _balance_weights(
+    costs: Sequence[OpCost], shapes: Sequence[tuple[int, int]], profile: HardwareProfile | None = None
+) -> list[float]:
     """One number per gathered matrix for the owner plan: its share of the gathered work (FLOPs, or with a
     profile modeled seconds: a factorization call weighs its latency) plus its share of the gathered small
     state, so owners end up balanced in both time and memory."""

@@ -10,6 +10,7 @@ FLOP formulas for the factorizations it does not know. Two uses:
 The factorization FLOPs are the conventional dense counts (Golub & Van Loan): they weigh work, they do not
 predict its time (the time model does that, with measured rates).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,12 +35,12 @@ def _k_m_n(shape) -> tuple[int, int, int]:
 
 def _eigh_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
     count, n, _ = _k_m_n(a_shape)
-    return count * 10 * n ** 3
+    return count * 10 * n**3
 
 
 def _svd_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
     count, m, n = _k_m_n(a_shape)
-    return count * (4 * m * n * n + 22 * n ** 3)
+    return count * (4 * m * n * n + 22 * n**3)
 
 
 def _qr_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
@@ -49,7 +50,7 @@ def _qr_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
 
 def _cholesky_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
     count, n, _ = _k_m_n(a_shape)
-    return count * n ** 3 // 3
+    return count * n**3 // 3
 
 
 def _triangular_flops(a_shape, b_shape, *args, out_shape=None, left: bool = True, **kwargs) -> int:
@@ -93,9 +94,12 @@ def census(into: OpCensus | None = None) -> Iterator[OpCensus]:
         def formula(*args, **kwargs) -> int:
             out.calls[kind] = out.calls.get(kind, 0) + 1
             return flops(*args, **kwargs)
+
         return formula
 
-    mode = FlopCounterMode(display=False, custom_mapping={op: counted(kind, f) for kind, (op, f) in FACTORIZATIONS.items()})
+    mode = FlopCounterMode(
+        display=False, custom_mapping={op: counted(kind, f) for kind, (op, f) in FACTORIZATIONS.items()}
+    )
     with mode:
         yield out
     out.flops += mode.get_total_flops()

@@ -1,5 +1,6 @@
 """Orientation helpers for blocks of ``A = G`` or ``A = G^T`` (``shardopt.sharding.blocks``): products are
 stored in the orientation of the block they pair with, so results map back to ``G``'s flat layout as views."""
+
 from __future__ import annotations
 
 import torch

@@ -6,6 +6,7 @@ rank, so every rank computes the same plan from static metadata). ``MatrixOps`` 
 every matrix to its owner with one ``all_to_all`` per process group and returns the results with one more.
 Matrices held whole by every rank (single process, DDP) get no owner: they are computed locally.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -22,7 +23,7 @@ def newton_schulz_cost(shape: tuple[int, int], steps: int = 5) -> float:
     """FLOPs of quintic Newton-Schulz on an m x n matrix plus the bytes it moves (gather + scatter)."""
     m, n = shape
     small, large = min(m, n), max(m, n)
-    return steps * (4.0 * small * small * large + 2.0 * small ** 3) + 8.0 * m * n
+    return steps * (4.0 * small * small * large + 2.0 * small**3) + 8.0 * m * n
 
 
 def owner_plan(layouts: Sequence[MatrixLayout], names: Sequence[str], cost: CostFn | Sequence[float]) -> list[int]:

@@ -4,6 +4,7 @@ A step's collectives are a pure function of the step plan: the groups, their tre
 matrix its name, shape and split indices. If ranks disagree (different models, routing or engine settings)
 they would hang in mismatched collectives; this check turns that into an error naming the first difference.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -33,9 +34,11 @@ def step_plan(opt: Any) -> list[str]:
             for frag in opt.fragments(p):
                 lay = frag.layout
                 m, n = lay.shape
-                lines.append(f"group {gi} matrix {frag.name!r}: shape=({m}, {n}) world={lay.world} "
-                             f"row_split={_split_size(lay.axis_plan(0).split, m)} "
-                             f"col_split={_split_size(lay.axis_plan(1).split, n)}")
+                lines.append(
+                    f"group {gi} matrix {frag.name!r}: shape=({m}, {n}) world={lay.world} "
+                    f"row_split={_split_size(lay.axis_plan(0).split, m)} "
+                    f"col_split={_split_size(lay.axis_plan(1).split, n)}"
+                )
     return lines
 
 
@@ -62,6 +65,8 @@ def check_same_plan(opt: Any) -> None:
             a = ref[i] if i < len(ref) else "<nothing>"
             b = other[i] if i < len(other) else "<nothing>"
             if a != b:
-                raise RuntimeError(f"shardopt step plans differ between ranks (this would hang): rank 0 has "
-                                   f"{a!r} where rank {rank} has {b!r}")
+                raise RuntimeError(
+                    f"shardopt step plans differ between ranks (this would hang): rank 0 has "
+                    f"{a!r} where rank {rank} has {b!r}"
+                )
     raise RuntimeError("shardopt step plans differ between ranks")

@@ -19,6 +19,7 @@ coupled iteration started from low-precision iterates converges to a rotated roo
 ``"tf32"`` / ``"bf16"`` are refused with an error rather than ignored. Every route is deterministic per matrix: a
 sharded run equals the single-process run at the same precision.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -72,11 +73,13 @@ def matmul_in(precision: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Te
     if precision == "bf16":
         return lambda a, b: (a.bfloat16() @ b.bfloat16()).float()
     if precision == "tf32":
+
         def tf32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
             if a.is_cuda:
                 with _cuda_tf32():
                     return a @ b
             return round_tf32(a) @ round_tf32(b)
+
         return tf32
     if precision == "ieee":
         return torch.matmul
@@ -97,8 +100,14 @@ def low_precision(precision: str) -> bool:
 #: gradients keep each rule's fp32 cutoff, which is larger than this bound: fp32 runs are unchanged.
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
-__all__ += ["LOW_PRECISION", "arrival_dtype", "noise_rtol", "noise_eig_rtol", "model_arrival_dtypes",
-            "record_arrival_dtypes"]
+__all__ += [
+    "LOW_PRECISION",
+    "arrival_dtype",
+    "noise_rtol",
+    "noise_eig_rtol",
+    "model_arrival_dtypes",
+    "record_arrival_dtypes",
+]
 
 
 def arrival_dtype(opt: object, name: str, tensor: torch.Tensor) -> torch.dtype:
@@ -158,5 +167,5 @@ def record_arrival_dtypes(opt: object, dtypes: dict[str, torch.dtype]) -> None:
     recorded = getattr(opt, "grad_dtypes", None)
     if recorded is None:
         recorded = {}
-        setattr(opt, "grad_dtypes", recorded)
+        opt.grad_dtypes = recorded
     recorded.update(dtypes)

@@ -5,6 +5,7 @@ Each function takes a ``MatrixLayout`` and 1-D local tensors holding this rank's
 (a length-``m`` or length-``n`` vector, zero where this rank holds nothing); register them in a ``Round`` to
 complete the split indices. Nothing here calls ``torch.distributed`` directly.
 """
+
 from __future__ import annotations
 
 import torch
@@ -26,8 +27,9 @@ __all__ = [
 ]
 
 
-def row_sums(layout: MatrixLayout, a: torch.Tensor, col_weight: torch.Tensor | None = None,
-             square: bool = False) -> torch.Tensor:
+def row_sums(
+    layout: MatrixLayout, a: torch.Tensor, col_weight: torch.Tensor | None = None, square: bool = False
+) -> torch.Tensor:
     """Partial ``sum_j a_ij * w_j`` for every row ``i`` (``w = 1`` when ``col_weight`` is None); with
     ``square`` the sums of ``a_ij^2`` (one read, no squared copy)."""
     out = a.new_zeros(layout.shape[0])
@@ -35,13 +37,14 @@ def row_sums(layout: MatrixLayout, a: torch.Tensor, col_weight: torch.Tensor | N
         if square:
             part = torch.linalg.vector_norm(blk, dim=1).square()
         else:
-            part = blk.sum(1) if col_weight is None else blk @ col_weight[b.col: b.col + b.width]
-        out[b.row: b.row + b.height] += part
+            part = blk.sum(1) if col_weight is None else blk @ col_weight[b.col : b.col + b.width]
+        out[b.row : b.row + b.height] += part
     return out
 
 
-def col_sums(layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | None = None,
-             square: bool = False) -> torch.Tensor:
+def col_sums(
+    layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | None = None, square: bool = False
+) -> torch.Tensor:
     """Partial ``sum_i w_i * a_ij`` for every column ``j`` (``w = 1`` when ``row_weight`` is None); with
     ``square`` the sums of ``a_ij^2``."""
     out = a.new_zeros(layout.shape[1])
@@ -49,8 +52,8 @@ def col_sums(layout: MatrixLayout, a: torch.Tensor, row_weight: torch.Tensor | N
         if square:
             part = col_sumsq(blk)
         else:
-            part = blk.sum(0) if row_weight is None else row_weight[b.row: b.row + b.height] @ blk
-        out[b.col: b.col + b.width] += part
+            part = blk.sum(0) if row_weight is None else row_weight[b.row : b.row + b.height] @ blk
+        out[b.col : b.col + b.width] += part
     return out
 
 
@@ -63,7 +66,7 @@ def col_sumsq(blk: torch.Tensor, rows_per_chunk: int = 256) -> torch.Tensor:
     out = blk.new_zeros(blk.shape[1])
     ones = blk.new_ones(min(rows_per_chunk, blk.shape[0]))
     for r in range(0, blk.shape[0], rows_per_chunk):
-        chunk = blk[r: r + rows_per_chunk]
+        chunk = blk[r : r + rows_per_chunk]
         out.addmv_(chunk.square().T, ones[: chunk.shape[0]])
     return out
 
@@ -99,8 +102,9 @@ def axis_sum(layout: MatrixLayout, values: torch.Tensor, axis: int, rnd: Round) 
     return total
 
 
-def scale_block(x: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor | None,
-                col_scale: torch.Tensor | None) -> None:
+def scale_block(
+    x: torch.Tensor, out: torch.Tensor, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None
+) -> None:
     """``out = (x * row_scale) * col_scale`` with broadcastable line scales (either may be None; ``out`` may
     alias ``x``): the one kernel sequence behind ``scale_into`` and the grouped steps, so both round alike."""
     if row_scale is not None and col_scale is not None:
@@ -123,8 +127,12 @@ def scale_into(
 ) -> torch.Tensor:
     """``out = diag(row_scale) @ x @ diag(col_scale)`` on the local piece (``out`` may alias ``x``)."""
     for (b, xb), (_, ob) in zip(layout.views(x), layout.views(out)):
-        scale_block(xb, ob, None if row_scale is None else row_scale[b.row: b.row + b.height, None],
-                    None if col_scale is None else col_scale[None, b.col: b.col + b.width])
+        scale_block(
+            xb,
+            ob,
+            None if row_scale is None else row_scale[b.row : b.row + b.height, None],
+            None if col_scale is None else col_scale[None, b.col : b.col + b.width],
+        )
     return out
 
 

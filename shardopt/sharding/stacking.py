@@ -4,6 +4,7 @@ Every batched step (``torch.bmm``, batched ``torch.linalg``) first splits its ma
 share and stacks each part, and writes the results back into each matrix's own tensor; these are the helpers
 every algorithm uses for it.
 """
+
 from __future__ import annotations
 
 from typing import Any, Callable, Iterable

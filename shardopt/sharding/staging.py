@@ -19,14 +19,22 @@ data-parallel group because
 ``staging_device`` is the decision alone (unit-tested without a GPU); ``all_reduce``, ``all_gather`` and
 ``all_to_all_single`` are ``torch.distributed``'s with the staging around them.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 import torch
 
-__all__ = ["CPU_BACKENDS", "takes_device", "staging_device", "accelerator_device", "all_reduce", "all_gather",
-           "all_to_all_single"]
+__all__ = [
+    "CPU_BACKENDS",
+    "takes_device",
+    "staging_device",
+    "accelerator_device",
+    "all_reduce",
+    "all_gather",
+    "all_to_all_single",
+]
 
 #: backends that reduce and exchange CPU tensors ("fake": torch's test backend, which takes anything)
 CPU_BACKENDS = frozenset({"gloo", "mpi", "ccl", "ucc", "fake"})
@@ -69,7 +77,8 @@ def staging_device(device: torch.device, backend: str, accelerator: torch.device
         f"a shardopt collective over a {backend!r} process group got a {device.type} tensor, which that backend "
         f"does not move, and there is no device to stage it through ({accelerator}); with optimizer offload "
         "(zero_optimization.offload_optimizer.device 'cpu', FSDP2's CPUOffloadPolicy) run each rank with its "
-        "accelerator set (torch.cuda.set_device(local_rank)), or use a gloo process group")
+        "accelerator set (torch.cuda.set_device(local_rank)), or use a gloo process group"
+    )
 
 
 def _backend(group: Any) -> str:
@@ -131,8 +140,13 @@ def all_gather(recv: list[torch.Tensor], send: torch.Tensor, group: Any = None) 
         r.copy_(s)
 
 
-def all_to_all_single(out: torch.Tensor, inp: torch.Tensor, out_sizes: list[int] | None = None,
-                      in_sizes: list[int] | None = None, group: Any = None) -> None:
+def all_to_all_single(
+    out: torch.Tensor,
+    inp: torch.Tensor,
+    out_sizes: list[int] | None = None,
+    in_sizes: list[int] | None = None,
+    group: Any = None,
+) -> None:
     """``dist.all_to_all_single(out, inp, out_sizes, in_sizes, group)``, staged through the device where the
     backend needs it."""
     import torch.distributed as dist

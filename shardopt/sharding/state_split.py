@@ -25,6 +25,7 @@ reads it in place, and a refresh that needs more than a rank's rows reduces or a
 (issue 27: no per-step traffic for resting state a step does not need). Where the row plan is even (FSDP2,
 teams) that cut is the even one, so checkpoints and memory plans see the same shares.
 """
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,21 @@ from . import staging
 from .blocks import RowPlan
 from .comm import collective_counter
 
-__all__ = ["StateSpec", "Placement", "ROWS", "rows_aligned", "share", "share_shape", "share_numel", "moving_numel",
-           "gather_full", "keep_share", "StateShapeError", "shares_to_dtensors", "dtensors_to_shares"]
+__all__ = [
+    "StateSpec",
+    "Placement",
+    "ROWS",
+    "rows_aligned",
+    "share",
+    "share_shape",
+    "share_numel",
+    "moving_numel",
+    "gather_full",
+    "keep_share",
+    "StateShapeError",
+    "shares_to_dtensors",
+    "dtensors_to_shares",
+]
 
 #: ``{key: (logical shape, split dim or None)}`` of one matrix's small state
 StateSpec = dict[str, tuple[tuple[int, ...], "int | None"]]
@@ -129,8 +143,11 @@ def share_numel(plan: Placement, spec: StateSpec, rank: int | None = None) -> in
 def moving_numel(plan: Placement, spec: StateSpec, rank: int | None = None) -> int:
     """Elements of ``rank``'s share that a step of a distributed or team matrix gathers: the split entries but
     ``ROWS`` ones, which stay with their rows."""
-    return sum(math.prod(share_shape(plan, shape, dim, rank)) for shape, dim in spec.values()
-               if dim is not None and not rows_aligned(dim))
+    return sum(
+        math.prod(share_shape(plan, shape, dim, rank))
+        for shape, dim in spec.values()
+        if dim is not None and not rows_aligned(dim)
+    )
 
 
 def keep_share(plan: Placement, full: torch.Tensor, dim: int | None) -> torch.Tensor:
@@ -171,21 +188,21 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
                 f"optimizer state of {name!r} has shape {tuple(local.shape)} on this rank, but its share of the "
                 f"{tuple(shape)} state is {want}: per-rank state dicts of whole-matrix optimizers load only at the "
                 "same world size, engine and matrix_ops strategy; reshard with torch.distributed.checkpoint "
-                "(get_state_dict / set_state_dict) or shardopt.checkpoint.save / load")
+                "(get_state_dict / set_state_dict) or shardopt.checkpoint.save / load"
+            )
     out: list[torch.Tensor | None] = [None] * len(entries)
     for idx in _by_group(entries, by_team=True):
         plan0 = entries[idx[0]][0]
         ranks = list(plan0.members) if plan0.members is not None else list(range(plan0.world))
         world = len(ranks)
-        sizes = [[math.prod(share_shape(entries[e][0], entries[e][2], entries[e][3], r)) for e in idx]
-                 for r in ranks]
+        sizes = [[math.prod(share_shape(entries[e][0], entries[e][2], entries[e][3], r)) for e in idx] for r in ranks]
         width = max(sum(s) for s in sizes)
         local = entries[idx[0]][1]
         send = torch.zeros(width, dtype=local.dtype, device=local.device)
         pos = 0
         for e in idx:
             t = entries[e][1].reshape(-1)
-            send[pos: pos + t.numel()] = t
+            send[pos : pos + t.numel()] = t
             pos += t.numel()
         recv = [torch.empty_like(send) for _ in range(world)]
         collective_counter.record(send, "state")
@@ -200,7 +217,7 @@ def gather_full(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...]
                 numel = sizes[j][k]
                 if numel:
                     lo, hi = share(plan, shape[dim], r, dim)
-                    full.narrow(dim, lo, hi - lo).copy_(recv[j][offsets[j]: offsets[j] + numel].view(part_shape))
+                    full.narrow(dim, lo, hi - lo).copy_(recv[j][offsets[j] : offsets[j] + numel].view(part_shape))
                 offsets[j] += numel
             out[e] = full
     return out  # type: ignore[return-value]
@@ -212,7 +229,9 @@ def _even(length: int, world: int, rank: int) -> tuple[int, int]:
     return min(rank * c, length), min((rank + 1) * c, length)
 
 
-def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int]], to_even: bool) -> list[torch.Tensor]:
+def _redistribute(
+    entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ...], int]], to_even: bool
+) -> list[torch.Tensor]:
     """Move each entry's split dimension between the plan's shares and even (``torch.chunk``) chunks: one
     ``all_to_all_single`` per process group for all entries. ``entries[e] = (plan, local, logical shape, dim)``."""
     out: list[torch.Tensor | None] = [None] * len(entries)
@@ -234,8 +253,11 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
             length = shape[dim]
             lo, hi = src(plan, length, me, dim)
             mine = dst(plan, length, me, dim)
-            result = torch.empty(tuple(mine[1] - mine[0] if d == dim else n for d, n in enumerate(shape)),
-                                 dtype=local.dtype, device=local.device)
+            result = torch.empty(
+                tuple(mine[1] - mine[0] if d == dim else n for d, n in enumerate(shape)),
+                dtype=local.dtype,
+                device=local.device,
+            )
             results.append(result)
             inner = math.prod(shape) // length if length else 0
             for q in range(world):
@@ -251,8 +273,12 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
         send = torch.cat(flat)
         recv = torch.empty(sum(recv_sizes), dtype=send.dtype, device=send.device)
         collective_counter.record(send, "state")
-        if all(src(entries[e][0], entries[e][2][entries[e][3]], q, entries[e][3]) == dst(entries[e][0], entries[e][2][entries[e][3]], q, entries[e][3])
-               for e in idx for q in range(world)):
+        if all(
+            src(entries[e][0], entries[e][2][entries[e][3]], q, entries[e][3])
+            == dst(entries[e][0], entries[e][2][entries[e][3]], q, entries[e][3])
+            for e in idx
+            for q in range(world)
+        ):
             out_local = [entries[e][1] for e in idx]  # even shares are already DTensor chunks: nothing moves
             for e, t in zip(idx, out_local):
                 out[e] = t
@@ -268,7 +294,7 @@ def _redistribute(entries: Sequence[tuple[Placement, torch.Tensor, tuple[int, ..
                 if b > a:
                     part_shape = tuple(b - a if d == dim else n for d, n in enumerate(shape))
                     numel = math.prod(part_shape)
-                    results[k].narrow(dim, a - mine[0], b - a).copy_(recv[pos[q]: pos[q] + numel].view(part_shape))
+                    results[k].narrow(dim, a - mine[0], b - a).copy_(recv[pos[q] : pos[q] + numel].view(part_shape))
                     pos[q] += numel
             out[e] = results[k]
     return out  # type: ignore[return-value]
@@ -284,7 +310,7 @@ def shares_to_dtensors(entries: Sequence[tuple[Placement, torch.Tensor, tuple[in
     out = []
     for (plan, _, shape, dim, mesh, mesh_dim), chunk in zip(entries, chunks):
         placements = [Shard(dim) if d == mesh_dim else Replicate() for d in range(mesh.ndim)]
-        stride = tuple(math.prod(shape[d + 1:]) for d in range(len(shape)))
+        stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
         out.append(DTensor.from_local(chunk, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride))
     return out
 

@@ -6,6 +6,7 @@ all-reduce of ``cols x l``), and the tall ``rows x l`` sketches are assembled wh
 disjoint row blocks) so every rank orthonormalizes the same matrix with an exact QR. The Gaussian test
 matrix comes from ``seeded_normal``: the same draw on every rank and at every world size.
 """
+
 from __future__ import annotations
 
 import torch
@@ -14,8 +15,17 @@ from .draws import seeded_normal
 from .iterative import orthonormal_columns
 from .matrix_ops import MatrixOps
 
-__all__ = ["range_basis", "refresh_reduced", "orthonormal", "signal_range", "signal_directions", "fp32_floor", "determined_floor",
-           "complete_basis", "fill_draw"]
+__all__ = [
+    "range_basis",
+    "refresh_reduced",
+    "orthonormal",
+    "signal_range",
+    "signal_directions",
+    "fp32_floor",
+    "determined_floor",
+    "complete_basis",
+    "fill_draw",
+]
 
 
 def orthonormal(x: torch.Tensor) -> torch.Tensor:
@@ -35,8 +45,15 @@ def signal_range(x: torch.Tensor, shape: tuple[int, int], floor: float | None = 
     return (svd.U * signal_directions(svd.S, shape, floor).unsqueeze(-2)).float()
 
 
-def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int, int], seed: int,
-                keys: dict[int, tuple], oversample: int = 10, power_iters: int = 2) -> dict[int, torch.Tensor]:
+def range_basis(
+    ops: MatrixOps,
+    blocks: dict[int, torch.Tensor],
+    ranks: dict[int, int],
+    seed: int,
+    keys: dict[int, tuple],
+    oversample: int = 10,
+    power_iters: int = 2,
+) -> dict[int, torch.Tensor]:
     """``{i: rows x r}`` orthonormal basis of the top-``r`` left singular subspace of each ``A_i`` (whole, on
     every rank that computes ``i``). ``blocks[i]``: this rank's rows of ``A_i``; every participating rank
     must pass the same indices (the reductions are bucketed across matrices).
@@ -52,8 +69,7 @@ def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int
         omega[i] = seeded_normal((cols, width[i]), seed, *keys[i], device=blocks[i].device)
     groups: dict[tuple, list[int]] = {}
     for i in idx:
-        groups.setdefault((tuple(blocks[i].shape), ops.plans[i].a_shape, ops.rows(i), width[i], ranks[i]),
-                          []).append(i)
+        groups.setdefault((tuple(blocks[i].shape), ops.plans[i].a_shape, ops.rows(i), width[i], ranks[i]), []).append(i)
     members = list(groups.values())
     a = [torch.stack([blocks[i] for i in g]) for g in members]
     # rows of this rank within each group's whole tall matrices (a block of them under the distributed strategy)
@@ -62,8 +78,9 @@ def range_basis(ops: MatrixOps, blocks: dict[int, torch.Tensor], ranks: dict[int
     def reduced(reduce, parts: list[torch.Tensor]) -> list[torch.Tensor]:
         """One ``reduce`` (assemble or all-reduce) over every group's stacked partial results."""
         done = reduce({i: p[j] for g, p in zip(members, parts) for j, i in enumerate(g)})
-        return [p if not any(ops.split(i) for i in g) else torch.stack([done[i] for i in g])
-                for g, p in zip(members, parts)]
+        return [
+            p if not any(ops.split(i) for i in g) else torch.stack([done[i] for i in g]) for g, p in zip(members, parts)
+        ]
 
     y = reduced(ops.assemble, [ag @ torch.stack([omega[i] for i in g]) for g, ag in zip(members, a)])
     y = [orthonormal(yg) for yg in y]

@@ -19,6 +19,7 @@ same on every rank:
   least total work); ``tau`` is searched over the candidates' own seconds for the plan with the least
   busiest rank.
 """
+
 from __future__ import annotations
 
 import math
@@ -27,8 +28,17 @@ from typing import Any, Sequence
 
 import torch
 
-__all__ = ["TeamCost", "TeamPlan", "pack", "choose", "team_sizes", "team_group", "create_team_groups", "global_team",
-           "RowExchange"]
+__all__ = [
+    "TeamCost",
+    "TeamPlan",
+    "pack",
+    "choose",
+    "team_sizes",
+    "team_group",
+    "create_team_groups",
+    "global_team",
+    "RowExchange",
+]
 
 
 @dataclass(frozen=True)
@@ -63,9 +73,16 @@ def team_sizes(world: int, smallest: int = 1) -> list[int]:
     return sizes
 
 
-def pack(order: Sequence[int], sizes: dict[int, int], costs: dict[int, dict[int, TeamCost]], world: int,
-         base: torch.Tensor, state: dict[int, float], sole: dict[int, int | None],
-         cap: Any) -> TeamPlan | None:
+def pack(
+    order: Sequence[int],
+    sizes: dict[int, int],
+    costs: dict[int, dict[int, TeamCost]],
+    world: int,
+    base: torch.Tensor,
+    state: dict[int, float],
+    sole: dict[int, int | None],
+    cap: Any,
+) -> TeamPlan | None:
     """Place every matrix of ``order`` (longest first) on a team of ``sizes[i]`` ranks. ``base``: seconds every
     rank already has (float64, ``world``); ``state[i]``: the matrix's small state, split evenly over its
     members; ``sole[i]``: the rank that holds the matrix whole (it stays there, nothing to move), else None;
@@ -82,7 +99,7 @@ def pack(order: Sequence[int], sizes: dict[int, int], costs: dict[int, dict[int,
         share = state[i] / g
         if g == 1 and sole[i] is not None:
             r = sole[i]
-            if not bool(cap(held[r: r + 1], largest[r: r + 1], share)[0]):
+            if not bool(cap(held[r : r + 1], largest[r : r + 1], share)[0]):
                 return None
             members[i], factor[i] = (r,), r
             load[r] += c.factor
@@ -104,15 +121,23 @@ def pack(order: Sequence[int], sizes: dict[int, int], costs: dict[int, dict[int,
         team = tuple(range(lo, lo + g))
         f = lo + int(fo[b, 0])
         members[i], factor[i] = team, f
-        load[lo: lo + g] += c.member
+        load[lo : lo + g] += c.member
         load[f] += c.factor - c.member
-        held[lo: lo + g] += share
-        largest[lo: lo + g] = torch.clamp(largest[lo: lo + g], min=share)
+        held[lo : lo + g] += share
+        largest[lo : lo + g] = torch.clamp(largest[lo : lo + g], min=share)
     return TeamPlan(members, factor, float(load.max()) if world else 0.0, load)
 
 
-def choose(idx: Sequence[int], names: Sequence[str], costs: dict[int, dict[int, TeamCost]], world: int,
-           base: torch.Tensor, state: dict[int, float], sole: dict[int, int | None], cap: Any) -> TeamPlan | None:
+def choose(
+    idx: Sequence[int],
+    names: Sequence[str],
+    costs: dict[int, dict[int, TeamCost]],
+    world: int,
+    base: torch.Tensor,
+    state: dict[int, float],
+    sole: dict[int, int | None],
+    cap: Any,
+) -> TeamPlan | None:
     """The team plan with the least busiest rank over targets ``tau``: each matrix on the smallest team whose
     busiest member meets ``tau`` (or the fastest team where none does), packed by ``pack``. ``tau`` runs over
     the candidates' own seconds by bisection for the smallest target the packing meets (on top of ``base``),
@@ -135,8 +160,9 @@ def choose(idx: Sequence[int], names: Sequence[str], costs: dict[int, dict[int, 
         key = tuple(sizes[i] for i in idx)
         if key not in seen:
             # matrices that stay with the rank holding them whole first, then longest first
-            order = sorted(idx, key=lambda i: (not (sizes[i] == 1 and sole[i] is not None),
-                                               -costs[i][sizes[i]].factor, names[i]))
+            order = sorted(
+                idx, key=lambda i: (not (sizes[i] == 1 and sole[i] is not None), -costs[i][sizes[i]].factor, names[i])
+            )
             seen[key] = pack(order, sizes, costs, world, base, state, sole, cap)
         return seen[key]
 
@@ -199,8 +225,10 @@ def team_group(parent: Any, members: tuple[int, ...]) -> Any:
     team = global_team(parent, members)
     found = _REGISTRY["groups"].get(team) if _REGISTRY["world"] is dist.group.WORLD else None
     if found is None or found == dist.GroupMember.NON_GROUP_MEMBER:
-        raise RuntimeError(f"no process group for the team of ranks {team}: team groups are made by every rank at "
-                           "the first ShardedOptimizer.step() after the plans changed (create_team_groups)")
+        raise RuntimeError(
+            f"no process group for the team of ranks {team}: team groups are made by every rank at "
+            "the first ShardedOptimizer.step() after the plans changed (create_team_groups)"
+        )
     return found
 
 
@@ -236,7 +264,7 @@ class RowExchange:
         collective_counter.record(buf, self.tag)
         got = [torch.empty_like(buf) for _ in range(self.size)]
         dist.all_gather(got, buf, group=self.group)
-        return [torch.cat([g[:, j * c:(j + 1) * c] for g in got], 1)[:, :k] for j in range(len(blocks))]
+        return [torch.cat([g[:, j * c : (j + 1) * c] for g in got], 1)[:, :k] for j in range(len(blocks))]
 
     def sum(self, x: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist

@@ -35,6 +35,7 @@ numbers ranks node by node, so ranks ``[b n, (b + 1) n)`` share node ``b``), els
 the links between nodes. Every rank resolves the same profile from the same config (torchrun gives every node
 the same ``LOCAL_WORLD_SIZE``), so plans stay identical on every rank.
 """
+
 from __future__ import annotations
 
 import os
@@ -62,12 +63,28 @@ class HardwareProfile:
     node_bandwidth: float = 0.0
     node_latency: float = 0.0
 
-    def seconds(self, matmul: float = 0.0, factor: float = 0.0, net_bytes: float = 0.0, rounds: float = 0.0,
-                mem_bytes: float = 0.0, calls: float = 0.0, node_bytes: float = 0.0, node_rounds: float = 0.0) -> float:
+    def seconds(
+        self,
+        matmul: float = 0.0,
+        factor: float = 0.0,
+        net_bytes: float = 0.0,
+        rounds: float = 0.0,
+        mem_bytes: float = 0.0,
+        calls: float = 0.0,
+        node_bytes: float = 0.0,
+        node_rounds: float = 0.0,
+    ) -> float:
         """``net_bytes`` / ``rounds`` cross the links between nodes, ``node_bytes`` / ``node_rounds`` stay in one."""
-        return (matmul / self.matmul_flops + factor / self.factor_flops + calls * self.factor_latency
-                + net_bytes / self.bandwidth + rounds * self.latency + mem_bytes / self.memory_bandwidth
-                + node_bytes / self.intra_bandwidth + node_rounds * self.intra_latency)
+        return (
+            matmul / self.matmul_flops
+            + factor / self.factor_flops
+            + calls * self.factor_latency
+            + net_bytes / self.bandwidth
+            + rounds * self.latency
+            + mem_bytes / self.memory_bandwidth
+            + node_bytes / self.intra_bandwidth
+            + node_rounds * self.intra_latency
+        )
 
     @property
     def intra_bandwidth(self) -> float:
@@ -83,28 +100,47 @@ class HardwareProfile:
         return not ranks or n <= 0 or min(ranks) // n == max(ranks) // n
 
     def describe(self) -> str:
-        node = (f"; {self.ranks_per_node} ranks per node, {self.intra_bandwidth / 1e9:g} GB/s and "
-                f"{self.intra_latency * 1e6:g} us per round inside one" if self.ranks_per_node > 0 else "")
-        return (f"matmul {self.matmul_flops / 1e12:g} TFLOP/s, factorizations {self.factor_flops / 1e12:g} TFLOP/s "
-                f"and {self.factor_latency * 1e3:g} ms per call, "
-                f"collectives {self.bandwidth / 1e9:g} GB/s and {self.latency * 1e6:g} us per round{node}, memory "
-                f"{self.memory_bandwidth / 1e9:g} GB/s")
+        node = (
+            f"; {self.ranks_per_node} ranks per node, {self.intra_bandwidth / 1e9:g} GB/s and "
+            f"{self.intra_latency * 1e6:g} us per round inside one"
+            if self.ranks_per_node > 0
+            else ""
+        )
+        return (
+            f"matmul {self.matmul_flops / 1e12:g} TFLOP/s, factorizations {self.factor_flops / 1e12:g} TFLOP/s "
+            f"and {self.factor_latency * 1e3:g} ms per call, "
+            f"collectives {self.bandwidth / 1e9:g} GB/s and {self.latency * 1e6:g} us per round{node}, memory "
+            f"{self.memory_bandwidth / 1e9:g} GB/s"
+        )
 
 
 PROFILES: dict[str, HardwareProfile] = {
-    "gpu": HardwareProfile(matmul_flops=50e12, factor_flops=0.14e12, bandwidth=25e9, latency=20e-6,
-                           memory_bandwidth=2e12, factor_latency=2.8e-3, ranks_per_node=8, node_bandwidth=360e9,
-                           node_latency=10e-6),
-    "cpu": HardwareProfile(matmul_flops=60e9, factor_flops=10e9, bandwidth=1.2e9, latency=3e-4,
-                           memory_bandwidth=5e9),
+    "gpu": HardwareProfile(
+        matmul_flops=50e12,
+        factor_flops=0.14e12,
+        bandwidth=25e9,
+        latency=20e-6,
+        memory_bandwidth=2e12,
+        factor_latency=2.8e-3,
+        ranks_per_node=8,
+        node_bandwidth=360e9,
+        node_latency=10e-6,
+    ),
+    "cpu": HardwareProfile(matmul_flops=60e9, factor_flops=10e9, bandwidth=1.2e9, latency=3e-4, memory_bandwidth=5e9),
 }
 
 #: user units of the numeric form -> (field, scale to SI)
-_UNITS = {"matmul_tflops": ("matmul_flops", 1e12), "factor_tflops": ("factor_flops", 1e12),
-          "factor_latency_us": ("factor_latency", 1e-6),
-          "bandwidth_gbs": ("bandwidth", 1e9), "latency_us": ("latency", 1e-6), "memory_gbs": ("memory_bandwidth", 1e9),
-          "node_bandwidth_gbs": ("node_bandwidth", 1e9), "node_latency_us": ("node_latency", 1e-6),
-          "ranks_per_node": ("ranks_per_node", 1)}
+_UNITS = {
+    "matmul_tflops": ("matmul_flops", 1e12),
+    "factor_tflops": ("factor_flops", 1e12),
+    "factor_latency_us": ("factor_latency", 1e-6),
+    "bandwidth_gbs": ("bandwidth", 1e9),
+    "latency_us": ("latency", 1e-6),
+    "memory_gbs": ("memory_bandwidth", 1e9),
+    "node_bandwidth_gbs": ("node_bandwidth", 1e9),
+    "node_latency_us": ("node_latency", 1e-6),
+    "ranks_per_node": ("ranks_per_node", 1),
+}
 
 
 def _local_world_size() -> int | None:
@@ -128,8 +164,10 @@ def resolve_profile(spec: Any, device_type: str | None = None) -> HardwareProfil
         return _with_node(PROFILES["cpu" if device_type == "cpu" else "gpu"])
     if isinstance(spec, str):
         if spec not in PROFILES:
-            raise ValueError(f"matrix_ops.profile: unknown profile {spec!r}; use 'auto', one of {sorted(PROFILES)}, "
-                             f"or numbers {sorted(_UNITS)}")
+            raise ValueError(
+                f"matrix_ops.profile: unknown profile {spec!r}; use 'auto', one of {sorted(PROFILES)}, "
+                f"or numbers {sorted(_UNITS)}"
+            )
         return _with_node(PROFILES[spec])
     if isinstance(spec, Mapping):
         base = PROFILES[str(spec.get("base", "gpu"))] if spec.get("base", "gpu") in PROFILES else None
@@ -143,8 +181,10 @@ def resolve_profile(spec: Any, device_type: str | None = None) -> HardwareProfil
                 raise ValueError(f"matrix_ops.profile.{key}: unknown key; use {sorted(_UNITS)}")
             if key == "ranks_per_node":
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ValueError(f"matrix_ops.profile.ranks_per_node must be an integer >= 0 (0: every rank on "
-                                     f"one node), got {value!r}")
+                    raise ValueError(
+                        f"matrix_ops.profile.ranks_per_node must be an integer >= 0 (0: every rank on "
+                        f"one node), got {value!r}"
+                    )
                 values["ranks_per_node"] = value
                 continue
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not value > 0 or value == float("inf"):
@@ -185,10 +225,24 @@ class StepCost:
         return max(self.node_sent, self.node_received)
 
     def seconds(self, profile: HardwareProfile) -> float:
-        return profile.seconds(self.matmul, self.factor, self.net_bytes, self.rounds, calls=self.calls,
-                               node_bytes=self.node_bytes, node_rounds=self.node_rounds)
+        return profile.seconds(
+            self.matmul,
+            self.factor,
+            self.net_bytes,
+            self.rounds,
+            calls=self.calls,
+            node_bytes=self.node_bytes,
+            node_rounds=self.node_rounds,
+        )
 
     def on_node(self) -> "StepCost":
         """The same work with its collectives inside one node (a group that lies within a node)."""
-        return replace(self, sent=0.0, received=0.0, rounds=0.0, node_sent=self.node_sent + self.sent,
-                       node_received=self.node_received + self.received, node_rounds=self.node_rounds + self.rounds)
+        return replace(
+            self,
+            sent=0.0,
+            received=0.0,
+            rounds=0.0,
+            node_sent=self.node_sent + self.sent,
+            node_received=self.node_received + self.received,
+            node_rounds=self.node_rounds + self.rounds,
+        )

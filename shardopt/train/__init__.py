@@ -2,11 +2,21 @@
 
 Heavy imports (DeepSpeed, tokenizers, matplotlib) happen only when a run needs them.
 """
+
 from .config import TrainConfig, TrainConfigError, load_train_config
 from .model import PRESETS, Llama, LlamaConfig, model_config
 
-__all__ = ["TrainConfig", "TrainConfigError", "load_train_config", "Llama", "LlamaConfig", "PRESETS",
-           "model_config", "Trainer", "lr_lambda"]
+__all__ = [
+    "TrainConfig",
+    "TrainConfigError",
+    "load_train_config",
+    "Llama",
+    "LlamaConfig",
+    "PRESETS",
+    "model_config",
+    "Trainer",
+    "lr_lambda",
+]
 
 
 def __getattr__(name: str):

@@ -2,6 +2,7 @@
 
 Works under ``torchrun`` (any number of nodes) and the ``deepspeed`` launcher (``--local_rank`` is accepted).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -10,16 +11,27 @@ import sys
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m shardopt.train", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m shardopt.train", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--config", required=True, help="trainer JSON config (see configs/train/)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint of the run")
-    p.add_argument("--set", action="append", default=[], metavar="KEY.PATH=VALUE",
-                   help="override a config value (JSON-parsed), e.g. --set train.steps=50 (repeatable)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY.PATH=VALUE",
+        help="override a config value (JSON-parsed), e.g. --set train.steps=50 (repeatable)",
+    )
     p.add_argument("--run_dir", "--run-dir", default=None, help="shortcut for --set run_dir=...")
     p.add_argument("--check", action="store_true", help="validate the config and exit")
-    p.add_argument("--local_rank", "--local-rank", type=int, default=None,
-                   help="passed by the deepspeed launcher; LOCAL_RANK from the environment is used")
+    p.add_argument(
+        "--local_rank",
+        "--local-rank",
+        type=int,
+        default=None,
+        help="passed by the deepspeed launcher; LOCAL_RANK from the environment is used",
+    )
     return p.parse_args(argv)
 
 

@@ -1,5 +1,6 @@
 """The trainer's JSON config, validated with pydantic: unknown keys and bad values raise
 ``TrainConfigError`` naming the key path (e.g. ``train.micro_batch_size``)."""
+
 from __future__ import annotations
 
 import json
@@ -11,8 +12,16 @@ import pydantic
 
 from .model import PRESETS
 
-__all__ = ["TrainConfig", "TrainConfigError", "load_train_config", "validate_deepspeed_config",
-           "read_deepspeed_config", "apply_overrides", "resolve_path", "REPO_ROOT"]
+__all__ = [
+    "TrainConfig",
+    "TrainConfigError",
+    "load_train_config",
+    "validate_deepspeed_config",
+    "read_deepspeed_config",
+    "apply_overrides",
+    "resolve_path",
+    "REPO_ROOT",
+]
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -46,7 +55,8 @@ class ModelSection(_Strict):
 
 class DataSection(_Strict):
     source: Literal["shakespeare", "text", "tokens"] = pydantic.Field(
-        "shakespeare", description="the bundled corpus, text files (a BPE is trained), or a token file")
+        "shakespeare", description="the bundled corpus, text files (a BPE is trained), or a token file"
+    )
     path: str | None = pydantic.Field(None, description="text: a glob of files; tokens: a .npy or raw .bin file")
     val_path: str | None = pydantic.Field(None, description="optional separate validation glob / token file")
     seq_len: int | None = pydantic.Field(None, gt=0, description="default: the model preset's sequence length")
@@ -54,7 +64,8 @@ class DataSection(_Strict):
     val_documents: int = pydantic.Field(4, ge=1, description="documents (plays/files) held out for validation")
     val_fraction: float = pydantic.Field(0.05, gt=0, lt=1, description="tail held out when not splitting by document")
     token_dtype: Literal["uint16", "uint32", "int32", "int64"] = pydantic.Field(
-        "uint16", description="element type of a raw .bin token file")
+        "uint16", description="element type of a raw .bin token file"
+    )
     cache_dir: str = pydantic.Field("runs/cache", description="where trained tokenizers and encoded data are kept")
 
     @pydantic.model_validator(mode="after")
@@ -66,7 +77,8 @@ class DataSection(_Strict):
 
 class EngineSection(_Strict):
     name: Literal["deepspeed", "fsdp2", "ddp", "single"] = pydantic.Field(
-        "single", description="the engine the model is wrapped in (single: one process)")
+        "single", description="the engine the model is wrapped in (single: one process)"
+    )
     deepspeed_config: str | None = pydantic.Field(None, description="DeepSpeed JSON (engine deepspeed only)")
     device: Literal["auto", "cpu", "cuda"] = pydantic.Field("auto", description="auto: CUDA where available")
     quiet: bool = pydantic.Field(True, description="silence DeepSpeed's INFO logging")
@@ -82,6 +94,7 @@ class EngineSection(_Strict):
 
 class AdamWParams(_Strict):
     """``optimizer.params`` when ``optimizer.name`` is ``adamw`` (torch.optim.AdamW, the baseline)."""
+
     lr: float = pydantic.Field(1e-3, ge=0, description="peak learning rate")
     betas: tuple[float, float] = pydantic.Field((0.9, 0.999), description="first and second moment EMA betas")
     eps: float = pydantic.Field(1e-8, ge=0, description="added to the second moment's square root")
@@ -90,8 +103,9 @@ class AdamWParams(_Strict):
 
 class OptimizerSection(_Strict):
     name: str = pydantic.Field(description="a shardopt optimizer (shardopt.OPTIMIZERS) or adamw")
-    params: dict[str, Any] = pydantic.Field(default_factory=dict, description="the optimizer's hyperparameters "
-                                            "(its configuration reference)")
+    params: dict[str, Any] = pydantic.Field(
+        default_factory=dict, description="the optimizer's hyperparameters (its configuration reference)"
+    )
     routing: dict[str, str] = pydantic.Field(default_factory=dict, description="name pattern -> role or adamw")
     #: ``params`` validated by the optimizer's model (``load_train_config``; None for adamw)
     _config: Any = pydantic.PrivateAttr(None)
@@ -102,8 +116,9 @@ class OptimizerSection(_Strict):
         if self._config is None:
             from ..optim.registry import validate_hyperparameters
 
-            self._config = validate_hyperparameters(self.name, self.params, where="optimizer.params",
-                                                    name_key="optimizer.name")
+            self._config = validate_hyperparameters(
+                self.name, self.params, where="optimizer.params", name_key="optimizer.name"
+            )
         return self._config
 
 
@@ -138,7 +153,8 @@ class TrainConfig(_Strict):
     data: DataSection = pydantic.Field(DataSection(), description="training and validation data")
     engine: EngineSection = pydantic.Field(EngineSection(), description="how the model is distributed")
     optimizer: OptimizerSection | None = pydantic.Field(
-        None, description="default: the DeepSpeed JSON's 'shardopt' section (engine deepspeed), else scale")
+        None, description="default: the DeepSpeed JSON's 'shardopt' section (engine deepspeed), else scale"
+    )
     train: TrainSection = pydantic.Field(TrainSection(), description="the training loop and its LR schedule")
     eval: EvalSection = pydantic.Field(EvalSection(), description="validation loss and perplexity")
     checkpoint: CheckpointSection = pydantic.Field(CheckpointSection(), description="saving and resuming")
@@ -155,8 +171,9 @@ class TrainConfig(_Strict):
         """``(json, section)``: the DeepSpeed JSON as read (``"shardopt"`` left in) and its ``"shardopt"``
         section parsed once (``shardopt.deepspeed.ShardoptSection``, None when absent)."""
         if self._deepspeed is None:
-            self._deepspeed = read_deepspeed_config(self.engine.deepspeed_config,
-                                                    require_shardopt=self.optimizer is None)
+            self._deepspeed = read_deepspeed_config(
+                self.engine.deepspeed_config, require_shardopt=self.optimizer is None
+            )
         return self._deepspeed
 
     @property
@@ -172,8 +189,9 @@ def _format(err: pydantic.ValidationError, where: str, prefix: str = "") -> str:
             lines.append(f"{path}: unknown key")
         else:
             msg = e["msg"].removeprefix("Value error, ")
-            lines.append(f"{path}: {msg}" + (f" (got {e['input']!r})" if path and not isinstance(e.get("input"), dict)
-                                               else ""))
+            lines.append(
+                f"{path}: {msg}" + (f" (got {e['input']!r})" if path and not isinstance(e.get("input"), dict) else "")
+            )
     return f"{where}: " + "; ".join(lines)
 
 
@@ -210,8 +228,9 @@ def resolve_path(path: str, config_file: str | None = None) -> str:
     return path
 
 
-def read_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str = "deepspeed config",
-                          require_shardopt: bool = True) -> tuple[dict[str, Any], Any]:
+def read_deepspeed_config(
+    path_or_dict: str | Mapping[str, Any], where: str = "deepspeed config", require_shardopt: bool = True
+) -> tuple[dict[str, Any], Any]:
     """Load a DeepSpeed JSON and check what the trainer relies on. Returns the dict as read and its
     ``"shardopt"`` section parsed (``ShardoptSection``, None when absent and not required): the one parse on
     the trainer's path (``shardopt.deepspeed.initialize`` takes the parsed section as is)."""
@@ -230,8 +249,10 @@ def read_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str = "d
             except json.JSONDecodeError as exc:
                 raise TrainConfigError(f"{where}: invalid JSON: {exc}") from None
     if "optimizer" in cfg:
-        raise TrainConfigError(f"{where}: optimizer: remove the 'optimizer' block; the optimizer comes from the "
-                               "'shardopt' section or the trainer config")
+        raise TrainConfigError(
+            f"{where}: optimizer: remove the 'optimizer' block; the optimizer comes from the "
+            "'shardopt' section or the trainer config"
+        )
     section = None
     if require_shardopt or "shardopt" in cfg:
         try:
@@ -241,8 +262,9 @@ def read_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str = "d
     return cfg, section
 
 
-def validate_deepspeed_config(path_or_dict: str | Mapping[str, Any], where: str = "deepspeed config",
-                              require_shardopt: bool = True) -> dict[str, Any]:
+def validate_deepspeed_config(
+    path_or_dict: str | Mapping[str, Any], where: str = "deepspeed config", require_shardopt: bool = True
+) -> dict[str, Any]:
     """Load a DeepSpeed JSON and check what the trainer relies on; returns the dict (unchanged)."""
     return read_deepspeed_config(path_or_dict, where, require_shardopt)[0]
 
@@ -287,16 +309,20 @@ def load_train_config(source: str | os.PathLike | Mapping[str, Any], overrides: 
                 raise TrainConfigError(_format(err, where, prefix="optimizer.params.")) from None
         elif name in OPTIMIZERS:
             try:
-                cfg.optimizer._config = validate_hyperparameters(name, cfg.optimizer.params, where="optimizer.params",
-                                                                 name_key="optimizer.name")
+                cfg.optimizer._config = validate_hyperparameters(
+                    name, cfg.optimizer.params, where="optimizer.params", name_key="optimizer.name"
+                )
             except ValueError as exc:
                 raise TrainConfigError(f"{where}: {exc}") from None
         else:
-            raise TrainConfigError(f"{where}: optimizer.name: unknown optimizer {cfg.optimizer.name!r}; choose one "
-                                   f"of {sorted(OPTIMIZERS) + ['adamw']}")
+            raise TrainConfigError(
+                f"{where}: optimizer.name: unknown optimizer {cfg.optimizer.name!r}; choose one "
+                f"of {sorted(OPTIMIZERS) + ['adamw']}"
+            )
     if cfg.engine.name == "deepspeed":
         path = resolve_path(cfg.engine.deepspeed_config, config_file)
         cfg.engine.deepspeed_config = path
-        cfg._deepspeed = read_deepspeed_config(path, where=f"{where}: engine.deepspeed_config {path}",
-                                               require_shardopt=cfg.optimizer is None)
+        cfg._deepspeed = read_deepspeed_config(
+            path, where=f"{where}: engine.deepspeed_config {path}", require_shardopt=cfg.optimizer is None
+        )
     return cfg

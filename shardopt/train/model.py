@@ -4,6 +4,7 @@ RMSNorm (eps 1e-6), SiLU-gated MLP, rotary position embeddings, causal attention
 ``torch.nn.functional.scaled_dot_product_attention``, no biases, untied LM head by default, and every
 Linear/Embedding weight initialised N(0, 0.02) as in the GaLore-style benchmark harness.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace

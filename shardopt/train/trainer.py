@@ -7,6 +7,7 @@ optimizer step, one LR-scheduler step (linear warmup over ``warmup_fraction`` of
 cosine to ``min_lr_ratio`` x peak, applied to every param group's own peak lr). Rank 0 shows a tqdm bar
 and writes ``<run_dir>/metrics.jsonl``, ``<run_dir>/loss.png`` and ``<run_dir>/summary.json``.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -67,7 +68,8 @@ class Trainer:
         cfg = self.cfg
         world_env = int(os.environ.get("WORLD_SIZE", "1"))
         use_cuda = cfg.engine.device == "cuda" or (
-            cfg.engine.device == "auto" and torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu")
+            cfg.engine.device == "auto" and torch.cuda.is_available() and os.environ.get("DS_ACCELERATOR") != "cpu"
+        )
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.device = torch.device(f"cuda:{self.local_rank}" if use_cuda else "cpu")
         if use_cuda:
@@ -95,8 +97,11 @@ class Trainer:
                 ds_logger.setLevel(logging.WARNING)
             if not dist.is_initialized():
                 if not use_cuda and os.environ.get("RANK", "0") == "0":  # before the group: rank 0 by env
-                    print(f"starting DeepSpeed on cpu, {os.environ.get('WORLD_SIZE', '1')} processes (the first run "
-                          "on a machine builds DeepSpeed's CPU communication op: 1-2 minutes)", flush=True)
+                    print(
+                        f"starting DeepSpeed on cpu, {os.environ.get('WORLD_SIZE', '1')} processes (the first run "
+                        "on a machine builds DeepSpeed's CPU communication op: 1-2 minutes)",
+                        flush=True,
+                    )
                 deepspeed.init_distributed(dist_backend=backend)
         elif not dist.is_initialized():
             dist.init_process_group(backend=backend, device_id=self.device if use_cuda else None)
@@ -120,14 +125,29 @@ class Trainer:
         cfg = self.cfg
         torch.manual_seed(cfg.seed)
         self.data: TokenData = prepare_data(
-            source=cfg.data.source, path=cfg.data.path, val_path=cfg.data.val_path, vocab_size=cfg.data.vocab_size,
-            val_documents=cfg.data.val_documents, val_fraction=cfg.data.val_fraction,
-            token_dtype=cfg.data.token_dtype, cache_dir=cfg.data.cache_dir, log=self.log)
+            source=cfg.data.source,
+            path=cfg.data.path,
+            val_path=cfg.data.val_path,
+            vocab_size=cfg.data.vocab_size,
+            val_documents=cfg.data.val_documents,
+            val_fraction=cfg.data.val_fraction,
+            token_dtype=cfg.data.token_dtype,
+            cache_dir=cfg.data.cache_dir,
+            log=self.log,
+        )
         m = cfg.model
-        mcfg = model_config(m.preset, self.data.vocab_size, hidden_size=m.hidden_size,
-                            intermediate_size=m.intermediate_size, num_heads=m.num_heads, num_layers=m.num_layers,
-                            rope_theta=m.rope_theta, norm_eps=m.norm_eps, init_std=m.init_std,
-                            tie_embeddings=m.tie_embeddings)
+        mcfg = model_config(
+            m.preset,
+            self.data.vocab_size,
+            hidden_size=m.hidden_size,
+            intermediate_size=m.intermediate_size,
+            num_heads=m.num_heads,
+            num_layers=m.num_layers,
+            rope_theta=m.rope_theta,
+            norm_eps=m.norm_eps,
+            init_std=m.init_std,
+            tie_embeddings=m.tie_embeddings,
+        )
         if cfg.data.seq_len is not None:
             mcfg = dataclasses.replace(mcfg, max_seq_len=cfg.data.seq_len)
         self.model_cfg = mcfg
@@ -138,19 +158,24 @@ class Trainer:
         self.train_set = PackedSequences(self.data.train, self.seq_len)
         self.val_set = PackedSequences(self.data.val, self.seq_len)
         t = cfg.train
-        self.sampler = StepSampler(len(self.train_set), t.micro_batch_size, t.grad_accum, self.world, self.rank,
-                                   cfg.seed)
+        self.sampler = StepSampler(
+            len(self.train_set), t.micro_batch_size, t.grad_accum, self.world, self.rank, cfg.seed
+        )
         self.tokens_per_step = t.micro_batch_size * t.grad_accum * self.world * self.seq_len
         self.lr_fn = make_lr_lambda(t.steps, t.warmup_fraction, t.min_lr_ratio)
         self.opt_name = self._optimizer_name()
         getattr(self, f"_build_{self.engine_name}")(model)
-        self.log(f"model {m.preset}: {count_str(self.n_params)} params (hidden {mcfg.hidden_size}, "
-                 f"{mcfg.num_layers} layers, {mcfg.num_heads} heads, vocab {mcfg.vocab_size}, seq {self.seq_len})")
+        self.log(
+            f"model {m.preset}: {count_str(self.n_params)} params (hidden {mcfg.hidden_size}, "
+            f"{mcfg.num_layers} layers, {mcfg.num_heads} heads, vocab {mcfg.vocab_size}, seq {self.seq_len})"
+        )
         self.log(f"data {self.data.description}")
-        self.log(f"engine {self.engine_name} x {self.world} ranks on {self.device}, optimizer {self.opt_name}, "
-                 f"{self.tokens_per_step:,} tokens/step ({t.micro_batch_size} seq x {t.grad_accum} accum x "
-                 f"{self.world} ranks), {t.steps} steps = {t.steps * self.tokens_per_step / 1e6:.2f}M tokens, "
-                 f"{self.sampler.epoch(t.steps):.2f} epochs, bf16 {t.bf16}")
+        self.log(
+            f"engine {self.engine_name} x {self.world} ranks on {self.device}, optimizer {self.opt_name}, "
+            f"{self.tokens_per_step:,} tokens/step ({t.micro_batch_size} seq x {t.grad_accum} accum x "
+            f"{self.world} ranks), {t.steps} steps = {t.steps * self.tokens_per_step / 1e6:.2f}M tokens, "
+            f"{self.sampler.epoch(t.steps):.2f} epochs, bf16 {t.bf16}"
+        )
 
     def _optimizer_name(self) -> str:
         if self.cfg.optimizer is not None:
@@ -165,8 +190,9 @@ class Trainer:
         oc = self.cfg.optimizer
         if self.opt_name == "adamw":
             hp = AdamWParams.model_validate(oc.params)
-            return torch.optim.AdamW(model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps,
-                                     weight_decay=hp.weight_decay)
+            return torch.optim.AdamW(
+                model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay
+            )
         hp = oc.config if oc else validate_hyperparameters(self.opt_name, {})
         return build_optimizer(model, hp, (oc.routing if oc else None) or None, self.opt_name)
 
@@ -207,16 +233,21 @@ class Trainer:
     def _deepspeed_config(self) -> dict[str, Any]:
         cfg, t = self.cfg, self.cfg.train
         ds, section = copy.deepcopy(cfg.deepspeed)
-        for key, value in (("train_micro_batch_size_per_gpu", t.micro_batch_size),
-                           ("gradient_accumulation_steps", t.grad_accum), ("gradient_clipping", t.grad_clip)):
+        for key, value in (
+            ("train_micro_batch_size_per_gpu", t.micro_batch_size),
+            ("gradient_accumulation_steps", t.grad_accum),
+            ("gradient_clipping", t.grad_clip),
+        ):
             if key in ds and ds[key] != value:
-                self.log(f"note: {key} = {ds[key]} in {cfg.engine.deepspeed_config} is replaced by the trainer's {value}")
+                self.log(
+                    f"note: {key} = {ds[key]} in {cfg.engine.deepspeed_config} is replaced by the trainer's {value}"
+                )
             ds[key] = value
         ds.pop("train_batch_size", None)  # derived by DeepSpeed from micro batch x accumulation x world size
         ds["bf16"] = {**ds.get("bf16", {}), "enabled": bool(t.bf16)}
         if ds.get("fp16", {}).get("enabled"):
             raise ValueError(f"{cfg.engine.deepspeed_config}: fp16 is not supported by the trainer; use train.bf16")
-        ds.setdefault("steps_per_print", 10 ** 9)
+        ds.setdefault("steps_per_print", 10**9)
         ds.setdefault("wall_clock_breakdown", False)
         oc = cfg.optimizer
         if oc is None:
@@ -240,8 +271,9 @@ class Trainer:
         sched = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, self.lr_fn)  # noqa: E731
         if self.opt_name == "adamw":
             opt = self._make_optimizer(model)
-            engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=opt, config=ds,
-                                                                   lr_scheduler=sched)
+            engine, optimizer, _, scheduler = deepspeed.initialize(
+                model=model, optimizer=opt, config=ds, lr_scheduler=sched
+            )
         else:
             engine, optimizer, _, scheduler = sds.initialize(model=model, config=ds, lr_scheduler=sched)
         self.model = engine
@@ -297,11 +329,11 @@ class Trainer:
         b = self.cfg.train.micro_batch_size
         n_batches = math.ceil(math.ceil(k / self.world) / b)
         for i in range(n_batches):
-            chunk = idx[i * b:(i + 1) * b] or idx[:1]  # a short rank repeats a sequence but does not count it
+            chunk = idx[i * b : (i + 1) * b] or idx[:1]  # a short rank repeats a sequence but does not count it
             x, y = self.val_set.batch(chunk)
             with self._autocast():
                 loss = self.model(x.to(self.device), y.to(self.device))
-            if idx[i * b:(i + 1) * b]:
+            if idx[i * b : (i + 1) * b]:
                 sums[0] += loss.float().item() * y.numel()
                 sums[1] += y.numel()
         if dist.is_initialized():
@@ -325,18 +357,26 @@ class Trainer:
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=os.path.join(root, tag))
             if self.rank == 0:
-                torch.save({"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world},
-                           os.path.join(root, tag, "trainer_state.pt"))
+                torch.save(
+                    {"step": self.step, "scheduler": self.scheduler.state_dict(), "world": self.world},
+                    os.path.join(root, tag, "trainer_state.pt"),
+                )
         else:
             os.makedirs(os.path.join(root, tag), exist_ok=True)
             # param_names: the optimizer's state is keyed by position; the names let offline tools
             # (shardopt checkpoint inspect/convert) tell which parameter each entry belongs to
             names = {id(p): n for n, p in self.module.named_parameters()}
-            torch.save({"step": self.step, "model": self.module.state_dict(), "optim": self.optimizer.state_dict(),
-                        "scheduler": self.scheduler.state_dict(), "world": self.world,
-                        "param_names": [[names.get(id(p), "") for p in g["params"]]
-                                        for g in self.optimizer.param_groups]},
-                       os.path.join(root, tag, f"rank{self.rank}.pt"))
+            torch.save(
+                {
+                    "step": self.step,
+                    "model": self.module.state_dict(),
+                    "optim": self.optimizer.state_dict(),
+                    "scheduler": self.scheduler.state_dict(),
+                    "world": self.world,
+                    "param_names": [[names.get(id(p), "") for p in g["params"]] for g in self.optimizer.param_groups],
+                },
+                os.path.join(root, tag, f"rank{self.rank}.pt"),
+            )
         if self.engine_name != "deepspeed":  # DeepSpeed's save commits its tag itself (plugin.deepspeed_engine)
             commit.fsync_dir(os.path.join(root, tag))  # every rank's files on disk before the pointer names them
         self._barrier()
@@ -372,8 +412,7 @@ class Trainer:
             state = {"model": model_sd, "optim": optim_sd}
             # DCP's default reader and planner unpickle .metadata and non-tensor values with full pickle
             dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(root, tag)), planner=SafeLoadPlanner())
-            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                           optim_state_dict=state["optim"])
+            set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
             extra = load_plain(os.path.join(root, tag, "trainer_state.pt"))
             self.scheduler.load_state_dict(extra["scheduler"])
             self.step = int(extra["step"])
@@ -381,9 +420,11 @@ class Trainer:
             path = os.path.join(root, tag, f"rank{self.rank}.pt")
             ck = load_plain(path, map_location=self.device)
             if ck.get("world", 1) != self.world:
-                raise RuntimeError(f"{path} was written by {ck.get('world')} ranks, this run has {self.world}: resume "
-                                   "with the same world size, or convert the run (shardopt checkpoint convert "
-                                   f"{root} <out> --to deepspeed|dcp) for an engine that reshards")
+                raise RuntimeError(
+                    f"{path} was written by {ck.get('world')} ranks, this run has {self.world}: resume "
+                    "with the same world size, or convert the run (shardopt checkpoint convert "
+                    f"{root} <out> --to deepspeed|dcp) for an engine that reshards"
+                )
             self.module.load_state_dict(ck["model"])
             self.optimizer.load_state_dict(ck["optim"])
             self.scheduler.load_state_dict(ck["scheduler"])
@@ -421,8 +462,9 @@ class Trainer:
         ppl = math.exp(min(loss, 50.0))
         self.val_history.append((self.step, loss))
         self._write_metrics({"step": self.step, "val_loss": loss, "val_ppl": ppl, "time": time.time()})
-        self.log(f"validation step {self.step}: loss {loss:.4f}, perplexity {ppl:.2f} "
-                 f"({time.perf_counter() - t0:.1f}s)")
+        self.log(
+            f"validation step {self.step}: loss {loss:.4f}, perplexity {ppl:.2f} ({time.perf_counter() - t0:.1f}s)"
+        )
         return loss
 
     def _current_lr(self) -> float:
@@ -450,8 +492,15 @@ class Trainer:
             from tqdm.auto import tqdm
 
             tty = sys.stderr.isatty()
-            self.bar = tqdm(total=t.steps, initial=self.step, desc="train", unit="step", dynamic_ncols=True,
-                            mininterval=1.0 if tty else 15.0, file=sys.stderr)
+            self.bar = tqdm(
+                total=t.steps,
+                initial=self.step,
+                desc="train",
+                unit="step",
+                dynamic_ncols=True,
+                mininterval=1.0 if tty else 15.0,
+                file=sys.stderr,
+            )
         window_loss, window_steps, t_window = 0.0, 0, time.perf_counter()
         t_start = time.perf_counter()
         while self.step < t.steps:
@@ -469,14 +518,21 @@ class Trainer:
                 elapsed = time.perf_counter() - t_window
                 mean_loss = float(stats[0] / stats[1])
                 tok_s = window_steps * self.tokens_per_step / max(elapsed, 1e-9)
-                rec = {"step": self.step, "loss": mean_loss, "lr": self._current_lr(), "tokens_per_s": tok_s,
-                       "tokens": self.step * self.tokens_per_step, "time": time.time()}
+                rec = {
+                    "step": self.step,
+                    "loss": mean_loss,
+                    "lr": self._current_lr(),
+                    "tokens_per_s": tok_s,
+                    "tokens": self.step * self.tokens_per_step,
+                    "time": time.time(),
+                }
                 self.history.append(rec)
                 self._write_metrics(rec)
                 if self.bar is not None:
                     self.bar.set_postfix(loss=f"{mean_loss:.3f}", tok_s=f"{tok_s:,.0f}", lr=f"{rec['lr']:.2e}")
-                self.log(f"step {self.step}/{t.steps} | loss {mean_loss:.4f} | lr {rec['lr']:.2e} | "
-                         f"{tok_s:,.0f} tokens/s")
+                self.log(
+                    f"step {self.step}/{t.steps} | loss {mean_loss:.4f} | lr {rec['lr']:.2e} | {tok_s:,.0f} tokens/s"
+                )
                 window_loss, window_steps, t_window = 0.0, 0, time.perf_counter()
             if cfg.eval.every and self.step % cfg.eval.every == 0 and self.step != t.steps:
                 self._validate()
@@ -490,27 +546,40 @@ class Trainer:
         if cfg.checkpoint.at_end and cfg.checkpoint.every and self.step > start_step:
             self._save()
         summary = {
-            "steps": self.step, "start_step": start_step, "world_size": self.world, "engine": self.engine_name,
-            "optimizer": self.opt_name, "params": self.n_params, "tokens_per_step": self.tokens_per_step,
+            "steps": self.step,
+            "start_step": start_step,
+            "world_size": self.world,
+            "engine": self.engine_name,
+            "optimizer": self.opt_name,
+            "params": self.n_params,
+            "tokens_per_step": self.tokens_per_step,
             "train_seconds": train_time,
             "tokens_per_s": (self.step - start_step) * self.tokens_per_step / max(train_time, 1e-9),
-            "start_val_loss": start_val, "start_val_ppl": math.exp(start_val) if start_val is not None else None,
-            "end_val_loss": end_val, "end_val_ppl": math.exp(min(end_val, 50.0)),
+            "start_val_loss": start_val,
+            "start_val_ppl": math.exp(start_val) if start_val is not None else None,
+            "end_val_loss": end_val,
+            "end_val_ppl": math.exp(min(end_val, 50.0)),
         }
         if self.rank == 0:
             with open(os.path.join(cfg.run_dir, "summary.json"), "w") as f:
                 json.dump(summary, f, indent=2)
             try:
-                plot = plot_metrics(self.metrics_path, os.path.join(cfg.run_dir, "loss.png"),
-                                    title=f"{cfg.model.preset} / {self.engine_name} / {self.opt_name}")
+                plot = plot_metrics(
+                    self.metrics_path,
+                    os.path.join(cfg.run_dir, "loss.png"),
+                    title=f"{cfg.model.preset} / {self.engine_name} / {self.opt_name}",
+                )
                 self.log(f"loss curve -> {plot}")
             except Exception as exc:  # matplotlib missing or broken must not fail a finished run
                 self.log(f"could not plot the loss curve: {exc!r}")
             if start_val is not None:
-                self.log(f"validation perplexity: {math.exp(start_val):.2f} at start -> "
-                         f"{summary['end_val_ppl']:.2f} at step {self.step}")
-            self.log(f"done: {self.step - start_step} steps in {train_time:.1f}s "
-                     f"({summary['tokens_per_s']:,.0f} tokens/s)")
+                self.log(
+                    f"validation perplexity: {math.exp(start_val):.2f} at start -> "
+                    f"{summary['end_val_ppl']:.2f} at step {self.step}"
+                )
+            self.log(
+                f"done: {self.step - start_step} steps in {train_time:.1f}s ({summary['tokens_per_s']:,.0f} tokens/s)"
+            )
         self._barrier()
         return summary
 
