@@ -208,8 +208,9 @@ def _mm_like(like: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tens
 
 
 class AliceConfig(WholeMatrixConfig):
-    """docs/algorithms/alice.md, the paper's Tables 7-11 (60M-350M): lr 0.02, alpha 0.3, alpha_c 0.4, betas (0.9, 0.9, 0.999),
-    K 200, r 128, l 40, gamma 1.01. The main results train the LM head with the low-rank rule too."""
+    """docs/algorithms/alice.md, the paper's Tables 7-11 (60M-350M): lr 0.02, alpha 0.3, alpha_c 0.4,
+    betas (0.9, 0.9, 0.999), K 200, r 128, l 40, gamma 1.01. The main results train the LM head with the low-rank
+    rule too."""
 
     treatment = "alice"
 

@@ -5,7 +5,8 @@ state keys are the symbols ``V`` and ``P`` (``M`` is ``exp_avg``, element-wise l
 
     M = b1 M + (1 - b1) G                          (EMA, no bias correction)
     V = b2 V + (1 - b2) G^T G   (right, k = n)   or  G G^T (left, k = m)   (from M with statistic="momentum")
-    every tau steps:  P = (V + eps I)^{-1/2}       (float64 eigh, or its batched iteration on CUDA; eps = 0: pseudo-inverse)
+    every tau steps:  P = (V + eps I)^{-1/2}       (float64 eigh, or its batched iteration on CUDA;
+                                                    eps = 0: pseudo-inverse)
     W = W (1 - lr wd) - lr * (M P  or  P M)        (optionally grafted to RMS ``update_rms``: ``graft_to_rms``)
 
 Written on ``MatrixOps`` with ``A = G`` (right) or ``A = G^T`` (left): the statistic is the Gram ``A^T A``, a
@@ -255,9 +256,10 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
     """ASGO (``treatment="asgo"``). Keys: ``lr`` (0.01), ``betas`` (0.9, 0.95), ``eps`` (1e-6, inside the
     root), ``refresh_interval`` tau (1), ``side`` ("auto" | "left" | "right"), ``root`` ("auto": the eigh root,
     batched float64 products with a residual check on CUDA | "eigh" | "newton_schulz": the eigh root wherever the
-    fp32 iteration is unstable; see ``matfun.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum" (eq. 4)), ``update_rms`` (None, or the
-    released code's 0.2 graft), ``weight_decay`` (0). State per matrix: ``exp_avg`` (M, m x n, like the
-    parameter), ``V`` (EMA Gram) and ``P`` (its inverse root), k x k (docs/algorithms/asgo.md)."""
+    fp32 iteration is unstable; see ``matfun.inverse_root``), ``statistic`` ("gradient" (Alg. 2) | "momentum"
+    (eq. 4)), ``update_rms`` (None, or the released code's 0.2 graft), ``weight_decay`` (0). State per matrix:
+    ``exp_avg`` (M, m x n, like the parameter), ``V`` (EMA Gram) and ``P`` (its inverse root), k x k
+    (docs/algorithms/asgo.md)."""
 
     Config = ASGOConfig
     matrix_treatments = ("asgo",)

@@ -1020,7 +1020,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _whole_matrix_buckets(
         self, group: dict, items: list["MatrixItem"], body: Callable[[list["MatrixItem"], MatrixOps], None]
     ) -> None:
-        """``body(items, ops)`` bucket by bucket, with the buckets' split state gathered (``whole_matrix.run_buckets``)."""
+        """``body(items, ops)`` bucket by bucket, with the buckets' split state gathered
+        (``whole_matrix.run_buckets``)."""
         run_buckets(self, group, items, body)
 
     def sync_state(self) -> None:

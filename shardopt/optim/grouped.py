@@ -101,7 +101,7 @@ class GroupedStep:
         # made them): state_dict() and engines' consolidation list every stepped tensor. Made once per state
         # object (load_state_dict replaces it); a rule that reads them asks for ``states``.
         if plan.state_made_for is not opt.state:
-            self.states
+            _ = self.states  # the property makes them
             plan.state_made_for = opt.state
 
     @property

@@ -63,6 +63,6 @@ def run_buckets(
         for i, (it, spec) in enumerate(zip(its, specs)):
             if not (sub.split(i) and sub.active(i)):
                 continue  # the state already is this rank's share (all of it, or none)
-            for key, (shape, dim) in spec.items():
+            for key, (_shape, dim) in spec.items():
                 if dim is not None and not rows_aligned(dim) and key in it.state:
                     it.state[key] = keep_share(sub.placements[i], it.state[key], dim)

@@ -106,7 +106,7 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
             writer.setdefault(key, rank)
     assembled: dict[str, torch.Tensor] = {}
     for part, _ in gathered:
-        for key, _, shape, view, piece, data in part:
+        for key, _, _shape, view, piece, data in part:
             put_piece(assembled.setdefault(key, torch.zeros(view)), piece, data, view)
     whole_out = []
     seen = set()
@@ -140,7 +140,7 @@ def _entries(wrapper: Any, with_data: bool) -> tuple[list, list]:
         shards: dict[str, torch.Tensor] = {}
         for m, data in zip(peers, datas):
             pos = 0
-            for key, shape, view, piece, numel in m:
+            for key, _shape, view, piece, numel in m:
                 p = wrapper.param_of[key.split(SEP)[0]]
                 r0, c0, local_view = _tp_origin(p, tuple(view))
                 put_piece(

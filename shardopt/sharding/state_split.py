@@ -239,10 +239,10 @@ def _redistribute(
         plan0 = entries[idx[0]][0]
         world, me = plan0.world, plan0.rank
 
-        def src(plan, length, q, dim):
+        def src(plan, length, q, dim, world=world):
             return share(plan, length, q, dim) if to_even else _even(length, world, q)
 
-        def dst(plan, length, q, dim):
+        def dst(plan, length, q, dim, world=world):
             return _even(length, world, q) if to_even else share(plan, length, q, dim)
 
         sends: list[list[torch.Tensor]] = [[] for _ in range(world)]
@@ -308,7 +308,7 @@ def shares_to_dtensors(entries: Sequence[tuple[Placement, torch.Tensor, tuple[in
 
     chunks = _redistribute([e[:4] for e in entries], to_even=True)
     out = []
-    for (plan, _, shape, dim, mesh, mesh_dim), chunk in zip(entries, chunks):
+    for (_plan, _, shape, dim, mesh, mesh_dim), chunk in zip(entries, chunks):
         placements = [Shard(dim) if d == mesh_dim else Replicate() for d in range(mesh.ndim)]
         stride = tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
         out.append(DTensor.from_local(chunk, mesh, placements, run_check=False, shape=torch.Size(shape), stride=stride))

@@ -17,9 +17,9 @@ The profile is named in ``matrix_ops.profile``:
   2 TB/s of device memory bandwidth for element-wise passes; two levels of links (issue 53): 8 ranks per node
   joined by NVLink 4 (H100 SXM: 900 GB/s bidirectional, 450 GB/s per direction per GPU; taken at 360 GB/s of
   bus bandwidth, 80% of the link rate, what NCCL's ring all-gathers reach, and 10 us per round) and 25 GB/s per
-  rank with 20 us per round across nodes (``docs/time-model.md`` sources each figure). On CUDA the whole-matrix rules take the iterative
-  routes (``sharding.iterative``): their costs count products between refreshes and the factorizations a
-  refresh runs, amortized over its interval (``OpCost.small_calls``).
+  rank with 20 us per round across nodes (``docs/time-model.md`` sources each figure). On CUDA the whole-matrix
+  rules take the iterative routes (``sharding.iterative``): their costs count products between refreshes and the
+  factorizations a refresh runs, amortized over its interval (``OpCost.small_calls``).
 * ``"cpu"``: this project's CPU test machine, measured with one thread per process: fp32 matmul 60 GFLOP/s,
   float64 eigh of 64-512 wide matrices 8-30 GFLOP/s (10 k^3 counted; 10 GFLOP/s taken), gloo all-reduce
   between two local processes 1.2 GB/s per rank and 0.3 ms per round (inside a node and across alike), 5 GB/s
