@@ -122,13 +122,17 @@ def run_one(name: str, size: str, steps: int, repeats: int, timeout: float) -> d
     }
 
 
+def _over_floor(ms: float | None, floor_ms: float | None) -> str:
+    """A time as a multiple of the roofline floor; blank where either is missing."""
+    return fmt(ms / floor_ms) if floor_ms and ms else ""
+
+
 def to_markdown(records: list[dict[str, Any]], roofline: dict[str, float]) -> str:
     rows = []
     for r in records:
         floor_ms = None
         if r.get("floor_bytes") is not None:
             floor_ms = 1e3 * max(r["floor_bytes"] / roofline["bandwidth"], (r.get("flops") or 0.0) / roofline["flops"])
-        ratio = lambda key: fmt(r[key] / floor_ms) if floor_ms and r.get(key) else ""
         drift = r.get("drift") or {}
         rows.append(
             [
@@ -138,8 +142,8 @@ def to_markdown(records: list[dict[str, Any]], roofline: dict[str, float]) -> st
                 fmt(r.get("eager_ms")),
                 fmt(r.get("graph_ms")),
                 fmt(floor_ms),
-                ratio("eager_ms"),
-                ratio("graph_ms"),
+                _over_floor(r.get("eager_ms"), floor_ms),
+                _over_floor(r.get("graph_ms"), floor_ms),
                 fmt(drift.get("matrices")),
                 fmt(drift.get("vectors")),
                 r.get("error", ""),

@@ -7,8 +7,8 @@ routine a device runs well, in which precision.
 Shapes are LLaMA-130M/350M's (ASGO's k x k roots, SUMO's and Alice's rank-r Grams and tall QR, the range
 finder's sketches), the batch the number of matrices of that shape in the model. The products in fp32, fp64,
 TF32 and bf16 give the time model's rates (``shardopt.sharding.time_model``), the factorizations their rates and
-per-call latencies, the iterative rows what CUDA runs in their place. Each case is timed as the median of a few calls after one
-warm-up call; the ``per matrix`` column divides by the batch.
+per-call latencies, the iterative rows what CUDA runs in their place. Each case is timed as the median of a few calls
+after one warm-up call; the ``per matrix`` column divides by the batch.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
                 )
             )
         out.append(("one fp32 product", (batch, k, k), lambda a=a32: a @ a))
-        out.append(("one tf32 product", (batch, k, k), lambda a=a32, mm=matmul_in("tf32"): mm(a, a)))
+        tf32 = matmul_in("tf32")
+        out.append(("one tf32 product", (batch, k, k), lambda a=a32, mm=tf32: mm(a, a)))
         a16 = a32.bfloat16()
         out.append(("one bf16 product", (batch, k, k), lambda a=a16: a @ a))
         a64 = a32.double()
@@ -71,11 +72,12 @@ def cases(device: torch.device, scale: int) -> list[tuple[str, tuple[int, ...], 
             out.append((f"cholesky r x r {tag}", (batch, r, r), lambda s=s: torch.linalg.cholesky_ex(s)))
         moment = torch.randn(batch, r, m, generator=gen).to(device)
         tol = m * torch.finfo(torch.float32).eps
+        moment64 = moment.double()
         out.append(
             (
                 "checked fp64 polar (iterative)",
                 (batch, r, m),
-                lambda x=moment.double(), t=tol: polar_from_gram_checked(x, t),
+                lambda x=moment64, t=tol: polar_from_gram_checked(x, t),
             )
         )
         out.append(("SUMO polar, auto route", (batch, r, m), lambda x=moment, t=tol: polar_factor(x, rtol=t)))

@@ -44,6 +44,7 @@ identically, so this one process knows every rank's plan.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import math
 import random
@@ -255,11 +256,16 @@ def traffic_and_flops(opt: Any, world: int) -> tuple[dict[str, float], torch.Ten
     flops = torch.zeros(world, dtype=torch.float64)
     kinds: dict[str, int] = {}
     groups = _groups(opt)
-    for g in range(len(groups)):
+    for g, group in enumerate(groups):
         ops = opt.matrix_plan(g)
         if ops is not None:
-            _add_costs(ops, world, traffic, flops, kinds, lambda plan: opt.matrix_state_spec(groups[g], plan.a_shape))
+            spec_of = functools.partial(_state_spec, opt, group)
+            _add_costs(ops, world, traffic, flops, kinds, spec_of)
     return traffic, flops, kinds
+
+
+def _state_spec(opt: Any, group: Any, plan: Any) -> Any:
+    return opt.matrix_state_spec(group, plan.a_shape)
 
 
 def _add_costs(
@@ -668,8 +674,8 @@ def to_markdown(records: list[dict[str, Any]]) -> str:
             f"\n## {size}: every case\n\nMiB per rank; AdamW = torch AdamW's busiest rank in the same layout; "
             "traffic = estimated bytes sent per step between refreshes per rank (sum over ranks / P) by kind, "
             "and their sum over the fp32 gradient; at a refresh = what a refresh step adds (SUMO's new bases, "
-            "Alice's switches: reductions where the rows are split; every K steps); FLOPs = busiest rank's whole-matrix work per step; transient = busiest rank's "
-            "largest bucket of whole-matrix transients.\n\n"
+            "Alice's switches: reductions where the rows are split; every K steps); FLOPs = busiest rank's "
+            "whole-matrix work per step; transient = busiest rank's largest bucket of whole-matrix transients.\n\n"
         )
         rows = []
         for r in rs:

@@ -5,9 +5,10 @@
 
 Single process, random gradients (as ``benchmarks.step_time``). After warm-up steps, ``torch.profiler`` records
 ``--steps`` steps; per optimizer the record holds the wall time per step, kernel launches and device-to-host
-synchronizations per step (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` runtime calls on CUDA; ``cudaMemcpy*`` calls
-are counted apart, since device-to-device copies do not wait), and the operators with the most self device time (self CPU time on a CPU). What it is for: deciding what
-to change next in the GPU step (issue 29), with the figures recorded beside the code that produced them.
+synchronizations per step (``cudaStreamSynchronize``/``cudaDeviceSynchronize`` runtime calls on CUDA; ``cudaMemcpy*``
+calls are counted apart, since device-to-device copies do not wait), and the operators with the most self device time
+(self CPU time on a CPU). What it is for: deciding what to change next in the GPU step (issue 29), with the figures
+recorded beside the code that produced them.
 """
 
 from __future__ import annotations

@@ -84,7 +84,7 @@ def _convergence(data: dict[str, Any]) -> Columns:
             "val loss (best lr)": f"{fmt(r['val_loss'], '.3f')} ({where})",
             "tokens/s": fmt(r["tokens_per_s"], ",.0f"),
         }
-    for name, why in data["config"].get("unavailable", {}).items():
+    for name in data["config"].get("unavailable", {}):
         out[name] = {"val loss (best lr)": "not run"}
     return out
 
@@ -94,7 +94,8 @@ def scale_section(data: dict[str, Any] | None) -> str:
     default strategy (auto), the busiest rank's state at the largest world size of each model (worst layout)
     and against torch AdamW's busiest rank there, whether busiest <= 1.15 x single / P + the largest owned
     matrix's state + 16 MiB held in every case the bound covers (auto, distributed, optimizers without
-    whole-matrix work, team), the worst modeled optimizer seconds over forward+backward (issue 27), and plan building."""
+    whole-matrix work, team), the worst modeled optimizer seconds over forward+backward (issue 27), and plan
+    building."""
     if data is None:
         return "Scale simulation (`benchmarks.scale`): not run.\n"
     recs = [r for r in data["records"] if "error" not in r]

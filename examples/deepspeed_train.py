@@ -1,10 +1,11 @@
-"""DeepSpeed ZeRO with a shardopt optimizer from the JSON's "shardopt" section: train a small LLaMA, save
+r"""DeepSpeed ZeRO with a shardopt optimizer from the JSON's "shardopt" section: train a small LLaMA, save
 with ``engine.save_checkpoint`` and resume with ``engine.load_checkpoint`` at another world size or ZeRO
 stage (or from a checkpoint ``shardopt checkpoint convert`` made). CPU (DS_ACCELERATOR=cpu, gloo) or GPUs.
 
     torchrun --nproc_per_node 2 examples/deepspeed_train.py --config configs/deepspeed/zero2_scale.json
     torchrun --nproc_per_node 2 examples/deepspeed_train.py --steps 4 --save ckpt
-    torchrun --nproc_per_node 4 examples/deepspeed_train.py --steps 8 --load ckpt --config configs/deepspeed/zero3_scale.json
+    torchrun --nproc_per_node 4 examples/deepspeed_train.py --steps 8 --load ckpt \
+        --config configs/deepspeed/zero3_scale.json
 
 The DeepSpeed snippets of README.md and docs/guides/deepspeed.md are excerpts of this file (tests_dist/test_readme.py
 checks that they are).
@@ -41,7 +42,9 @@ def main() -> None:
     model = tiny_llama()
     config = args.config
 
-    schedule = lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+    def schedule(opt):
+        return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
+
     engine, optimizer, _, scheduler = shardopt.deepspeed.initialize(model=model, config=config, lr_scheduler=schedule)
     if args.roles and rank == 0:
         print(optimizer.describe())  # or engine.describe(), shardopt.describe(engine)

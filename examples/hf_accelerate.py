@@ -51,15 +51,15 @@ def main() -> None:
     model = tiny_llama()
     optimizer = shardopt.create_optimizer(model, "scale", lr=1e-2)
     model, optimizer = shardopt.integrations.accelerate.prepare(accelerator, model, optimizer)
-    step = 0
+    start = 0
     if args.load:
         accelerator.load_state(args.load)
-        step = int(open(os.path.join(args.load, "step.txt")).read())
+        start = int(open(os.path.join(args.load, "step.txt")).read())
         if torch.distributed.get_rank() == 0:
-            print(f"resumed from {args.load} at step {step} on {torch.distributed.get_world_size()} ranks")
+            print(f"resumed from {args.load} at step {start} on {torch.distributed.get_world_size()} ranks")
     # DeepSpeed's process group (accelerate 1.x reports one process for DeepSpeed on CPU)
     data, rank, world = token_dataset(), torch.distributed.get_rank(), torch.distributed.get_world_size()
-    for step in range(step, args.steps):
+    for step in range(start, args.steps):
         lo = (step * world + rank) * args.batch
         ids = torch.stack([d["input_ids"] for d in data[lo : lo + args.batch]]).to(accelerator.device)
         loss = model(input_ids=ids, labels=ids).loss

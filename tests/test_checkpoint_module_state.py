@@ -33,7 +33,7 @@ def trained(seed: int = 0):
     torch.manual_seed(seed)
     model = Net()
     opt = shardopt.create_optimizer(model, "scale", lr=1e-2)
-    for step in range(3):
+    for _ in range(3):
         opt.zero_grad()
         model(torch.randn(4, 6)).pow(2).mean().backward()
         opt.step()

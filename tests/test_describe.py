@@ -105,7 +105,7 @@ def test_build_logs_one_record_with_counts_and_guesses(caplog: pytest.LogCapture
     assert record.levelno == logging.INFO
     table = rows(opt.describe())
     expected: dict[str, int] = {}
-    for shape, role, source, rule in table.values():
+    for _shape, role, _source, rule in table.values():
         expected[f"{role} -> {rule}"] = expected.get(f"{role} -> {rule}", 0) + 1
     assert record.shardopt_roles == expected and sum(expected.values()) == len(table)
     assert record.shardopt_guessed == {"lm_head.weight": "lm_head"}

@@ -2,9 +2,9 @@
 
 A GPU step stalls whenever the host reads a value computed on the device (``.item()``, ``bool(t)``, ``int(t)``,
 ``.tolist()``, a boolean mask), whenever it copies host data to the device (``torch.tensor(x, device=...)``: a copy
-from pageable memory waits for the device), and whenever a ``torch.linalg`` factorization checks its error codes on the host
-(``eigh``, ``svd``, ``cholesky``, ...: the non-``_ex`` calls do so on CUDA). On a CPU these cost nothing, so
-the test counts the *calls* under a ``TorchFunctionMode``: a proxy that needs no GPU and names each site.
+from pageable memory waits for the device), and whenever a ``torch.linalg`` factorization checks its error codes on the
+host (``eigh``, ``svd``, ``cholesky``, ...: the non-``_ex`` calls do so on CUDA). On a CPU these cost nothing, so the
+test counts the *calls* under a ``TorchFunctionMode``: a proxy that needs no GPU and names each site.
 
 Reads of the step counters are not syncs: like ``torch.optim``'s (``capturable=False``) they live on the host.
 The rules that do need a read are documented (README "Host synchronizations"): the non-finite check of

@@ -44,7 +44,7 @@ def simulate(layouts: list[MatrixLayout], full: torch.Tensor, axis: int, weight:
         parts.append(row_sums(lay, local, weight) if axis == 0 else col_sums(lay, local, weight))
     plan = layouts[0].axis_plan(axis)
     results = []
-    for r, lay in enumerate(layouts):
+    for r in range(len(layouts)):
         out = parts[r].clone()
         if plan.split is not None:
             total = sum(parts)

@@ -53,7 +53,7 @@ def _continue_and_compare(model, opt, continued):
                 want,
                 rtol=1e-6,
                 atol=max(1e-9, 1e-6 * float(want.abs().max())),
-                msg=lambda m: f"step {s + 1} after the load, {k}: {m}",
+                msg=lambda m, s=s, k=k: f"step {s + 1} after the load, {k}: {m}",
             )
 
 

@@ -343,45 +343,53 @@ def test_goes_right_direction(info, case, contiguous):
     """A flat list [weight, bias] (the weight gets the rule, the bias AdamW) lowers |Wx + b|^2 in 20 steps, for
     a tall, a wide and a one-row matrix."""
     for shape in ((10, 5), (5, 7), (1, 10)):
-        weight, bias, x = matrix_and_bias(shape, contiguous)
-        strides = (weight.stride(), bias.stride())
-        opt = info.cls([weight, bias], **copy.deepcopy(case.kwargs))
-        assert [g["treatment"] for g in opt.param_groups] == [opt.matrix_treatments[0], "adamw"]
+        _goes_right_direction(info, case, shape, contiguous)
 
-        def closure():
-            opt.zero_grad()
-            loss = (weight.mv(x) + bias).pow(2).sum()
-            loss.backward()
-            return loss
 
-        initial = closure().item()
-        for _ in range(20):
-            closure()
-            opt.step()
-        assert closure().item() < initial, shape
-        assert (weight.stride(), bias.stride()) == strides
+def _goes_right_direction(info, case, shape, contiguous):
+    weight, bias, x = matrix_and_bias(shape, contiguous)
+    strides = (weight.stride(), bias.stride())
+    opt = info.cls([weight, bias], **copy.deepcopy(case.kwargs))
+    assert [g["treatment"] for g in opt.param_groups] == [opt.matrix_treatments[0], "adamw"]
+
+    def closure():
+        opt.zero_grad()
+        loss = (weight.mv(x) + bias).pow(2).sum()
+        loss.backward()
+        return loss
+
+    initial = closure().item()
+    for _ in range(20):
+        closure()
+        opt.step()
+    assert closure().item() < initial, shape
+    assert (weight.stride(), bias.stride()) == strides
 
 
 @pytest.mark.parametrize("info", BY_OPTIMIZER)
 def test_param_groups_with_lr_schedulers_go_right_direction(info):
     for schedulers in ([lambda o: StepLR(o, gamma=0.9, step_size=10)], [lambda o: ReduceLROnPlateau(o)]):
-        weight, _, x = matrix_and_bias()
-        weight2 = Parameter(torch.randn(10, 5))
-        opt = info.cls([{"params": [weight]}, {"params": [weight2], "lr": 0.01}])
-        scheds = [make(opt) for make in schedulers]
+        _goes_right_direction_scheduled(info, schedulers)
 
-        def closure():
-            opt.zero_grad()
-            loss = (weight.mv(x) + weight2.mv(x)).pow(2).sum()
-            loss.backward()
-            return loss
 
-        initial = closure().item()
-        for _ in range(20):
-            loss = opt.step(closure)
-            for s in scheds:
-                s.step(loss.item()) if isinstance(s, ReduceLROnPlateau) else s.step()
-        assert closure().item() < initial
+def _goes_right_direction_scheduled(info, schedulers):
+    weight, _, x = matrix_and_bias()
+    weight2 = Parameter(torch.randn(10, 5))
+    opt = info.cls([{"params": [weight]}, {"params": [weight2], "lr": 0.01}])
+    scheds = [make(opt) for make in schedulers]
+
+    def closure():
+        opt.zero_grad()
+        loss = (weight.mv(x) + weight2.mv(x)).pow(2).sum()
+        loss.backward()
+        return loss
+
+    initial = closure().item()
+    for _ in range(20):
+        loss = opt.step(closure)
+        for s in scheds:
+            s.step(loss.item()) if isinstance(s, ReduceLROnPlateau) else s.step()
+    assert closure().item() < initial
 
 
 @pytest.mark.parametrize("info,case", ALL_CASES)

@@ -34,7 +34,9 @@ def compare(opt_cls, shape, steps, reference, rtol, atol, seed=0, **kw):
         p.grad = g.float()
         opt.step()
         W = reference(W, g, st)
-        torch.testing.assert_close(p.detach().double(), W, rtol=rtol, atol=atol, msg=lambda m: f"step {t + 1}: {m}")
+        torch.testing.assert_close(
+            p.detach().double(), W, rtol=rtol, atol=atol, msg=lambda m, t=t: f"step {t + 1}: {m}"
+        )
     return opt, p, st
 
 
@@ -139,4 +141,6 @@ def test_alice_matches_float64_reference(cls, tracking, shape, rank, leading):
         p.grad = g.float()
         opt.step()
         W = ref(W, g, st)
-        torch.testing.assert_close(p.detach().double(), W, rtol=1e-4, atol=1e-5, msg=lambda m: f"step {t + 1}: {m}")
+        torch.testing.assert_close(
+            p.detach().double(), W, rtol=1e-4, atol=1e-5, msg=lambda m, t=t: f"step {t + 1}: {m}"
+        )

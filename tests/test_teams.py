@@ -170,7 +170,6 @@ def test_forced_team_size_and_what_each_rank_computes():
 
 
 def test_a_matrix_held_whole_by_one_rank_stays_there_under_teams():
-    world = 4
     lay = MatrixLayout(
         (32, 16), [FlatPiece(0, 0), FlatPiece(0, 512), FlatPiece(512, 512), FlatPiece(512, 512)], 0, GROUP
     )
@@ -317,7 +316,7 @@ def test_split_exchange_counts_what_the_iteration_moves():
         for residual in (False, True):
             counted = []
 
-            def run(rows, steps=steps, residual=residual):
+            def run(rows, steps=steps, residual=residual, counted=counted):
                 gather, total = rows.gather, rows.sum
                 rows.gather = lambda blocks: (counted.append(len(blocks)) if rows.index == 0 else None, gather(blocks))[
                     1

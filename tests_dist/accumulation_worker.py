@@ -3,11 +3,10 @@ step on the whole global batch.
 
 DeepSpeed (``gradient_accumulation_steps = ACCUM``; ZeRO-1, ZeRO-2, ZeRO-3) averages the micro-batches' losses
 itself; FSDP2 runs ``set_requires_gradient_sync(False)`` and DDP ``no_sync()`` on all but the last micro-batch,
-each loss scaled by ``1 / ACCUM``. Each rank sees ``GLOBAL // world`` samples per step in ``ACCUM`` micro-batches; the reference
-trains one process on the same ``GLOBAL`` samples per step. Each case is also saved after
-``STEPS`` steps (DeepSpeed: ``engine.save_checkpoint``; FSDP2 and DDP: ``shardopt.checkpoint``), loaded into a
-fresh run and continued for ``STEPS`` more, against the reference at ``2 x STEPS``. Rank 0 writes one record per
-case.
+each loss scaled by ``1 / ACCUM``. Each rank sees ``GLOBAL // world`` samples per step in ``ACCUM`` micro-batches; the
+reference trains one process on the same ``GLOBAL`` samples per step. Each case is also saved after ``STEPS`` steps
+(DeepSpeed: ``engine.save_checkpoint``; FSDP2 and DDP: ``shardopt.checkpoint``), loaded into a fresh run and continued
+for ``STEPS`` more, against the reference at ``2 x STEPS``. Rank 0 writes one record per case.
 """
 
 from __future__ import annotations
@@ -19,6 +18,7 @@ import os
 import sys
 import tempfile
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -199,7 +199,7 @@ def main() -> None:
         want = reference(opt_name, strategy)
         for engine in ENGINES:
             rec = {"optimizer": opt_name, "strategy": strategy, "engine": engine, "world_size": dist.get_world_size()}
-            record_case(records, rec, lambda: case(opt_name, strategy, engine, want, root[0]))
+            record_case(records, rec, partial(case, opt_name, strategy, engine, want, root[0]))
     finish_worker(records, args.out)
 
 

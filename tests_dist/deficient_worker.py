@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -127,6 +128,11 @@ def run(name: str, engine: str, strategy: str) -> dict[str, torch.Tensor]:
     return full
 
 
+def case(name: str, engine: str, strategy: str, want: dict[str, torch.Tensor]) -> dict:
+    """One case's record: the largest difference from the single-process run."""
+    return {"max_abs_diff": max_abs_diff(run(name, engine, strategy), want)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -140,7 +146,7 @@ def main() -> None:
         for engine in ENGINES:
             for strategy in STRATEGIES if engine != "ddp" else ("gather",):
                 rec = {"optimizer": name, "engine": engine, "strategy": strategy, "world_size": dist.get_world_size()}
-                record_case(records, rec, lambda: {"max_abs_diff": max_abs_diff(run(name, engine, strategy), want)})
+                record_case(records, rec, partial(case, name, engine, strategy, want))
     finish_worker(records, args.out)
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -168,7 +169,7 @@ def built_before_wrapping(name: str) -> dict:
     for setting in ("FULL_SHARD", "FULL_SHARD/flat"):
         holder = {}
 
-        def build(model):
+        def build(model, holder=holder):
             holder["opt"] = shardopt.create_optimizer(model, name, **options(name))
             return model
 
@@ -243,11 +244,11 @@ def main() -> None:
                 continue
             rec = {"optimizer": name, "setting": setting, "world_size": dist.get_world_size()}
             root = shared_tempdir("shardopt_fsdp1_")
-            record_case(records, rec, lambda: case(name, setting, root))
+            record_case(records, rec, partial(case, name, setting, root))
     record_case(records, {"optimizer": "racs", "setting": "without the model"}, refusal)
     for name in args.optimizers.split(","):
         record_case(
-            records, {"optimizer": name, "setting": "built before wrapping"}, lambda: built_before_wrapping(name)
+            records, {"optimizer": name, "setting": "built before wrapping"}, partial(built_before_wrapping, name)
         )
     finish_worker(records, args.out)
 

@@ -32,6 +32,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -355,7 +356,7 @@ def main() -> None:
                 continue
             rec = {"optimizer": name, "engine": engine, "world_size": dist.get_world_size()}
             body = train_case if args.phase == "train" else reload_case
-            record_case(records, rec, lambda: body(name, engine, args.dir))
+            record_case(records, rec, partial(body, name, engine, args.dir))
     finish_worker(records, args.out)
 
 

@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -512,10 +513,10 @@ def main() -> None:
             record_case(
                 records,
                 rec,
-                lambda: checkpoint_case(name, args.tp, args.pp, args.save, args.load, args.format, args.bf16),
+                partial(checkpoint_case, name, args.tp, args.pp, args.save, args.load, args.format, args.bf16),
             )
         else:
-            record_case(records, rec, lambda: case(name, args.tp, args.pp, args.bf16, args.vpp))
+            record_case(records, rec, partial(case, name, args.tp, args.pp, args.bf16, args.vpp))
     finish_worker(records, args.out)
 
 

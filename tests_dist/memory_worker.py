@@ -4,8 +4,8 @@ tensors it really holds after two steps, against the single-process state of the
 A small LLaMA-like model (4 blocks of q/k/v/o and a SwiGLU MLP, hidden 64, vocabulary 16x the hidden size:
 LLaMA-7B has 7.8x, LLaMA-60M 62x) so that parameters, not per-row/column vectors, carry the state as in real
 models: RACS and DASGO keep their O(m + n) row/column statistics on every rank by design (a rank that holds
-rows of a matrix touches all of its columns, so it needs the whole column vector at every step). SUMO and Alice run at rank 8 (their state is
-low-rank, as in real use). Each record: bytes per rank, the planner's prediction per rank
+rows of a matrix touches all of its columns, so it needs the whole column vector at every step). SUMO and Alice run at
+rank 8 (their state is low-rank, as in real use). Each record: bytes per rank, the planner's prediction per rank
 (``planned_state_elements``, which the scale benchmark relies on), and the single-process bytes.
 """
 

@@ -24,6 +24,7 @@ import os
 import sys
 import tempfile
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -245,7 +246,7 @@ def main() -> None:
             }
             root = [tempfile.mkdtemp(prefix="shardopt_moe_") if dist.get_rank() == 0 else None]
             dist.broadcast_object_list(root, src=0)
-            record_case(records, rec, lambda: case(name, strategy, stage, root[0]))
+            record_case(records, rec, partial(case, name, strategy, stage, root[0]))
     finish_worker(records, args.out)
 
 

@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -211,7 +212,7 @@ def main() -> None:
         for tied, clip in ((False, 0.0), (True, 0.0), (False, CLIP)):
             rec = {"optimizer": name, "tied": tied, "clip": clip, "world_size": dist.get_world_size()}
             root = shared_tempdir("shardopt_pp_llm_")
-            record_case(records, rec, lambda: case(name, tied, root, clip))
+            record_case(records, rec, partial(case, name, tied, root, clip))
     finish_worker(records, args.out)
 
 

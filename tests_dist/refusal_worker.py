@@ -1,8 +1,8 @@
 """Refusals (issue 28): what the DeepSpeed adapter cannot express yet fails with one clear error on every rank,
 before DeepSpeed builds its engine: a routing pattern that matches on no pipeline stage, and a
 ``deepspeed.moe.layer.MoE`` layer whose experts are split by tensor parallelism. (Pipeline stages that form
-different numbers of param groups were refused here until issue 45; they train now: ``test_pipeline_llm.py``.) Rank 0 writes, per case, the
-error type and message every rank saw."""
+different numbers of param groups were refused here until issue 45; they train now: ``test_pipeline_llm.py``.) Rank 0
+writes, per case, the error type and message every rank saw."""
 
 from __future__ import annotations
 

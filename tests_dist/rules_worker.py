@@ -18,6 +18,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -176,13 +177,15 @@ def main() -> None:
         kind, name, *flags = spec.split(":")
         routing = USER_ROUTING if "routed" in flags else {}
         record_case(
-            records, {"case": spec, "engine": "one process"}, lambda: outcome(lambda: one_process(kind, name, routing))
+            records,
+            {"case": spec, "engine": "one process"},
+            partial(outcome, partial(one_process, kind, name, routing)),
         )
         for engine in args.engines.split(","):
             record_case(
                 records,
                 {"case": spec, "engine": engine},
-                lambda: outcome(lambda: engine_rules(engine, kind, name, routing)),
+                partial(outcome, partial(engine_rules, engine, kind, name, routing)),
             )
     finish_worker(records, args.out)
 

@@ -1,7 +1,7 @@
 """Gradient accumulation (issue 28): DeepSpeed ``gradient_accumulation_steps = 4`` (ZeRO-1, 2, 3), FSDP2 with
-``set_requires_gradient_sync(False)`` and DDP with ``no_sync()`` on all but the last of 4 micro-batches: after 3 steps every parameter is
-within 1e-5 of the single-process run on the whole global batches, and again after a save, a resume in a fresh
-run (DeepSpeed's ``save_checkpoint``; ``shardopt.checkpoint`` on FSDP2 and DDP) and 3 more steps
+``set_requires_gradient_sync(False)`` and DDP with ``no_sync()`` on all but the last of 4 micro-batches: after 3 steps
+every parameter is within 1e-5 of the single-process run on the whole global batches, and again after a save, a resume
+in a fresh run (DeepSpeed's ``save_checkpoint``; ``shardopt.checkpoint`` on FSDP2 and DDP) and 3 more steps
 (``accumulation_worker.py``; observed at most 6.6e-7, Alice's switches)."""
 
 from __future__ import annotations

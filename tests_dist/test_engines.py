@@ -49,7 +49,8 @@ def test_whole_parameter_sharders(kind: str, ws: int) -> None:
 
 
 @full_only(
-    "TP x DP meshes of DTensor in test_tensor_parallel.py (Megatron-core imports and 4 processes: over 10 minutes on 2 cores)"
+    "TP x DP meshes of DTensor in test_tensor_parallel.py "
+    "(Megatron-core imports and 4 processes: over 10 minutes on 2 cores)"
 )
 @pytest.mark.parametrize("tp", (2, 4))
 def test_megatron_tensor_parallel(tp: int) -> None:

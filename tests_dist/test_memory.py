@@ -1,7 +1,7 @@
 """Per-rank optimizer state shrinks with the world size (real processes, gloo, world size 4).
 
-For every optimizer (whole-matrix ones under gather, distributed and teams of two) on FSDP2 and ZeRO-2: the state all ranks hold
-together is at most 1.1x the single-process state (nothing big is replicated), the busiest rank holds at most
+For every optimizer (whole-matrix ones under gather, distributed and teams of two) on FSDP2 and ZeRO-2: the state all
+ranks hold together is at most 1.1x the single-process state (nothing big is replicated), the busiest rank holds at most
 1.5x the mean, the planner's per-rank prediction (used by ``benchmarks.scale``) equals what is held, and a
 ``shardopt.checkpoint.save`` has each rank write about its own share (no rank gathers the whole state).
 """

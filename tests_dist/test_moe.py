@@ -2,8 +2,8 @@
 experts at expert-parallel size 2 (world size 4) under ZeRO-0, 1 and 2 with gradient accumulation 2 equals one
 process training the same model with every expert local, after 3 steps, after a save and resume, and after a
 reload at another ZeRO stage (shardopt's logical state), for SCALE, RACS, SUMO, Alice and ASGO (the whole-matrix
-ones under gather and distributed; CI runs ``CI_CASES``). Expert matrices reduce over their expert data-parallel group, the LM head
-over the world, in the same step; the router stays AdamW."""
+ones under gather and distributed; CI runs ``CI_CASES``). Expert matrices reduce over their expert data-parallel group,
+the LM head over the world, in the same step; the router stays AdamW."""
 
 from __future__ import annotations
 

@@ -25,11 +25,11 @@ that page's earlier blocks. What this test changes, and only to keep it short:
 trainer launches (``-m shardopt.train``, ``launch/multinode.sh``) get ``--set train.steps=2`` and a small
 validation set appended (the configs' 400 steps take minutes); ``pip install`` gets ``--dry-run --no-index
 --no-build-isolation`` (nothing is installed or downloaded); ``launch/multinode.sh`` gets a free
-``MASTER_PORT`` from the environment (single-node ``torchrun`` picks a free port itself). The tokenizer cache is the checkout's ``runs/cache`` (as
-for ``make demo``). The examples the pages run are tiny by default, so they run unchanged. Every block has
-a timeout. About 2.5 minutes on 2 quiet cores, 5 under load (the first DeepSpeed launch on a machine
-also builds its CPU op: 1-2 minutes more). What a command prints where a page says so (``CLAIMS``) is checked in
-its output, on whichever page the command is.
+``MASTER_PORT`` from the environment (single-node ``torchrun`` picks a free port itself). The tokenizer cache is the
+checkout's ``runs/cache`` (as for ``make demo``). The examples the pages run are tiny by default, so they run unchanged.
+Every block has a timeout. About 2.5 minutes on 2 quiet cores, 5 under load (the first DeepSpeed launch on a machine
+also builds its CPU op: 1-2 minutes more). What a command prints where a page says so (``CLAIMS``) is checked in its
+output, on whichever page the command is.
 """
 
 from __future__ import annotations

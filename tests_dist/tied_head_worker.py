@@ -12,6 +12,7 @@ import os
 import sys
 import warnings
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -120,7 +121,7 @@ def main() -> None:
     records: list = []
     for name in args.optimizers.split(","):
         for engine in args.engines.split(","):
-            record_case(records, {"optimizer": name, "engine": engine}, lambda: case(engine, name))
+            record_case(records, {"optimizer": name, "engine": engine}, partial(case, engine, name))
     finish_worker(records, args.out)
 
 

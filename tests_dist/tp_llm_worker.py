@@ -22,6 +22,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -293,7 +294,7 @@ def main() -> None:
         for layout in args.layouts.split(","):
             how = ("dcp", "shardopt")[i % 2]  # both save paths, by alternating optimizers
             rec = {"optimizer": name, "layout": layout, "resume": how, "world_size": dist.get_world_size()}
-            record_case(records, rec, lambda: case(name, layout, root, how))
+            record_case(records, rec, partial(case, name, layout, root, how))
     record_case(records, {"optimizer": "racs", "layout": "mismatch"}, mismatch_case)
     finish_worker(records, args.out)
 

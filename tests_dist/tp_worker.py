@@ -16,6 +16,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -213,6 +214,16 @@ RESUME = [("scale", None), ("racs", None), ("sumo", "team"), ("alice", "distribu
 LEAN_RESUME = {"scale": "dcp", "racs": "shardopt", "sumo": "dcp", "alice": "shardopt", "asgo": "dcp"}
 
 
+def case(name: str, strategy: str | None, layout: str, want: dict[str, torch.Tensor]) -> dict:
+    """One case's record: the largest difference from the single-process run."""
+    return {"max_abs_diff": max_abs_diff(run(name, strategy, layout), want)}
+
+
+def resume_case(name: str, strategy: str | None, layout: str, root: str, how: str) -> dict:
+    """One resume case's record: the largest difference from the uninterrupted run."""
+    return {"max_abs_diff": resume(name, strategy, layout, root, how)}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -244,7 +255,7 @@ def main() -> None:
                     "resume": how,
                     "world_size": dist.get_world_size(),
                 }
-                record_case(records, rec, lambda: {"max_abs_diff": resume(name, strategy, layout, root, how)})
+                record_case(records, rec, partial(resume_case, name, strategy, layout, root, how))
     for name in OPTIMIZERS:
         for strategy in STRATEGIES if name in WHOLE else (None,):
             if args.lean and (name, strategy) not in RESUME:
@@ -252,7 +263,7 @@ def main() -> None:
             want = reference(name, strategy)
             for layout in args.layouts.split(","):
                 rec = {"optimizer": name, "strategy": strategy, "layout": layout, "world_size": dist.get_world_size()}
-                record_case(records, rec, lambda: {"max_abs_diff": max_abs_diff(run(name, strategy, layout), want)})
+                record_case(records, rec, partial(case, name, strategy, layout, want))
     finish_worker(records, args.out)
 
 

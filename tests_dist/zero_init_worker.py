@@ -17,6 +17,7 @@ import logging
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -102,7 +103,7 @@ def main() -> None:
     for name in args.optimizers.split(","):
         rec = {"optimizer": name, "world_size": dist.get_world_size()}
         root = shared_tempdir("shardopt_zinit_")
-        record_case(records, rec, lambda: case(name, root))
+        record_case(records, rec, partial(case, name, root))
     finish_worker(records, args.out)
 
 
