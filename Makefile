@@ -1,6 +1,7 @@
 # Two commands do all set-up on a fresh machine (Python 3.10 or newer, tested on 3.11; pip, gcc; no torch needed):
 #   make demo   - the main job: a small 2-process CPU DeepSpeed ZeRO-2 training run with SCALE
-#   make test   - single-process tests (tests/), multi-process correctness tests (tests_dist/, CI's tier) and the docs build
+#   make test   - lint (ruff, ruff format, mypy), single-process tests (tests/), multi-process correctness tests
+#                 (tests_dist/, CI's tier) and the docs build
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,8 +19,11 @@ export PATH := $(CURDIR)/$(VENV)/bin:$(PATH)
 # link or anchor, a docstring the API reference cannot render). Not $(MAKE) docs inside `test`: make -n runs
 # recipe lines that call $(MAKE)
 DOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
+# lint, format and type checks (issue 54; rules in pyproject.toml, docs/development.md): each runs even when one
+# before it fails and sets status=1 (the recipes that use it start with status=0 and exit $$status); seconds
+LINT := $(BIN)/ruff check . || status=1; $(BIN)/ruff format --check . || status=1; $(BIN)/python -m mypy || status=1
 
-.PHONY: setup test test-full test-fast demo docs bench clean
+.PHONY: setup lint test test-full test-fast demo docs bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,11 +36,14 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# CI's tier: tests/ on both cores (pytest-xdist), then tests_dist/ with each suite at the world sizes that carry
-# its claim (tests_dist/tiers.py), then the documentation build; all run even when one fails, and any failing
-# fails the target
+lint: setup
+	status=0; $(LINT); exit $$status
+
+# CI's tier: the lint checks first (seconds), tests/ on both cores (pytest-xdist), then tests_dist/ with each suite
+# at the world sizes that carry its claim (tests_dist/tiers.py), then the documentation build; all run even when one
+# fails, and any failing fails the target
 test: setup
-	status=0; $(BIN)/python -m pytest -n 2 --durations=15 tests || status=1; $(BIN)/python -m pytest --durations=30 tests_dist || status=1; $(DOCS) || status=1; exit $$status
+	status=0; $(LINT); $(BIN)/python -m pytest -n 2 --durations=15 tests || status=1; $(BIN)/python -m pytest --durations=30 tests_dist || status=1; $(DOCS) || status=1; exit $$status
 
 # every world size of every distributed suite (hours on 2 cores): the same recipe with the full tier chosen
 test-full: export SHARDOPT_TESTS := full
