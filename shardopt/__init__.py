@@ -19,6 +19,7 @@ what ``torch.optim`` takes (``model.named_parameters()``, tensors, param groups)
 which role and rule every parameter got, for whatever a front door returned (optimizer, engine, trainer).
 """
 
+from ._version import __version__
 from .optim import (
     ASGO,
     DASGO,
@@ -39,7 +40,6 @@ from .optim.describe import describe
 from .plugin import fsdp1 as _fsdp1  # noqa: F401  registers legacy FSDP's model inspector, watcher and param source
 from .plugin import wrapped as _wrapped  # noqa: F401  registers its pre-step check, param source and model watcher
 
-__version__ = "0.1.0"
 __all__ = [
     "create_optimizer",
     "param_groups",

@@ -1,5 +1,5 @@
-"""``shardopt`` command line: ``shardopt checkpoint inspect PATH``, ``shardopt checkpoint convert SRC DST``,
-``shardopt checkpoint clean DIR`` (leftovers of interrupted saves) and
+"""``shardopt`` command line: ``shardopt --version``, ``shardopt checkpoint inspect PATH``,
+``shardopt checkpoint convert SRC DST``, ``shardopt checkpoint clean DIR`` (leftovers of interrupted saves) and
 ``shardopt roles MODEL OPTIMIZER`` (each parameter's role and rule for a Hugging Face model config)."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import argparse
 import sys
 from collections import defaultdict
 
+from ._version import __version__
 from .checkpoint.locate import ACCEPTED
 from .checkpoint.logical import SEP, CheckpointError
 
@@ -102,6 +103,7 @@ def _clean(path: str, dry_run: bool) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="shardopt")
+    ap.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
     ck = sub.add_parser("checkpoint", help="inspect, convert or clean checkpoints")
     cks = ck.add_subparsers(dest="action", required=True)
