@@ -83,6 +83,54 @@ def test_step_count_is_fixed_by_the_spectrum_bound() -> None:
     assert iterative.steps_to_converge(0.0) == iterative.MAX_STEPS + 1
 
 
+def test_scaled_schedule_halves_the_steps_and_keeps_every_eigenvalue_in_range() -> None:
+    """The scaled iteration (issue 53): fewer steps than the plain iteration, about half of them from a bound of
+    1e-6 or less (the plain one's slow growth phase is the long part there), and the scalar
+    map of every eigenvalue of ``A / s`` in ``[y0, 1]`` (a grid) stays in (0, 1] and ends within 1e-10 of 1."""
+    assert len(iterative.scaled_schedule(1e-8)) == 14 and iterative.steps_to_converge(1e-8) == 28
+    for y0 in (0.5, 1e-2, 1e-6, 1e-8, 1e-12):
+        scales = iterative.scaled_schedule(y0)
+        plain = iterative.steps_to_converge(y0)
+        assert len(scales) <= (plain + 1) // 2 + 1 if y0 <= 1e-6 else len(scales) < plain, (y0, len(scales))
+        w = torch.logspace(torch.log10(torch.tensor(y0)).item(), 0, 2001, dtype=torch.float64)
+        for c in scales:
+            w = w * (1.5 * c - 0.5 * c**3 * w) ** 2
+            assert (w > 0).all() and (w <= 1 + 1e-12).all(), y0
+        assert (w - 1).abs().max() <= 1e-10, y0
+    assert iterative.scaled_schedule(1e-40) is None and iterative.scaled_schedule(0.0) is None
+    assert iterative.scaled_schedule(1.0) == ()
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_scaled_root_equals_the_plain_one_to_float32_rounding(scaled: bool) -> None:
+    """Random SPD stacks with condition up to 1e10 (a bound ``eps / |A|`` down to 1e-10), clustered spectra and
+    rank-deficient statistics plus ``eps``: the scaled iteration's root equals the eigendecomposition's as
+    closely as the plain iteration's does."""
+    gen = torch.Generator().manual_seed(5)
+    k, eps = 64, 1e-8
+    q, _ = torch.linalg.qr(torch.randn(4, k, k, generator=gen, dtype=torch.float64))
+    lam = torch.stack(
+        [
+            torch.logspace(0, -10, k, dtype=torch.float64),
+            torch.cat([torch.full((3,), 5.0, dtype=torch.float64), torch.zeros(k - 3, dtype=torch.float64)]),
+            torch.rand(k, generator=gen, dtype=torch.float64) ** 8,
+            torch.cat([torch.ones(k // 2, dtype=torch.float64), torch.full((k // 2,), 1e-7, dtype=torch.float64)]),
+        ]
+    )
+    a = (q * lam.unsqueeze(-2)) @ q.mT
+    a = (a + a.mT) / 2 + eps * torch.eye(k, dtype=torch.float64)
+    want = _eigh_inverse_root(a, pseudo_inverse=False).double()
+    s = torch.linalg.matrix_norm(a)
+    if scaled:
+        got, ok = iterative.inverse_sqrt_checked(a, eps)
+        assert ok.all()
+    else:
+        z, _ = iterative.coupled_iteration(a, s, iterative.steps_to_converge(eps / float(s.max())))
+        got = z / s.sqrt()[:, None, None]
+    err = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)
+    assert (err <= 4 * EPS32).all(), err.tolist()
+
+
 class _Net(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
