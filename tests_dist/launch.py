@@ -144,7 +144,9 @@ def _kill_tree(pid: int) -> None:
         os.killpg(pid, signal.SIGKILL)
 
 
-def run_bounded(cmd: list[str], env: dict, timeout: float) -> subprocess.CompletedProcess:
+def run_bounded(
+    cmd: list[str], env: dict, timeout: float, cwd: str | os.PathLike = ROOT
+) -> subprocess.CompletedProcess:
     """``subprocess.run`` whose timeout ends the launcher's workers too.
 
     ``subprocess.run`` kills only its child, and the ranks ``torch.distributed.run`` started keep the output
@@ -154,7 +156,7 @@ def run_bounded(cmd: list[str], env: dict, timeout: float) -> subprocess.Complet
     DeepSpeed already requires, lists them before any of them dies), then the child's group.
     """
     with subprocess.Popen(
-        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
