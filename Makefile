@@ -23,7 +23,14 @@ DOCS := NO_MKDOCS_2_WARNING=1 $(BIN)/python -m mkdocs build --strict --quiet
 # before it fails and sets status=1 (the recipes that use it start with status=0 and exit $$status); seconds
 LINT := $(BIN)/ruff check . || status=1; $(BIN)/ruff format --check . || status=1; $(BIN)/python -m mypy || status=1
 
-.PHONY: setup lint test test-full test-fast demo docs bench clean
+# line coverage of shardopt/ (make coverage, make test-full; [tool.coverage] in pyproject.toml): empty for make test.
+# pytest-cov measures tests/ and tests_dist/, coverage's patches the ranks and commands they launch; the files of
+# processes that end after pytest's own combine (the rank server) are combined at the end, then the table
+COV_TESTS :=
+COV_DIST :=
+COV_REPORT := :
+
+.PHONY: setup lint test test-full test-fast coverage demo docs dist bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -43,11 +50,19 @@ lint: setup
 # at the world sizes that carry its claim (tests_dist/tiers.py), then the documentation build; all run even when one
 # fails, and any failing fails the target
 test: setup
-	status=0; $(LINT); $(BIN)/python -m pytest -n 2 --durations=15 tests || status=1; $(BIN)/python -m pytest --durations=30 tests_dist || status=1; $(DOCS) || status=1; exit $$status
+	status=0; $(LINT); $(BIN)/python -m pytest -n 2 --durations=15 $(COV_TESTS) tests || status=1; $(BIN)/python -m pytest --durations=30 $(COV_DIST) tests_dist || status=1; $(DOCS) || status=1; $(COV_REPORT); exit $$status
 
-# every world size of every distributed suite (hours on 2 cores): the same recipe with the full tier chosen
+# every world size of every distributed suite (hours on 2 cores): the same recipe with the full tier chosen, under
+# line coverage
 test-full: export SHARDOPT_TESTS := full
 test-full: test
+
+# CI's tier under line coverage (the figure in docs/development.md)
+coverage: test
+
+test-full coverage: COV_TESTS := --cov --cov-report=
+test-full coverage: COV_DIST := --cov --cov-append --cov-report=
+test-full coverage: COV_REPORT := $(BIN)/python -m coverage combine --append --quiet || true; $(BIN)/python -m coverage report
 
 test-fast: setup
 	$(BIN)/python -m pytest -n 2 tests
@@ -57,6 +72,13 @@ demo: setup
 
 docs: setup
 	$(DOCS)
+
+# the sdist and the wheel into dist/ (python -m build: the sdist, then the wheel built from it, in an isolated build
+# environment); tests/test_wheel.py builds them the same way, checks what the wheel holds and, in the full tier,
+# installs it into an empty virtual environment
+dist: setup
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist .
 
 # benchmarks/ (issue 6): peers installed on demand; every script writes benchmarks/results/<name>.{json,md}
 bench: setup
@@ -70,4 +92,4 @@ bench: setup
 	$(BIN)/python -m benchmarks.overview
 
 clean:
-	rm -rf $(VENV) runs site
+	rm -rf $(VENV) runs site dist .coverage .coverage.* htmlcov
