@@ -169,7 +169,8 @@ def _asgo_cost(
     """``channels``: the gradient and the momentum go to the row blocks (the momentum alone with
     ``statistic="momentum"``). The root, every ``every`` steps (tau): a float64 eigendecomposition (about
     ``10 k^3``, one solver call) and the root's own product; on the iterative routes (``iterative``) the checked float64
-    coupled Newton-Schulz root (``ROOT_STEPS_MODELED`` steps of ``6 k^3`` and its residual); or (``ns_steps``)
+    root (``iterative.inverse_newton``: ``ROOT_STEPS_MODELED`` steps of ``6 k^3``, the first ``4 k^3``; the
+    residual comes free); or (``ns_steps``)
     the fp32 iteration's ``3 ns_steps - 2`` products and its residual check.
     The Gram crosses the network as a triangle (the root symmetrizes the statistic anyway), the eigh root too
     (symmetric to rounding; the fp32 Newton-Schulz root is not, and goes whole); ``graft``: one more round,
@@ -178,12 +179,13 @@ def _asgo_cost(
     tri = k * (k + 1) // 2
     if ns_steps is None and iterative:  # a team inside one node may split its products (issue 53)
         small = dict(
-            small_matmul=2.0 * k**3 * (3 * ROOT_STEPS_MODELED + 2) / every,
+            small_matmul=2.0 * k**3 * (3 * ROOT_STEPS_MODELED - 1) / every,
             split_k=k,
             split_steps=ROOT_STEPS_MODELED,
             split_residual=True,
             split_itemsize=8,
             split_every=every,
+            split_form="newton",
         )
     elif ns_steps is None:
         small = dict(small_flops=10.0 * k**3 / every, small_matmul=2.0 * k**3 / every, small_calls=1.0 / every)

@@ -37,6 +37,7 @@ __all__ = [
     "coupled_iteration",
     "coupled_iteration_rows",
     "split_exchange",
+    "inverse_newton",
     "inverse_sqrt_checked_rows",
     "coupled_inverse_sqrt_rows",
     "inverse_sqrt_checked",
@@ -153,14 +154,51 @@ def coupled_iteration(
     return z.reshape(a.shape), res
 
 
-def split_exchange(steps: int, residual: bool) -> tuple[int, int]:
-    """What ``coupled_iteration_rows`` exchanges: (``k x k`` buffers all-gathered, collective rounds), for
-    ``steps`` steps, with ``residual`` (its scalar all-reduce) or without (the last step's ``Y`` never gathered)."""
+def split_exchange(steps: int, residual: bool, form: str = "coupled") -> tuple[int, int]:
+    """What a split root exchanges: (``k x k`` buffers all-gathered, collective rounds), for ``steps`` steps.
+    ``form="coupled"``: ``coupled_iteration_rows``, with ``residual`` (its scalar all-reduce) or without (the last
+    step's ``Y`` never gathered). ``form="newton"``: ``inverse_newton`` on a team, one ``M`` per step but the
+    last, the result ``Z`` and the residual's all-reduce."""
+    if form == "newton":
+        return (steps, steps + 1) if steps >= 1 else (0, 1)
     if steps < 1:
         return 0, 1 if residual else 0
     if residual:
         return 3 * steps - 2, 2 * steps
     return 3 * steps - 3, 2 * steps - 1 if steps > 1 else 0
+
+
+def inverse_newton(
+    a: torch.Tensor, s: torch.Tensor, scales: tuple[float, ...], rows=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The checked roots' iteration: ``(a / s)^{-1/2}`` of a ``(B, k, k)`` stack (float64, symmetric PSD; ``s``:
+    one scale each, every eigenvalue of ``a / s`` in ``(0, 1]``) by the scaled iteration of ``scales``
+    (``scaled_schedule``), and each matrix's residual ``|I - M|_F``.
+
+    The coupled iteration in its inverse Newton form (Guo and Higham 2006): ``M = Z Y = Z (a/s) Z`` instead of
+    ``Y``, ``T = 1.5 alpha I - 0.5 alpha^3 M``, ``Z <- Z T``, ``M <- T M T``. The same polynomials in ``a`` as
+    ``coupled_iteration`` (they commute), three products a step, and two things it buys: ``T`` is an element-wise
+    function of ``M`` (no product), and the residual is ``|I - M|`` itself. So on a team (``rows``: a
+    ``teams.RowExchange``) a member computes its row blocks of ``T M T`` and ``Z T`` from the whole ``M`` and
+    all-gathers only ``M`` each step (``Z``'s rows stay with it until the end): one ``k x k`` all-gather a step
+    where the ``Y``/``Z`` form needs three. Without ``rows`` the member is everything, and the sums are the same
+    row blocks of the same products (``split_exchange(form="newton")`` counts the exchange)."""
+    k = a.size(-1)
+    lo, hi = rows.bounds(k) if rows is not None else (0, k)
+    eye = torch.eye(k, dtype=a.dtype, device=a.device)
+    m = a / s[..., None, None]
+    m_rows, z = m[:, lo:hi], eye[lo:hi].expand(a.size(0), -1, -1)
+    for j, c in enumerate(scales):
+        t = torch.add(1.5 * c * eye, m, alpha=-0.5 * c**3)
+        z = t[:, lo:hi] if j == 0 else z @ t  # Z0 = I
+        m_rows = (t[:, lo:hi] @ m) @ t
+        if j < len(scales) - 1:  # the last M is needed for the residual only, which its rows give
+            m = m_rows if rows is None else rows.gather([m_rows])[0]
+    part = eye[lo:hi] - m_rows
+    res2 = (part * part).sum((-2, -1))
+    if rows is None:
+        return z, res2.sqrt()
+    return rows.gather([z.contiguous()])[0], rows.sum(res2).sqrt()
 
 
 def coupled_iteration_rows(
@@ -226,7 +264,7 @@ def inverse_sqrt_checked_rows(a: torch.Tensor, floor: float, rows) -> tuple[torc
     if scales is None:
         return torch.zeros_like(a), torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
     rows.steps = len(scales)
-    z, residual = coupled_iteration_rows(a, s, len(scales), rows, residual=True, scales=scales)
+    z, residual = inverse_newton(a, s, scales, rows)
     z = z / s.sqrt()[:, None, None]
     return (z + z.mT) * 0.5, torch.isfinite(residual) & (residual <= RESIDUAL_TOL)
 
@@ -241,7 +279,7 @@ def inverse_sqrt_checked(a: torch.Tensor, floor: float) -> tuple[torch.Tensor, t
     scales = scaled_schedule(floor / top) if top > 0 and floor > 0 else None
     if scales is None:
         return torch.zeros_like(a), torch.zeros(a.shape[0], dtype=torch.bool, device=a.device)
-    z, residual = coupled_iteration(a, s, len(scales), residual=True, scales=scales)
+    z, residual = inverse_newton(a, s, scales)
     z = z / s.sqrt()[:, None, None]
     return (z + z.mT) * 0.5, torch.isfinite(residual) & (residual <= RESIDUAL_TOL)
 

@@ -122,12 +122,14 @@ class OpCost:
     #: a root a team inside one node can split by row blocks (issue 53): all of ``small_matmul`` is the coupled
     #: iteration on ``split_k x split_k`` matrices (``iterative.coupled_iteration_rows``), ``split_steps`` steps
     #: (with its residual: ``split_residual``) of ``split_itemsize``-byte elements, per step (a refresh's spread
-    #: over its interval: ``split_every``); 0: not splittable
+    #: over its interval: ``split_every``); 0: not splittable. ``split_form``: what its steps all-gather
+    #: (``iterative.split_exchange``: "coupled", SWAN's ``Y``/``Z`` iteration; "newton", the checked roots' ``M``)
     split_k: int = 0
     split_steps: int = 0
     split_residual: bool = False
     split_itemsize: int = 4
     split_every: float = 1.0
+    split_form: str = "coupled"
 
     @property
     def refresh_per_step(self) -> float:
@@ -621,7 +623,7 @@ class MatrixOps:
         rounds: ring all-gathers of ``ceil(k / g)``-row blocks (``g - 1`` of them each way) and the residual."""
         from .iterative import split_exchange
 
-        gathers, rounds = split_exchange(c.split_steps if steps is None else steps, c.split_residual)
+        gathers, rounds = split_exchange(c.split_steps if steps is None else steps, c.split_residual, c.split_form)
         block = -(-c.split_k // g) * c.split_k * c.split_itemsize / _B
         scalars = (c.split_itemsize / _B) * 2.0 * (g - 1) / g if c.split_residual else 0.0
         return (gathers * (g - 1) * block + scalars) / c.split_every, rounds / c.split_every
@@ -956,7 +958,7 @@ class MatrixOps:
                         from .iterative import split_exchange
 
                         g = len(self.teams[i])
-                        gathers, _ = split_exchange(steps or c.split_steps, c.split_residual)
+                        gathers, _ = split_exchange(steps or c.split_steps, c.split_residual, c.split_form)
                         out["distributed"] += (
                             _B * (c.reduced + (c.refresh_reduced if refresh else 0.0))
                             + (gathers * -(-c.split_k // g) * c.split_k + (1 if c.split_residual else 0))
