@@ -30,10 +30,11 @@ every world size draws the same.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Unpack
+from typing import Any, Iterable
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding.draws import seeded_permutation
 from ..sharding.matrix_ops import MatrixOps, OpCost

@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Any, Iterable, Literal, Unpack
+from typing import Any, Iterable, Literal
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding import Round, collective_counter, masked_rsqrt
 from ..sharding.fragment import local_tensor as _local

@@ -20,10 +20,11 @@ foreach add per adjusted lr.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Literal, Unpack
+from typing import Any, Iterable, Literal
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding.fragment import local_tensor as _local
 from ..sharding.matfun import MUON_COEFFICIENTS, muon_gram_products, newton_schulz, newton_schulz_iteration

@@ -21,10 +21,11 @@ A weight stored in x out (``matrix_transposed``) is scaled as its logical out x 
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Unpack
+from typing import Any, Iterable
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding import Round, masked_reciprocal, masked_rsqrt
 from .base import ShardedOptimizer

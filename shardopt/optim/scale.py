@@ -18,10 +18,11 @@ is the math on the completed sums.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Literal, Unpack
+from typing import Any, Iterable, Literal
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding import Round
 from .base import ShardedOptimizer

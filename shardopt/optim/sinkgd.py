@@ -16,10 +16,11 @@ stored columns first (``optim.transposed``).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Unpack
+from typing import Any, Iterable
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding import Round, col_sums, masked_reciprocal, row_sums
 from .base import ShardedOptimizer

@@ -23,10 +23,11 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Any, Iterable, Literal, Unpack
+from typing import Any, Iterable, Literal
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding.iterative import steps_to_converge
 from ..sharding.matfun import polar_factor, polar_kept

@@ -19,10 +19,11 @@ batched, and the roots of all Grams of one size as one batch. Single process, ev
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable, Literal, Unpack
+from typing import Any, Iterable, Literal
 
 import pydantic
 import torch
+from typing_extensions import Unpack
 
 from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
 from ..sharding.iterative import coupled_inverse_sqrt_rows
