@@ -103,10 +103,10 @@ def _fused_applies(*tensor_lists: list[torch.Tensor]) -> bool:
 
 
 def _fused_adamw(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
+    params: list[torch.Tensor],
+    grads: list[torch.Tensor],
+    exp_avgs: list[torch.Tensor],
+    exp_avg_sqs: list[torch.Tensor],
     step: int,
     *,
     lr: float,

@@ -30,7 +30,7 @@ every world size draws the same.
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, cast
 
 import pydantic
 import torch
@@ -126,7 +126,7 @@ def reproject_tracking(Q_tilde: torch.Tensor, U_new: torch.Tensor, U: torch.Tens
     Q_tilde.copy_(c @ Q_tilde @ c.mT)
 
 
-def residual_energy(a_energy, sigma, floor: float = 0.0):
+def residual_energy(a_energy: torch.Tensor, sigma: torch.Tensor, floor: float | torch.Tensor = 0.0) -> torch.Tensor:
     """``colsum(R * R)`` of ``R = A - U sigma`` from ``colsum(A * A)`` and ``sigma = U^T A``: with orthonormal
     ``U``, ``|R e_j|^2 = |a_j|^2 - |sigma_j|^2``, set to 0 where it is at most ``floor |a_j|^2`` (the rounding
     of that difference: a column ``U`` captures whole leaves a residual of rounding noise, which the
@@ -140,7 +140,7 @@ def residual_energy(a_energy, sigma, floor: float = 0.0):
     return out
 
 
-def drop_noise_directions(sigma: torch.Tensor, a_energy: torch.Tensor, floor: float) -> torch.Tensor:
+def drop_noise_directions(sigma: torch.Tensor, a_energy: torch.Tensor, floor: float | torch.Tensor) -> torch.Tensor:
     """``sigma = U^T A`` (``(..., r, cols)``) with the entries at fp32 rounding level set to 0:
     ``|sigma_ij| <= floor |a_j|``, the rounding bound of the product of a unit basis vector with column ``j``
     (a rank-deficient ``A`` leaves whole directions at that level, a padded or frozen column leaves entries).
@@ -150,7 +150,9 @@ def drop_noise_directions(sigma: torch.Tensor, a_energy: torch.Tensor, floor: fl
     return sigma.masked_fill_(sigma.square() <= bound, 0.0)
 
 
-def update_moments(M, V, p, Q_tilde, sigma, energy, betas: tuple[float, float, float]) -> None:
+def update_moments(
+    M: Any, V: Any, p: Any, Q_tilde: Any, sigma: Any, energy: Any, betas: tuple[float, float, float]
+) -> None:
     """In place: ``Q_tilde = b3 Q_tilde + (1 - b3) sigma sigma^T`` (when tracked), ``M = b1 M + (1 - b1) sigma``,
     ``V = b2 V + (1 - b2) sigma * sigma``, ``p = b1 p + (1 - b1) energy`` (the paper decays p with b1). Each
     argument is a tensor (one matrix, or a stack of matrices of one shape) or a list of such tensors: one
@@ -180,7 +182,7 @@ def compensation_scale(
     return c, (c * c * energy).sum(-1).sqrt()
 
 
-def low_rank_step(a_rows, u_rows, sigma, M, V, col, alpha: float, eps: float):
+def low_rank_step(a_rows: Any, u_rows: Any, sigma: Any, M: Any, V: Any, col: Any, alpha: float, eps: float) -> Any:
     """Rows of ``alpha U w + A diag(col) - U (sigma diag(col))`` with ``w = M / (sqrt(V) + eps)``: with
     ``col = alpha alpha_c eta c`` this is ``alpha (U w + alpha_c eta C)``, one product with ``A``; ``col=None``
     is ``col = 0`` (no compensation: ``r = rows``). Tensors (one matrix or a stack of one shape) or lists of
@@ -347,7 +349,7 @@ class Alice(ShardedOptimizer):
         )
 
     whole_matrix_work = True
-    _IDENTITY_CACHES = ShardedOptimizer._IDENTITY_CACHES + ("_alice_plans",)
+    _IDENTITY_CACHES: tuple[str, ...] = (*ShardedOptimizer._IDENTITY_CACHES, "_alice_plans")
 
     def _forget_plans(self) -> None:
         super()._forget_plans()
@@ -453,7 +455,11 @@ class Alice(ShardedOptimizer):
 
         # sigma = U^T A and colsum(A * A), summed over the ranks of distributed matrices in one reduction;
         # R = A - U sigma is never formed (residual_energy)
-        a_stacks, u_stacks, sigmas, a_energy, parts = [], [], [], [], {}
+        a_stacks: list[torch.Tensor] = []
+        u_stacks: list[torch.Tensor] = []
+        sigmas: list[torch.Tensor] = []
+        a_energy: list[torch.Tensor] = []
+        parts: dict[int, torch.Tensor] = {}
         for s in plan.stacks:
             if s.local:  # the gradients themselves, viewed as A = G (the first n_plain) or A = G^T
                 n, b = s.n_plain, len(s.idx)
@@ -498,7 +504,8 @@ class Alice(ShardedOptimizer):
             for i, piece in zip(plan.remote, sub.from_blocks([remote_updates.get(i) for i in plan.remote])):
                 pieces[i] = piece
         ops.account()
-        apply_items(items, pieces, group["lr"], group["weight_decay"], gate=gate)
+        done = cast(list[torch.Tensor], pieces)  # every item has its piece by now
+        apply_items(items, done, group["lr"], group["weight_decay"], gate=gate)
 
     def _noise_floor(self, s: "_Stack", items: list) -> float | torch.Tensor:
         """The relative level at which a stack's ``sigma`` entries and residual energies are rounding:
@@ -544,13 +551,16 @@ class Alice(ShardedOptimizer):
         ]
         if moved:
             update_moments(
-                *([cur[k][key] for k in moved] for key in ("M", "V", "p")),
+                [cur[k]["M"] for k in moved],
+                [cur[k]["V"] for k in moved],
+                [cur[k]["p"] for k in moved],
                 [cur[k]["Q_tilde"] for k in moved] if tracking else None,
                 [sigmas[k] for k in moved],
                 [energies[k] for k in moved],
                 (b1, b2, b3),
             )
             if gate is not None:  # a skipped step: back to the old statistics (a select: the new may overflow)
+                assert before is not None  # cloned above where there is a gate
                 for k in moved:
                     for key in keys:
                         keep_unless_gated(gate, cur[k][key], before[k][key])
@@ -560,13 +570,13 @@ class Alice(ShardedOptimizer):
         cols: list[torch.Tensor | None] = [None] * len(plan.stacks)
         dst, src = [], []
         if comp:
-            scale, norm = zip(
+            scale, norms = zip(
                 *(
                     compensation_scale(cur[k]["p"], energies[k], plan.stacks[k].rows, plan.stacks[k].r, eps)
                     for k in comp
                 )
             )
-            norm = torch.cat(norm)
+            norm = torch.cat(norms)
             phi_old = torch.stack([st["phi"] for k in comp for st in states[k]])
             eta = norm_growth_eta(norm, phi_old, group["gamma"])
             new_phi = eta * norm
@@ -601,7 +611,7 @@ class Alice(ShardedOptimizer):
         )
 
     def _switch(
-        self, ops: MatrixOps, items: list, blocks: list, switch: list[int], ranks: dict, lead: dict, group: dict
+        self, ops: MatrixOps, items: list, blocks: Any, switch: list[int], ranks: dict, lead: dict, group: dict
     ) -> None:
         """New bases for the matrices in ``switch`` (Alg. 2 on the Rayleigh-Ritz subspace step of Alg. 10)."""
         b3 = group["betas"][2]
@@ -635,8 +645,8 @@ class Alice(ShardedOptimizer):
             by_shapes.setdefault((tuple(u_tilde[i].shape), tuple(atut[i].shape)), []).append(i)
         for idx in by_shapes.values():
             stack = [torch.stack([x[i] for i in idx]) for x in (u_tilde, atut, u_old)]
-            q = torch.stack([qt[i] for i in idx]) if group["tracking"] else None
-            vectors = ritz_vectors(*stack, q, b3)
+            q = torch.stack([cast(torch.Tensor, qt[i]) for i in idx]) if group["tracking"] else None
+            vectors = ritz_vectors(stack[0], stack[1], stack[2], q, b3)
             keep = (vectors.square().sum(-2) > 0).to(torch.float64)  # the noise ones come back as zero columns
             rows, r = vectors.shape[-2:]
             draws = torch.stack(

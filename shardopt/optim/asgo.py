@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import weakref
-from typing import Any, Iterable, Literal
+from typing import Any, Callable, Iterable, Literal
 
 import pydantic
 import torch
@@ -39,7 +39,7 @@ from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
 from .grouped import _plan, grouped_step
 from .items import apply_items
-from .nonfinite import gated, skippable_lerp_
+from .nonfinite import _PendingSkip, gated, skippable_lerp_
 from .transposed import line_sums, logical_2d, logical_axes
 
 __all__ = ["ASGO", "DASGO", "asgo_left", "graft_to_rms", "ASGOConfig", "DASGOConfig", "ASGO_PRESETS"]
@@ -179,7 +179,7 @@ def _asgo_cost(
     rows, k = a_shape
     tri = k * (k + 1) // 2
     if ns_steps is None and iterative:  # a team inside one node may split its products (issue 53)
-        small = dict(
+        small: dict[str, Any] = dict(
             small_matmul=2.0 * k**3 * (3 * ROOT_STEPS_MODELED - 1) / every,
             split_k=k,
             split_steps=ROOT_STEPS_MODELED,
@@ -213,6 +213,10 @@ _LOCAL_AND_SMALL: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictio
 
 
 class _MomentumMixin:
+    #: set by ShardedOptimizer (the class this mixes into) for a device-decided skip
+    _step_found_inf: torch.Tensor | None
+    _pending_skip: _PendingSkip
+
     def _update_momentum(self, group: dict, beta1: float, counts: bool = True) -> dict[int, int] | None:
         """EMA momentum ``M = b1 M + (1 - b1) G`` on every stepped tensor (element-wise, any layout) and every
         tensor's step count advanced, with one foreach kernel each; returns each tensor's step count when
@@ -239,9 +243,9 @@ class _MomentumMixin:
         # matrix rules count every step (ShardedOptimizer._step_count); a list of one 0-d tensor, not the scalar
         # overload, which costs a scalar-to-tensor conversion per tensor on a CPU
         torch._foreach_add_(steps, [steps[0].new_ones(())] * len(steps))
-        found_inf = self._step_found_inf  # type: ignore[attr-defined]  # None, or the device's skip flag
+        found_inf = self._step_found_inf  # None, or the device's skip flag
         if found_inf is not None:  # the counts go back if the device skips this step (nonfinite.settle_device_skip)
-            self._pending_skip.counts += steps  # type: ignore[attr-defined]
+            self._pending_skip.counts += steps
             skippable_lerp_(ms, gs, 1 - beta1, found_inf)
         elif ms:
             torch._foreach_lerp_(ms, gs, 1 - beta1)
@@ -252,7 +256,7 @@ class _MomentumMixin:
     def elementwise_state_copies(self, group: dict) -> int:
         return 2 if group.get("treatment", "adamw") == "adamw" else 1
 
-    def _momentum_piece(self, it) -> torch.Tensor:
+    def _momentum_piece(self, it: Any) -> torch.Tensor:
         return it.frag.local(self.state[it.tensor]["exp_avg"])  # type: ignore[attr-defined]
 
 
@@ -393,7 +397,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         step.apply([u.mT if left else u for u, left in zip(products, lefts)], group["lr"], group["weight_decay"])
 
     def _refresh_rows(
-        self, group: dict, groups: list[list[int]], steps: dict[int, int] | None, tensor_of
+        self, group: dict, groups: list[list[int]], steps: dict[int, int] | None, tensor_of: Callable[[int], Any]
     ) -> list[list[int]]:
         """Per group, the positions of the matrices whose root is recomputed this step (every ``tau`` steps)."""
         if steps is None:
@@ -401,7 +405,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         tau = group["refresh_interval"]
         return [[j for j, i in enumerate(idx) if (steps[id(tensor_of(i))] - 1) % tau == 0] for idx in groups]
 
-    def _asgo_bucket(self, group: dict, items: list, ops, steps: dict[int, int] | None) -> None:
+    def _asgo_bucket(self, group: dict, items: list, ops: Any, steps: dict[int, int] | None) -> None:
         """One bucket on ``MatrixOps``: the blocks of ``A`` grouped by shape (``_asgo_groups``), the updates
         returned to the engine's layout (``from_blocks``) and applied with foreach kernels."""
         rms = group["update_rms"]
@@ -451,9 +455,9 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         has_grad: list[bool],
         refresh: list[list[int]],
         layouts: list,
-        allreduce,
-        distributed,
-        compute_once=None,
+        allreduce: Callable[..., dict],
+        distributed: Callable[[int], bool],
+        compute_once: Callable[..., Any] | None = None,
     ) -> list[torch.Tensor]:
         """The updates ``M_A P`` of blocks of ``A`` grouped by shape: ``stats[g]`` and ``ms[g]`` are ``(B, rows,
         k)`` stacks of the statistic's and the momentum's blocks of the matrices ``groups[g]`` (indices into
@@ -495,10 +499,12 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         for idx, m, root, rows in zip(groups, ms, roots, refresh):
             ps = [states[i]["P"] for i in idx]
             if len(rows) == len(idx):
+                assert root is not None  # every matrix refreshed
                 torch._foreach_copy_(ps, list(root.unbind(0)))
                 p = root
             else:
                 if rows:
+                    assert root is not None
                     torch._foreach_copy_([ps[j] for j in rows], list(root.unbind(0)))
                 p = stack(ps)
             products.append((m[0] @ ps[0]).unsqueeze(0) if len(idx) == 1 else m @ p)
@@ -517,7 +523,12 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         return products
 
     def _roots_once(
-        self, group: dict, groups: list[list[int]], vstacks: list[torch.Tensor], refresh: list[list[int]], compute_once
+        self,
+        group: dict,
+        groups: list[list[int]],
+        vstacks: list[torch.Tensor],
+        refresh: list[list[int]],
+        compute_once: Callable[..., Any],
     ) -> list[torch.Tensor | None]:
         """``_roots`` with each root computed on one rank (``compute_once``): a distributed matrix's by its
         factorization owner, shared by one all-reduce; the others' (owned, local) here, batched as before."""
@@ -526,9 +537,14 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         def compute(mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             rows = [[j for j in refresh[g] if groups[g][j] in mine] for g in range(len(groups))]
             roots = self._roots(group, vstacks, rows)
-            return {groups[g][j]: r[t] for g, (rs, r) in enumerate(zip(rows, roots)) if rs for t, j in enumerate(rs)}
+            return {
+                groups[g][j]: r[t]
+                for g, (rs, r) in enumerate(zip(rows, roots))
+                if rs and r is not None  # a group with rows to refresh has its roots
+                for t, j in enumerate(rs)
+            }
 
-        def split(mine: dict[int, torch.Tensor], rows) -> dict[int, torch.Tensor]:  # a team splits its roots
+        def split(mine: dict[int, torch.Tensor], rows: Any) -> dict[int, torch.Tensor]:  # a team splits its roots
             out: dict[int, torch.Tensor] = {}
             for idx in same_shape(mine):
                 for i, r in zip(idx, _inverse_root_rows(torch.stack([mine[i] for i in idx]), group, rows).unbind(0)):
@@ -562,7 +578,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         return out
 
 
-def _inverse_root_rows(v: torch.Tensor, group: dict, rows) -> torch.Tensor:
+def _inverse_root_rows(v: torch.Tensor, group: dict, rows: Any) -> torch.Tensor:
     """``matfun.inverse_root`` of a ``(B, k, k)`` stack on a team whose members split its products (issue 53):
     on the iterative route the checked float64 iteration by row blocks (``iterative.inverse_sqrt_checked_rows``),
     the matrices it cannot settle by ``eigh`` on every member; other routes run whole on every member."""

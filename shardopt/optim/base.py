@@ -19,7 +19,7 @@ import os
 import time
 from collections import defaultdict
 from itertools import chain
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Literal, Sequence, overload
 
 import torch
 
@@ -51,7 +51,7 @@ from .contiguous import contiguous_steps
 from .groups import normalize_param_groups
 from .hooks import apply_param_sources, run_pre_step_checks, run_zero_grad_hooks
 from .items import MatrixItem, apply_items
-from .nonfinite import end_gate, gate_step, nonfinite_grads, settle_device_skip
+from .nonfinite import _PendingSkip, end_gate, gate_step, nonfinite_grads, settle_device_skip
 from .routing import (
     TRANSPOSE_SYMMETRIC,
     RoutingError,
@@ -117,6 +117,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: whether the matrix rule needs whole-matrix operations (then ``whole_matrix_transpose``/``_cost`` and
     #: ``matrix_state_spec`` describe it, and steps run through ``_run_whole_matrix``)
     whole_matrix_work: bool = False
+    #: the step counters a device-side skip may undo (``nonfinite.gate_step`` sets it; step counts add to it)
+    _pending_skip: _PendingSkip
     #: the factorizations (``torch.linalg`` ``eigh``/``svd``/``qr``) a step that refreshes a subspace runs on the
     #: iterative route (CUDA's), per stack of same-shape matrices: what the paper prescribes there. Between
     #: refreshes, and for every other rule, a step runs none; a matrix an iteration cannot settle falls back to
@@ -178,7 +180,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         on_nonfinite: str = "skip",
         debug_plan: bool | None = None,
         matrix_ops: dict | None = None,
-        **adam,
+        **adam: Any,
     ):
         if on_nonfinite not in ("skip", "raise", "ignore"):
             raise ValueError(f"on_nonfinite must be 'skip', 'raise' or 'ignore', got {on_nonfinite!r}")
@@ -244,7 +246,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         #: group rank that keeps each matrix's "matrix"-kind state current (gather strategy); see sync_state
         self._matrix_owner: dict[str, tuple[int, MatrixLayout]] = {}
         #: param group and row plan of every whole-matrix matrix (where its small state rests)
-        self._matrix_plans: dict[str, tuple[int, Any]] = {}
+        self._matrix_plans: dict[str, tuple[int, tuple[int, int], Placement]] = {}
         # one record on rank 0 (logger "shardopt"): every front door builds its optimizer here
         log_build(type(self).__name__, self.describe_rows(), [p for g in groups for p in g["params"]])
 
@@ -375,7 +377,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _batched_names(self) -> set[str]:
         """Names of the 3-D parameters that matrix rules step as batches of matrices (``sharding.batched``): those
         of groups whose treatment is not AdamW."""
-        out = set()
+        out: set[str] = set()
         shapes = self.__dict__.get("group_param_shapes") or [[] for _ in self.group_param_names]
         for group, names, group_shapes in zip(self._groups(), self.group_param_names, shapes):
             if group.get("treatment", "adamw") != "adamw":
@@ -417,7 +419,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
     #: attributes keyed by ``id(tensor)``: copied as (tensor, value) pairs so they follow the copied tensors
     _BY_TENSOR_ID = ("param_names", "_fragments", "_attached")
     #: caches keyed by object identity, rebuilt on the next step
-    _IDENTITY_CACHES = ("_ops_cache", "_matrix_plans", "_matrix_owner", "_grouped_plans", "_verified_tensors")
+    _IDENTITY_CACHES: tuple[str, ...] = (
+        "_ops_cache",
+        "_matrix_plans",
+        "_matrix_owner",
+        "_grouped_plans",
+        "_verified_tensors",
+    )
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but hooks (as torch) and identity caches, so ``copy.deepcopy`` and pickle give an
@@ -593,7 +601,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def _even_entry(self, p: torch.Tensor, name: str, key: str, value: torch.Tensor) -> tuple:
         """What ``shares_to_dtensors`` needs to give a "matrix"-kind share the parameter's mesh: DCP then
         writes each element once (no replicated copy) and reshards it like any DTensor."""
-        plan, spec = self.matrix_state_share(name)
+        share = self.matrix_state_share(name)
+        assert share is not None, name  # callers pass matrices with "matrix"-kind state
+        plan, spec = share
         shape, dim = spec[key]
         mesh, mesh_dim = shard_mesh(p)
         return plan, value, tuple(shape), dim, mesh, mesh_dim
@@ -602,7 +612,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Give every "matrix"-kind entry the shape this rank keeps: even DTensor chunks (a DCP load) are
         redistributed to this rank's share (one all-to-all per group; collective, as ``set_state_dict`` is),
         a whole tensor (a per-rank state dict from before shares) is cut to it."""
-        state, pending = {}, []
+        state: dict[Any, Any] = {}
+        pending: list[tuple[dict, str, Any]] = []  # (target, key, a dtensors_to_shares entry)
         for idx, entries in state_dict.get("state", {}).items():
             p = id_map.get(idx)  # saved keys: indices, or names (DCP's get_state_dict)
             if p is None or not isinstance(entries, dict):
@@ -650,6 +661,16 @@ class ShardedOptimizer(torch.optim.Optimizer):
     # entries (``state[p]``, as torch.optim), an engine's flat partition under ``state[p]["matrices"][name]``
     # next to its tensor-level entries (element-wise moments, ``step``). Checkpoints of either engine use this.
     MATRICES = "matrices"
+
+    @overload
+    def matrix_state(
+        self, p: torch.Tensor, frag: Fragment, entries: dict | None = None, create: Literal[True] = True
+    ) -> dict: ...
+
+    @overload
+    def matrix_state(
+        self, p: torch.Tensor, frag: Fragment, entries: dict | None = None, *, create: bool
+    ) -> dict | None: ...
 
     def matrix_state(
         self, p: torch.Tensor, frag: Fragment, entries: dict | None = None, create: bool = True
@@ -893,9 +914,13 @@ class ShardedOptimizer(torch.optim.Optimizer):
         out: dict[int, list[Fragment]] = {}
         for p in self.stepped_tensors():
             for frag in self.fragments(p):
-                g = owner.get(frag.name, owner.get(frag.param))
-                if g is not None and g < len(groups) and (all_groups or groups[g].get("treatment", "adamw") != "adamw"):
-                    out.setdefault(g, []).append(frag)
+                gi = owner.get(frag.name, owner.get(frag.param))
+                if (
+                    gi is not None
+                    and gi < len(groups)
+                    and (all_groups or groups[gi].get("treatment", "adamw") != "adamw")
+                ):
+                    out.setdefault(gi, []).append(frag)
         return out
 
     def matrix_plan(self, g: int) -> MatrixOps | None:
@@ -975,6 +1000,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 out["elements"] += copies * lay._piece_numel(lay.pieces[r])
                 out["vectors"] += self.vector_state(group, lay.shape)
                 if f.name in index:
+                    assert ops is not None  # index is empty without a plan
                     i = index[f.name]
                     out["matrix"] += share_numel(
                         ops.placements[i], self.matrix_state_spec(group, ops.plans[i].a_shape), r
@@ -996,9 +1022,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if plan is None or plan.all_here:
             return list(items), []
         by_name = {it.frag.name: it for it in items}
-        return tuple(
+        here, shared = (
             [by_name[plan.names[i]] for i in part if plan.names[i] in by_name] for part in plan.here_and_shared()
         )
+        return here, shared
 
     def _run_whole_matrix(
         self, group: dict, items: list["MatrixItem"], body: Callable[[list["MatrixItem"], MatrixOps], None]

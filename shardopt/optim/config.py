@@ -11,10 +11,11 @@ whose message gives the full key path, e.g. ``shardopt.params.leading: 40 must b
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, Mapping, TypedDict
+from typing import Any, ClassVar, Literal, Mapping, TypedDict, TypeVar, cast
 
 import pydantic
 import torch
+from typing_extensions import Self
 
 from .checks import check_hyperparameters, check_lr
 from .routing import ConfigError
@@ -35,7 +36,10 @@ class _Strict(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", allow_inf_nan=False, strict=False)
 
 
-def check_betas(name: str, betas: tuple[float, ...]) -> tuple[float, ...]:
+_Betas = TypeVar("_Betas", bound=tuple[float, ...])
+
+
+def check_betas(name: str, betas: _Betas) -> _Betas:
     """Each beta in [0, 1); the message names the index (for ``field_validator``s)."""
     for i, b in enumerate(betas):
         if not 0.0 <= b < 1.0:
@@ -199,12 +203,12 @@ class OptimizerConfig(_Strict):
 
     # ------------------------------------------------------------------ defaults and construction
     @classmethod
-    def defaults(cls) -> "OptimizerConfig":
+    def defaults(cls) -> Self:
         """The model with every field at its default (constructors read their keyword defaults from it)."""
-        return cls.model_construct()
+        return cast(Self, cls.model_construct())
 
     @classmethod
-    def from_arguments(cls, who: str, arguments: Mapping[str, Any], options: Mapping[str, Any]) -> "OptimizerConfig":
+    def from_arguments(cls, who: str, arguments: Mapping[str, Any], options: Mapping[str, Any]) -> Self:
         """Validate a constructor's keyword ``arguments`` (explicit ones) and ``**options`` into the model.
 
         ``constructor_names`` maps constructor names to fields where they differ. torch's checks (``lr``, ``betas``,
@@ -265,7 +269,7 @@ class OptimizerConfig(_Strict):
         """The hyperparameters of an AdamW group, all explicit (wrappers that fill missing keys from their own
         defaults, like ZeroRedundancyOptimizer, would otherwise give them the matrix rule's)."""
         return {
-            "lr": self.adam_lr if self.adam_lr is not None else self.lr,
+            "lr": self.adam_lr if self.adam_lr is not None else self.lr,  # type: ignore[attr-defined]  # every rule's config has lr
             "betas": tuple(self.adam_betas),
             "eps": self.adam_eps,
             "weight_decay": self.adam_weight_decay,
@@ -282,7 +286,7 @@ class OptimizerConfig(_Strict):
             debug_plan=self.debug_plan,
         )
         if "matrix_ops" in type(self).model_fields:
-            out["matrix_ops"] = self.matrix_ops.model_dump()
+            out["matrix_ops"] = self.matrix_ops.model_dump()  # type: ignore[attr-defined]  # checked just above
         return out
 
     def constructor_kwargs(self) -> dict[str, Any]:

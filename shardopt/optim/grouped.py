@@ -14,7 +14,7 @@ their group for weighted sums (the per-block kernel is faster there and the loop
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
@@ -23,13 +23,19 @@ from ..sharding.fragment import Fragment, local_flat
 from ..sharding.fragment import local_tensor as _local
 from .nonfinite import gated, zero_nonfinite
 
+if TYPE_CHECKING:
+    from ..sharding.block_groups import Group
+    from .base import ShardedOptimizer
+
 __all__ = ["GroupedStep", "grouped_step"]
 
 
 class _Plan:
     """The static part: stepped tensors, their fragments, and the block groups of those fragments."""
 
-    def __init__(self, opt, params: list[torch.Tensor], frags: list[list[Fragment]], device: torch.device):
+    def __init__(
+        self, opt: ShardedOptimizer, params: list[torch.Tensor], frags: list[list[Fragment]], device: torch.device
+    ):
         self.params = params
         self.frags = frags
         pairs, owners, offsets, whole = [], [], [], []
@@ -54,7 +60,7 @@ class _Plan:
         )
 
 
-def _plan(opt, group: dict) -> _Plan:
+def _plan(opt: ShardedOptimizer, group: dict) -> _Plan:
     """The cached static part for ``group``'s tensors. ``use_layouts`` (an engine attaching other fragments)
     drops the cache (``ShardedOptimizer._forget_plans``), so a hit needs only the same tensors."""
     cache = opt.__dict__.setdefault("_grouped_plans", {})
@@ -80,7 +86,12 @@ class GroupedStep:
 
     _states: list[dict] | None = None
 
-    def __init__(self, opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        opt: ShardedOptimizer,
+        group: dict,
+        source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ):
         plan = _plan(opt, group)
         self.plan = plan
         self.blocks = plan.blocks
@@ -124,7 +135,7 @@ class GroupedStep:
     def frags(self) -> list[Fragment]:
         return [f for _, f in self.plan.pairs]
 
-    def _keep(self, g) -> list[int] | None:
+    def _keep(self, g: Group) -> list[int] | None:
         """Positions of group ``g``'s blocks whose matrices get an update (None: all of them)."""
         if self.all_have_grad:
             return None
@@ -132,7 +143,7 @@ class GroupedStep:
         return None if len(keep) == len(g.items) else keep
 
     @staticmethod
-    def _pick(x, keep: list[int] | None, device: torch.device):
+    def _pick(x: Any, keep: list[int] | None, device: torch.device) -> Any:
         """Rows ``keep`` of a stack (or entries of a block list, or of a per-block vector)."""
         if keep is None:
             return x
@@ -184,7 +195,12 @@ class GroupedStep:
             self._apply_scaled_whole(xs, lr, weight_decay, row_scale, col_scale)
             return
         # every group's blocks into one list per kernel: a step issues each foreach kernel once, not per shape
-        all_views, fused, fused_x, fused_s, plain, plain_u = [], [], [], [], [], []
+        all_views: list[torch.Tensor] = []
+        fused: list[torch.Tensor] = []
+        fused_x: list[torch.Tensor] = []
+        fused_s: list[torch.Tensor] = []
+        plain: list[torch.Tensor] = []
+        plain_u: list[torch.Tensor] = []
         for g, x in zip(self.blocks.groups, xs):
             keep = self._keep(g)
             if keep is not None and not keep:
@@ -195,7 +211,7 @@ class GroupedStep:
             c = None if col_scale is None else blocks_of(self._pick(col_scale[g.col_index].unsqueeze(1), keep, dev))
             all_views += views
             if any(v.dtype != torch.float32 for v in views) or (r is not None and c is not None):
-                u = x
+                u: list[torch.Tensor] | tuple[torch.Tensor, ...] = x
                 if r is not None:
                     u = torch._foreach_mul(u, r)
                 if c is not None:
@@ -205,7 +221,7 @@ class GroupedStep:
             elif r is not None or c is not None:
                 fused += views
                 fused_x += x
-                fused_s += r if r is not None else c
+                fused_s += r if r is not None else c  # type: ignore[arg-type]  # one of them is set here
             else:
                 plain += views
                 plain_u += x
@@ -216,7 +232,7 @@ class GroupedStep:
         if plain:
             torch._foreach_add_(plain, plain_u, alpha=-lr)
 
-    def _scales_whole_fp32(self, row_scale, col_scale) -> bool:
+    def _scales_whole_fp32(self, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None) -> bool:
         """Whether ``apply_scaled`` can take each matrix's scale as a slice of the concatenated vector: every
         matrix a whole fp32 tensor with a gradient, one scale vector."""
         return (
@@ -226,11 +242,17 @@ class GroupedStep:
             and all(p.dtype is torch.float32 for p in self.plan.params)
         )
 
-    def _apply_scaled_whole(self, xs: list, lr: float, weight_decay: float, row_scale, col_scale) -> None:
+    def _apply_scaled_whole(
+        self, xs: list, lr: float, weight_decay: float, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None
+    ) -> None:
         """``apply_scaled`` for whole fp32 matrices: the scale of matrix ``i`` is its slice of the concatenated
         vector (``BlockGroups.segments``), so the update is one fused multiply-add kernel over every matrix."""
         blocks = self.blocks
-        parts = blocks.segments(col_scale, 1) if col_scale is not None else blocks.segments(row_scale, 0, column=True)
+        if col_scale is not None:
+            parts = blocks.segments(col_scale, 1)
+        else:
+            assert row_scale is not None  # _scales_whole_fp32: exactly one of them
+            parts = blocks.segments(row_scale, 0, column=True)
         params = self.plan.params
         views, x_all, scales = [], [], []
         for g, x in zip(blocks.groups, xs):
@@ -261,14 +283,14 @@ class GroupedStep:
         self.grads = [[clean(b) for b in x] if isinstance(x, list) else clean(x) for x in self.grads]
 
     @staticmethod
-    def _cast(u: list[torch.Tensor], views: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _cast(u: Sequence[torch.Tensor], views: list[torch.Tensor]) -> list[torch.Tensor]:
         if all(v.dtype == ub.dtype for v, ub in zip(views, u)):
-            return u
+            return list(u)
         return [ub.to(v.dtype) for ub, v in zip(u, views)]
 
 
 def grouped_step(
-    opt, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    opt: ShardedOptimizer, group: dict, source: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 ) -> GroupedStep:
     """The matrices of ``group`` for one step, grouped (see the module docstring)."""
     return GroupedStep(opt, group, source)

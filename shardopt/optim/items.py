@@ -107,7 +107,7 @@ def apply_items(
             ups.append(u if u.dtype == w.dtype else u.to(w.dtype))
     for r, (views, ups) in by_lr.items():
         if weight_decay:  # on a CPU a 0-d fp32 factor: as w.mul_(float) also for bf16 weights, and faster there
-            factor = 1 - r * weight_decay
+            factor: float | torch.Tensor = 1 - r * weight_decay
             if gate is not None:
                 factor = gated(gate, factor, 1.0)
             torch._foreach_mul_(

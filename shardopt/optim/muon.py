@@ -161,7 +161,8 @@ class Muon(ShardedOptimizer):
         decay would use the adjusted lr). Matrices without a gradient or local elements are skipped."""
         lr, wd = group["lr"], group["weight_decay"]
         gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device
-        views, by_lr = [], {}
+        views: list[torch.Tensor] = []
+        by_lr: dict[float, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         for it in items:
             if it.has_grad and it.frag.numel:
                 w = it.param()
@@ -275,11 +276,11 @@ class Muon(ShardedOptimizer):
         ops.account()
 
 
-def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype: torch.dtype, mm=None) -> None:
+def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype: torch.dtype, mm: Any = None) -> None:
     """``_orthogonalize`` for matrices held whole (``MatrixOps.here``: each local gradient is the row-major matrix):
     the gradients stacked by shape, tall stacks transposed and joined to the wide stack of the same shape, one
     batched iteration per wide shape, results back as flat row-major pieces (no per-matrix copies)."""
-    by: dict[tuple[int, int], list[int]] = {}
+    by: dict[tuple[int, ...], list[int]] = {}
     for i, it in enumerate(items):
         by.setdefault(tuple(it.layout.shape), []).append(i)
     wide: dict[tuple[int, int], list[tuple[list[int], bool, torch.Tensor]]] = {}
@@ -299,7 +300,7 @@ def _orthogonalize_local(items: list[MatrixItem], steps: int, eps: float, dtype:
 
 
 def _newton_schulz_rows(
-    blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float, dtype: torch.dtype, mm=None
+    blocks: dict[int, torch.Tensor], ops: MatrixOps, steps: int, eps: float, dtype: torch.dtype, mm: Any = None
 ) -> dict[int, torch.Tensor]:
     """Newton-Schulz on matrices whose tall orientation ``A`` is spread over ranks by rows: ``blocks[i]`` is
     this rank's row block of ``A_i``, i.e. a column block of the wide ``A_i^T`` that the iteration runs on.
@@ -307,7 +308,7 @@ def _newton_schulz_rows(
     ``dtype``): first the Frobenius norms (sums of squares), then each step's ``k x k`` Gram matrices. Blocks of
     one shape on this rank run as one batched iteration; the reductions stay one entry per matrix, so every
     rank reduces the same entries in the same order however its blocks group."""
-    runs = {}
+    runs: dict[tuple[int, ...], Any] = {}
     form = {i: muon_gram_products(ops.plans[i].a_shape, ops.parts(i)) for i in blocks}
     for idx in same_shape(blocks):
         for sub in group_indices(idx, form.__getitem__):
@@ -319,12 +320,12 @@ def _newton_schulz_rows(
     out: dict[int, torch.Tensor] = {}
     while runs:
         parts = {}
-        for idx, run in list(runs.items()):
+        for key, run in list(runs.items()):
             try:
-                parts[idx] = run.send(complete[idx])
+                parts[key] = run.send(complete[key])
             except StopIteration as stop:
-                out.update((i, stop.value[j].T.float()) for j, i in enumerate(idx))
-                del runs[idx]
+                out.update((i, stop.value[j].T.float()) for j, i in enumerate(key))
+                del runs[key]
         grams = ops.allreduce({i: p[j].float() for idx, p in parts.items() for j, i in enumerate(idx)}, symmetric=True)
         complete = {idx: torch.stack([grams[i] for i in idx]).to(dtype) for idx in parts}
     return out

@@ -159,7 +159,7 @@ def gate_step(opt: Any) -> None:
     opt._pending_skip = _PendingSkip(host, event)
 
 
-def gated(gate: torch.Tensor, value: float, skipped: float) -> torch.Tensor:
+def gated(gate: torch.Tensor, value: float | torch.Tensor, skipped: float | torch.Tensor) -> torch.Tensor:
     """``value`` where the step runs, ``skipped`` where the device skips it (a 0-d tensor beside ``gate``)."""
     return torch.where(gate > 0, value, skipped)
 

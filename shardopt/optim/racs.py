@@ -174,10 +174,10 @@ class RACS(ShardedOptimizer):
         if gate is not None:  # a skipped step keeps phi and moves nothing
             new_phi, eta = gated(gate, new_phi, phi), gated(gate, eta, 0.0)
         if with_grad:
-            new_phi = new_phi.unbind(0)
-            torch._foreach_copy_([states[k]["phi"] for k in with_grad], [new_phi[k] for k in with_grad])
+            phis = new_phi.unbind(0)
+            torch._foreach_copy_([states[k]["phi"] for k in with_grad], [phis[k] for k in with_grad])
         lr = group["lr"] * group["alpha"] * eta  # per matrix, folded into the row scale: the update is one pass
         q_lr = q_inv * lr[line_items(blocks, rows)]
         scales = (q_lr, s_inv) if rows == 0 else (s_inv, q_lr)
-        update = blocks.scale(grads, *scales, out=p2)  # into P's memory
+        update = blocks.scale(grads, scales[0], scales[1], out=p2)  # into P's memory
         step.apply(update, lr, group["weight_decay"], lr_in_updates=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import fnmatch
 import re
 import warnings
-from typing import Any, Iterable, Mapping, NamedTuple, Sequence
+from typing import AbstractSet, Any, Iterable, Mapping, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -165,7 +165,7 @@ def model_parameters(model: nn.Module) -> list[tuple[str, torch.Tensor, torch.Te
 
 def own_parameters(model: nn.Module, module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """``module``'s own parameters (``named_parameters(recurse=False)``) and the stand-ins declared for it."""
-    own = list(module.named_parameters(recurse=False))
+    own: list[tuple[str, torch.Tensor]] = list(module.named_parameters(recurse=False))
     for stand_ins in _STAND_INS.get(model, {}).values():
         own += [(s.attr, s.seen) for s in stand_ins if s.module is module and s.seen is not None]
     return own
@@ -252,11 +252,11 @@ def _router_modules(model: nn.Module) -> set[int]:
     """Ids of the 2-D ``weight`` of router modules that are not Linears (transformers 5's ``MixtralTopKRouter``,
     ``Qwen3MoeTopKRouter``, ...: a module whose type names a router and that scores experts with ``F.linear``)."""
     return {
-        id(m.weight)
+        id(w)
         for m in model.modules()
         if "Router" in type(m).__name__
-        and isinstance(getattr(m, "weight", None), torch.Tensor)
-        and logical_dim(m.weight) == 2
+        and isinstance(w := getattr(m, "weight", None), torch.Tensor)
+        and logical_dim(w) == 2
     }
 
 
@@ -513,7 +513,7 @@ def _module_words(name: str) -> set[str]:
     return set(re.split(r"[_\-]", module.lower()))
 
 
-def _is_router_name(name: str, expert_prefixes: set[str] = frozenset()) -> bool:
+def _is_router_name(name: str, expert_prefixes: AbstractSet[str] = frozenset()) -> bool:
     """A router's weight by name: ``...router.weight``, DeepSpeed's ``...gate.wg.weight``, or ``...gate.weight``
     inside a module path that names an MoE block (``block_sparse_moe.gate.weight``) or beside an ``experts``
     module (``mlp.gate.weight`` next to ``mlp.experts.*``: ``expert_prefixes`` holds those ``mlp.`` prefixes)."""

@@ -125,7 +125,7 @@ class SCALE(ShardedOptimizer):
         weight_decay: float = _D.weight_decay,
         **options: Unpack[CommonOptions],
     ):
-        options.setdefault("embedding_momentum", momentum)  # torch's sense: the embedding sets no beta of its own
+        options.setdefault("embedding_momentum", momentum)  # type: ignore[typeddict-item]  # SCALE's own key; torch's sense: the embedding sets no beta of its own
         self._init_from_config(
             params,
             self.Config.from_arguments(
@@ -160,6 +160,7 @@ class SCALE(ShardedOptimizer):
             if gate is None:
                 buf.lerp_(grad.to(buf.dtype), 1 - beta)
             else:  # nothing written on a skipped step, one kernel
+                assert self._step_found_inf is not None  # set with the gate
                 skippable_lerp_([buf], [grad.to(buf.dtype)], 1 - beta, self._step_found_inf)
             return buf
 

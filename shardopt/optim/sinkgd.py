@@ -125,6 +125,7 @@ class SinkGD(ShardedOptimizer):
             rnd.run()
             v = masked_reciprocal(c, line_length(blocks, cols))
         lr = group["lr"] * group["lr_scale"]
+        assert v is not None  # set by the first half-sweep (iterations >= 1)
         row = u.sqrt() if gate is None else u.sqrt().mul_(gate)  # a skipped step adds 0 x (finite) gradient
         scales = (row, v.sqrt()) if rows == 0 else (v.sqrt(), row)
-        step.apply(blocks.scale(grads, *scales, out=a), lr, group["weight_decay"])  # A no longer needed
+        step.apply(blocks.scale(grads, scales[0], scales[1], out=a), lr, group["weight_decay"])  # A no longer needed

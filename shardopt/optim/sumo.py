@@ -23,7 +23,7 @@ from __future__ import annotations
 import functools
 import math
 import warnings
-from typing import Any, Iterable, Literal
+from typing import Any, Iterable, Literal, cast
 
 import pydantic
 import torch
@@ -228,7 +228,7 @@ class SUMO(ShardedOptimizer):
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))
 
-    def _sumo_bucket(self, group: dict, items: list, ops, steps: dict) -> None:
+    def _sumo_bucket(self, group: dict, items: list, ops: Any, steps: dict) -> None:
         """One bucket's step, batched: matrices whose blocks and moments have the same shapes (and orientation)
         are stacked and computed with one batched product per group, the polar factors and the limiter with
         one batched call per moment shape; state writes are ``torch._foreach_*`` calls and the parameter update
@@ -241,7 +241,8 @@ class SUMO(ShardedOptimizer):
         plans = ops.plans
         gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (skips_on_device)
         local = ops.all_here  # every matrix held whole by this rank (one process, DDP, a ZeRO rank's own)
-        blocks = None if local else [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
+        # this rank's blocks of the matrices (none when every matrix is local)
+        blocks: list[torch.Tensor] = [] if local else [b[0] for b in ops.to_blocks([[it.grad] for it in items])]
         states = [it.state for it in items]
         for i, (it, st) in enumerate(zip(items, states)):
             if "Q" not in st:  # normally created from matrix_state_spec by _run_whole_matrix
@@ -259,7 +260,7 @@ class SUMO(ShardedOptimizer):
                 group,
                 items,
                 ops,
-                blocks if blocks is not None else [_whole_block(p, it.grad) for p, it in zip(plans, items)],
+                blocks if not local else [_whole_block(p, it.grad) for p, it in zip(plans, items)],
                 due,
             )
         arrival = [arrival_dtype(self, it.frag.name, it.tensor) for it in items]  # the same on every rank
@@ -321,6 +322,7 @@ class SUMO(ShardedOptimizer):
             elif stepped:  # a rank without this step's gradient keeps its moment
                 mom[stepped] = mom[stepped].mul_(mu).add_(proj[stepped])
             if gate is not None:  # a skipped step: back to the old moments (a select: the new may overflow)
+                assert before is not None  # cloned above where there is a gate
                 keep_unless_gated(gate, mom, before)
             o = polar_factor(mom, rtol=noise_rtol(dtype, mom.shape, max(mom.shape[-2:]) * _EPS32))
             prevs = [states[i]["prev_onorm"] for i in idx]
@@ -353,11 +355,12 @@ class SUMO(ShardedOptimizer):
                 updates_g = (u.mT if like_g else u).unbind(0)
             for i, ui in zip(idx, updates_g):
                 updates[i] = ui
-        pieces = updates if local else ops.from_blocks(updates)
+        done = cast(list[torch.Tensor], updates)  # the loop above filled every index
+        pieces = done if local else ops.from_blocks(done)
         ops.account()
         apply_items(items, pieces, group["lr"], group["weight_decay"], gate=gate)
 
-    def _refresh(self, group: dict, items: list, ops, blocks: list, due: list[int]) -> None:
+    def _refresh(self, group: dict, items: list, ops: Any, blocks: list, due: list[int]) -> None:
         """New bases for the matrices ``due`` (every rank passes the same ones): the range finder on the
         active ones, the moment carried into the new basis, one batched product per shape."""
         states = [it.state for it in items]
@@ -411,7 +414,7 @@ def _limit_growth_stacked(
     return O, torch.where(limited, torch.linalg.vector_norm(O, dim=(-2, -1)), onorm)
 
 
-def _whole_block(plan, grad: torch.Tensor) -> torch.Tensor:
+def _whole_block(plan: Any, grad: torch.Tensor) -> torch.Tensor:
     """The block of a ``local`` matrix: its whole gradient as ``A`` (a view, transposed for ``A = G^T``)."""
     full = grad.view(plan.layout.shape)
     return full.T if plan.transpose else full

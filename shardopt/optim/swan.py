@@ -48,7 +48,7 @@ def whiten(a_rows: torch.Tensor, root: torch.Tensor, k: int) -> torch.Tensor:
     return (a_rows @ root) * math.sqrt(k)
 
 
-def _subtract_line_means(layout, x: torch.Tensor, means: torch.Tensor, axis: int) -> None:
+def _subtract_line_means(layout: Any, x: torch.Tensor, means: torch.Tensor, axis: int) -> None:
     for b, view in layout.views(x):
         if axis == 0:
             view.sub_(means[b.row : b.row + b.height, None])
@@ -178,7 +178,7 @@ class SWAN(ShardedOptimizer):
         would move the result."""
         rows, k = a_shape
         if group["whitening"] == "svd":
-            small = dict(small_flops=10.0 * k**3, small_matmul=2.0 * k**3, small_calls=1.0)
+            small: dict[str, Any] = dict(small_flops=10.0 * k**3, small_matmul=2.0 * k**3, small_calls=1.0)
         else:  # a team inside one node may split its products by row blocks (issue 53)
             small = dict(
                 small_matmul=2.0 * k**3 * (3 * group["ns_steps"] - 2), split_k=k, split_steps=group["ns_steps"]
@@ -190,7 +190,7 @@ class SWAN(ShardedOptimizer):
         dimension's rows, reduced over row blocks (distributed) or computed by an owner (gather)."""
         self._run_whole_matrix(group, items, lambda its, ops: self._whiten_bucket(its, ops, group))
 
-    def _whiten_bucket(self, items: list, ops, group: dict) -> None:
+    def _whiten_bucket(self, items: list, ops: Any, group: dict) -> None:
         blocks = [b[0] for b in ops.to_blocks([[it.work["x"]] for it in items])]
         active = [i for i in range(len(items)) if ops.active(i)]
         spread = [i for i in active if ops.split(i)]
@@ -208,7 +208,7 @@ class SWAN(ShardedOptimizer):
             it.work["x"] = piece
         ops.account()
 
-    def _local_bucket(self, items: list, ops, group: dict) -> None:
+    def _local_bucket(self, items: list, ops: Any, group: dict) -> None:
         """Every sweep of matrices held whole (``local``: each local gradient is the row-major matrix), stacked
         by shape as ``A`` (rows = the long side ``k``, so the lines are its columns): normalize the lines,
         then whiten (the roots of all Grams of one size in one batch), ``iterations`` times."""
@@ -235,13 +235,13 @@ class SWAN(ShardedOptimizer):
 
 def _apply_gated(items: list, lr: float, weight_decay: float, gate: torch.Tensor | None) -> None:
     """``apply_items`` of the whitened updates ``work["x"]``, times the device's gate where it decides the skip."""
-    updates = [it.work["x"] for it in items]
+    updates: list[torch.Tensor] | tuple[torch.Tensor, ...] = [it.work["x"] for it in items]
     if gate is not None:
         updates = torch._foreach_mul(updates, gate)
     apply_items(items, updates, lr, weight_decay, gate=gate)
 
 
-def _gram_roots(grams: dict[int, torch.Tensor], items: list, group: dict, rows=None) -> dict[int, torch.Tensor]:
+def _gram_roots(grams: dict[int, torch.Tensor], items: list, group: dict, rows: Any = None) -> dict[int, torch.Tensor]:
     """``(A^T A)^{-1/2}`` of reduced Grams, batched by shape: the configured method, or the exact root where
     the Gram is singular by construction (``_exact_root``). ``rows``: a team's row exchange, whose members
     split the coupled iteration's products (``iterative.coupled_inverse_sqrt_rows``; issue 53)."""

@@ -13,9 +13,12 @@ per-row entry (kind ``"rows"``: RACS's ``q``) is per logical row, i.e. per store
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, Sequence
 
 import torch
+
+if TYPE_CHECKING:
+    from ..sharding.block_groups import BlockGroups
 
 __all__ = [
     "TRANSPOSED",
@@ -49,7 +52,7 @@ def logical_2d(shape: Sequence[int], group: Mapping[str, Any]) -> tuple[int, int
 
 
 def line_sums(
-    blocks, axis: int, stacks: Sequence, weight: torch.Tensor | None = None, square: bool = False
+    blocks: BlockGroups, axis: int, stacks: Sequence, weight: torch.Tensor | None = None, square: bool = False
 ) -> torch.Tensor:
     """Partial sums of the lines along stored ``axis`` (0: row sums, weighted per column; 1: column sums, weighted
     per row) of every matrix of ``blocks`` (``sharding.block_groups.BlockGroups``), concatenated."""
@@ -58,17 +61,17 @@ def line_sums(
     return blocks.col_sums(stacks, weight, square=square)
 
 
-def line_length(blocks, axis: int) -> torch.Tensor:
+def line_length(blocks: BlockGroups, axis: int) -> torch.Tensor:
     """Per line along stored ``axis``, its length (a row's is its matrix's n, a column's its m), fp32."""
     return blocks.row_length if axis == 0 else blocks.col_length
 
 
-def line_items(blocks, axis: int) -> torch.Tensor:
+def line_items(blocks: BlockGroups, axis: int) -> torch.Tensor:
     """Per line along stored ``axis``, the index of its matrix."""
     return blocks.item_of_row if axis == 0 else blocks.item_of_col
 
 
-def item_lines(blocks, axis: int) -> torch.Tensor:
+def item_lines(blocks: BlockGroups, axis: int) -> torch.Tensor:
     """Per matrix, its number of lines along stored ``axis`` (m for rows, n for columns), fp32."""
     if axis == 0:
         return blocks.item_rows
