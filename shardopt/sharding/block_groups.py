@@ -24,7 +24,7 @@ kernels are cache-friendlier than batched strided reductions).
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import torch
 
@@ -64,13 +64,20 @@ class Group:
         "kept_views",
     )
 
+    # set by ``BlockGroups`` once every block of the group is known
+    row_index: torch.Tensor  # (B, h): each block's rows in the concatenated row vector
+    col_index: torch.Tensor  # (B, w)
+    row_flat: torch.Tensor
+    col_flat: torch.Tensor
+    item_tensor: torch.Tensor
+    all_whole: bool
+
     def __init__(self, h: int, w: int):
         self.h, self.w = h, w
         self.items: list[int] = []
         self.starts: list[int] = []  # offset of the block in its source tensor's local 1-D elements
         self.whole: list[bool] = []  # the block is its source tensor's whole local piece
         self.owners: list[int] = []  # the source tensor of each block
-        self.row_index = self.col_index = self.row_flat = self.col_flat = self.item_tensor = None
         self.big = h * w >= CPU_BLOCK_LIMIT
         self.one_source = False  # every block in the same source tensor (a ZeRO flat partition)
         self.elements: torch.Tensor | None = None  # that source's elements of the blocks, in stack order
@@ -178,12 +185,11 @@ class BlockGroups:
             self.split[axis] = {k: (grp, torch.cat(ix).to(dev)) for k, (grp, ix) in parts.items()}
             self.owned[axis] = owned.to(dev) if any_owned else None
             # which matrices register an owner-counted sum on this axis (not replicated after reduction)
+        summed: dict[int, tuple[Any, list[int]]] = {}
         for i, lay in enumerate(self.layouts):
             if lay.group is not None:
-                self.sum_items.setdefault(id(lay.group), (lay.group, []))[1].append(i)
-        self.sum_items = {
-            k: (grp, torch.tensor(ix, dtype=torch.int64).to(dev)) for k, (grp, ix) in self.sum_items.items()
-        }
+                summed.setdefault(id(lay.group), (lay.group, []))[1].append(i)
+        self.sum_items = {k: (grp, torch.tensor(ix, dtype=torch.int64).to(dev)) for k, (grp, ix) in summed.items()}
         self.axis_sum_items: dict[int, dict[int, tuple[Any, torch.Tensor]]] = {}
         for axis in (0, 1):
             found: dict[int, tuple[Any, list[int]]] = {}
@@ -255,7 +261,7 @@ class BlockGroups:
     def stack(self, tensors: Sequence[torch.Tensor | None], dtype: torch.dtype | None = torch.float32) -> list:
         """Per group: a ``(B, h, w)`` tensor (or, for large CPU blocks, a list of 2-D views) from the sources'
         local elements (``tensors[t]``: source ``t``, contiguous, any shape; ``None``: zeros)."""
-        out = []
+        out: list[torch.Tensor | list[torch.Tensor]] = []
         for g in self.groups:
             if g.elements is not None and not self.listed(g):
                 src = tensors[g.owners[0]]
@@ -286,7 +292,7 @@ class BlockGroups:
         if g.all_whole:  # whole sources of this shape (single process, FSDP2 row shards): the tensors themselves
             picked = [tensors[o] for o in g.owners]
             if all(t is not None and t.shape == (h, w) for t in picked):
-                return picked
+                return cast("list[torch.Tensor]", picked)  # none is None (checked)
         if persistent and g.one_source:
             src = tensors[g.owners[0]]
             if src is not None:
@@ -378,6 +384,6 @@ class BlockGroups:
         return result
 
 
-def blocks_of(x) -> list[torch.Tensor]:
+def blocks_of(x: torch.Tensor | list[torch.Tensor]) -> list[torch.Tensor]:
     """A group's data as a list of 2-D blocks (views)."""
     return x if isinstance(x, list) else list(x.unbind(0))

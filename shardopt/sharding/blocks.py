@@ -25,7 +25,7 @@ import bisect
 import itertools
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence, cast
 
 import torch
 
@@ -108,9 +108,9 @@ class RowPlan:
             return []
         spans = _element_spans(layout, transpose)
         if spans is not None:
-            runs = _tiled_majority_runs(*spans, size)
-            if runs is not None:
-                return runs
+            tiled = _tiled_majority_runs(*spans, size)
+            if tiled is not None:
+                return tiled
         deltas: dict[int, list[tuple[int, int]]] = {}
         for p, blocks in enumerate(layout.all_blocks):
             for b in blocks:
@@ -278,8 +278,8 @@ class RowPlan:
         if spans is not None:
             ivals, k = spans
             a0, a1 = a0 * k, a1 * k
-            for s, (a, b) in enumerate(ivals):
-                n = min(b, a1) - max(a, a0)
+            for s, (x, y) in enumerate(ivals):
+                n = min(y, a1) - max(x, a0)
                 if n > 0 and s != me:
                     out[s] = n
             return out
@@ -327,7 +327,9 @@ class RowPlan:
 
     def _g_span(self, src: int) -> tuple[int, int]:
         """``[lo, hi)``: ``src``'s piece as elements of ``G``'s row-major flattening (``_assembles_g`` only)."""
-        lo, hi = _element_spans(self.layout, False)[0][src]  # type: ignore[index]
+        spans = _element_spans(self.layout, False)
+        assert spans is not None  # _assembles_g holds only when there are spans
+        lo, hi = spans[0][src]
         return lo, hi
 
     def _overlap(self, src: int, dst: int) -> tuple[int, int]:
@@ -336,7 +338,8 @@ class RowPlan:
         cache = self.__dict__.setdefault("_overlap_cache", {})
         found = cache.get((src, dst))
         if found is None:
-            ivals, k = self._flat  # type: ignore[misc]
+            assert self._flat is not None  # callers check _flat first
+            ivals, k = self._flat
             a, b = ivals[src]
             d0, d1 = self.rows(dst)
             found = cache[(src, dst)] = (max(a, d0 * k), min(b, d1 * k))
@@ -453,12 +456,14 @@ def _element_spans(layout: MatrixLayout, transpose: bool) -> tuple[list[tuple[in
         return cache[transpose]
     m, n = layout.shape
     out = None
-    if transpose and all(isinstance(p, ColPiece) for p in layout.pieces) and m > 0:
-        if all(0 <= p.c0 and p.c1 <= n for p in layout.pieces):
-            out = ([(p.c0 * m, max(p.c1, p.c0) * m) for p in layout.pieces], m)
-    elif not transpose and all(isinstance(p, FlatPiece) for p in layout.pieces) and n > 0:
-        if all(0 <= p.lo and p.hi <= m * n for p in layout.pieces):
-            out = ([(p.lo, max(p.hi, p.lo)) for p in layout.pieces], n)
+    cols = [p for p in layout.pieces if isinstance(p, ColPiece)]
+    flats = [p for p in layout.pieces if isinstance(p, FlatPiece)]
+    if transpose and len(cols) == len(layout.pieces) and m > 0:
+        if all(0 <= p.c0 and p.c1 <= n for p in cols):
+            out = ([(p.c0 * m, max(p.c1, p.c0) * m) for p in cols], m)
+    elif not transpose and len(flats) == len(layout.pieces) and n > 0:
+        if all(0 <= p.lo and p.hi <= m * n for p in flats):
+            out = ([(p.lo, max(p.hi, p.lo)) for p in flats], n)
     cache[transpose] = out
     return out
 
@@ -490,7 +495,8 @@ def _tiled_majority_runs(ivals: list[tuple[int, int]], k: int, size: int) -> lis
         prev_hi = hi
         r0, c0 = divmod(lo, k)
         r1, c1 = divmod(hi, k)
-        parts = (
+        # (row, its elements) for a row shared with other ranks, (None, (first, last + 1)) for whole rows
+        parts: Sequence[tuple[int | None, Any]] = (
             [(r0, c1 - c0)]
             if r0 == r1
             else ([(r0, k - c0)] if c0 else []) + [(None, (r0 + (c0 > 0), r1))] + ([(r1, c1)] if c1 else [])
@@ -646,14 +652,14 @@ def from_blocks(
 
     ``blocks[e]`` may be ``None`` on a rank that holds no row of entry ``e``; ``device`` is where the pieces
     live (the parameters' device)."""
-    blocks = [b if b is not None else torch.zeros(0, p.a_shape[1], device=device) for p, b in zip(plans, blocks)]
+    dense = [b if b is not None else torch.zeros(0, p.a_shape[1], device=device) for p, b in zip(plans, blocks)]
     # an owner of A = G^T sends slices of G: one transposing copy of the whole result here (none where the
     # algorithm already wrote it in G's layout) instead of one per piece
-    blocks = [
-        b.mT.contiguous().mT if p.held == "some" and p._assembles_g(p.layout.rank) else b for p, b in zip(plans, blocks)
+    dense = [
+        b.mT.contiguous().mT if p.held == "some" and p._assembles_g(p.layout.rank) else b for p, b in zip(plans, dense)
     ]
     pieces: list[torch.Tensor | None] = []
-    for plan, block in zip(plans, blocks):
+    for plan, block in zip(plans, dense):
         held = plan.held
         if held == "all":
             pieces.append((block.T if plan.transpose else block).reshape(-1))
@@ -672,22 +678,23 @@ def from_blocks(
         pieces.append(piece)
 
     def receive(e: int, src: int, flat: torch.Tensor) -> None:
-        if pieces[e] is None:
+        piece = pieces[e]
+        if piece is None:
             pieces[e] = flat
         else:
-            plans[e].unpack_into_piece(pieces[e], src, flat)
+            plans[e].unpack_into_piece(piece, src, flat)
 
     if pieces:
         _exchange_groups(
             plans,
-            lambda e, d: plans[e].pack_block(blocks[e], d),
+            lambda e, d: plans[e].pack_block(dense[e], d),
             lambda p: p._received,
             lambda p: p._sends,
             receive,
             tags,
-            blocks[0].dtype,
-            blocks[0].device,
+            dense[0].dtype,
+            dense[0].device,
         )
     if any(p is None for p in pieces):
         raise RuntimeError("from_blocks: the rank computing a piece sent nothing (plans differ across ranks)")
-    return pieces  # type: ignore[return-value]
+    return cast("list[torch.Tensor]", pieces)  # every None was filled (checked above)

@@ -13,7 +13,7 @@ replicas, which reduce separately and identically (as HSDP's replicas), never do
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, cast
 
 import torch
 
@@ -21,6 +21,11 @@ from . import staging
 from .batched import box_fragments, split_flat
 from .fragment import Fragment
 from .layout import ColPiece, FlatPiece, MatrixLayout, RectPiece
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Placement
 
 __all__ = [
     "layout_of",
@@ -35,7 +40,7 @@ __all__ = [
 ]
 
 
-def _megatron_tp(p: torch.Tensor):
+def _megatron_tp(p: torch.Tensor) -> tuple[Any, int, int, int] | None:
     """(group, world, rank, partition_dim) for a Megatron tensor-parallel parameter, else None."""
     if not getattr(p, "tensor_model_parallel", False):
         return None
@@ -47,7 +52,7 @@ def _megatron_tp(p: torch.Tensor):
         ps.get_tensor_model_parallel_group(),
         ps.get_tensor_model_parallel_world_size(),
         ps.get_tensor_model_parallel_rank(),
-        int(p.partition_dim),
+        int(p.partition_dim),  # type: ignore[attr-defined]  # Megatron's attribute on its TP parameters
     )
 
 
@@ -65,7 +70,7 @@ def matrix_shape(shape: tuple[int, ...]) -> tuple[int, int]:
     ``(k, 1)``, higher ranks as ``(shape[0], rest)``. Row pieces of this view are element ranges of the tensor."""
     shape = tuple(int(s) for s in shape)
     if len(shape) == 2:
-        return shape  # type: ignore[return-value]
+        return shape
     if len(shape) == 0:
         return (1, 1)
     rest = 1
@@ -89,12 +94,13 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
     placements = getattr(p, "placements", None)
     if placements is None:
         return MatrixLayout.whole(shape)
-    mesh = p.device_mesh
+    dt = cast("DTensor", p)  # only DTensors have placements
+    mesh = dt.device_mesh
     shard_dims = [(i, pl) for i, pl in enumerate(placements) if _shards(pl)]
     if not shard_dims:
         return MatrixLayout.whole(shape)
     if len(shard_dims) > 1 or not pl_is_plain_shard(shard_dims[0][1]):
-        return _mesh_layout(p, shape, [i for i, _ in shard_dims])
+        return _mesh_layout(dt, shape, [i for i, _ in shard_dims])
     mesh_dim, placement = shard_dims[0]
     group = mesh.get_group(mesh_dim)
     world = mesh.size(mesh_dim)
@@ -108,7 +114,7 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
             f"shard dim {placement.dim} of a parameter of shape {tuple(p.shape)} is not "
             "supported; shard dim 0 (any rank) or dim 1 of a matrix"
         )
-    local = p.to_local()
+    local = dt.to_local()
     if local.numel() != layout.local_numel:
         raise RuntimeError(
             f"DTensor local shard has {local.numel()} elements but torch.chunk layout predicts "
@@ -117,7 +123,9 @@ def layout_of(p: torch.Tensor) -> MatrixLayout:
     return layout
 
 
-def batched_fragments(p: torch.Tensor, name: str, resolver=None) -> list[Fragment]:
+def batched_fragments(
+    p: torch.Tensor, name: str, resolver: Callable[[torch.Tensor], MatrixLayout] | None = None
+) -> list[Fragment]:
     """One fragment per matrix of a batched ``(E, m, n)`` parameter (``sharding.batched``). A DTensor's pieces come
     from DTensor's own offsets for every coordinate of its sharded mesh dimensions (any ``Shard`` dims: experts,
     rows, columns, several at once); any other tensor's from ``resolver`` (default ``layout_of``: the whole tensor)."""
@@ -127,12 +135,13 @@ def batched_fragments(p: torch.Tensor, name: str, resolver=None) -> list[Fragmen
     if not dims:
         layout = (resolver or layout_of)(p)
         return split_flat(Fragment(name, layout, 0, shape))
-    group, rank, boxes = _shard_boxes(p, dims, repr(name))
+    dt = cast("DTensor", p)  # only DTensors have placements
+    group, rank, boxes = _shard_boxes(dt, dims, repr(name))
     frags = box_fragments(name, shape, boxes, rank, group)
-    if tuple(p.to_local().shape) != tuple(boxes[rank][1]):
+    if tuple(dt.to_local().shape) != tuple(boxes[rank][1]):
         raise RuntimeError(
-            f"{name!r}: DTensor local shard has shape {tuple(p.to_local().shape)} but its placements "
-            f"{tuple(p.placements)} give {boxes[rank][1]}; padded local shards are not supported"
+            f"{name!r}: DTensor local shard has shape {tuple(dt.to_local().shape)} but its placements "
+            f"{tuple(dt.placements)} give {boxes[rank][1]}; padded local shards are not supported"
         )
     return frags
 
@@ -141,11 +150,11 @@ class GradientPlacementError(RuntimeError):
     """A DTensor gradient that cannot be brought to its parameter's placements (another mesh or shape)."""
 
 
-def _placements_str(t) -> str:
+def _placements_str(t: DTensor) -> str:
     return "(" + ", ".join(str(pl) for pl in t.placements) + ")"
 
 
-def check_grad_placements(params, names=None) -> None:
+def check_grad_placements(params: Iterable[torch.Tensor], names: Mapping[int, str] | None = None) -> None:
     """Raise ``GradientPlacementError`` (the same on every rank: meshes, shapes and placements are static) for a
     DTensor gradient that ``align_grads`` cannot redistribute to its parameter's placements, before any collective."""
     from torch.distributed.tensor import DTensor
@@ -165,7 +174,7 @@ def check_grad_placements(params, names=None) -> None:
             )
 
 
-def align_grads(params, names=None) -> None:
+def align_grads(params: Sequence[torch.Tensor], names: Mapping[int, str] | None = None) -> None:
     """Every DTensor gradient brought to its parameter's placements before the optimizer reads its local values.
 
     Autograd may leave a gradient laid out otherwise than its parameter: partial sums (``Partial``: a
@@ -185,23 +194,23 @@ def align_grads(params, names=None) -> None:
         if g is None or not isinstance(g, DTensor) or not isinstance(p, DTensor):
             continue
         if tuple(g.placements) != tuple(p.placements):
-            p.grad = g.redistribute(p.device_mesh, p.placements)
-        if p.grad.to_local().shape != p.to_local().shape:
+            g = p.grad = g.redistribute(p.device_mesh, p.placements)
+        if g.to_local().shape != p.to_local().shape:
             name = (names or {}).get(id(p), f"a parameter of shape {tuple(p.shape)}")
             raise GradientPlacementError(
-                f"the gradient of {name!r} has local shape {tuple(p.grad.to_local().shape)} with placements "
-                f"{_placements_str(p.grad)}, the parameter local shape {tuple(p.to_local().shape)} with "
+                f"the gradient of {name!r} has local shape {tuple(g.to_local().shape)} with placements "
+                f"{_placements_str(g)}, the parameter local shape {tuple(p.to_local().shape)} with "
                 f"{_placements_str(p)}"
             )
 
 
-def complete_partial_grads(params) -> None:
+def complete_partial_grads(params: Iterable[torch.Tensor]) -> None:
     """Gradients that DTensor leaves as partial sums made complete in place (``Partial`` -> ``Replicate`` on those
     mesh dimensions) before the optimizer reads their local values: one all-reduce per mesh dimension and dtype
     for all of them (the same on every rank: placements are static)."""
     from torch.distributed.tensor import DTensor, Replicate
 
-    buckets: dict[tuple, list] = {}
+    buckets: dict[tuple, list[torch.Tensor]] = {}
     for p in params:
         g = p.grad
         if g is None or not isinstance(g, DTensor):
@@ -217,16 +226,16 @@ def complete_partial_grads(params) -> None:
                     )
             buckets.setdefault((id(g.device_mesh), partial, g.dtype), []).append(p)
     for (_, dims, _), ps in buckets.items():
-        mesh = ps[0].grad.device_mesh
-        locals_ = [p.grad.to_local() for p in ps]
+        grads = [cast(DTensor, p.grad) for p in ps]  # the DTensor gradients bucketed above
+        mesh = grads[0].device_mesh
+        locals_ = [g.to_local() for g in grads]
         flat = torch.cat([t.reshape(-1) for t in locals_])
         for i in dims:
             staging.all_reduce(flat, mesh.get_group(i))  # FSDP2 CPU offload on NCCL: through the device
-            if getattr(ps[0].grad.placements[i], "reduce_op", "sum") == "avg":
+            if getattr(grads[0].placements[i], "reduce_op", "sum") == "avg":
                 flat /= mesh.size(i)
         pos = 0
-        for p, t in zip(ps, locals_):
-            g = p.grad
+        for p, g, t in zip(ps, grads, locals_):
             done = flat[pos : pos + t.numel()].view_as(t).clone()
             pos += t.numel()
             placements = [Replicate() if pl.is_partial() else pl for pl in g.placements]
@@ -235,28 +244,30 @@ def complete_partial_grads(params) -> None:
             )
 
 
-def shard_mesh(p: torch.Tensor) -> tuple:
+def shard_mesh(p: torch.Tensor) -> tuple[DeviceMesh, int]:
     """``(mesh, mesh dim)`` whose group ``layout_of`` reduces a DTensor parameter's matrix over: its one sharded
     dimension, or the flattened mesh of several (FSDP2 x TP); where its small state's DTensors live."""
-    dims = [i for i, pl in enumerate(p.placements) if _shards(pl)]
-    if len(dims) == 1 and pl_is_plain_shard(p.placements[dims[0]]):
-        return p.device_mesh, dims[0]
-    names = p.device_mesh.mesh_dim_names
-    sub = p.device_mesh[tuple(names[i] for i in dims)] if len(dims) > 1 else p.device_mesh[names[dims[0]]]
+    dt = cast("DTensor", p)  # callers pass DTensor parameters
+    dims = [i for i, pl in enumerate(dt.placements) if _shards(pl)]
+    if len(dims) == 1 and pl_is_plain_shard(dt.placements[dims[0]]):
+        return dt.device_mesh, dims[0]
+    names = dt.device_mesh.mesh_dim_names
+    assert names is not None, f"shard_mesh: {tuple(dt.placements)} over a mesh without dimension names"
+    sub = dt.device_mesh[tuple(names[i] for i in dims)] if len(dims) > 1 else dt.device_mesh[names[dims[0]]]
     return (sub._flatten() if len(dims) > 1 else sub), 0
 
 
-def _shards(pl) -> bool:
+def _shards(pl: Placement) -> bool:
     """Whether a placement cuts the tensor: ``Shard`` and ``_StridedShard`` (which in torch 2.13 is not a
     ``Shard`` and answers ``is_shard()`` with False)."""
     return pl.is_shard() or type(pl).__name__ == "_StridedShard"
 
 
-def pl_is_plain_shard(pl) -> bool:
+def pl_is_plain_shard(pl: Placement) -> bool:
     return pl.is_shard() and type(pl).__name__ == "Shard"
 
 
-def _shard_boxes(p: torch.Tensor, dims: list[int], what: str) -> tuple[Any, int, list[tuple[tuple, tuple]]]:
+def _shard_boxes(p: DTensor, dims: list[int], what: str) -> tuple[Any, int, list[tuple[tuple, tuple]]]:
     """``(group, rank, boxes)`` of a DTensor sharded over the mesh dimensions ``dims``: the group is those dimensions
     (flattened, row-major, when several: FSDP2 x TP, HSDP x TP, ep x FSDP), and ``boxes[r]`` is ``(global offset,
     local shape)`` of the block group rank ``r`` holds, from DTensor's own offsets for its coordinate."""
@@ -284,7 +295,7 @@ def _shard_boxes(p: torch.Tensor, dims: list[int], what: str) -> tuple[Any, int,
     return group, rank, boxes
 
 
-def _mesh_layout(p: torch.Tensor, shape: tuple[int, int], dims: list[int]) -> MatrixLayout:
+def _mesh_layout(p: DTensor, shape: tuple[int, int], dims: list[int]) -> MatrixLayout:
     """A DTensor sharded over the mesh dimensions ``dims`` (FSDP2 x TP, HSDP x TP, a strided shard): every rank's
     block of the ``shape`` view (``_shard_boxes``)."""
     placements = p.placements
@@ -300,7 +311,11 @@ def _mesh_layout(p: torch.Tensor, shape: tuple[int, int], dims: list[int]) -> Ma
 
 
 def _piece(
-    tensor_shape: tuple[int, ...], shape: tuple[int, int], local: tuple[int, ...], offset: tuple[int, ...], placements
+    tensor_shape: tuple[int, ...],
+    shape: tuple[int, int],
+    local: tuple[int, ...],
+    offset: tuple[int, ...],
+    placements: Sequence[Placement],
 ) -> FlatPiece | ColPiece | RectPiece:
     """The piece of the ``shape`` (row-major 2-D) view that a block ``local`` at ``offset`` of the tensor is."""
     m, n = shape
