@@ -19,6 +19,8 @@ what ``torch.optim`` takes (``model.named_parameters()``, tensors, param groups)
 which role and rule every parameter got, for whatever a front door returned (optimizer, engine, trainer).
 """
 
+from types import ModuleType
+
 from ._version import __version__
 from .optim import (
     ASGO,
@@ -60,7 +62,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> ModuleType:
     # ``shardopt.deepspeed`` imports DeepSpeed, which is an optional extra: load it on first use only.
     if name == "deepspeed":
         import importlib

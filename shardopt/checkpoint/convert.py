@@ -58,11 +58,13 @@ def _deepspeed_module_entries(tag_dir: str, have: dict[str, torch.Tensor], notes
     import glob
     import re
 
+    def rank_of(f: str) -> int:
+        found = re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f))
+        assert found is not None  # the glob below matched this pattern
+        return int(found.group(1))
+
     plain = os.path.join(tag_dir, "mp_rank_00_model_states.pt")
-    ranked = sorted(
-        glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")),
-        key=lambda f: int(re.search(r"zero_pp_rank_(\d+)_", os.path.basename(f)).group(1)),
-    )
+    ranked = sorted(glob.glob(os.path.join(tag_dir, "zero_pp_rank_*_mp_rank_00_model_states.pt")), key=rank_of)
     files = [plain] if os.path.isfile(plain) else ranked
     if not files:
         return {}
@@ -233,7 +235,8 @@ def write_dcp(path: str, tensors: dict[str, torch.Tensor], meta: dict[str, Any])
     from torch.distributed.checkpoint import FileSystemWriter
     from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 
-    model, state = {}, {}
+    model: dict[str, torch.Tensor] = {}
+    state: dict[str, dict[str, Any]] = {}  # parameter -> key -> tensor (or "matrices" -> matrix -> key -> tensor)
     batched: dict[str, dict[int, dict[str, torch.Tensor]]] = {}  # parameter -> matrix -> key -> tensor
     stacked = _batched_params(meta)
     for k, v in tensors.items():

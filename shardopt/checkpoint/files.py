@@ -27,7 +27,7 @@ from typing import Any, Iterable
 
 import torch
 
-from ..sharding.layout import ColFlatPiece, ColPiece, FlatPiece, RectPiece, _blocks_of
+from ..sharding.layout import ColFlatPiece, ColPiece, FlatPiece, Piece, RectPiece, _blocks_of
 from .errors import CheckpointError
 
 __all__ = [
@@ -62,7 +62,7 @@ def _crc(t: torch.Tensor) -> int:
     """CRC-32 of a contiguous CPU tensor's bytes, as safetensors stores them (little-endian, row-major)."""
     if t.numel() == 0:
         return 0
-    return zlib.crc32(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+    return zlib.crc32(t.reshape(-1).view(torch.uint8).numpy().data)
 
 
 def piece_spec(piece: FlatPiece | ColPiece | RectPiece | ColFlatPiece) -> list:
@@ -300,7 +300,7 @@ class StateReader:
                 raise CheckpointError(f"{self._file(file)}: corrupt or truncated shardopt state file ({err})") from None
         return self._handles[file].get_slice(tname)
 
-    def fill(self, key: str, target: FlatPiece | ColPiece | RectPiece, out: torch.Tensor) -> None:
+    def fill(self, key: str, target: Piece, out: torch.Tensor) -> None:
         """Write ``target``'s elements of logical tensor ``key`` (on its 2-D view) into the 1-D ``out``."""
         entry = self.index[key]
         m, n = entry["view"]

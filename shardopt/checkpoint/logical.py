@@ -19,7 +19,7 @@ import math
 import os
 import uuid
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Iterable, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,7 +27,8 @@ import torch.distributed as dist
 from ..optim.base import ShardedOptimizer
 from ..sharding.batched import matrix_name
 from ..sharding.comm import Round
-from ..sharding.layout import ColPiece, FlatPiece, put_piece, take_piece
+from ..sharding.fragment import Fragment
+from ..sharding.layout import ColPiece, FlatPiece, MatrixLayout, Piece, put_piece, take_piece
 from ..sharding.state_split import share, share_shape
 from .errors import CheckpointError
 from .files import FORMAT, _natural_view, piece_spec, write_part
@@ -60,7 +61,7 @@ class Record:
     kind: str
     shape: tuple[int, ...]
     view: tuple[int, int]
-    piece: FlatPiece | ColPiece
+    piece: Piece
     data: torch.Tensor
 
     @property
@@ -98,7 +99,7 @@ def _dist() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag) -> dict[str, torch.Tensor]:
+def _entries(opt: ShardedOptimizer, p: torch.Tensor, frag: Fragment) -> dict[str, torch.Tensor]:
     """State entries of one fragment: tensor-level ones plus its per-matrix ones."""
     st = opt.state.get(p, {})
     out = opt.tensor_entries(p, st)
@@ -171,7 +172,8 @@ def local_records(opt: ShardedOptimizer, include_params: bool = True) -> list[Re
                     if spec is None or spec[1] is None:
                         records.append(_whole(name, kind, value))
                         continue
-                    plan, (shape, dim) = found[0], spec
+                    assert found is not None  # spec came from it
+                    plan, shape, dim = found[0], spec[0], spec[1]
                     view, piece_type = _matrix_view(shape, dim)
                     lo, hi = share(plan, shape[dim], None, dim)
                     if hi > lo and value.numel():
@@ -226,15 +228,17 @@ def save_sharded(
     directory = os.path.dirname(os.path.abspath(path))
     stem = os.path.basename(path)[: -len(".safetensors")]
     if _dist():
-        gathered_d: list[Any] = [None] * world if rank == 0 else None
-        gathered_i: list[Any] = [None] * world if rank == 0 else None
+        gathered_d: list[Any] | None = [None] * world if rank == 0 else None
+        gathered_i: list[Any] | None = [None] * world if rank == 0 else None
         dist.gather_object(descs, gathered_d, dst=0)
         dist.gather_object(info, gathered_i, dst=0)
     else:
         gathered_d, gathered_i = [descs], [info]
     todo: list[Any] = [None]
     index: dict[str, Any] = {}
+    scatter: list[list[tuple[int, str]]] | None = None
     if rank == 0:
+        assert gathered_d is not None and gathered_i is not None  # rank 0 gathered them
         save_id = uuid.uuid4().hex[:8]
         plan = _assign(gathered_d, stem, save_id)
         for r, mine in enumerate(plan):
@@ -243,11 +247,10 @@ def save_sharded(
                 entry = index.setdefault(key, {"shape": shape, "view": view, "pieces": []})
                 entry["pieces"].append([file, f"{key}@{r}", *spec])
         scatter = plan
-    else:
-        scatter = None
     if _dist():
         dist.scatter_object_list(todo, scatter, src=0)
     else:
+        assert scatter is not None  # a single process is rank 0
         todo = [scatter[0]]
     by_file: dict[str, list[Record]] = {}
     for i, file in todo[0]:
@@ -292,7 +295,9 @@ class Source(Protocol):
 
     index: dict[str, dict]
 
-    def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None: ...
+    def fill(self, key: str, target: Piece, out: torch.Tensor) -> None: ...
+
+    def check_files(self, keys: Iterable[str]) -> None: ...
 
 
 class WholeTensors:
@@ -302,7 +307,7 @@ class WholeTensors:
         self.full = full
         self.index = {k: {"shape": list(v.shape), "view": _natural_view(tuple(v.shape))} for k, v in full.items()}
 
-    def fill(self, key: str, target: FlatPiece | ColPiece, out: torch.Tensor) -> None:
+    def fill(self, key: str, target: Piece, out: torch.Tensor) -> None:
         m, n = self.index[key]["view"]
         take_piece(self.full[key].reshape(m, n), target, out, (m, n))
 
@@ -310,7 +315,7 @@ class WholeTensors:
         return None
 
 
-def _target(source: Source, key: str, lay, frag_logical: tuple[int, ...]) -> FlatPiece | ColPiece:
+def _target(source: Source, key: str, lay: MatrixLayout, frag_logical: tuple[int, ...]) -> Piece:
     """This rank's piece of an element-wise tensor on the source's 2-D view of it."""
     m, n = source.index[key]["view"]
     if (m, n) == tuple(lay.shape):
@@ -385,7 +390,8 @@ def import_from(
         if spec is None or spec[1] is None:
             target[key] = _read_whole(source, k).to(device)
             continue
-        plan, (want, dim) = found[0], spec
+        assert found is not None  # spec came from it
+        plan, want, dim = found[0], spec[0], spec[1]
         if tuple(want) != shape:
             raise CheckpointError(
                 f"{k}: checkpoint shape {shape} does not match {tuple(want)} (another rank or "
@@ -442,10 +448,11 @@ def export_state(opt: ShardedOptimizer, include_params: bool = True) -> tuple[di
     for r in records:
         r.data = r.data.detach().float().cpu()
     if _dist():
-        gathered: list[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+        gathered: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
         dist.gather_object(records, gathered, dst=0)
         if dist.get_rank() != 0:
             return {}, {}
+        assert gathered is not None  # rank 0 gathered them
         records = [r for part in gathered for r in part]
     index: dict[str, dict] = {}
     for r in records:

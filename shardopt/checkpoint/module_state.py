@@ -11,10 +11,13 @@ plain or replicated tensor is written once (by the first rank holding it) and re
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 from ..sharding.layout import FlatPiece
 from .errors import CheckpointError
@@ -27,7 +30,7 @@ __all__ = ["check_module_state", "load_module_state", "missing_message", "module
 def module_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     """Frozen parameters (a tied one once, under its first name) and persistent buffers, by state-dict name.
     ZeRO-3's partitioned parameters are refused: its engine's checkpoints keep them (``engine.save_checkpoint``)."""
-    out = {n: p for n, p in model.named_parameters() if not p.requires_grad}
+    out: dict[str, torch.Tensor] = {n: p for n, p in model.named_parameters() if not p.requires_grad}
     zero3 = [n for n, p in model.named_parameters() if hasattr(p, "ds_id")]
     if zero3:
         raise CheckpointError(
@@ -50,12 +53,13 @@ def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int] | None:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    dt = cast("DTensor", t)  # it has placements
     if all(isinstance(pl, Replicate) for pl in placements):
-        return t.to_local(), 0, t.shape[0] if t.dim() else 1
+        return dt.to_local(), 0, t.shape[0] if t.dim() else 1
     if len(placements) != 1 or not isinstance(placements[0], Shard) or placements[0].dim != 0:
         return None
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
-    return t.to_local(), int(offset[0]), int(shape[0])
+    shape, offset = compute_local_shape_and_global_offset(t.shape, dt.device_mesh, dt.placements)
+    return dt.to_local(), int(offset[0]), int(shape[0])
 
 
 def module_records(model: nn.Module) -> list[Record]:
@@ -64,7 +68,8 @@ def module_records(model: nn.Module) -> list[Record]:
     records: list[Record] = []
     for name, t in module_tensors(model).items():
         shape = tuple(t.shape)
-        view = tuple(_natural_view(shape))
+        view_rows, view_cols = _natural_view(shape)
+        view = (view_rows, view_cols)
         key = f"{name}{SEP}{PARAM_KEY}"
         rows = _rows(t)
         if rows is not None and rows[2] != (shape[0] if shape else 1) and shape:  # a row shard
@@ -134,7 +139,8 @@ def load_module_state(reader: Any, model: nn.Module, strict: bool = True) -> lis
                 whole = reader.whole(key).to(t.dtype)
                 from torch.distributed.tensor import distribute_tensor
 
-                t.copy_(distribute_tensor(whole.view(shape), t.device_mesh, t.placements))
+                dt = cast("DTensor", t)  # it has full_tensor
+                t.copy_(distribute_tensor(whole.view(shape), dt.device_mesh, dt.placements))
                 continue
             buf = torch.empty(target.numel(), dtype=torch.float32)
             reader.fill(key, FlatPiece(0, target.numel()), buf)

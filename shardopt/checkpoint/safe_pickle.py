@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import io
 import pickle
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, cast
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
@@ -129,10 +129,11 @@ class SafeFileSystemReader(FileSystemReader):
         name = ".metadata" if rank is None else f"__{rank}.metadata"
         path = self.fs.concat_path(self.path, name)
         with self.fs.create_stream(path, "rb") as f:
-            metadata = load_dcp_metadata(f)
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+            metadata = load_dcp_metadata(cast(BinaryIO, f))  # opened "rb": a binary stream
+        storage_meta = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..optim.base import ShardedOptimizer
 from ..optim.registry import OPTIMIZERS
 from ..sharding.batched import BATCHED_NDIM, matrix_name
 from .errors import CheckpointError
@@ -17,7 +18,7 @@ from .safe_pickle import load_plain
 __all__ = ["optimizer_class", "logical_from_state_dicts", "batched_names", "counters", "read_ddp"]
 
 
-def optimizer_class(groups: list[dict]) -> type | None:
+def optimizer_class(groups: list[dict]) -> type[ShardedOptimizer] | None:
     """The shardopt class whose param groups these are (None: not a shardopt optimizer's state)."""
     if not any("treatment" in g for g in groups):
         return None

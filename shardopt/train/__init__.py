@@ -3,6 +3,8 @@
 Heavy imports (DeepSpeed, tokenizers, matplotlib) happen only when a run needs them.
 """
 
+from typing import Any
+
 from .config import TrainConfig, TrainConfigError, load_train_config
 from .model import PRESETS, Llama, LlamaConfig, model_config
 
@@ -19,7 +21,7 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in ("Trainer", "lr_lambda"):
         from . import trainer
 

@@ -171,6 +171,11 @@ class TrainConfig(_Strict):
         """``(json, section)``: the DeepSpeed JSON as read (``"shardopt"`` left in) and its ``"shardopt"``
         section parsed once (``shardopt.deepspeed.ShardoptSection``, None when absent)."""
         if self._deepspeed is None:
+            if self.engine.deepspeed_config is None:
+                raise TrainConfigError(
+                    f"engine.deepspeed_config is not set (engine.name is {self.engine.name!r}); the DeepSpeed "
+                    "JSON belongs to engine 'deepspeed' only"
+                )
             self._deepspeed = read_deepspeed_config(
                 self.engine.deepspeed_config, require_shardopt=self.optimizer is None
             )
@@ -320,6 +325,7 @@ def load_train_config(source: str | os.PathLike | Mapping[str, Any], overrides: 
                 f"of {sorted(OPTIMIZERS) + ['adamw']}"
             )
     if cfg.engine.name == "deepspeed":
+        assert cfg.engine.deepspeed_config is not None  # EngineSection._ds requires it for deepspeed
         path = resolve_path(cfg.engine.deepspeed_config, config_file)
         cfg.engine.deepspeed_config = path
         cfg._deepspeed = read_deepspeed_config(

@@ -27,10 +27,13 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import TYPE_CHECKING, Any, BinaryIO, Callable, Sequence
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 __all__ = [
     "EOS_TOKEN",
@@ -108,7 +111,7 @@ def split_documents(docs: Sequence[tuple[str, str]], n_val: int) -> tuple[list[t
 
 
 # ------------------------------------------------------------------------------------------- tokenizer
-def train_tokenizer(texts: Sequence[str], vocab_size: int):
+def train_tokenizer(texts: Sequence[str], vocab_size: int) -> Tokenizer:
     """A byte-level BPE (``tokenizers``) with ``<|endoftext|>`` as id 0."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -126,7 +129,7 @@ def train_tokenizer(texts: Sequence[str], vocab_size: int):
     return tok
 
 
-def _atomic_write(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def _atomic_write(path: Path, write: Callable[[BinaryIO], object]) -> None:
     """Write through a temporary file and a rename, so concurrent writers and crashes leave whole files. The
     file is created by ``os.open`` with mode 0666, so it gets the user's umask as ``open`` and ``torch.save``
     give (``tempfile.mkstemp`` would make it 0600: unreadable to colleagues sharing the cache)."""
@@ -188,7 +191,9 @@ def _broadcast_str(value: str | None) -> str:
         return value
     box = [value]
     dist.broadcast_object_list(box, src=0)
-    return box[0]
+    result = box[0]
+    assert result is not None  # rank 0 sends a str
+    return result
 
 
 def _barrier() -> None:
@@ -213,7 +218,7 @@ def prepare_data(
     val_fraction: float = 0.05,
     token_dtype: str = "uint16",
     cache_dir: str = "runs/cache",
-    log=print,
+    log: Callable[[str], object] = print,
 ) -> TokenData:
     """Tokenized train/validation splits (see the module docstring). Collective when a process group
     is initialized: call it on every rank."""
@@ -223,7 +228,7 @@ def prepare_data(
     docs = shakespeare_documents() if source == "shakespeare" else text_documents(path or "")
     if source == "text" and val_path:
         train_docs, val_docs = docs, text_documents(val_path)
-        split = ("files", val_path)
+        split: tuple[str, str | int | float] = ("files", val_path)
     elif len(docs) >= 2:
         train_docs, val_docs = split_documents(docs, min(max(1, val_documents), len(docs) - 1))
         split = ("docs", len(val_docs))
@@ -259,6 +264,7 @@ def prepare_data(
     tok = Tokenizer.from_str(tok_json)
     n_vocab = tok.get_vocab_size()
     eos_id = tok.token_to_id(EOS_TOKEN)
+    assert eos_id is not None  # the tokenizer is trained with it as a special token
     dtype = np.dtype(np.uint16 if n_vocab <= 65536 else np.uint32)
     train_file, val_file = cache / "train.npy", cache / "val.npy"
     if local_rank == 0 and not (train_file.exists() and val_file.exists()):

@@ -8,7 +8,7 @@ Linear/Embedding weight initialised N(0, 0.02) as in the GaLore-style benchmark 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +40,25 @@ class LlamaConfig:
         return asdict(self)
 
 
+class Preset(TypedDict):
+    """The LlamaConfig fields a preset sets (typed, so ``LlamaConfig(**preset)`` type-checks)."""
+
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_layers: int
+    max_seq_len: int
+
+
 # name -> (hidden, intermediate, heads, layers, sequence length used for training)
-PRESETS: dict[str, dict[str, int]] = {
-    "tiny": dict(hidden_size=128, intermediate_size=344, num_heads=4, num_layers=4, max_seq_len=128),
-    "20m": dict(hidden_size=256, intermediate_size=688, num_heads=4, num_layers=4, max_seq_len=256),
-    "60m": dict(hidden_size=512, intermediate_size=1376, num_heads=8, num_layers=8, max_seq_len=256),
-    "130m": dict(hidden_size=768, intermediate_size=2048, num_heads=12, num_layers=12, max_seq_len=256),
-    "350m": dict(hidden_size=1024, intermediate_size=2736, num_heads=16, num_layers=24, max_seq_len=256),
-    "1b": dict(hidden_size=2048, intermediate_size=5461, num_heads=32, num_layers=24, max_seq_len=256),
-    "7b": dict(hidden_size=4096, intermediate_size=11008, num_heads=32, num_layers=32, max_seq_len=256),
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(hidden_size=128, intermediate_size=344, num_heads=4, num_layers=4, max_seq_len=128),
+    "20m": Preset(hidden_size=256, intermediate_size=688, num_heads=4, num_layers=4, max_seq_len=256),
+    "60m": Preset(hidden_size=512, intermediate_size=1376, num_heads=8, num_layers=8, max_seq_len=256),
+    "130m": Preset(hidden_size=768, intermediate_size=2048, num_heads=12, num_layers=12, max_seq_len=256),
+    "350m": Preset(hidden_size=1024, intermediate_size=2736, num_heads=16, num_layers=24, max_seq_len=256),
+    "1b": Preset(hidden_size=2048, intermediate_size=5461, num_heads=32, num_layers=24, max_seq_len=256),
+    "7b": Preset(hidden_size=4096, intermediate_size=11008, num_heads=32, num_layers=32, max_seq_len=256),
 }
 
 
