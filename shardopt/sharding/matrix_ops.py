@@ -210,7 +210,8 @@ class MatrixOps:
             self.owners = self._assign_owners(layouts, strategy == "distributed")
         self.factor_owners = self._assign_factor_owners(layouts)
         self.split_roots = [
-            k == "team" and self._split_pays(i, len(self.teams[i]), self.teams[i]) for i, k in enumerate(self.kinds)
+            k == "team" and self._split_pays(i, len(self._members(i)), self._members(i))
+            for i, k in enumerate(self.kinds)
         ]
         self.plans: list[RowPlan] = []
         #: where each matrix's small state rests (shardopt.sharding.state_split)
@@ -219,7 +220,7 @@ class MatrixOps:
             if self.kinds[i] == "gather":
                 self.plans.append(RowPlan.owner(lay, t, self.owners[i]))
             elif self.kinds[i] == "team":
-                self.plans.append(RowPlan.team(lay, t, self.teams[i]))
+                self.plans.append(RowPlan.team(lay, t, self._members(i)))
             else:
                 self.plans.append(RowPlan.aligned(lay, t))
             self.placements.append(
@@ -238,7 +239,7 @@ class MatrixOps:
         and ``gather``, the team's size, or the group's size under ``distributed``; the same on every rank."""
         kind = self.kinds[i]
         if kind == "team":
-            return len(self.teams[i])
+            return len(self._members(i))
         if kind == "distributed":
             return self._layouts[i].world
         return 1
@@ -380,6 +381,12 @@ class MatrixOps:
             self._apply_team_plan(idx, plan, owners)
         return owners
 
+    def _members(self, i: int) -> tuple[int, ...]:
+        """Matrix ``i``'s team (every matrix of kind "team" has one; the others None)."""
+        team = self.teams[i]
+        assert team is not None, f"matrix {i} is of kind {self.kinds[i]!r}, not 'team'"
+        return team
+
     def team_sets(self) -> list[tuple[int, ...]]:
         """The teams of this plan smaller than their process group, as ranks of the default group (what
         ``teams.create_team_groups`` makes groups for)."""
@@ -387,7 +394,7 @@ class MatrixOps:
 
         out = set()
         for kind, team, plan in zip(self.kinds, self.teams, self.plans):
-            if kind == "team" and len(team) < plan.layout.world:
+            if kind == "team" and team is not None and len(team) < plan.layout.world:
                 out.add(global_team(plan.layout.group, team))
         return sorted(out)
 
@@ -414,7 +421,7 @@ class MatrixOps:
             by_team: dict[tuple, dict[int, torch.Tensor]] = {}
             for i in sorted(inputs):
                 if self.split_roots[i]:
-                    by_team.setdefault(self.teams[i], {})[i] = inputs.pop(i)
+                    by_team.setdefault(self._members(i), {})[i] = inputs.pop(i)
             for team in sorted(by_team):
                 lay = self.plans[next(iter(by_team[team]))].layout
                 rows = RowExchange(team_group(lay.group, team), team.index(lay.rank), len(team))
@@ -475,7 +482,7 @@ class MatrixOps:
                 rounds=2.0 if moved else 0.0,
             )
         if kind == "team":
-            return self._team_cost(i, size or len(self.teams[i]), owner, rank)
+            return self._team_cost(i, size or len(self._members(i)), owner, rank)
         world = lay.world
         c = self.cost_of(i, world)
         if bound:
@@ -515,7 +522,7 @@ class MatrixOps:
         if rank is not None and self.kinds[i] == "team" and i < len(self.plans):
             plan = self.plans[i]
             a0, a1 = plan.rows(rank)
-            member = rank in self.teams[i]
+            member = rank in self._members(i)
             block = (a1 - a0) * cols
             back = block - (plan.moved(rank, rank) if block else 0)  # its rows' elements held by other ranks
             out = plan.sent[rank]  # its piece's elements in the members' rows
@@ -739,7 +746,9 @@ class MatrixOps:
         if best is not None:
             self._apply_team_plan(*best, owners)
 
-    def _capacity(self, idx: Sequence[int], world: int, held: float, force: bool = False):
+    def _capacity(
+        self, idx: Sequence[int], world: int, held: float, force: bool = False
+    ) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
         """The memory budget as ``teams.pack`` asks it: ``cap(held, largest, share)`` per rank (tensors), whether
         ``share`` more small state fits a rank that keeps ``held`` (plus ``held`` of evenly spread state) and
         whose largest owned share is ``largest``. ``force``: no budget (a forced strategy)."""
@@ -903,11 +912,11 @@ class MatrixOps:
                 c = StepCost(sent=_B * piece * self.costs[i].channels, received=_B * piece, rounds=2.0)
                 c = c.on_node() if self._group_on_node(i) else c
             elif kind == "team":
-                c = self._team_cost(i, len(self.teams[i]), self.factor_owners[i] == r, rank=r)
+                c = self._team_cost(i, len(self._members(i)), self.factor_owners[i] == r, rank=r)
             else:
                 c = self.op_cost(i, kind, owner=kind != "distributed" or self.factor_owners[i] == r)
             # rounds are bucketed: per strategy (per team: each has its own group), the most of its matrices
-            key = (kind, self.teams[i] if kind == "team" and r in self.teams[i] else None)
+            key = (kind, self._members(i) if kind == "team" and r in self._members(i) else None)
             if c.sent or c.received:
                 used[key] = max(used.get(key, 0.0), c.rounds)
             if c.node_sent or c.node_received:
@@ -927,7 +936,11 @@ class MatrixOps:
         }
 
     def modeled_payload(
-        self, rank: int | None = None, state_share=None, refresh: bool = False, steps: int | None = None
+        self,
+        rank: int | None = None,
+        state_share: Callable[[int, int], float] | None = None,
+        refresh: bool = False,
+        steps: int | None = None,
     ) -> dict[str, float]:
         """Bytes ``rank`` hands to collectives per step by ``collective_counter`` tag (what ``comm_stats``
         records: the send buffer of each call), as the plan predicts them: ``gather`` (pieces to owners or
@@ -953,11 +966,11 @@ class MatrixOps:
                 a0, a1 = plan.rows(r)
                 back = (a1 - a0) * plan.a_shape[1] - (plan.moved(r, r) if a1 > a0 else 0)
                 out["gather"] += _B * (c.channels * plan.sent[r] + back)
-                if r in self.teams[i]:
+                if r in self._members(i):
                     if self.split_roots[i]:  # its blocks of the split root's all-gathers, no shared result
                         from .iterative import split_exchange
 
-                        g = len(self.teams[i])
+                        g = len(self._members(i))
                         gathers, _ = split_exchange(steps or c.split_steps, c.split_residual, c.split_form)
                         out["distributed"] += (
                             _B * (c.reduced + (c.refresh_reduced if refresh else 0.0))
@@ -967,7 +980,7 @@ class MatrixOps:
                     else:
                         out["distributed"] += _B * (c.reduced + c.shared + (c.refresh_reduced if refresh else 0.0))
                     out["state"] += _B * (
-                        state_share(i, r) if state_share is not None else c.moving_state / len(self.teams[i])
+                        state_share(i, r) if state_share is not None else c.moving_state / len(self._members(i))
                     )
             elif kind == "distributed":
                 plan = RowPlan.aligned(lay, self._transposes[i])
@@ -987,7 +1000,7 @@ class MatrixOps:
             if kind == "gather":
                 owner = str(self.owners[i])
             elif kind == "team":
-                team = self.teams[i]
+                team = self._members(i)
                 owner = (
                     f"{team[0]}-{team[-1]}" if team == tuple(range(team[0], team[-1] + 1)) else ",".join(map(str, team))
                 )
@@ -1010,7 +1023,7 @@ class MatrixOps:
             return c.state + c.reduced
         if self.kinds[i] == "team":
             a0, a1 = plan.rows(r)
-            return c.state + c.reduced + (a1 - a0) * plan.a_shape[1] if r in self.teams[i] else 0.0
+            return c.state + c.reduced + (a1 - a0) * plan.a_shape[1] if r in self._members(i) else 0.0
         if self.kinds[i] == "gather":
             m, n = plan.a_shape
             return c.state + c.reduced + m * n if self.owners[i] == r else 0.0
@@ -1076,7 +1089,7 @@ class MatrixOps:
             c = self.cost_of(i)
             m, n = plan.a_shape
             # on its owner a gathered matrix is whole, on a team member one share of its rows
-            whole = m * n if kind == "gather" else -(-m // len(self.teams[i])) * n if kind == "team" else 0
+            whole = m * n if kind == "gather" else -(-m // len(self._members(i))) * n if kind == "team" else 0
             size = c.state + c.reduced + whole
             if not out or used + size > limit:
                 out.append([])
@@ -1091,7 +1104,7 @@ class MatrixOps:
         if kind == "gather":
             return self.owners[i] == self.plans[i].layout.rank
         if kind == "team":
-            return self.plans[i].layout.rank in self.teams[i]
+            return self.plans[i].layout.rank in self._members(i)
         return True
 
     def rows(self, i: int) -> tuple[int, int]:
@@ -1201,7 +1214,7 @@ class MatrixOps:
                 else 0.0
             )
             if self.split_roots[i]:  # every member its rows of the root's products
-                small = c.small_matmul * self._split_share(c, len(self.teams[i]))
+                small = c.small_matmul * self._split_share(c, len(self._members(i)))
             totals[self.kinds[i]] = totals.get(self.kinds[i], 0.0) + c.row_flops * share + small
         return totals
 
@@ -1231,7 +1244,8 @@ def _triu(k: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     key = (k, str(device))
     found = _TRIU.get(key)
     if found is None:
-        found = _TRIU[key] = tuple(torch.triu_indices(k, k, device=device).unbind(0))
+        rows, cols = torch.triu_indices(k, k, device=device).unbind(0)
+        found = _TRIU[key] = (rows, cols)
     return found
 
 
