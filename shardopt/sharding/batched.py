@@ -42,18 +42,19 @@ def split_flat(frag: Fragment) -> list[Fragment]:
         raise ValueError(f"{frag.name!r}: a batched matrix parameter is 3-D (experts, rows, columns), got {shape}")
     count, m, n = (int(s) for s in shape)
     lay = frag.layout
-    if any(not isinstance(p, FlatPiece) for p in lay.pieces):
+    flats = [p for p in lay.pieces if isinstance(p, FlatPiece)]
+    if len(flats) != len(lay.pieces):
         raise NotImplementedError(
             f"{frag.name!r} of shape {shape}: its layout cuts the parameter other than into element ranges "
             f"({lay.pieces[lay.rank]}); shardopt splits such a batched parameter into matrices from DTensor "
             "placements or flat partitions only"
         )
     size = m * n
-    mine = lay.pieces[lay.rank]
+    mine = flats[lay.rank]
     out = []
     for e in range(count):
         base = e * size
-        pieces = [FlatPiece(min(max(p.lo - base, 0), size), min(max(p.hi - base, 0), size)) for p in lay.pieces]
+        pieces = [FlatPiece(min(max(p.lo - base, 0), size), min(max(p.hi - base, 0), size)) for p in flats]
         here = pieces[lay.rank]
         offset = frag.offset + max(mine.lo, base) - mine.lo if here.numel else 0
         out.append(

@@ -25,9 +25,12 @@ import collections
 import contextlib
 import functools
 import math
-from typing import Iterator
+from typing import TYPE_CHECKING, Iterator
 
 import torch
+
+if TYPE_CHECKING:
+    from .teams import RowExchange
 
 __all__ = [
     "RESIDUAL_TOL",
@@ -91,6 +94,7 @@ def scaled_schedule(y0: float, tol: float = 1e-10) -> tuple[float, ...] | None:
     iteration still converges to ``(A / s)^{-1/2}`` and the residual check still decides."""
     if not y0 > 0.0 or steps_to_converge(y0, tol) > MAX_STEPS:
         return None
+    scales: list[float]
     lo, hi, scales = math.sqrt(min(y0, 1.0)), 1.0, []
     while 1.0 - lo * lo > tol or hi * hi - 1.0 > tol:
         if len(scales) >= MAX_STEPS:
@@ -169,7 +173,7 @@ def split_exchange(steps: int, residual: bool, form: str = "coupled") -> tuple[i
 
 
 def inverse_newton(
-    a: torch.Tensor, s: torch.Tensor, scales: tuple[float, ...], rows=None
+    a: torch.Tensor, s: torch.Tensor, scales: tuple[float, ...], rows: RowExchange | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The checked roots' iteration: ``(a / s)^{-1/2}`` of a ``(B, k, k)`` stack (float64, symmetric PSD; ``s``:
     one scale each, every eigenvalue of ``a / s`` in ``(0, 1]``) by the scaled iteration of ``scales``
@@ -205,7 +209,7 @@ def coupled_iteration_rows(
     a: torch.Tensor,
     s: torch.Tensor,
     steps: int,
-    rows,
+    rows: RowExchange,
     residual: bool = False,
     scales: tuple[float, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -246,7 +250,7 @@ def coupled_iteration_rows(
     return z, res
 
 
-def coupled_inverse_sqrt_rows(a: torch.Tensor, steps: int, floor: float, rows) -> torch.Tensor:
+def coupled_inverse_sqrt_rows(a: torch.Tensor, steps: int, floor: float, rows: RowExchange) -> torch.Tensor:
     """``matfun.coupled_inverse_sqrt`` (SWAN's whitening root) of a ``(B, k, k)`` stack with its products split
     over a team (``coupled_iteration_rows``): the same scale, steps and result on every member."""
     s = torch.linalg.matrix_norm(a).clamp(min=floor)
@@ -255,7 +259,7 @@ def coupled_inverse_sqrt_rows(a: torch.Tensor, steps: int, floor: float, rows) -
     return z / s.sqrt()[..., None, None]
 
 
-def inverse_sqrt_checked_rows(a: torch.Tensor, floor: float, rows) -> tuple[torch.Tensor, torch.Tensor]:
+def inverse_sqrt_checked_rows(a: torch.Tensor, floor: float, rows: RowExchange) -> tuple[torch.Tensor, torch.Tensor]:
     """``inverse_sqrt_checked`` with the iteration's products split over a team (``coupled_iteration_rows``):
     the same step count (from the same whole ``a`` on every member), the same residual test."""
     s = torch.linalg.matrix_norm(a)
@@ -310,6 +314,7 @@ def polar_from_gram_checked(
     z, residual = coupled_iteration(
         gram, s.clamp(min=torch.finfo(gram.dtype).tiny), min(steps, MAX_STEPS), residual=True
     )
+    assert residual is not None  # residual=True
     out = (z / s.sqrt()[:, None, None]) @ a
     ok = (info == 0) & torch.isfinite(residual) & (residual <= RESIDUAL_TOL) & (steps <= MAX_STEPS)
     return (out if wide else out.mT), ok

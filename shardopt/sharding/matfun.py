@@ -48,7 +48,12 @@ Iteration = Generator[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def newton_schulz_iteration(
-    x: torch.Tensor, steps: int, coefficients=MUON_COEFFICIENTS, eps: float = 1e-7, gram_products: bool = False, mm=None
+    x: torch.Tensor,
+    steps: int,
+    coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
+    eps: float = 1e-7,
+    gram_products: bool = False,
+    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> Iteration:
     """Quintic Newton-Schulz on the wide orientation ``x`` (``k x l``, ``k <= l``), or on a block of its
     columns when they are spread over ranks; batched over leading dimensions (``(..., k, l)``: one kernel per
@@ -70,7 +75,7 @@ def newton_schulz_iteration(
     a, b, c = coefficients
     if x.dim() == 2:
         norm = yield x.norm()
-        addmm = torch.addmm
+        addmm: Callable[..., torch.Tensor] = torch.addmm
     else:
         norm = yield torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True)
         addmm = torch.baddbmm
@@ -115,10 +120,10 @@ def complete_locally(iteration: Iteration) -> torch.Tensor:
 def newton_schulz(
     g: torch.Tensor,
     steps: int = 5,
-    coefficients=MUON_COEFFICIENTS,
+    coefficients: tuple[float, float, float] = MUON_COEFFICIENTS,
     eps: float = 1e-7,
     dtype: torch.dtype = torch.float32,
-    mm=None,
+    mm: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Approximate orthogonalization ``U V^T`` of ``g`` (singular values land near 1), run in ``dtype`` on the
     wide orientation, returned in fp32; ``g`` may be a ``(B, m, n)`` stack of same-shape matrices (one batched

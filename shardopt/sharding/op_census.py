@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -25,7 +25,7 @@ __all__ = ["FACTORIZATIONS", "OpCensus", "census"]
 aten = torch.ops.aten
 
 
-def _k_m_n(shape) -> tuple[int, int, int]:
+def _k_m_n(shape: Sequence[int]) -> tuple[int, int, int]:
     *batch, m, n = shape
     count = 1
     for b in batch:
@@ -33,27 +33,29 @@ def _k_m_n(shape) -> tuple[int, int, int]:
     return count, max(m, n), min(m, n)
 
 
-def _eigh_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
+def _eigh_flops(a_shape: Sequence[int], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     count, n, _ = _k_m_n(a_shape)
     return count * 10 * n**3
 
 
-def _svd_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
+def _svd_flops(a_shape: Sequence[int], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     count, m, n = _k_m_n(a_shape)
     return count * (4 * m * n * n + 22 * n**3)
 
 
-def _qr_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
+def _qr_flops(a_shape: Sequence[int], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     count, m, n = _k_m_n(a_shape)
     return count * 4 * m * n * n
 
 
-def _cholesky_flops(a_shape, *args, out_shape=None, **kwargs) -> int:
+def _cholesky_flops(a_shape: Sequence[int], *args: Any, out_shape: Any = None, **kwargs: Any) -> int:
     count, n, _ = _k_m_n(a_shape)
     return count * n**3 // 3
 
 
-def _triangular_flops(a_shape, b_shape, *args, out_shape=None, left: bool = True, **kwargs) -> int:
+def _triangular_flops(
+    a_shape: Sequence[int], b_shape: Sequence[int], *args: Any, out_shape: Any = None, left: bool = True, **kwargs: Any
+) -> int:
     """``n^2`` per solved vector: ``B``'s columns (``left``) or rows (``X A = B``), over the broadcast batch."""
     n = a_shape[-1]
     batch = 1
@@ -90,8 +92,8 @@ def census(into: OpCensus | None = None) -> Iterator[OpCensus]:
     """Counts the FLOPs and factorization calls of the block into ``into`` (a fresh census by default)."""
     out = into if into is not None else OpCensus()
 
-    def counted(kind: str, flops):
-        def formula(*args, **kwargs) -> int:
+    def counted(kind: str, flops: Callable[..., int]) -> Callable[..., int]:
+        def formula(*args: Any, **kwargs: Any) -> int:
             out.calls[kind] = out.calls.get(kind, 0) + 1
             return flops(*args, **kwargs)
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
@@ -162,7 +162,7 @@ def model_arrival_dtypes(model: torch.nn.Module) -> dict[str, torch.dtype]:
     return out
 
 
-def record_arrival_dtypes(opt: object, dtypes: dict[str, torch.dtype]) -> None:
+def record_arrival_dtypes(opt: Any, dtypes: dict[str, torch.dtype]) -> None:
     """Remember, on ``opt``, the precision each named matrix's gradient arrives in (``arrival_dtype`` reads it)."""
     recorded = getattr(opt, "grad_dtypes", None)
     if recorded is None:

@@ -9,6 +9,8 @@ matrix comes from ``seeded_normal``: the same draw on every rank and at every wo
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 
 from .draws import seeded_normal
@@ -75,7 +77,9 @@ def range_basis(
     # rows of this rank within each group's whole tall matrices (a block of them under the distributed strategy)
     mine = [slice(*ops.rows(g[0])) for g in members]
 
-    def reduced(reduce, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+    def reduced(
+        reduce: Callable[[dict[int, torch.Tensor]], dict[int, torch.Tensor]], parts: list[torch.Tensor]
+    ) -> list[torch.Tensor]:
         """One ``reduce`` (assemble or all-reduce) over every group's stacked partial results."""
         done = reduce({i: p[j] for g, p in zip(members, parts) for j, i in enumerate(g)})
         return [
@@ -90,7 +94,7 @@ def range_basis(
         y = reduced(ops.assemble, [ag @ zg for ag, zg in zip(a, z)])
         y = [orthonormal(yg) for yg in y]
     b = reduced(ops.allreduce, [yg[:, s].mT @ ag for ag, yg, s in zip(a, y, mine)])
-    out = {}
+    out: dict[int, torch.Tensor] = {}
     for g, yg, bg in zip(members, y, b):
         r = ranks[g[0]]
         rows = ops.plans[g[0]].a_shape[0]

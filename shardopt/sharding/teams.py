@@ -99,6 +99,7 @@ def pack(
         share = state[i] / g
         if g == 1 and sole[i] is not None:
             r = sole[i]
+            assert r is not None  # checked above
             if not bool(cap(held[r : r + 1], largest[r : r + 1], share)[0]):
                 return None
             members[i], factor[i] = (r,), r

@@ -173,7 +173,7 @@ def resolve_profile(spec: Any, device_type: str | None = None) -> HardwareProfil
         base = PROFILES[str(spec.get("base", "gpu"))] if spec.get("base", "gpu") in PROFILES else None
         if base is None:
             raise ValueError(f"matrix_ops.profile.base must be one of {sorted(PROFILES)}, got {spec.get('base')!r}")
-        values = {}
+        values: dict[str, Any] = {}
         for key, value in spec.items():
             if key == "base" or value is None:
                 continue
