@@ -91,7 +91,7 @@ def module_extras(
     from ..checkpoint.logical import PARAM_KEY, SEP
 
     saved = (checkpoint or {}).get("module") or {}
-    targets = {n: p for n, p in module.named_parameters() if not p.requires_grad}
+    targets: dict[str, torch.Tensor] = {n: p for n, p in module.named_parameters() if not p.requires_grad}
     targets.update(persistent_buffers(module))
     found: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     missing: list[str] = []
@@ -214,6 +214,7 @@ def load_resharded(
     if checkpoint is None:  # converted: no DeepSpeed files, the client state travelled in shardopt's metadata
         return ours, dict(extra.get("client_state") or {})
     engine.loaded_checkpoint_dp_world_size = checkpoint.get("dp_world_size")
+    assert load_path is not None  # read_model_states gives both or neither
     return load_path, client_state(checkpoint, load_optimizer_states, load_lr_scheduler_states, load_module_only)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 import os
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping, Sequence
 
 import pydantic
 import torch
@@ -205,7 +205,7 @@ def _flat_layouts(
     world: int,
     group: Any,
     names: Mapping[int, str],
-    shape_of,
+    shape_of: Callable[[torch.Tensor], Sequence[int]],
 ) -> list[Fragment]:
     """Fragments of parameters concatenated at ``offsets`` into a flat buffer cut into ``world`` parts of
     ``partition`` elements (ZeRO-1/2 and the bf16 ZeRO-1 wrapper; ``zero_layouts.flat_fragments``)."""
@@ -214,8 +214,9 @@ def _flat_layouts(
     )
 
 
-def expert_layers(model: nn.Module | None) -> list[tuple[str, nn.Module]]:
-    """The ``deepspeed.moe.layer.MoE`` layers of ``model``, with their module names."""
+def expert_layers(model: nn.Module | None) -> list[tuple[str, Any]]:
+    """The ``deepspeed.moe.layer.MoE`` layers of ``model``, with their module names (``Any``: DeepSpeed is untyped,
+    and its attributes, ``deepspeed_moe.experts...``, are no ``nn.Module`` attributes to mypy)."""
     try:
         from deepspeed.moe.layer import MoE
     except ImportError:  # pragma: no cover - deepspeed without its moe package
@@ -406,7 +407,7 @@ def balance_stage_norms(engine: Any) -> None:
         return
     original = wrapper.scaled_global_norm
 
-    def scaled_global_norm(norm_type: int = 2) -> torch.Tensor:
+    def scaled_global_norm(norm_type: int = 2) -> torch.Tensor | float:
         norm = original(norm_type)
         from deepspeed.accelerator import get_accelerator
 
@@ -529,7 +530,9 @@ def _skips_nonfinite_steps(wrapper: Any) -> bool:
     return False
 
 
-def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], **kwargs: Any):
+def initialize(
+    model: nn.Module, config: str | os.PathLike | Mapping[str, Any], **kwargs: Any
+) -> tuple[Any, Any, Any, Any]:
     """``deepspeed.initialize`` with the optimizer from the config's ``"shardopt"`` section.
 
     Returns what ``deepspeed.initialize`` returns: ``(engine, optimizer, dataloader, lr_scheduler)``.
@@ -559,6 +562,7 @@ def initialize(model: nn.Module, config: str | os.PathLike | Mapping[str, Any], 
         roles=pipeline_roles(model) if stage is not None else None,
     )
     if stage is not None:
+        assert unused is not None  # a list whenever there is a stage
         check_pipeline_stages(stage, groups, unused)
     cls = optimizer_class(section.optimizer)
     built: dict[str, ShardedOptimizer] = {}
@@ -600,6 +604,8 @@ def _sync_bit16_params(engine: Any, reader: Any, names: Mapping[int, str]) -> No
     with torch.no_grad():
         for p in engine.module.parameters():
             name = names.get(id(p))
+            if name is None:  # not a parameter the checkpoint names: fill_param_range would find nothing for it
+                continue
             numel = int(getattr(p, "ds_numel", p.numel()))
             if hasattr(p, "ds_tensor"):  # ZeRO-3: this rank's padded partition of the flat parameter
                 part = p.ds_tensor.numel()
@@ -724,7 +730,7 @@ def install_checkpoint_hooks(engine: Any, opt: ShardedOptimizer, names: Mapping[
 
         # Decide on rank 0 and share it: the two paths issue different collectives, so a rank that sees the
         # files differently (node-local disk, a lagging shared filesystem) must not choose on its own.
-        decision = [None, None, None]
+        decision: list[Any] = [None, None, None]  # tag, use_ours, problem
         if dist.get_rank() == 0:
             t, use_ours = tag, False
             try:

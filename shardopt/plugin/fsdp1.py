@@ -29,11 +29,15 @@ from __future__ import annotations
 import math
 import sys
 import weakref
-from typing import Any, NamedTuple
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp._flat_param import FlatParameter
 
 from ..optim.hooks import (
     register_model_inspector,
@@ -116,7 +120,7 @@ def _shard_group(handle: Any) -> tuple[int, int, Any]:
     return handle.world_size, handle.rank, handle.process_group
 
 
-def _originals(flat: torch.Tensor, world: int, chunk: int) -> list[tuple[tuple[int, ...], int, list | None]]:
+def _originals(flat: FlatParameter, world: int, chunk: int) -> list[tuple[tuple[int, ...], int, list | None]]:
     """``(shape, offset, pieces)`` of each original parameter of ``flat``, in its order: where it starts in the
     unsharded flat parameter (padding skipped) and every rank's piece of it (``flat_pieces``; None unsharded)."""
     out, offset, real = [], 0, 0
@@ -159,7 +163,7 @@ def _flat_views(
     model: nn.Module,
     module: nn.Module,
     prefixes: dict[int, str],
-    flat: torch.Tensor,
+    flat: FlatParameter,
     originals: list,
     rank: int,
     chunk: int,
@@ -270,7 +274,7 @@ def refuse_fsdp1_optim_state_dict(optimizer: Any) -> None:
     ``FSDP.state_dict_type`` checkpoints, DCP ``get_state_dict``) reshapes every state tensor like its parameter's
     flat shard, which shardopt's row, column and low-rank state is not: it would fail deep inside FSDP or write a
     wrong file. Refuse it by name, pointing at shardopt's logical checkpoints (which reshard to FSDP2 and ZeRO)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     while frame is not None:
         code = frame.f_code
         if any(

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.logical import PARAM_KEY, SEP, import_from, local_records
-from ..sharding.layout import put_piece, take_piece
+from ..sharding.layout import Piece, put_piece, take_piece
 
 __all__ = ["model_space_state", "load_model_space", "PREFIX"]
 
@@ -35,7 +35,7 @@ def _tp_origin(p: torch.Tensor, view: tuple[int, int]) -> tuple[int, int, tuple[
     from megatron.core import parallel_state as ps
 
     t, world = ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()
-    if int(p.partition_dim) == 0 or p.dim() == 1:
+    if int(p.partition_dim) == 0 or p.dim() == 1:  # type: ignore[attr-defined]  # set by Megatron's TP layers
         rows = m // world
         return t * rows, 0, (rows, n)
     cols = n // world
@@ -222,7 +222,7 @@ class _ModelSpace:
                 self.index[key] = {"shape": shape, "view": view}
                 self.data[key] = (tensor.reshape(view).float(), 0, 0)
 
-    def fill(self, key: str, target, out: torch.Tensor) -> None:
+    def fill(self, key: str, target: Piece, out: torch.Tensor) -> None:
         local, r0, c0 = self.data[key]
         take_piece(local, target, out, tuple(self.index[key]["view"]), (r0, c0))
 

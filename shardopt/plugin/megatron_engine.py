@@ -32,7 +32,7 @@ from ..optim.registry import build_param_groups, optimizer_class, validate_hyper
 from ..optim.routing import ConfigError, RoleTable
 from ..sharding.discover import matrix_shape
 from ..sharding.fragment import Fragment
-from ..sharding.layout import ColFlatPiece, FlatPiece, MatrixLayout
+from ..sharding.layout import ColFlatPiece, FlatPiece, MatrixLayout, Piece
 from .zero_layouts import flat_pieces
 
 __all__ = [
@@ -51,8 +51,8 @@ class MegatronError(ConfigError):
 
 def unwrap(chunk: nn.Module) -> nn.Module:
     """The model inside Megatron's wrappers (``DistributedDataParallel``, ``Float16Module``)."""
-    while isinstance(getattr(chunk, "module", None), nn.Module):
-        chunk = chunk.module
+    while isinstance(inner := getattr(chunk, "module", None), nn.Module):
+        chunk = inner
     return chunk
 
 
@@ -131,7 +131,7 @@ def global_named_parameters(model_chunks: Sequence[nn.Module]) -> list[tuple[str
     """Every parameter under the name one process gives it: Megatron's wrappers stripped, decoder layers numbered by
     their global ``layer_number`` (a pipeline stage numbers its own layers from 0; so do the chunks of a virtual
     pipeline). Seeded draws and checkpoints key on these names, so every topology agrees."""
-    out = []
+    out: list[tuple[str, torch.Tensor]] = []
     for chunk in model_chunks:
         model = unwrap(chunk)
         prefix = ""
@@ -213,11 +213,11 @@ def _tp_pieces(
     coords: list[tuple[int, int]],
     dim: int,
     local: tuple[int, int],
-) -> list:
+) -> list[Piece]:
     """Every tensor x data-parallel rank's piece of the logical matrix: this rank's tensor-parallel shard (rows
     ``dim == 0``, columns ``dim == 1`` of the logical ``(m, n)``) cut flat as the data-parallel pieces say."""
     m_loc, n_loc = local
-    out = []
+    out: list[Piece] = []
     for t, d in coords:
         piece = dp_pieces[d]
         if dim == 0:
@@ -230,7 +230,8 @@ def _tp_pieces(
 
 def megatron_layouts(buffers: Sequence[Any], names: Mapping[int, str]) -> dict[int, tuple[MatrixLayout, tuple]]:
     """``id(model param) -> (layout, logical shape)`` for every parameter of Megatron's grad ``buffers``."""
-    out, groups = {}, {}
+    out: dict[int, tuple[MatrixLayout, tuple]] = {}
+    groups: dict[int, tuple[Any, list[tuple[int, int]], int]] = {}  # _tp_and_dp's cache
     for buf in buffers:
         dp_group = buf.data_parallel_group
         dp, dp_rank = dist.get_world_size(dp_group), dist.get_rank(dp_group)
@@ -274,7 +275,7 @@ def get_megatron_optimizer(
     use_gloo_process_groups: bool = True,
     pg_collection: Any = None,
     **hyperparameters: Any,
-):
+) -> Any:
     """Megatron's ``DistributedOptimizer`` stepping shardopt optimizer ``optimizer`` (``megatron.core.optimizer.
     get_megatron_optimizer``'s shape): Megatron's training loop drives it unchanged (``step() -> (update_successful,
     grad_norm, num_zeros_in_grad)``, ``zero_grad``, ``get_loss_scale``, ``reload_model_params``, ``state_dict`` and
@@ -486,11 +487,11 @@ def _make_wrapper_class():
 
         def sharded_state_dict(
             self,
-            model_sharded_state_dict=None,
+            model_sharded_state_dict: dict | None = None,
             is_loading: bool = False,
             sharding_type: str | None = None,
             metadata: dict | None = None,
-        ):
+        ) -> dict:
             """shardopt's state for ``megatron.core.dist_checkpointing`` in model space: every parameter's element-wise
             state (and fp32 main values) as its tensor-parallel shard under the model's sharded key, other state whole;
             data-parallel size free on reload."""
@@ -504,9 +505,9 @@ def _make_wrapper_class():
 class _LazyClass:
     """The wrapper class is made on first use, so importing this module needs no Megatron-core."""
 
-    cls = None
+    cls: type | None = None
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if _LazyClass.cls is None:
             _LazyClass.cls = _make_wrapper_class()
         return _LazyClass.cls(*args, **kwargs)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import sys
 import warnings
 import weakref
-from types import SimpleNamespace
+from types import FrameType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -97,7 +97,7 @@ def find_deepspeed_caller(opt: Any) -> tuple[Any, Any]:
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     wrapper = engine = None
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(_MAX_FRAMES):
         if frame is None:
             break
@@ -198,7 +198,7 @@ def check_stepped_tensors(opt: Any) -> None:
 def _trainer_model(max_frames: int = 12) -> Any:
     """The model of a ``transformers.Trainer.create_optimizer`` that is constructing an optimizer right now
     (``optimizer_cls_and_kwargs=(SCALE, ...)``), else None."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(max_frames):
         if frame is None:
             return None
@@ -261,7 +261,7 @@ class _WatchEngine:
             return
         from deepspeed.runtime.engine import DeepSpeedEngine
 
-        frame = sys._getframe(1)
+        frame: FrameType | None = sys._getframe(1)
         for _ in range(_MAX_FRAMES):
             if frame is None:
                 return
