@@ -72,7 +72,7 @@ def test_the_wheel_holds_the_package_and_nothing_else(dist):
     folders = {p.rsplit("/", 1)[0] for p in package if p.endswith(".py")}
     assert all(f"{f}/__init__.py" in package for f in folders), sorted(folders)
     assert not package - names, f"{dist['wheel'].name} lacks {sorted(package - names)}"
-    # py.typed and any other data file of the package travel as well: every file under shardopt/ was compared
+    assert "shardopt/py.typed" in names, "the PEP 561 marker: type checkers read the installed package's hints"
     extra = sorted(n for n in names if not n.startswith(info + "/") and n not in package)
     assert not extra, f"{dist['wheel'].name} holds files the package does not have (tests? examples?): {extra}"
     assert {n.split("/")[0] for n in names} == {"shardopt", info}
