@@ -201,7 +201,7 @@ def fsdp1_optimizer_io(module_name: str) -> Iterator[None]:
     which ``accelerate.accelerator`` and ``transformers.trainer`` call) write and read a shardopt optimizer's logical
     state (``shardopt.checkpoint``: any world size, FSDP2 and DeepSpeed load it) under legacy FSDP, instead of
     FSDP1's optimizer state dict; everything else goes to accelerate's functions unchanged."""
-    module = sys.modules.get(module_name)
+    module: Any = sys.modules.get(module_name)  # accelerate's or transformers': its functions are patched below
     if module is None or not hasattr(module, "save_fsdp_optimizer"):
         yield
         return

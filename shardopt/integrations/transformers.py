@@ -30,7 +30,7 @@ from typing import Any, Mapping
 
 import pydantic
 
-from ..optim.config import format_errors
+from ..optim.config import OptimizerConfig, format_errors
 from ..optim.registry import OPTIMIZERS, ConfigError, build_optimizer, validate_hyperparameters
 from ..plugin.deepspeed_engine import ShardoptSection, apply_offload_keys
 from .accelerate import patch_prepare, with_fsdp1_optimizer_io
@@ -57,7 +57,7 @@ def _deepspeed_config(trainer: Any) -> dict[str, Any] | None:
 
 def resolve_settings(
     trainer: Any, optimizer: str | None, routing: Mapping[str, str] | None, hyperparameters: Mapping[str, Any]
-) -> tuple[str, pydantic.BaseModel, dict[str, str]]:
+) -> tuple[str, OptimizerConfig, dict[str, str]]:
     """The optimizer name, validated hyperparameters and routing: keyword arguments over the DeepSpeed config's
     ``"shardopt"`` section, ``"auto"`` values from ``trainer.args``."""
     section = ShardoptSection(optimizer=optimizer or "", params={}, routing={})

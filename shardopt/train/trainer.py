@@ -53,6 +53,10 @@ def _free_port() -> int:
 
 
 class Trainer:
+    # set by _build_<engine>: the model as each engine drives it (the module, DDP, an FSDP2 module or DeepSpeed's
+    # engine), called through the engine's own methods (no_sync, backward, save_checkpoint, ...)
+    model: Any
+
     def __init__(self, cfg: TrainConfig, resume: bool = False, log: Callable[[str], None] | None = None) -> None:
         self.cfg = cfg
         self.resume = resume
@@ -112,8 +116,8 @@ class Trainer:
             return
         if self._log_fn is not None:
             self._log_fn(msg)
-        elif getattr(self, "bar", None) is not None:
-            self.bar.write(msg)
+        elif (bar := getattr(self, "bar", None)) is not None:
+            bar.write(msg)
         else:
             print(msg, flush=True)
 
@@ -189,9 +193,10 @@ class Trainer:
 
         oc = self.cfg.optimizer
         if self.opt_name == "adamw":
-            hp = AdamWParams.model_validate(oc.params)
+            assert oc is not None  # "adamw" comes from optimizer.name (a "shardopt" section names shardopt's only)
+            adam = AdamWParams.model_validate(oc.params)
             return torch.optim.AdamW(
-                model.parameters(), lr=hp.lr, betas=hp.betas, eps=hp.eps, weight_decay=hp.weight_decay
+                model.parameters(), lr=adam.lr, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay
             )
         hp = oc.config if oc else validate_hyperparameters(self.opt_name, {})
         return build_optimizer(model, hp, (oc.routing if oc else None) or None, self.opt_name)
@@ -214,7 +219,7 @@ class Trainer:
         self.optimizer = self._make_optimizer(self.module)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_fn)
 
-    def _build_fsdp2(self, model: torch.nn.Module) -> None:
+    def _build_fsdp2(self, model: Llama) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -283,7 +288,7 @@ class Trainer:
         self.device = engine.device
 
     # ------------------------------------------------------------------------------------- step/eval
-    def _micro_context(self, last: bool):
+    def _micro_context(self, last: bool) -> contextlib.AbstractContextManager[Any]:
         if self.engine_name == "ddp" and not last:
             return self.model.no_sync()
         if self.engine_name == "fsdp2" and self.cfg.train.grad_accum > 1:
@@ -409,7 +414,7 @@ class Trainer:
             from ..checkpoint.safe_pickle import SafeFileSystemReader, SafeLoadPlanner
 
             model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-            state = {"model": model_sd, "optim": optim_sd}
+            state: dict[str, Any] = {"model": model_sd, "optim": optim_sd}
             # DCP's default reader and planner unpickle .metadata and non-tensor values with full pickle
             dcp.load(state, storage_reader=SafeFileSystemReader(os.path.join(root, tag)), planner=SafeLoadPlanner())
             set_state_dict(self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
