@@ -189,3 +189,35 @@ def test_alice_noise_floor_follows_the_arrival_precision() -> None:
     precision.record_arrival_dtypes(opt, {"b": torch.float32})
     mixed = opt._noise_floor(stack, items)
     assert mixed.tolist() == pytest.approx([torch.finfo(torch.bfloat16).eps, fp32_floor((16, 32))])
+
+
+def test_asgo_pseudo_inverse_drops_bf16_rounding_directions_only_for_bf16_gradients() -> None:
+    """ASGO with ``eps = 0`` (its pseudo-inverse root): a rank-2 gradient plus bf16-sized noise; with fp32 arrival
+    the noise directions get unit weight (``M V^{-1/2}``), recorded as bf16 they are dropped."""
+    import shardopt
+
+    torch.manual_seed(0)
+    g = torch.randn(16, 2) @ torch.randn(2, 32)
+    g = g + 2**-7 * g.abs().mean() * torch.randn_like(g)
+    kept = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.nn.Parameter(torch.zeros(16, 32))
+        opt = shardopt.create_optimizer([("w", w)], "asgo", lr=1.0, eps=0.0)
+        precision.record_arrival_dtypes(opt, {"w": dtype})
+        w.grad = g.clone()
+        opt.step()
+        s = torch.linalg.svdvals(w.detach())
+        kept[dtype] = int((s > 1e-3 * s[0]).sum())
+    assert kept[torch.float32] > 2 and kept[torch.bfloat16] == 2, kept
+
+
+def test_inverse_root_cutoff_per_matrix() -> None:
+    from shardopt.sharding.matfun import inverse_root
+
+    torch.manual_seed(0)
+    a = torch.randn(3, 8, 8, dtype=torch.float64)
+    a = a @ a.mT
+    assert torch.equal(inverse_root(a, 0.0), inverse_root(a, 0.0, rtol=None))  # the fp32 default, bit for bit
+    roots = inverse_root(a, 0.0, rtol=torch.tensor([1e-9, 0.5, 2.0], dtype=torch.float64))
+    ranks = [int(torch.linalg.matrix_rank(r.double(), rtol=1e-6)) for r in roots]
+    assert ranks[0] == 8 and 0 < ranks[1] < 8 and ranks[2] == 0, ranks
