@@ -378,7 +378,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             group,
             groups,
             stats,
-            lambda i: (self.param_names.get(id(plan.params[owners[i]]), ""), plan.params[owners[i]]),
+            lambda i: (plan.pairs[i][1].name, plan.params[owners[i]]),  # the fragment's name, as _asgo_bucket's
         )
         products = self._asgo_groups(
             group,
