@@ -223,6 +223,64 @@ def test_inverse_root_cutoff_per_matrix() -> None:
     assert ranks[0] == 8 and 0 < ranks[1] < 8 and ranks[2] == 0, ranks
 
 
+@pytest.mark.parametrize("whitening,center", [("svd", False), ("newton_schulz", True)])
+def test_swan_exact_root_follows_the_arrival_precision(whitening: str, center: bool) -> None:
+    """SWAN's exact root (``whitening="svd"``, or centered square matrices): a rank-8 gradient whose singular values
+    fall from 1 to 1e-3, summed whole or from two bf16-rounded halves (world size 1 vs 2). With the fp32 cutoff
+    the directions below bf16 rounding get unit weight and the two updates differ by 8-40%; recorded as bf16 they
+    are dropped and the updates differ by the rounding of the kept ones (< 1%)."""
+    import shardopt
+
+    torch.manual_seed(0)
+    m = 24
+    u, _ = torch.linalg.qr(torch.randn(m, 8))
+    v, _ = torch.linalg.qr(torch.randn(m, 8))
+    sv = torch.logspace(0, -3, 8)
+    halves = [(u * sv) @ (0.3 * torch.randn(8, 8) + torch.eye(8)) @ v.T for _ in range(2)]
+    whole = (halves[0] + halves[1]).bfloat16().float()
+    split = (halves[0].bfloat16().float() + halves[1].bfloat16().float()).bfloat16().float()
+    spread, kept = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        updates = []
+        for g in (whole, split):
+            w = torch.nn.Parameter(torch.zeros(m, m))
+            opt = shardopt.create_optimizer(
+                [("w", w)], "swan", lr=1.0, lr_scale=1.0, center=center, whitening=whitening
+            )
+            precision.record_arrival_dtypes(opt, {"w": dtype})
+            w.grad = g.clone()
+            opt.step()
+            updates.append(w.detach().clone())
+        spread[dtype] = float((updates[0] - updates[1]).norm() / updates[0].norm())
+        s = torch.linalg.svdvals(updates[0])
+        kept[dtype] = int((s > 1e-3 * s[0]).sum())
+    assert spread[torch.float32] > 0.05 and spread[torch.bfloat16] < 0.01, spread
+    assert kept[torch.bfloat16] < kept[torch.float32], kept
+
+
+def test_swan_exact_root_mixed_precisions_in_one_stack() -> None:
+    """Same-shape matrices stacked together keep each one's own cutoff: an fp32 matrix's update is the one it gets
+    alone (bit for bit), whatever precision its stack-mate's gradient arrived in."""
+    import shardopt
+
+    torch.manual_seed(0)
+    grads = {n: torch.randn(16, 3) @ torch.randn(3, 16) + 1e-2 * torch.randn(16, 16) for n in ("a", "b")}
+
+    def step(names: list[str], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        ws = {n: torch.nn.Parameter(torch.zeros(16, 16)) for n in names}
+        opt = shardopt.create_optimizer(list(ws.items()), "swan", lr=1.0, lr_scale=1.0, whitening="svd")
+        precision.record_arrival_dtypes(opt, dtypes)
+        for n, w in ws.items():
+            w.grad = grads[n].clone()
+        opt.step()
+        return {n: w.detach().clone() for n, w in ws.items()}
+
+    both = step(["a", "b"], {"b": torch.bfloat16})
+    assert torch.equal(both["a"], step(["a"], {})["a"])
+    assert torch.equal(both["b"], step(["b"], {"b": torch.bfloat16})["b"])
+    assert not torch.equal(both["b"], step(["b"], {})["b"])
+
+
 def test_asgo_cutoff_finds_the_matrix_in_a_flat_partition() -> None:
     """ASGO's local path on an engine's flat partition (DeepSpeed ZeRO at world size 1: ``use_layouts(flat=)``)
     looks the arrival precision up by the fragment's name, as the sharded path does: the bf16 cutoff applies and
