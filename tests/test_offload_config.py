@@ -189,3 +189,128 @@ def test_alice_noise_floor_follows_the_arrival_precision() -> None:
     precision.record_arrival_dtypes(opt, {"b": torch.float32})
     mixed = opt._noise_floor(stack, items)
     assert mixed.tolist() == pytest.approx([torch.finfo(torch.bfloat16).eps, fp32_floor((16, 32))])
+
+
+def test_asgo_pseudo_inverse_drops_bf16_rounding_directions_only_for_bf16_gradients() -> None:
+    """ASGO with ``eps = 0`` (its pseudo-inverse root): a rank-2 gradient plus bf16-sized noise; with fp32 arrival
+    the noise directions get unit weight (``M V^{-1/2}``), recorded as bf16 they are dropped."""
+    import shardopt
+
+    torch.manual_seed(0)
+    g = torch.randn(16, 2) @ torch.randn(2, 32)
+    g = g + 2**-7 * g.abs().mean() * torch.randn_like(g)
+    kept = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        w = torch.nn.Parameter(torch.zeros(16, 32))
+        opt = shardopt.create_optimizer([("w", w)], "asgo", lr=1.0, eps=0.0)
+        precision.record_arrival_dtypes(opt, {"w": dtype})
+        w.grad = g.clone()
+        opt.step()
+        s = torch.linalg.svdvals(w.detach())
+        kept[dtype] = int((s > 1e-3 * s[0]).sum())
+    assert kept[torch.float32] > 2 and kept[torch.bfloat16] == 2, kept
+
+
+def test_inverse_root_cutoff_per_matrix() -> None:
+    from shardopt.sharding.matfun import inverse_root
+
+    torch.manual_seed(0)
+    a = torch.randn(3, 8, 8, dtype=torch.float64)
+    a = a @ a.mT
+    assert torch.equal(inverse_root(a, 0.0), inverse_root(a, 0.0, rtol=None))  # the fp32 default, bit for bit
+    roots = inverse_root(a, 0.0, rtol=torch.tensor([1e-9, 0.5, 2.0], dtype=torch.float64))
+    ranks = [int(torch.linalg.matrix_rank(r.double(), rtol=1e-6)) for r in roots]
+    assert ranks[0] == 8 and 0 < ranks[1] < 8 and ranks[2] == 0, ranks
+
+
+@pytest.mark.parametrize("whitening,center", [("svd", False), ("newton_schulz", True)])
+def test_swan_exact_root_follows_the_arrival_precision(whitening: str, center: bool) -> None:
+    """SWAN's exact root (``whitening="svd"``, or centered square matrices): a rank-8 gradient whose singular values
+    fall from 1 to 1e-3, summed whole or from two bf16-rounded halves (world size 1 vs 2). With the fp32 cutoff
+    the directions below bf16 rounding get unit weight and the two updates differ by 8-40%; recorded as bf16 they
+    are dropped and the updates differ by the rounding of the kept ones (< 1%)."""
+    import shardopt
+
+    torch.manual_seed(0)
+    m = 24
+    u, _ = torch.linalg.qr(torch.randn(m, 8))
+    v, _ = torch.linalg.qr(torch.randn(m, 8))
+    sv = torch.logspace(0, -3, 8)
+    halves = [(u * sv) @ (0.3 * torch.randn(8, 8) + torch.eye(8)) @ v.T for _ in range(2)]
+    whole = (halves[0] + halves[1]).bfloat16().float()
+    split = (halves[0].bfloat16().float() + halves[1].bfloat16().float()).bfloat16().float()
+    spread, kept = {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        updates = []
+        for g in (whole, split):
+            w = torch.nn.Parameter(torch.zeros(m, m))
+            opt = shardopt.create_optimizer(
+                [("w", w)], "swan", lr=1.0, lr_scale=1.0, center=center, whitening=whitening
+            )
+            precision.record_arrival_dtypes(opt, {"w": dtype})
+            w.grad = g.clone()
+            opt.step()
+            updates.append(w.detach().clone())
+        spread[dtype] = float((updates[0] - updates[1]).norm() / updates[0].norm())
+        s = torch.linalg.svdvals(updates[0])
+        kept[dtype] = int((s > 1e-3 * s[0]).sum())
+    assert spread[torch.float32] > 0.05 and spread[torch.bfloat16] < 0.01, spread
+    assert kept[torch.bfloat16] < kept[torch.float32], kept
+
+
+def test_swan_exact_root_mixed_precisions_in_one_stack() -> None:
+    """Same-shape matrices stacked together keep each one's own cutoff: an fp32 matrix's update is the one it gets
+    alone (bit for bit), whatever precision its stack-mate's gradient arrived in."""
+    import shardopt
+
+    torch.manual_seed(0)
+    grads = {n: torch.randn(16, 3) @ torch.randn(3, 16) + 1e-2 * torch.randn(16, 16) for n in ("a", "b")}
+
+    def step(names: list[str], dtypes: dict[str, torch.dtype]) -> dict[str, torch.Tensor]:
+        ws = {n: torch.nn.Parameter(torch.zeros(16, 16)) for n in names}
+        opt = shardopt.create_optimizer(list(ws.items()), "swan", lr=1.0, lr_scale=1.0, whitening="svd")
+        precision.record_arrival_dtypes(opt, dtypes)
+        for n, w in ws.items():
+            w.grad = grads[n].clone()
+        opt.step()
+        return {n: w.detach().clone() for n, w in ws.items()}
+
+    both = step(["a", "b"], {"b": torch.bfloat16})
+    assert torch.equal(both["a"], step(["a"], {})["a"])
+    assert torch.equal(both["b"], step(["b"], {"b": torch.bfloat16})["b"])
+    assert not torch.equal(both["b"], step(["b"], {})["b"])
+
+
+def test_asgo_cutoff_finds_the_matrix_in_a_flat_partition() -> None:
+    """ASGO's local path on an engine's flat partition (DeepSpeed ZeRO at world size 1: ``use_layouts(flat=)``)
+    looks the arrival precision up by the fragment's name, as the sharded path does: the bf16 cutoff applies and
+    the update equals the one the parameter gets stepped directly (before, the partition had no name, so world
+    size 1 kept the fp32 cutoff while world size 2 took the bf16 one: 0.6% -> 9.7% spread on bf16 ZeRO-2)."""
+    import shardopt
+    from shardopt.sharding.fragment import Fragment
+    from shardopt.sharding.layout import MatrixLayout
+
+    torch.manual_seed(0)
+    g = torch.randn(16, 2) @ torch.randn(2, 32)
+    g = g + 2**-7 * g.abs().mean() * torch.randn_like(g)
+
+    def step(dtype: torch.dtype, flat: bool) -> torch.Tensor:
+        w = torch.nn.Parameter(torch.zeros(16, 32))
+        opt = shardopt.create_optimizer([("w", w)], "asgo", lr=1.0, eps=0.0)
+        precision.record_arrival_dtypes(opt, {"w": dtype})
+        if not flat:
+            w.grad = g.clone()
+            opt.step()
+            return w.detach()
+        part = torch.nn.Parameter(torch.zeros(16 * 32))
+        opt.param_groups[0]["params"] = [part]
+        opt.use_layouts(flat=[(part, [Fragment("w", MatrixLayout.whole((16, 32)), 0)])])
+        part.grad = g.reshape(-1).clone()
+        opt.step()
+        return part.detach().view(16, 32)
+
+    for dtype, kept in ((torch.float32, 10), (torch.bfloat16, 2)):
+        direct, flat = step(dtype, False), step(dtype, True)
+        assert torch.equal(direct, flat), dtype
+        s = torch.linalg.svdvals(flat)
+        assert int((s > 1e-3 * s[0]).sum()) == kept, dtype

@@ -14,12 +14,15 @@ harness: 3 steps of 8 samples split over the ranks; rank 0 writes the initial an
 first moments are rank-deficient (the small-batch fine-tuning case where SUMO's exact polar factor met bf16
 rounding: 80% before the precision-aware cutoff); each rule at its defaults (SUMO's rank 128, clamped to the
 matrix). ``llama``: the tiny LLaMA with ``hf_worker.HP`` (64 tokens a step: full-rank gradients).
-``--no-cutoff`` runs SUMO with its fp32 cutoff whatever the gradients' precision (to show what the cutoff does).
+``--no-cutoff`` runs SUMO, SWAN's exact root and ASGO's pseudo-inverse with their fp32 cutoffs whatever the
+gradients' precision (to show what the cutoff does); ``--params`` (JSON) overrides a rule's defaults (SWAN's exact
+root: ``{"center": true}`` or ``{"whitening": "svd"}``; ASGO's pseudo-inverse: ``{"eps": 0}``).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import warnings
@@ -191,13 +194,16 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
     data = samples()
     mlp = args.model == "mlp"
     model = SpreadMLP() if mlp else tiny_model()
-    hp = {} if mlp else HP.get(args.optimizer, {})
-    init = {f"init.{n}": p.detach().float().clone() for n, p in model.named_parameters()}
     adamw = args.optimizer == "adamw"
+    hp = {**({} if mlp or adamw else HP.get(args.optimizer, {})), **({} if adamw else json.loads(args.params))}
+    init = {f"init.{n}": p.detach().float().clone() for n, p in model.named_parameters()}
     if args.no_cutoff:
+        import shardopt.optim.asgo as asgo
         import shardopt.optim.sumo as sumo
+        import shardopt.optim.swan as swan
 
         sumo.noise_rtol = lambda dtype, shape, fp32_rtol: fp32_rtol
+        swan.noise_eig_rtol = asgo.noise_eig_rtol = lambda dtype, k, fp32_rtol: fp32_rtol
     fsdp = args.engine.startswith("fsdp2")
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
@@ -279,7 +285,10 @@ def main() -> None:
         "optimizer (offload mode; hf_worker.reference: the same global batches), under 'reference.<name>'",
     )
     ap.add_argument("--model", choices=("mlp", "llama"), default="mlp", help="spread mode's model")
-    ap.add_argument("--no-cutoff", action="store_true", help="spread mode: SUMO keeps its fp32 cutoff in bf16")
+    ap.add_argument(
+        "--no-cutoff", action="store_true", help="spread mode: SUMO, SWAN, ASGO keep their fp32 cutoffs in bf16"
+    )
+    ap.add_argument("--params", default="{}", help="spread mode: JSON overriding each rule's defaults")
     ap.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     ap.add_argument("--dir", default="/tmp/shardopt_offload")
     ap.add_argument("--out", required=True)

@@ -34,6 +34,7 @@ from ..sharding.fragment import local_tensor as _local
 from ..sharding.iterative import count_fallbacks, inverse_sqrt_checked_rows, iterative_device, scaled_schedule
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
+from ..sharding.precision import LOW_PRECISION, arrival_dtype, noise_eig_rtol
 from ..sharding.stacking import same_shape, stack
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
@@ -377,6 +378,12 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             lefts.append(left)
         owners = plan.owners
         refresh = self._refresh_rows(group, groups, steps, lambda i: plan.params[owners[i]])
+        rtols = self._pinv_rtols(
+            group,
+            groups,
+            stats,
+            lambda i: (plan.pairs[i][1].name, plan.params[owners[i]]),  # the fragment's name, as _asgo_bucket's
+        )
         products = self._asgo_groups(
             group,
             groups,
@@ -388,6 +395,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
             blocks.layouts,
             lambda parts, symmetric=False: parts,
             lambda i: False,
+            rtols=rtols,
         )
         flops = sum(
             len(idx) * (c.row_flops + c.small_flops + c.small_matmul)
@@ -427,23 +435,47 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         stats = [stack([blocks[i][0] for i in idx]) for idx in groups]
         ms = stats if from_momentum else [stack([blocks[i][-1] for i in idx]) for idx in groups]
         refresh = self._refresh_rows(group, groups, steps, lambda i: items[i].tensor)
+        states = [it.state for it in items]
+        rtols = self._pinv_rtols(group, groups, stats, lambda i: (items[i].frag.name, items[i].tensor))
         products = self._asgo_groups(
             group,
             groups,
             stats,
             ms,
-            [it.state for it in items],
+            states,
             [it.has_grad for it in items],
             refresh,
             [it.layout for it in items],
             ops.allreduce,
             ops.split,
             ops.compute_once,
+            rtols=rtols,
         )
         updates = {i: u for idx, p in zip(groups, products) for i, u in zip(idx, p.unbind(0))}
         pieces = ops.from_blocks([updates.get(i) for i in range(len(items))])
         ops.account()
         apply_items(items, pieces, group["lr"], group["weight_decay"])
+
+    def _pinv_rtols(
+        self,
+        group: dict,
+        groups: list[list[int]],
+        stats: list[torch.Tensor],
+        named: Callable[[int], tuple[str, torch.Tensor]],
+    ) -> list[torch.Tensor] | None:
+        """Per group, each matrix's pseudo-inverse cutoff (``eps = 0``) where a gradient arrived in bf16/fp16:
+        ``precision.noise_eig_rtol`` of its ``k x k`` statistic; None (``matfun``'s fp32 cutoff, unchanged) where
+        ``eps > 0`` or every gradient arrived in fp32. ``named(i)``: matrix ``i``'s name and tensor; ``stats[g]``:
+        group ``g``'s ``(B, rows, k)`` blocks."""
+        if group["eps"] != 0:
+            return None
+        dtypes = [[arrival_dtype(self, *named(i)) for i in idx] for idx in groups]
+        if not any(d in LOW_PRECISION for ds in dtypes for d in ds):
+            return None
+        return [
+            torch.tensor([noise_eig_rtol(d, a.shape[-1], a.shape[-1] * 1.2e-7) for d in ds], dtype=torch.float64)
+            for ds, a in zip(dtypes, stats)
+        ]
 
     def _asgo_groups(
         self,
@@ -458,6 +490,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         allreduce: Callable[..., dict],
         distributed: Callable[[int], bool],
         compute_once: Callable[..., Any] | None = None,
+        rtols: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor]:
         """The updates ``M_A P`` of blocks of ``A`` grouped by shape: ``stats[g]`` and ``ms[g]`` are ``(B, rows,
         k)`` stacks of the statistic's and the momentum's blocks of the matrices ``groups[g]`` (indices into
@@ -492,9 +525,9 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
                 v = stack(vs)
             vstacks.append(v)
         if compute_once is not None and any(distributed(idx[j]) for idx, rows in zip(groups, refresh) for j in rows):
-            roots = self._roots_once(group, groups, vstacks, refresh, compute_once)
+            roots = self._roots_once(group, groups, vstacks, refresh, compute_once, rtols)
         else:
-            roots = self._roots(group, vstacks, refresh)
+            roots = self._roots(group, vstacks, refresh, rtols)
         products = []
         for idx, m, root, rows in zip(groups, ms, roots, refresh):
             ps = [states[i]["P"] for i in idx]
@@ -529,6 +562,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         vstacks: list[torch.Tensor],
         refresh: list[list[int]],
         compute_once: Callable[..., Any],
+        rtols: list[torch.Tensor] | None = None,
     ) -> list[torch.Tensor | None]:
         """``_roots`` with each root computed on one rank (``compute_once``): a distributed matrix's by its
         factorization owner, shared by one all-reduce; the others' (owned, local) here, batched as before."""
@@ -536,7 +570,7 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
 
         def compute(mine: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
             rows = [[j for j in refresh[g] if groups[g][j] in mine] for g in range(len(groups))]
-            roots = self._roots(group, vstacks, rows)
+            roots = self._roots(group, vstacks, rows, rtols)
             return {
                 groups[g][j]: r[t]
                 for g, (rs, r) in enumerate(zip(rows, roots))
@@ -547,7 +581,10 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         def split(mine: dict[int, torch.Tensor], rows: Any) -> dict[int, torch.Tensor]:  # a team splits its roots
             out: dict[int, torch.Tensor] = {}
             for idx in same_shape(mine):
-                for i, r in zip(idx, _inverse_root_rows(torch.stack([mine[i] for i in idx]), group, rows).unbind(0)):
+                rtol = None if rtols is None else torch.stack([rtols[where[i][0]][where[i][1]] for i in idx])
+                for i, r in zip(
+                    idx, _inverse_root_rows(torch.stack([mine[i] for i in idx]), group, rows, rtol).unbind(0)
+                ):
                     out[i] = r
             return out
 
@@ -560,9 +597,12 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         return [torch.stack([done[idx[j]] for j in rows]) if rows else None for idx, rows in zip(groups, refresh)]
 
     @staticmethod
-    def _roots(group: dict, vstacks: list[torch.Tensor], refresh: list[list[int]]) -> list[torch.Tensor | None]:
+    def _roots(
+        group: dict, vstacks: list[torch.Tensor], refresh: list[list[int]], rtols: list[torch.Tensor] | None = None
+    ) -> list[torch.Tensor | None]:
         """The inverse roots of rows ``refresh[g]`` of each ``vstacks[g]``: one ``inverse_root`` call for all
-        stacks of the same ``k`` (its eigh runs per matrix, so grouping does not change a result)."""
+        stacks of the same ``k`` (its eigh runs per matrix, so grouping does not change a result); ``rtols``:
+        per group, each matrix's pseudo-inverse cutoff (``_pinv_rtols``)."""
         by_k: dict[tuple, list[int]] = {}
         for g, (v, rows) in enumerate(zip(vstacks, refresh)):
             if rows:
@@ -570,21 +610,26 @@ class ASGO(_MomentumMixin, ShardedOptimizer):
         out: list[torch.Tensor | None] = [None] * len(vstacks)
         for gs in by_k.values():
             parts = [vstacks[g] if len(refresh[g]) == len(vstacks[g]) else vstacks[g][refresh[g]] for g in gs]
+            rtol = None if rtols is None else torch.cat([rtols[g][refresh[g]] for g in gs])
             res = inverse_root(
-                parts[0] if len(parts) == 1 else torch.cat(parts), group["eps"], group["root"], group["ns_steps"]
+                parts[0] if len(parts) == 1 else torch.cat(parts),
+                group["eps"],
+                group["root"],
+                group["ns_steps"],
+                rtol=rtol,
             )
             for g, r in zip(gs, res.split([len(p) for p in parts])):
                 out[g] = r
         return out
 
 
-def _inverse_root_rows(v: torch.Tensor, group: dict, rows: Any) -> torch.Tensor:
+def _inverse_root_rows(v: torch.Tensor, group: dict, rows: Any, rtol: torch.Tensor | None = None) -> torch.Tensor:
     """``matfun.inverse_root`` of a ``(B, k, k)`` stack on a team whose members split its products (issue 53):
     on the iterative route the checked float64 iteration by row blocks (``iterative.inverse_sqrt_checked_rows``),
     the matrices it cannot settle by ``eigh`` on every member; other routes run whole on every member."""
     eps = group["eps"]
     if not (group["root"] == "auto" and eps > 0 and v.numel() and iterative_device(v.device)):
-        return inverse_root(v, eps, group["root"], group["ns_steps"])
+        return inverse_root(v, eps, group["root"], group["ns_steps"], rtol=rtol)
     k = v.shape[-1]
     vd = v.double()
     a = torch.add(vd, vd.mT).mul_(0.5).add_(torch.eye(k, dtype=torch.float64, device=v.device), alpha=eps)

@@ -18,6 +18,7 @@ batched, and the roots of all Grams of one size as one batch. Single process, ev
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Iterable, Literal
 
@@ -29,6 +30,7 @@ from ..sharding import Round, col_sums, masked_rsqrt, row_sums, scale_into
 from ..sharding.iterative import coupled_inverse_sqrt_rows
 from ..sharding.matfun import by_shape, gram_inverse_sqrt
 from ..sharding.matrix_ops import OpCost
+from ..sharding.precision import LOW_PRECISION, arrival_dtype, noise_eig_rtol
 from ..sharding.stacking import group_indices, same_shape
 from .base import ShardedOptimizer
 from .config import CommonOptions, WholeMatrixConfig
@@ -195,13 +197,16 @@ class SWAN(ShardedOptimizer):
         active = [i for i in range(len(items)) if ops.active(i)]
         spread = [i for i in active if ops.split(i)]
         # whole matrices (an owner's, or not sharded): stacked by shape, one batched Gram, root and product
+        rtols = self._svd_rtols(items)
         stacks = _stacks({i: blocks[i] for i in active if not ops.split(i)})
-        out = _unstack(stacks, _whiten_stacks([a for _, a in stacks], group))
+        out = _unstack(
+            stacks, _whiten_stacks([a for _, a in stacks], group, [[rtols[i] for i in idx] for idx, _ in stacks])
+        )
         grams = ops.allreduce({i: blocks[i].T @ blocks[i] for i in spread})
         roots = ops.compute_once(
             grams,
-            lambda mine: _gram_roots(mine, items, group),
-            split=lambda mine, rows: _gram_roots(mine, items, group, rows),
+            lambda mine: _gram_roots(mine, items, group, rtols=rtols),
+            split=lambda mine, rows: _gram_roots(mine, items, group, rows, rtols),
         )
         out.update({i: whiten(blocks[i], roots[i], max(items[i].layout.shape)) for i in spread})
         for it, piece in zip(items, ops.from_blocks([out.get(i) for i in range(len(items))])):
@@ -219,18 +224,34 @@ class SWAN(ShardedOptimizer):
             t = self.a_transpose(group, (m, n))  # on the logical shape (a weight stored in x out: optim.transposed)
             stacks.append((idx, t, g.mT if t else g))  # A = G^T where whole_matrix_transpose
         xs = [a for _, _, a in stacks]
+        rtols = self._svd_rtols(items)
+        stack_rtols = [[rtols[i] for i in idx] for idx, _, _ in stacks]
         for _ in range(group["iterations"]):
             for j, a in enumerate(xs):
                 k = a.size(-2)
                 if group["center"]:
                     a = a - a.sum(-2, keepdim=True) / k
                 xs[j] = a * line_scale((a * a).sum(-2, keepdim=True), k)
-            xs = _whiten_stacks(xs, group)
+            xs = _whiten_stacks(xs, group, stack_rtols)
             ops.account()
         for (idx, transposed, _), a in zip(stacks, xs):
             g = a.mT if transposed else a
             for i, piece in zip(idx, g.reshape(len(idx), -1).unbind(0)):
                 items[i].work["x"] = piece
+
+    def _svd_rtols(self, items: list) -> list[float | None]:
+        """Per matrix, the exact root's eigenvalue cutoff (relative to the Gram's largest) where its gradient
+        arrived in bf16/fp16: ``precision.noise_eig_rtol`` of the ``s x s`` Gram (``s`` the short side), so
+        directions at the gradient's rounding level are dropped, not whitened to unit weight; None (the fp32
+        cutoff, unchanged) for fp32 gradients. Row normalization scales rows, so the elementwise rounding bound
+        carries over to the normalized matrix; centering can cancel, so there it is the bound of the
+        uncentered lines (documented in docs/exactness.md)."""
+        out: list[float | None] = []
+        for it in items:
+            dtype = arrival_dtype(self, it.frag.name, it.tensor)
+            k = min(it.layout.shape)
+            out.append(noise_eig_rtol(dtype, k, k * 1.2e-7) if dtype in LOW_PRECISION else None)
+        return out
 
 
 def _apply_gated(items: list, lr: float, weight_decay: float, gate: torch.Tensor | None) -> None:
@@ -241,17 +262,28 @@ def _apply_gated(items: list, lr: float, weight_decay: float, gate: torch.Tensor
     apply_items(items, updates, lr, weight_decay, gate=gate)
 
 
-def _gram_roots(grams: dict[int, torch.Tensor], items: list, group: dict, rows: Any = None) -> dict[int, torch.Tensor]:
+def _gram_roots(
+    grams: dict[int, torch.Tensor], items: list, group: dict, rows: Any = None, rtols: list[float | None] | None = None
+) -> dict[int, torch.Tensor]:
     """``(A^T A)^{-1/2}`` of reduced Grams, batched by shape: the configured method, or the exact root where
     the Gram is singular by construction (``_exact_root``). ``rows``: a team's row exchange, whose members
-    split the coupled iteration's products (``iterative.coupled_inverse_sqrt_rows``; issue 53)."""
+    split the coupled iteration's products (``iterative.coupled_inverse_sqrt_rows``; issue 53). ``rtols``:
+    per item, the exact root's cutoff for bf16/fp16 gradients (``SWAN._svd_rtols``; None: the fp32 one)."""
     exact = {i for i in grams if _exact_root(group, *items[i].layout.shape)}
+    svd = set(grams) if group["whitening"] == "svd" else exact
+    cuts: list[float | None] = rtols if rtols is not None else [None] * len(items)
+    low = {i for i in svd if cuts[i] is not None}
     if rows is not None and group["whitening"] == "newton_schulz":
         root = lambda g: coupled_inverse_sqrt_rows(g.float(), group["ns_steps"], 1e-12, rows)  # noqa: E731
     else:
         root = lambda g: gram_inverse_sqrt(g, group["whitening"], group["ns_steps"])  # noqa: E731
-    roots = by_shape(root, {i: g for i, g in grams.items() if i not in exact})
-    roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact}))
+    roots = by_shape(root, {i: g for i, g in grams.items() if i not in exact and i not in low})
+    roots.update(by_shape(lambda g: gram_inverse_sqrt(g, "svd"), {i: grams[i] for i in exact if i not in low}))
+    for idx in group_indices(sorted(low), lambda i: cuts[i]):  # the same cutoff: one batch per shape
+        rtol = cuts[idx[0]]
+        roots.update(
+            by_shape(functools.partial(gram_inverse_sqrt, method="svd", rtol=rtol), {i: grams[i] for i in idx})
+        )
     return roots
 
 
@@ -271,18 +303,25 @@ def _unstack(stacks: list[tuple[list[int], torch.Tensor]], results: list[torch.T
     return {i: r[j] for (idx, _), r in zip(stacks, results) for j, i in enumerate(idx)}
 
 
-def _whiten_stacks(stacks: list[torch.Tensor], group: dict) -> list[torch.Tensor]:
+def _whiten_stacks(
+    stacks: list[torch.Tensor], group: dict, rtols: list[list[float | None]] | None = None
+) -> list[torch.Tensor]:
     """``sqrt(k) A (A^T A)^{-1/2}`` for ``(B, k, s)`` stacks of whole matrices ``A`` (``k >= s``): the inverse
-    roots of all ``s x s`` Grams taken by one method run as one batch, whatever ``k``."""
+    roots of all ``s x s`` Grams taken by one method run as one batch, whatever ``k``. ``rtols``: per stack,
+    each matrix's exact-root cutoff for bf16/fp16 gradients (None: the fp32 one, ``s * 1.2e-7``)."""
     grams = [a.mT @ a for a in stacks]
     by: dict[tuple, list[int]] = {}
     for j, (a, g) in enumerate(zip(stacks, grams)):
         method = "svd" if _exact_root(group, *a.shape[-2:]) else group["whitening"]
-        by.setdefault((g.shape[-1], g.dtype, g.device, method), []).append(j)
+        cut = None
+        if method == "svd" and rtols is not None and any(r is not None for r in rtols[j]):
+            cut = tuple(g.shape[-1] * 1.2e-7 if r is None else r for r in rtols[j])
+        by.setdefault((g.shape[-1], g.dtype, g.device, method, cut), []).append(j)
     roots: list = [None] * len(stacks)
-    for (_, _, _, method), idx in by.items():
+    for (_, _, _, method, cut), idx in by.items():
         cat = grams[idx[0]] if len(idx) == 1 else torch.cat([grams[j] for j in idx])
-        r = gram_inverse_sqrt(cat, method, group["ns_steps"])
+        rtol = None if cut is None else torch.tensor(cut * len(idx), dtype=torch.float64)
+        r = gram_inverse_sqrt(cat, method, group["ns_steps"], rtol=rtol)
         for j, piece in zip(idx, r.split([grams[j].size(0) for j in idx])):
             roots[j] = piece
     return [whiten(a, r, a.size(-2)) for a, r in zip(stacks, roots)]

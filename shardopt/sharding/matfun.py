@@ -240,7 +240,11 @@ def by_shape(fn: Callable[[torch.Tensor], torch.Tensor], mats: dict[int, torch.T
 
 
 def gram_inverse_sqrt(
-    gram: torch.Tensor, method: str = "newton_schulz", steps: int = 12, eps: float = 1e-12
+    gram: torch.Tensor,
+    method: str = "newton_schulz",
+    steps: int = 12,
+    eps: float = 1e-12,
+    rtol: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``(A^T A)^{-1/2}`` from the Gram matrix alone, so that ``A @ result`` whitens ``A`` (its polar factor).
 
@@ -248,14 +252,17 @@ def gram_inverse_sqrt(
     ``T = (3I - Z Y)/2, Y <- Y T, Z <- T Z``, in fp32; unlike Muon's quintic it converges (singular values of
     the result -> 1). ``svd``: exact, a float64 eigendecomposition with a pseudo-inverse cutoff (the polar
     factor ``U V^T``; zero singular directions map to zero). Only a ``k x k`` matrix is needed, so sharded
-    matrices need just their reduced Gram (shardopt.sharding.matrix_ops).
+    matrices need just their reduced Gram (shardopt.sharding.matrix_ops). ``rtol``: ``svd``'s relative eigenvalue
+    cutoff (``inverse_root``), raised for Grams of bf16/fp16 gradients; None keeps the fp32 one.
     """
     if method == "svd":
-        return inverse_root(gram, 0.0)
+        return inverse_root(gram, 0.0, rtol=rtol)
     return coupled_inverse_sqrt(gram.float(), steps, eps)
 
 
-def inverse_root(v: torch.Tensor, eps: float, method: str = "auto", ns_steps: int = 50) -> torch.Tensor:
+def inverse_root(
+    v: torch.Tensor, eps: float, method: str = "auto", ns_steps: int = 50, rtol: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """``(V + eps I)^{-1/2}`` of symmetric PSD ``k x k`` matrices (batched over leading dims), in fp32.
 
     ``auto`` (default): ``eigh`` results, computed where a device runs eigendecompositions one by one (CUDA)
@@ -273,6 +280,8 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "auto", ns_steps: in
     ``|Z A Z - I|_F`` exceeds ``1.5 sqrt(k)`` (the bound of a converged or damped root) gets the ``eigh``
     root instead; so does ``eps == 0``, which the iteration cannot pseudo-invert (it would amplify null
     directions by ``1.5^ns_steps``).
+    ``rtol``: the pseudo-inverse's relative cutoff instead of ``k * 1.2e-7`` (a float, or one per matrix of the
+    batch): raised for statistics of bf16/fp16 gradients (``precision.noise_eig_rtol``).
     """
     k = v.shape[-1]
     vd = v.double()
@@ -287,7 +296,7 @@ def inverse_root(v: torch.Tensor, eps: float, method: str = "auto", ns_steps: in
         if count_fallbacks("inverse_sqrt", bad):
             root[bad] = _eigh_inverse_root(a[bad], pseudo_inverse=False).double()
         return root.float()
-    return _eigh_inverse_root(a, pseudo_inverse=eps == 0)
+    return _eigh_inverse_root(a, pseudo_inverse=eps == 0, rtol=rtol)
 
 
 def _stable_or_eigh(root: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
@@ -304,13 +313,19 @@ def _stable_or_eigh(root: torch.Tensor, a: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _eigh_inverse_root(a: torch.Tensor, pseudo_inverse: bool) -> torch.Tensor:
+def _eigh_inverse_root(a: torch.Tensor, pseudo_inverse: bool, rtol: float | torch.Tensor | None = None) -> torch.Tensor:
     """``a^{-1/2}`` of symmetric float64 ``a`` (damping already added), in fp32; ``pseudo_inverse`` drops
-    eigenvalues below ``k * 1.2e-7 * lambda_max``."""
+    eigenvalues below ``k * 1.2e-7 * lambda_max`` (or ``rtol * lambda_max``: one per matrix if a tensor)."""
     k = a.shape[-1]
     lam, vec = torch.linalg.eigh(a)
     lam = lam.clamp(min=0)
-    cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True) if pseudo_inverse else 0.0
+    if not pseudo_inverse:
+        cutoff = 0.0
+    elif rtol is None:
+        cutoff = k * 1.2e-7 * lam.amax(-1, keepdim=True)
+    else:
+        rel = rtol.to(lam).unsqueeze(-1) if isinstance(rtol, torch.Tensor) else rtol
+        cutoff = rel * lam.amax(-1, keepdim=True)
     inv = torch.where(lam > cutoff, lam.clamp(min=1e-300).rsqrt_(), 0.0)
     return ((vec * inv.unsqueeze(-2)) @ vec.mT).float()
 
