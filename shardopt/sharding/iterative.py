@@ -109,21 +109,11 @@ def scaled_schedule(y0: float, tol: float = 1e-10) -> tuple[float, ...] | None:
     return tuple(scales)
 
 
-def _step_coefficients(scales: tuple[float, ...] | None, j: int) -> tuple[float, float]:
-    """``(beta, alpha)`` of step ``j``'s ``T = beta * 1.5 I + alpha * Z Y``: the plain step's ``(1, -0.5)``
-    bit for bit where there are no scales."""
-    if scales is None:
-        return 1.0, -0.5
-    c = scales[j]
-    return c, -0.5 * c**3
-
-
 def coupled_iteration(
     a: torch.Tensor,
     s: torch.Tensor,
     steps: int,
     residual: bool = False,
-    scales: tuple[float, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``steps`` of the coupled Newton-Schulz iteration on ``a / s`` (symmetric PSD, any leading dimensions; ``s``:
     one scale per matrix, shape ``a.shape[:-2]``): ``Y0 = a/s, Z0 = I``, ``T = (3I - Z Y)/2``, ``Y <- Y T``,
@@ -132,10 +122,8 @@ def coupled_iteration(
     ASGO's roots and SUMO's polar factors (``matfun.coupled_inverse_sqrt`` and the checked routes here).
 
     ``T`` is one fused product ``1.5 I - 0.5 Z Y`` (the same numbers: the halving is exact), and the first
-    step, where ``Z = I``, skips its products with the identity. ``scales`` (``scaled_schedule``, one per step):
-    the scaled iteration, ``T = 1.5 alpha I - 0.5 alpha^3 Z Y``."""
-    if scales is not None:
-        steps = len(scales)
+    step, where ``Z = I``, skips its products with the identity. The checked roots take the scaled iteration in
+    its inverse Newton form instead (``inverse_newton``)."""
     k = a.size(-1)
     eye = torch.eye(k, dtype=a.dtype, device=a.device)
     y = a / s[..., None, None]
@@ -145,12 +133,10 @@ def coupled_iteration(
     half3 = (1.5 * eye).expand_as(y)
     z = eye.expand_as(y)
     if steps >= 1:
-        beta, alpha = _step_coefficients(scales, 0)
-        t = half3 - 0.5 * y if scales is None else beta * half3 + alpha * y  # Z0 = I: Z Y = Y, T Z = T
+        t = half3 - 0.5 * y  # Z0 = I: Z Y = Y, T Z = T
         y, z = y @ t, t
-        for j in range(1, steps):
-            beta, alpha = _step_coefficients(scales, j)
-            t = addmm(half3, z, y, beta=beta, alpha=alpha)
+        for _ in range(steps - 1):
+            t = addmm(half3, z, y, alpha=-0.5)
             y, z = y @ t, t @ z
     res = None
     if residual:
@@ -211,7 +197,6 @@ def coupled_iteration_rows(
     steps: int,
     rows: RowExchange,
     residual: bool = False,
-    scales: tuple[float, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``coupled_iteration`` of a ``(B, k, k)`` stack with its products split by row blocks over a team (issue
     53): ``rows`` (``teams.RowExchange``) gives this member's block ``[lo, hi)`` and all-gathers the members'
@@ -220,9 +205,7 @@ def coupled_iteration_rows(
     to rounding of the products' blocking; ``a`` and ``s`` are identical on every member, and every member ends
     with the whole ``Z``. Per step a member runs ``1/g`` of the three products and two all-gathers (``T``, then
     ``Y`` and ``Z`` in one; the first step's ``Z = I`` skips them, as ``coupled_iteration``); ``split_exchange``
-    counts them. ``scales``: the scaled iteration of ``coupled_iteration``, the same on every member."""
-    if scales is not None:
-        steps = len(scales)
+    counts them."""
     k = a.size(-1)
     lo, hi = rows.bounds(k)
     eye = torch.eye(k, dtype=a.dtype, device=a.device)
@@ -230,14 +213,12 @@ def coupled_iteration_rows(
     half3 = (1.5 * eye).expand_as(y)
     z = eye.expand_as(y)
     if steps >= 1:
-        beta, alpha = _step_coefficients(scales, 0)
-        t = half3 - 0.5 * y if scales is None else beta * half3 + alpha * y
+        t = half3 - 0.5 * y
         if steps > 1 or residual:
             y = rows.gather([y[:, lo:hi] @ t])[0]
         z = t
         for j in range(steps - 1):
-            beta, alpha = _step_coefficients(scales, j + 1)
-            t = rows.gather([torch.baddbmm(half3[:, lo:hi], z[:, lo:hi], y, beta=beta, alpha=alpha)])[0]
+            t = rows.gather([torch.baddbmm(half3[:, lo:hi], z[:, lo:hi], y, alpha=-0.5)])[0]
             last = j == steps - 2 and not residual
             if last:  # the last step's Y is not needed
                 z = rows.gather([t[:, lo:hi] @ z])[0]
