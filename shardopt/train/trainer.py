@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .config import AdamWParams, TrainConfig
 from .data import PackedSequences, StepSampler, TokenData, prepare_data, validation_indices
 from .model import Llama, count_str, model_config
+from .process_group import init_default_group
 
 __all__ = ["Trainer", "lr_lambda", "make_lr_lambda"]
 
@@ -61,8 +62,8 @@ class Trainer:
         self.cfg = cfg
         self.resume = resume
         self.engine_name = cfg.engine.name
-        self._setup_distributed()
         self._log_fn = log
+        self._setup_distributed()
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.val_history: list[tuple[int, float]] = []
@@ -90,6 +91,10 @@ class Trainer:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if use_cuda else "gloo"
+        if not dist.is_initialized():
+            # every engine on one default group, restart-safe under torchrun (process_group.py)
+            init_default_group(backend, self.device)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
         if self.engine_name == "deepspeed":
             if not use_cuda:
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -99,17 +104,12 @@ class Trainer:
                 from deepspeed.utils import logger as ds_logger
 
                 ds_logger.setLevel(logging.WARNING)
-            if not dist.is_initialized():
-                if not use_cuda and os.environ.get("RANK", "0") == "0":  # before the group: rank 0 by env
-                    print(
-                        f"starting DeepSpeed on cpu, {os.environ.get('WORLD_SIZE', '1')} processes (the first run "
-                        "on a machine builds DeepSpeed's CPU communication op: 1-2 minutes)",
-                        flush=True,
-                    )
-                deepspeed.init_distributed(dist_backend=backend)
-        elif not dist.is_initialized():
-            dist.init_process_group(backend=backend, device_id=self.device if use_cuda else None)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+            if not use_cuda:
+                self.log(
+                    f"starting DeepSpeed on cpu, {self.world} processes (the first run on a machine builds "
+                    "DeepSpeed's CPU communication op: 1-2 minutes)"
+                )
+            deepspeed.init_distributed(dist_backend=backend)  # takes the default group as it is
 
     def log(self, msg: str) -> None:
         if self.rank != 0:
