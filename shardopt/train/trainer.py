@@ -449,6 +449,19 @@ class Trainer:
                         writer.add_scalar(key, value, record.get("step", self.step))
                 writer.flush()
 
+    def _drop_metrics_after(self, step: int) -> None:
+        """Forget the records of steps past the checkpoint resumed from: an interrupted attempt logged them, and
+        this run logs those steps again (one record per step in ``metrics.jsonl`` and the loss curve)."""
+        if not os.path.isfile(self.metrics_path):
+            return
+        with open(self.metrics_path) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if _record_step(line) <= step]
+        if len(keep) != len(lines):
+            from ..checkpoint import commit
+
+            commit.write_atomic(self.metrics_path, "".join(keep))
+
     def _tensorboard(self):
         """A TensorBoard writer under ``<run_dir>/tensorboard`` when the ``tensorboard`` package is installed."""
         if not hasattr(self, "_tb"):
@@ -484,7 +497,9 @@ class Trainer:
         self._build()
         resumed = self._load() if self.resume else False
         if self.rank == 0:
-            if not resumed:
+            if resumed:
+                self._drop_metrics_after(self.step)
+            else:
                 open(self.metrics_path, "w").close()
                 with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
                     json.dump(cfg.model_dump(mode="json"), f, indent=2)
@@ -591,6 +606,14 @@ class Trainer:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _record_step(line: str) -> float:
+    """The step of a ``metrics.jsonl`` line; a line cut short by a killed rank 0 counts as past every step."""
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return math.inf
 
 
 def plot_metrics(metrics_path: str, out_path: str, title: str = "") -> str:
