@@ -56,10 +56,10 @@ def agree_generation(store: dist.Store, rank: int, world: int, timeout: timedelt
                 if store.check([f"{_ROOT}/{generation}/joined/{r}"]):
                     pending.discard(r)
                 elif store.check([f"{_ROOT}/hello/{r}"]):
-                    nonce = store.get(f"{_ROOT}/hello/{r}")
-                    if nonce not in answered:
-                        store.set(f"{_ROOT}/welcome/{nonce.decode()}", str(generation))
-                        answered.add(nonce)
+                    posted = store.get(f"{_ROOT}/hello/{r}")
+                    if posted not in answered:
+                        store.set(f"{_ROOT}/welcome/{posted.decode()}", str(generation))
+                        answered.add(posted)
             if pending:
                 if time.monotonic() > deadline:
                     raise TimeoutError(
