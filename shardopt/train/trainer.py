@@ -91,19 +91,23 @@ class Trainer:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if use_cuda else "gloo"
-        if not dist.is_initialized():
-            # every engine on one default group, restart-safe under torchrun (process_group.py)
-            init_default_group(backend, self.device)
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        timeout = None  # torch's default for the backend
         if self.engine_name == "deepspeed":
             if not use_cuda:
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
+            from deepspeed.constants import default_pg_timeout
 
             if cfg.engine.quiet:
                 from deepspeed.utils import logger as ds_logger
 
                 ds_logger.setLevel(logging.WARNING)
+            timeout = default_pg_timeout  # what DeepSpeed's own group would get (DEEPSPEED_TIMEOUT)
+        if not dist.is_initialized():
+            # every engine on one default group, restart-safe under torchrun (process_group.py)
+            init_default_group(backend, self.device, timeout)
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.engine_name == "deepspeed":
             if not use_cuda:
                 self.log(
                     f"starting DeepSpeed on cpu, {self.world} processes (the first run on a machine builds "
