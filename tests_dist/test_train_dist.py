@@ -209,10 +209,15 @@ def test_fsdp2_resume_matches_uninterrupted_run(tmp_path):
 # ------------------------------------------------------------------------------- torchrun's automatic restarts
 def restart_commands(config: str, run_dir, extra: list[str], rdzv: str, nnodes: int = 1) -> list[list[str]]:
     """``torchrun --max-restarts 1 ... -m shardopt.train --resume``, one command per node: a static port
-    (``--master_port``) or the c10d rendezvous that ``launch/multinode.sh`` uses."""
+    (``--master_port``), the c10d rendezvous, or ``launch/multinode.sh`` itself (``MAX_RESTARTS=1``; c10d)."""
     port = free_port()
     cmds = []
     for node in range(nnodes):
+        if rdzv == "multinode.sh":
+            script_env = [f"NNODES={nnodes}", f"NODE_RANK={node}", "NPROC_PER_NODE=2", f"MASTER_PORT={port}"]
+            args = _trainer_args(config, run_dir, [*extra, "--resume"])[2:]  # the script adds -m shardopt.train
+            cmds.append(["env", *script_env, "MAX_RESTARTS=1", "bash", str(ROOT / "launch" / "multinode.sh"), *args])
+            continue
         if rdzv == "static":
             launch = ["--master_addr=127.0.0.1", f"--master_port={port}"]
         else:
@@ -297,12 +302,12 @@ def test_killed_worker_restarts_and_resumes_on_every_engine(config, rdzv, tmp_pa
 
 @full_only("one node, DeepSpeed (test_killed_worker_restarts_and_resumes_on_deepspeed)")
 def test_killed_worker_restarts_and_resumes_on_two_nodes(tmp_path):
-    """``launch/multinode.sh``'s c10d launch, two nodes of 2 on loopback: a worker of node 1 killed; node 1's
-    agent restarts its workers (TORCHELASTIC_RESTART_COUNT 1), node 0's restarts them for the membership change
-    (count 0), and the attempt's process group still forms and resumes."""
+    """``launch/multinode.sh`` with ``MAX_RESTARTS=1``, two nodes of 2 on loopback (c10d): a worker of node 1
+    killed; node 1's agent restarts its workers (TORCHELASTIC_RESTART_COUNT 1), node 0's restarts them for the
+    membership change (count 0), and the attempt's process group still forms and resumes."""
     want_run = tmp_path / "uninterrupted"
     _check(run_two_nodes("demo.json", want_run, RESTART_STEPS), "two-node uninterrupted")
     run = tmp_path / "restarted"
-    cmds = restart_commands("demo.json", run, RESTART_STEPS, "c10d", nnodes=2)
+    cmds = restart_commands("demo.json", run, RESTART_STEPS, "multinode.sh", nnodes=2)
     want = final_params(want_run), _train_losses(want_run), _summary(want_run)
     check_restarted_run(run, cmds, 3, "step 6/12", *want, resumed_at=(4, 8))
