@@ -50,7 +50,10 @@ BASE = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2}}
 DS_CASES = [
     ({**BASE, "optimizer": {"type": "AdamW"}, "shardopt": {"optimizer": "scale"}}, r"both an 'optimizer' block"),
     (BASE, r"no 'shardopt' section"),
-    ({**BASE, "shardopt": {"optimizer": "scale", "lrr": 1}}, r"shardopt\.lrr: unknown hyperparameter"),
+    (
+        {**BASE, "shardopt": {"optimizer": "scale", "lrr": 1}},
+        r"shardopt\.lrr: unknown key of the shardopt section \(it takes optimizer, params, routing\)",
+    ),
     (
         {**BASE, "shardopt": {"optimizer": "scale", "params": {"bogus": 1}}},
         r"shardopt\.params\.bogus: unknown hyperparameter",
@@ -88,3 +91,44 @@ def test_shipped_deepspeed_configs_validate(path):
     section, hp = parse_section(cfg)
     assert section.optimizer in shardopt.optim.OPTIMIZERS
     assert "shardopt" not in cfg and "optimizer" not in cfg
+
+
+# DeepSpeed keys are DeepSpeed's (issue 65): shardopt validates its "shardopt" section and the settings it refuses
+# or rewrites (an "optimizer" block, offload); everything else reaches deepspeed.initialize as written
+PASS_THROUGH = [
+    {"stage": 2, "some_future_key": 1},  # a newer DeepSpeed's key
+    {"stage": 3, "mics_shard_size": 2},  # removed in DeepSpeed 0.19.8: DeepSpeed has its own message
+    {"stage": 2, "reduce_bucket_size": "not a number"},
+]
+
+
+@pytest.mark.parametrize("zero", PASS_THROUGH)
+def test_deepspeed_keys_pass_through_parse_section(zero):
+    cfg = load_config({**BASE, "zero_optimization": zero, "shardopt": {"optimizer": "scale"}})
+    parse_section(cfg)
+    assert cfg["zero_optimization"] == zero and "shardopt" not in cfg
+
+
+def test_deepspeed_keys_reach_deepspeed_and_get_its_own_message(monkeypatch):
+    """``shardopt.deepspeed.initialize`` hands the keys to ``deepspeed.initialize`` unchanged; DeepSpeed's own
+    config (what its initialize builds first) then answers: its ZeRO model for an unknown key, its removed-feature
+    message for MiCS. (The same through real 2-rank groups: tests_dist/test_refusals.py.)"""
+    import deepspeed
+    from deepspeed.runtime.config import DeepSpeedConfig, DeepSpeedConfigError
+    from pydantic import ValidationError
+
+    import shardopt.deepspeed as sds
+
+    seen = []
+
+    def ds_initialize(model, model_parameters, config, optimizer, **kwargs):
+        seen.append(config["zero_optimization"])
+        DeepSpeedConfig(config)
+
+    monkeypatch.setattr(deepspeed, "initialize", ds_initialize)
+    config = {**BASE, "shardopt": {"optimizer": "scale"}}
+    with pytest.raises(ValidationError, match=r"some_future_key\n  Extra inputs are not permitted"):
+        sds.initialize(model=nn.Linear(4, 4), config={**config, "zero_optimization": PASS_THROUGH[0]})
+    with pytest.raises(DeepSpeedConfigError, match=r"^MiCS ZeRO-3 sharding has been removed; 'zero_optimization\."):
+        sds.initialize(model=nn.Linear(4, 4), config={**config, "zero_optimization": PASS_THROUGH[1]})
+    assert seen == PASS_THROUGH[:2]

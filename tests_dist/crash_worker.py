@@ -4,8 +4,8 @@
 
 Each attempt builds its process group on a fresh TCPStore: with torchelastic's shared agent store, process
 groups created after a restart (device meshes, DeepSpeed's data-parallel group) read the dead attempt's keys
-and hang or fail to connect (observed with torch 2.13 + gloo; see docs/reliability.md, "Restarts and shutdown on
-gloo")."""
+and hang or fail to connect (observed with torch 2.13 + gloo; see docs/reliability.md, "Restarts under torchrun",
+which also says why the trainer agrees on the attempt through the store instead: the restart count is per node)."""
 
 from __future__ import annotations
 

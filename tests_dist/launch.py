@@ -167,6 +167,64 @@ def run_bounded(
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
+def run_killing_rank(
+    cmds: list[list[str]], env: dict, timeout: float, rank: int, after: str, cwd: str | os.PathLike = ROOT
+) -> tuple[list[subprocess.CompletedProcess], int | None]:
+    """Launch ``cmds`` (the ``torch.distributed.run`` commands of one job, one per node) and SIGKILL the worker of
+    global rank ``rank`` once a line of their output contains ``after``: a worker dying mid-run, which
+    ``--max-restarts`` must survive. Only the first attempt's worker is killed. Returns the completed launches
+    (stderr merged into stdout) and the killed worker's pid (None if ``after`` never appeared); on a timeout every
+    descendant is killed and ``TimeoutExpired`` raised."""
+    import threading
+    import time
+
+    import psutil
+
+    procs = [
+        subprocess.Popen(
+            cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
+        for cmd in cmds
+    ]
+    outs: list[list[str]] = [[] for _ in procs]
+    seen = threading.Event()
+
+    def read(i: int) -> None:
+        assert procs[i].stdout is not None
+        for line in procs[i].stdout:
+            outs[i].append(line)
+            if after in line:
+                seen.set()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in readers:
+        t.start()
+    killed: int | None = None
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if killed is None and seen.is_set():
+                for p in procs:  # torchrun's workers are its own children
+                    for child in psutil.Process(p.pid).children():
+                        with contextlib.suppress(psutil.Error):
+                            if child.environ().get("RANK") == str(rank):
+                                child.kill()
+                                killed = child.pid
+                killed = killed or -1
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmds[0], timeout, "".join(outs[0]))
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                _kill_tree(p.pid)
+            p.wait()
+        for t in readers:
+            t.join(timeout=10)
+    done = [subprocess.CompletedProcess(p.args, p.returncode, "".join(o), "") for p, o in zip(procs, outs)]
+    return done, (killed if killed and killed > 0 else None)
+
+
 def finish_worker(records: list, out: str) -> None:
     """End of every distributed worker: rank 0 writes the records as JSON, then the group is torn down."""
     import gc

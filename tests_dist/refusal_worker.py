@@ -1,6 +1,7 @@
 """Refusals (issue 28): what the DeepSpeed adapter cannot express yet fails with one clear error on every rank,
 before DeepSpeed builds its engine: a routing pattern that matches on no pipeline stage, and a
-``deepspeed.moe.layer.MoE`` layer whose experts are split by tensor parallelism. (Pipeline stages that form
+``deepspeed.moe.layer.MoE`` layer whose experts are split by tensor parallelism. DeepSpeed keys that shardopt does
+not own reach DeepSpeed, whose own validation answers (issue 65). (Pipeline stages that form
 different numbers of param groups were refused here until issue 45; they train now: ``test_pipeline_llm.py``.) Rank 0
 writes, per case, the error type and message every rank saw."""
 
@@ -90,6 +91,29 @@ def fallback_warning() -> dict:
     return {"case": "pipeline_unbuildable", "warnings": every}
 
 
+#: DeepSpeed's own keys, which shardopt passes through (issue 65): each case's zero_optimization
+DEEPSPEED_KEYS = {
+    "zero_future_key": {"stage": 1, "some_future_key": 1},
+    "zero_mics": {"stage": 3, "mics_shard_size": 2},
+}
+
+
+def deepspeed_keys() -> list[dict]:
+    """``zero_optimization`` keys shardopt does not own reach ``deepspeed.initialize``: the error every rank sees
+    is DeepSpeed's own (its ZeRO model's, its removed-feature message)."""
+    records = []
+    for case, zero in DEEPSPEED_KEYS.items():
+        try:
+            shardopt.deepspeed.initialize(model=nn.Linear(8, 8), config=dict(CONFIG, zero_optimization=zero))
+            error = None
+        except Exception as err:
+            error = f"{type(err).__module__}.{type(err).__name__}: {err}"
+        seen: list = [None] * dist.get_world_size()
+        dist.all_gather_object(seen, error)
+        records.append({"case": case, "error": error, "every_rank": seen})
+    return records
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -112,6 +136,7 @@ def main() -> None:
         dist.all_gather_object(seen, rec["error"])
         rec["every_rank"] = seen
         records.append(rec)
+    records.extend(deepspeed_keys())
     records.append(fallback_warning())
     finish_worker(records, args.out)
 

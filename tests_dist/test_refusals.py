@@ -1,5 +1,6 @@
 """What shardopt does not support yet fails with one clear error on every rank (issue 28): a routing pattern no
-pipeline stage matches, and MoE experts split by tensor parallelism (``refusal_worker.py``, world size 2).
+pipeline stage matches, and MoE experts split by tensor parallelism (``refusal_worker.py``, world size 2). What
+shardopt does not own it does not refuse: DeepSpeed's own keys reach DeepSpeed's validation (issue 65).
 Pipelines and expert parallelism themselves are exact (``test_pipeline.py``, ``test_pipeline_llm.py``, whose stages
 form different numbers of param groups, ``test_moe.py``)."""
 
@@ -59,3 +60,22 @@ def test_pipeline_specs_not_buildable_on_meta_warn_on_every_rank() -> None:
     assert all(len(w) == 1 for w in warned)
     assert "routing={'<name>': 'lm_head'}" in warned[0][0]
     assert "on this stage ['2.weight'] would be the LM head" in warned[-1][0]
+
+
+def test_deepspeed_keys_reach_deepspeeds_own_validation() -> None:
+    """``zero_optimization`` keys are DeepSpeed's (issue 65): a key this DeepSpeed does not know is answered by
+    DeepSpeed's ZeRO model, and MiCS (removed in DeepSpeed 0.19.8) by DeepSpeed's own message with its link; shardopt
+    calls neither a hyperparameter."""
+    future, mics = records()["zero_future_key"], records()["zero_mics"]
+    print(f"zero_optimization.some_future_key: {future['error']}\nzero_optimization.mics_shard_size: {mics['error']}")
+    assert future["error"].startswith(
+        "pydantic_core._pydantic_core.ValidationError: 1 validation error for DeepSpeedZeroConfig"
+    )
+    assert "some_future_key\n  Extra inputs are not permitted" in future["error"]
+    assert mics["error"].startswith(
+        "deepspeed.runtime.config.DeepSpeedConfigError: MiCS ZeRO-3 sharding has been removed; "
+        "'zero_optimization.mics_shard_size' is no longer supported. See https://github.com/deepspeedai/"
+    )
+    for rec in (future, mics):
+        assert "hyperparameter" not in rec["error"] and not rec["error"].startswith("shardopt.")
+        assert len(set(rec["every_rank"])) == 1

@@ -32,7 +32,7 @@ import pydantic
 
 from ..optim.config import OptimizerConfig, format_errors
 from ..optim.registry import OPTIMIZERS, ConfigError, build_optimizer, validate_hyperparameters
-from ..plugin.deepspeed_engine import ShardoptSection, apply_offload_keys
+from ..plugin.deepspeed_engine import SECTION_UNKNOWN_KEY, ShardoptSection, apply_offload_keys
 from .accelerate import patch_prepare, with_fsdp1_optimizer_io
 
 __all__ = ["enable", "resolve_settings"]
@@ -72,7 +72,7 @@ def resolve_settings(
         try:
             section = ShardoptSection.model_validate(ds["shardopt"])
         except pydantic.ValidationError as err:
-            raise ConfigError(format_errors(err, "shardopt")) from None
+            raise ConfigError(format_errors(err, "shardopt", unknown=SECTION_UNKNOWN_KEY)) from None
         where = "shardopt.params"
     elif ds is not None and "optimizer" in ds:
         raise ConfigError(

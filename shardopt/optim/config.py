@@ -47,16 +47,22 @@ def check_betas(name: str, betas: _Betas) -> _Betas:
     return betas
 
 
-def format_errors(err: pydantic.ValidationError, where: str, names: Mapping[str, str] | None = None) -> str:
+def format_errors(
+    err: pydantic.ValidationError,
+    where: str,
+    names: Mapping[str, str] | None = None,
+    unknown: str = "unknown hyperparameter",
+) -> str:
     """One line per error: ``<where>.<key path>: <message> (got <value>)``; a literal choice reads
-    ``<where>.<key> must be 'a' or 'b' (got 'c')``. ``names`` renames top-level fields (constructor names)."""
+    ``<where>.<key> must be 'a' or 'b' (got 'c')``. ``names`` renames top-level fields (constructor names);
+    ``unknown``: what a key the model does not have is called (a model of hyperparameters by default)."""
     lines = []
     for e in err.errors():
         loc = [(names or {}).get(str(x), str(x)) if i == 0 else str(x) for i, x in enumerate(e["loc"])]
         path = ".".join([where, *loc]) if where else ".".join(loc)
         got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], Mapping) else ""
         if e["type"] == "extra_forbidden":
-            lines.append(f"{path}: unknown hyperparameter")
+            lines.append(f"{path}: {unknown}")
         elif e["type"] == "literal_error":
             lines.append(f"{path} must be {e['ctx']['expected']}{got}")
         else:

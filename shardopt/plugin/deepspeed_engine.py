@@ -71,6 +71,10 @@ class ShardoptSection(pydantic.BaseModel):
         return section
 
 
+#: what a key of the ``"shardopt"`` section that shardopt does not know is called in errors
+SECTION_UNKNOWN_KEY = "unknown key of the shardopt section (it takes optimizer, params, routing)"
+
+
 def parse_shardopt_section(raw: Any, where: str = "shardopt") -> ShardoptSection:
     """The ``"shardopt"`` section validated once: its keys, the optimizer name and the hyperparameters (every
     error names its key path, ``<where>.params.<key>``). A section parsed already is returned as is."""
@@ -79,7 +83,7 @@ def parse_shardopt_section(raw: Any, where: str = "shardopt") -> ShardoptSection
     try:
         section = ShardoptSection(**raw) if isinstance(raw, Mapping) else ShardoptSection.model_validate(raw)
     except pydantic.ValidationError as err:
-        raise ConfigError(format_errors(err, where)) from None
+        raise ConfigError(format_errors(err, where, unknown=SECTION_UNKNOWN_KEY)) from None
     section._config = validate_hyperparameters(
         section.optimizer, section.params, where=f"{where}.params", name_key=f"{where}.optimizer"
     )
@@ -98,7 +102,11 @@ def load_config(config: str | os.PathLike | Mapping[str, Any]) -> dict[str, Any]
 
 def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, OptimizerConfig]:
     """Pop and validate the ``"shardopt"`` section (a ``ShardoptSection`` parsed already, as the trainer passes,
-    is not parsed again); refuse configs DeepSpeed would handle differently."""
+    is not parsed again) and check the DeepSpeed settings shardopt must refuse or rewrite: an ``"optimizer"``
+    block (shardopt supplies the optimizer) and the offload settings (``apply_offload_keys``). Every other
+    DeepSpeed key, ``zero_optimization``'s included, is DeepSpeed's: it passes through to DeepSpeed's own
+    validation in ``deepspeed.initialize``, so a newer DeepSpeed's keys need no shardopt release and a removed
+    key gets DeepSpeed's own message."""
     if "shardopt" not in cfg:
         raise ConfigError(
             "DeepSpeed config has no 'shardopt' section; add e.g. "
@@ -110,27 +118,7 @@ def parse_section(cfg: dict[str, Any]) -> tuple[ShardoptSection, OptimizerConfig
             "'optimizer' block (shardopt supplies the optimizer; keep 'scheduler' if you use one)"
         )
     section = parse_shardopt_section(cfg.pop("shardopt"))
-    for key in ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
-        if key in cfg and (isinstance(cfg[key], bool) or not isinstance(cfg[key], int) or cfg[key] < 1):
-            raise ConfigError(f"{key}: expected a positive integer, got {cfg[key]!r}")
-    clip = cfg.get("gradient_clipping", 0.0)
-    if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not clip >= 0:
-        raise ConfigError(f"gradient_clipping: expected a number >= 0, got {clip!r}")
-    zero = cfg.get("zero_optimization", {}) or {}
-    if not isinstance(zero, Mapping):
-        raise ConfigError(f"zero_optimization: expected an object, got {zero!r}")
-    apply_offload_keys(cfg)  # before DeepSpeed's own validation: its messages would not name the fix
-    try:
-        from deepspeed.runtime.zero.config import DeepSpeedZeroConfig
-    except ImportError:  # DeepSpeed not installed: initialize() will say so
-        DeepSpeedZeroConfig = None
-    if DeepSpeedZeroConfig is not None:
-        try:
-            DeepSpeedZeroConfig(**zero)
-        except pydantic.ValidationError as err:
-            raise ConfigError(format_errors(err, "zero_optimization")) from None
-        except (TypeError, ValueError) as err:
-            raise ConfigError(f"zero_optimization: {err}") from None
+    apply_offload_keys(cfg)  # before DeepSpeed reads them: its messages would not name the fix
     return section, section.config
 
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from .config import AdamWParams, TrainConfig
 from .data import PackedSequences, StepSampler, TokenData, prepare_data, validation_indices
 from .model import Llama, count_str, model_config
+from .process_group import init_default_group
 
 __all__ = ["Trainer", "lr_lambda", "make_lr_lambda"]
 
@@ -61,8 +62,8 @@ class Trainer:
         self.cfg = cfg
         self.resume = resume
         self.engine_name = cfg.engine.name
-        self._setup_distributed()
         self._log_fn = log
+        self._setup_distributed()
         self.step = 0
         self.history: list[dict[str, Any]] = []
         self.val_history: list[tuple[int, float]] = []
@@ -90,26 +91,29 @@ class Trainer:
         os.environ.setdefault("LOCAL_RANK", "0")
         os.environ.setdefault("WORLD_SIZE", "1")
         backend = "nccl" if use_cuda else "gloo"
+        timeout = None  # torch's default for the backend
         if self.engine_name == "deepspeed":
             if not use_cuda:
                 os.environ.setdefault("DS_ACCELERATOR", "cpu")
             import deepspeed
+            from deepspeed.constants import default_pg_timeout
 
             if cfg.engine.quiet:
                 from deepspeed.utils import logger as ds_logger
 
                 ds_logger.setLevel(logging.WARNING)
-            if not dist.is_initialized():
-                if not use_cuda and os.environ.get("RANK", "0") == "0":  # before the group: rank 0 by env
-                    print(
-                        f"starting DeepSpeed on cpu, {os.environ.get('WORLD_SIZE', '1')} processes (the first run "
-                        "on a machine builds DeepSpeed's CPU communication op: 1-2 minutes)",
-                        flush=True,
-                    )
-                deepspeed.init_distributed(dist_backend=backend)
-        elif not dist.is_initialized():
-            dist.init_process_group(backend=backend, device_id=self.device if use_cuda else None)
+            timeout = default_pg_timeout  # what DeepSpeed's own group would get (DEEPSPEED_TIMEOUT)
+        if not dist.is_initialized():
+            # every engine on one default group, restart-safe under torchrun (process_group.py)
+            init_default_group(backend, self.device, timeout)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        if self.engine_name == "deepspeed":
+            if not use_cuda:
+                self.log(
+                    f"starting DeepSpeed on cpu, {self.world} processes (the first run on a machine builds "
+                    "DeepSpeed's CPU communication op: 1-2 minutes)"
+                )
+            deepspeed.init_distributed(dist_backend=backend)  # takes the default group as it is
 
     def log(self, msg: str) -> None:
         if self.rank != 0:
@@ -449,6 +453,19 @@ class Trainer:
                         writer.add_scalar(key, value, record.get("step", self.step))
                 writer.flush()
 
+    def _drop_metrics_after(self, step: int) -> None:
+        """Forget the records of steps past the checkpoint resumed from: an interrupted attempt logged them, and
+        this run logs those steps again (one record per step in ``metrics.jsonl`` and the loss curve)."""
+        if not os.path.isfile(self.metrics_path):
+            return
+        with open(self.metrics_path) as f:
+            lines = f.readlines()
+        keep = [line for line in lines if _record_step(line) <= step]
+        if len(keep) != len(lines):
+            from ..checkpoint import commit
+
+            commit.write_atomic(self.metrics_path, "".join(keep))
+
     def _tensorboard(self):
         """A TensorBoard writer under ``<run_dir>/tensorboard`` when the ``tensorboard`` package is installed."""
         if not hasattr(self, "_tb"):
@@ -484,7 +501,9 @@ class Trainer:
         self._build()
         resumed = self._load() if self.resume else False
         if self.rank == 0:
-            if not resumed:
+            if resumed:
+                self._drop_metrics_after(self.step)
+            else:
                 open(self.metrics_path, "w").close()
                 with open(os.path.join(cfg.run_dir, "config.json"), "w") as f:
                     json.dump(cfg.model_dump(mode="json"), f, indent=2)
@@ -591,6 +610,14 @@ class Trainer:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _record_step(line: str) -> float:
+    """The step of a ``metrics.jsonl`` line; a line cut short by a killed rank 0 counts as past every step."""
+    try:
+        return float(json.loads(line).get("step", 0))
+    except (ValueError, AttributeError):
+        return math.inf
 
 
 def plot_metrics(metrics_path: str, out_path: str, title: str = "") -> str:
