@@ -47,6 +47,7 @@ from ..sharding.subspace import (
     determined_floor,
     fill_draw,
     fp32_floor,
+    pin_signs,
     range_basis,
     signal_directions,
     signal_range,
@@ -174,9 +175,12 @@ def compensation_scale(
     p: torch.Tensor, energy: torch.Tensor, rows: int, r: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``C = R diag(c)`` with ``c_j = sqrt(rows - r) / sqrt(p_j + eps)`` (0 where ``p_j = 0``; ``c = 0`` when
-    ``r = rows``), and ``|C|`` from the residual column energies, so ``C`` is never formed."""
+    ``r = rows``), and ``|C|`` from the residual column energies, so ``C`` is never formed. ``c_j = 0`` also where
+    this step's residual energy ``energy_j`` is 0 (``residual_energy``: at rounding level, a column the basis
+    captures whole): ``R e_j`` is then rounding that ``1 / sqrt(p_j)`` of earlier steps' residuals would amplify
+    into a step that depends on summation order (3.8e-5 after one switch onto a rank-2 gradient, issue 63)."""
     if r < rows:
-        c = torch.where(p > 0, (p + eps).rsqrt(), torch.zeros_like(p)) * math.sqrt(rows - r)
+        c = torch.where((p > 0) & (energy > 0), (p + eps).rsqrt(), torch.zeros_like(p)) * math.sqrt(rows - r)
     else:
         c = torch.zeros_like(p)
     return c, (c * c * energy).sum(-1).sqrt()
@@ -669,7 +673,10 @@ class Alice(ShardedOptimizer):
                 if l < r
                 else None
             )
-            new_bases.update(zip(idx, switched_basis(torch.stack([ritz[i] for i in idx]), l, picks).unbind(0)))
+            # each vector's sign pinned: M and V are not rotated at a switch (the paper's rule), so the sign that
+            # rounding gives a Ritz or range-finder vector would flip that row of the step (docs/algorithms/alice.md)
+            basis = pin_signs(switched_basis(torch.stack([ritz[i] for i in idx]), l, picks))
+            new_bases.update(zip(idx, basis.unbind(0)))
         for i in switch:
             st = items[i].state
             new = new_bases[i]

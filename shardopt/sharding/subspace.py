@@ -27,7 +27,20 @@ __all__ = [
     "determined_floor",
     "complete_basis",
     "fill_draw",
+    "pin_signs",
 ]
+
+
+def pin_signs(basis: torch.Tensor) -> torch.Tensor:
+    """``basis`` (``(..., rows, r)``) with each column's sign chosen so that its largest-magnitude entry is positive
+    (the first such entry on a tie; a zero column is kept). ``eigh``, ``svd`` and QR return each vector with an
+    arbitrary sign that follows rounding (the summation order of the data, the rank, the solver), which matters
+    wherever state is kept in the basis's coordinates without being rotated into the new one (Alice's ``M`` and
+    ``V`` at a switch, the paper's literal rule: docs/algorithms/alice.md). The one convention every strategy and
+    rank applies to a basis it computes whole; flipping a sign is exact, so the pinned basis is the same numbers
+    wherever its unpinned input is."""
+    pivot = basis.gather(-2, basis.abs().argmax(-2, keepdim=True))
+    return basis * torch.where(pivot < 0, -1.0, 1.0).to(basis.dtype)
 
 
 def orthonormal(x: torch.Tensor) -> torch.Tensor:
