@@ -14,6 +14,9 @@ harness: 3 steps of 8 samples split over the ranks; rank 0 writes the initial an
 first moments are rank-deficient (the small-batch fine-tuning case where SUMO's exact polar factor met bf16
 rounding: 80% before the precision-aware cutoff); each rule at its defaults (SUMO's rank 128, clamped to the
 matrix). ``llama``: the tiny LLaMA with ``hf_worker.HP`` (64 tokens a step: full-rank gradients).
+``--steps`` (3) steps; ``<engine>_fp32`` (``zero2_fp32``, ``zero3_fp32``, ``fsdp2_fp32``) runs the same harness in
+fp32 (bf16 against fp32); besides shardopt's optimizers and ``adamw``, Muon's anchors ``ds_muon`` (DeepSpeed's Muon,
+DeepSpeed engines) and ``torch_muon`` (``torch.optim.Muon``, FSDP2) (issue 63).
 ``--no-cutoff`` runs SUMO, SWAN's exact root and ASGO's pseudo-inverse with their fp32 cutoffs whatever the
 gradients' precision (to show what the cutoff does); ``--params`` (JSON) overrides a rule's defaults (SWAN's exact
 root: ``{"center": true}`` or ``{"whitening": "svd"}``; ASGO's pseudo-inverse: ``{"eps": 0}``).
@@ -259,6 +262,7 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
             for p in model.parameters():
                 p.use_muon = p.ndim >= 2
             ds_opt = {"type": "Muon", "params": {"lr": 1e-3, "momentum": 0.95, "weight_decay": 0.1}}
+            cfg["zero_optimization"]["reduce_scatter"] = False  # ZeRO-3 refuses Muon with it
             engine, opt, _, _ = deepspeed.initialize(
                 model=model, model_parameters=model.parameters(), config={**cfg, "optimizer": ds_opt}
             )

@@ -10,7 +10,10 @@ the tiny LLaMA of ``hf_worker.py``.
 * bf16 spread (full tier): world size 2 against 1 under DeepSpeed bf16 ZeRO-2 / ZeRO-3 and FSDP2 mixed precision,
   the relative difference ``|W_2 - W_1| / |W_1 - W_0|`` of every rule at most 2x torch AdamW's in the same harness:
   ``offload_worker.SpreadMLP``, 8 samples a step, so the gradients are rank-deficient (the harness where SUMO
-  measured 78% on bf16 ZeRO-3 with its fp32 cutoff, as in the issue); each rule at its defaults.
+  measured 78% on bf16 ZeRO-3 with its fp32 cutoff, as in the issue); each rule at its defaults. And the same
+  harness in one process for 60 steps (``spread_emulation.py``, issue 63): with ``signal_rank`` SUMO and Alice within
+  2x AdamW's in the final loss and the parameters, world size 2 against 1 and bf16 against fp32; Muon at most its
+  anchors' (``torch.optim.Muon``, DeepSpeed's Muon).
 """
 
 from __future__ import annotations
