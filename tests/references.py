@@ -155,15 +155,14 @@ def alice_step(
     tracking=True,
     reproject=True,
     complement_draw=None,
-    signs=None,
     wd=0.0,
 ):
     """docs/algorithms/alice.md, with exact linear algebra: the first basis is the top-r left singular basis of
     A; later switches are one Rayleigh-Ritz step on Q = b3 U Qt U^T + (1 - b3) A A^T, formed here. When l < r the
     r - l complement columns are ``complement_draw(count, switch)``: indices into the complete-QR complement
     (the optimizer's seeded draw, which a reference cannot invent). A basis vector's sign is arbitrary (the
-    paper does not fix it), yet it matters because M and V are not rotated at a switch: ``signs()`` gives the
-    basis the optimizer chose, and each new column takes the sign of the matching one."""
+    paper does not fix it), yet it matters because M and V are not rotated at a switch: each new column's
+    largest-magnitude entry is made positive (docs/algorithms/alice.md)."""
     b1, b2, b3 = betas
     b3 = b3 if tracking else 0.0
     m, n = G.shape
@@ -193,8 +192,7 @@ def alice_step(
         if lead < r:
             complement = torch.linalg.qr(U1, mode="complete").Q[:, r:]
             U1 = torch.cat([U1[:, :lead], complement[:, complement_draw(r - lead, st["switches"])]], dim=1)
-        if signs is not None:
-            U1 = U1 * torch.sign((U1 * signs().double()).sum(0))
+        U1 = U1 * torch.where(U1.gather(0, U1.abs().argmax(0, keepdim=True)) < 0, -1.0, 1.0).to(U1.dtype)
         if tracking and reproject and "U" in st:
             c = U1.T @ st["U"]
             st["Qt"] = c @ st["Qt"] @ c.T

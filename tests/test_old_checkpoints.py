@@ -6,7 +6,8 @@ e5cf985) hold, per optimizer whose keys were renamed, the state after 3 steps of
 later. Loading either form must rename the old keys (``state_key_renames``) and give those parameters (to fp32
 rounding, 1e-6 relative: issue 19's grouped steps sum in another order than the code that wrote them). RACS's
 state is also there as an FSDP2 trainer's DCP checkpoint, which the trainer's ``SafeLoadPlanner`` reads into
-today's keys.
+today's keys. Alice's continuation is today's rule from the old state (``continue_alice.py``): issue 63 pinned the
+sign of each basis vector at a switch, which the old code took from rounding.
 """
 
 from __future__ import annotations

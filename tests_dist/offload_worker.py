@@ -14,6 +14,9 @@ harness: 3 steps of 8 samples split over the ranks; rank 0 writes the initial an
 first moments are rank-deficient (the small-batch fine-tuning case where SUMO's exact polar factor met bf16
 rounding: 80% before the precision-aware cutoff); each rule at its defaults (SUMO's rank 128, clamped to the
 matrix). ``llama``: the tiny LLaMA with ``hf_worker.HP`` (64 tokens a step: full-rank gradients).
+``--steps`` (3) steps; ``<engine>_fp32`` (``zero2_fp32``, ``zero3_fp32``, ``fsdp2_fp32``) runs the same harness in
+fp32 (bf16 against fp32); besides shardopt's optimizers and ``adamw``, Muon's anchors ``ds_muon`` (DeepSpeed's Muon,
+DeepSpeed engines) and ``torch_muon`` (``torch.optim.Muon``, FSDP2) (issue 63).
 ``--no-cutoff`` runs SUMO, SWAN's exact root and ASGO's pseudo-inverse with their fp32 cutoffs whatever the
 gradients' precision (to show what the cutoff does); ``--params`` (JSON) overrides a rule's defaults (SWAN's exact
 root: ``{"center": true}`` or ``{"whitening": "svd"}``; ASGO's pseudo-inverse: ``{"eps": 0}``).
@@ -184,6 +187,24 @@ def reference(name: str, steps: int, batch: int) -> dict[str, torch.Tensor]:
     return {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
 
+#: spread mode's optimizers that are not shardopt's: torch's AdamW (the yardstick), and Muon's anchors (issue 63):
+#: ``torch_muon`` (torch.optim.Muon on the matrices + AdamW on the rest, under FSDP2: DeepSpeed's ZeRO hands a
+#: client optimizer flat partitions, which Muon refuses) and ``ds_muon`` (DeepSpeed's Muon, DeepSpeed engines)
+ANCHORS = ("adamw", "torch_muon", "ds_muon")
+
+
+def anchor_optimizers(name: str, model: torch.nn.Module) -> list[torch.optim.Optimizer]:
+    """torch's AdamW (lr 1e-2), or torch.optim.Muon at its defaults (lr 1e-3, weight decay 0.1: shardopt's Muon's)
+    on the 2-D parameters with AdamW (lr 1e-3) on the others, as shardopt's Muon leaves them to AdamW."""
+    if name == "adamw":
+        return [torch.optim.AdamW(model.parameters(), lr=1e-2)]
+    if name == "torch_muon":
+        mats = [p for p in model.parameters() if p.ndim == 2]
+        rest = [p for p in model.parameters() if p.ndim != 2]
+        return [torch.optim.Muon(mats), torch.optim.AdamW(rest, lr=1e-3, weight_decay=0.0)]
+    raise ValueError(f"spread mode: {name!r} runs on DeepSpeed engines only (ds_muon)")
+
+
 def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
     """3 steps of ``SPREAD_SAMPLES`` samples in bf16, this rank's share of each; the initial parameters under
     ``init.<name>``."""
@@ -194,7 +215,7 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
     data = samples()
     mlp = args.model == "mlp"
     model = SpreadMLP() if mlp else tiny_model()
-    adamw = args.optimizer == "adamw"
+    adamw = args.optimizer in ANCHORS
     hp = {**({} if mlp or adamw else HP.get(args.optimizer, {})), **({} if adamw else json.loads(args.params))}
     init = {f"init.{n}": p.detach().float().clone() for n, p in model.named_parameters()}
     if args.no_cutoff:
@@ -205,41 +226,52 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
         sumo.noise_rtol = lambda dtype, shape, fp32_rtol: fp32_rtol
         swan.noise_eig_rtol = asgo.noise_eig_rtol = lambda dtype, k, fp32_rtol: fp32_rtol
     fsdp = args.engine.startswith("fsdp2")
+    bf16 = not args.engine.endswith("_fp32")  # "<engine>_fp32": the same harness in fp32 (bf16 against fp32)
     if fsdp:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-        kw = {
-            "mesh": init_device_mesh("cpu", (ws,)),
-            "mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32),
-        }
+        kw: dict = {"mesh": init_device_mesh("cpu", (ws,))}
+        if bf16:
+            kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
         for layer in [model.fc1, model.fc2] if mlp else model.model.layers:
             fully_shard(layer, **kw)
         fully_shard(model, **kw)
-        opt = (
-            torch.optim.AdamW(model.parameters(), lr=1e-2)
+        opts = (
+            anchor_optimizers(args.optimizer, model)
             if adamw
-            else shardopt.create_optimizer(model, args.optimizer, **hp)
+            else [shardopt.create_optimizer(model, args.optimizer, **hp)]
         )
         engine, backward = model, lambda loss: loss.backward()
 
         def step() -> None:
-            opt.step()
-            opt.zero_grad()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
     else:
         cfg = {
             "train_micro_batch_size_per_gpu": micro,
             "gradient_accumulation_steps": 1,
             "gradient_clipping": 0.0,
-            "bf16": {"enabled": True},
+            "bf16": {"enabled": bf16},
             "zero_optimization": {"stage": int(args.engine[4]), "overlap_comm": False},
         }
-        if adamw:
+        if args.optimizer == "ds_muon":  # DeepSpeed's own Muon (deepspeed.runtime.zero.muon), its defaults
+            import deepspeed
+
+            for p in model.parameters():
+                p.use_muon = p.ndim >= 2
+            ds_opt = {"type": "Muon", "params": {"lr": 1e-3, "momentum": 0.95, "weight_decay": 0.1}}
+            cfg["zero_optimization"]["reduce_scatter"] = False  # ZeRO-3 refuses Muon with it
+            engine, opt, _, _ = deepspeed.initialize(
+                model=model, model_parameters=model.parameters(), config={**cfg, "optimizer": ds_opt}
+            )
+        elif adamw:
             import deepspeed
 
             engine, opt, _, _ = deepspeed.initialize(
                 model=model,
-                optimizer=torch.optim.AdamW(model.parameters(), lr=1e-2),
+                optimizer=anchor_optimizers(args.optimizer, model)[0],
                 config={**cfg, "zero_allow_untested_optimizer": True},
             )
         else:
@@ -250,7 +282,9 @@ def spread_run(args: argparse.Namespace, meta: dict) -> dict[str, torch.Tensor]:
         backward, step = engine.backward, engine.step
     for s in range(args.steps):
         if mlp:  # FSDP2 casts the inputs to its param_dtype; DeepSpeed bf16 takes them in bf16
-            x, y = spread_batch(s, rank * micro, (rank + 1) * micro, torch.float32 if fsdp else torch.bfloat16)
+            x, y = spread_batch(
+                s, rank * micro, (rank + 1) * micro, torch.bfloat16 if bf16 and not fsdp else torch.float32
+            )
             out = engine(x)
             loss = torch.nn.functional.mse_loss(out.float(), y.float())
         else:

@@ -61,20 +61,15 @@ def _launch(engine: str, names: tuple[str, ...]) -> dict:
     return _cache[key]
 
 
-#: Alice with its subspace rank at the adapter's rank (``hf_worker.HP``: rank 4 = min(16, 4)) is not exact: 2 ranks
-#: against one process differ by 1.2e-3 after step 2 and 3e-3 after step 3 (lora_B moved 3e-3 to 5e-3), the same on
-#: ZeRO-2, ZeRO-3 and FSDP2 (the engines agree with each other); rank 3 or 2 on the same adapters is exact (<= 8e-7).
-ALICE_FULL_RANK = "Alice/Alice0 at rank = min(m, n) differ from one process by ~3e-3 (open, issue 56 report)"
+#: Alice and Alice-0 with the subspace rank at the adapter's rank (``hf_worker.HP``: rank 4 = min(16, 4)) differed
+#: from one process by 3e-3 until each basis vector's sign was pinned (issue 63: M is not rotated at a switch, and a
+#: square basis's Ritz vectors took their sign from rounding); now they must match one process 10x tighter than TOL
+ALICE_TOL = 1e-6
 
 
 def _cases() -> list:
-    """Every engine x optimizer (CI: ``CI_ENGINE`` with ``CI_RULES``); Alice's known difference as a strict xfail."""
-    out = []
-    for value in tiered([(e, n) for e in ENGINES for n in ALL], [(CI_ENGINE, n) for n in CI_RULES], CI_WHAT):
-        if isinstance(value, tuple) and value[1] in ("alice", "alice0"):
-            value = pytest.param(*value, marks=pytest.mark.xfail(strict=True, reason=ALICE_FULL_RANK))
-        out.append(value)
-    return out
+    """Every engine x optimizer (CI: ``CI_ENGINE`` with ``CI_RULES``)."""
+    return tiered([(e, n) for e in ENGINES for n in ALL], [(CI_ENGINE, n) for n in CI_RULES], CI_WHAT)
 
 
 @pytest.mark.parametrize("engine,name", _cases())
@@ -101,7 +96,7 @@ def test_lora_matches_single_process(engine: str, name: str) -> None:
         f"LoRA {engine} {name}: max |2 ranks - one process| = {diff:.3g} (moves {min(moved.values()):.3g} to "
         f"{max(moved.values()):.3g})"
     )
-    assert diff <= TOL, (name, diff)
+    assert diff <= (ALICE_TOL if name in ("alice", "alice0") else TOL), (name, diff)
     # the adapters trained: every matrix moved (B from zero, A once B is not), most by far more than TOL (ASGO's
     # damping eps = 1e-6 moves an A whose gradient is 1e-7 by about that much)
     assert min(moved.values()) > 0 and max(moved.values()) > 100 * TOL, (name, moved)

@@ -47,7 +47,9 @@ from ..sharding.subspace import (
     determined_floor,
     fill_draw,
     fp32_floor,
+    pin_signs,
     range_basis,
+    restart_columns,
     signal_directions,
     signal_range,
 )
@@ -56,7 +58,7 @@ from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .items import apply_items
 from .nonfinite import gated, keep_unless_gated, zero_nonfinite
 from .racs import norm_growth_eta
-from .sumo import effective_rank
+from .sumo import effective_rank, signal_floors
 
 __all__ = [
     "Alice",
@@ -81,30 +83,39 @@ def subspace_sketch(
     U: torch.Tensor,
     Q_tilde: torch.Tensor | None,
     b3: float,
+    start: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Rows of ``H = Q U = b3 U (Q_tilde (U^T U)) + (1 - b3) A (A^T U)`` for the rows ``a_rows`` of ``A``
-    (``u_rows`` the same rows of ``U``; ``at_u = A^T U`` reduced over all rows)."""
+    """Rows of ``H = Q X = b3 U (Q_tilde (U^T X)) + (1 - b3) A (A^T X)`` for the rows ``a_rows`` of ``A``
+    (``u_rows`` the same rows of ``U``; ``at_u = A^T X`` reduced over all rows); the iteration's start ``X`` is
+    ``U``, or ``start`` (``U`` with its left-out columns drawn afresh: ``signal_rank``)."""
     h = (1 - b3) * (a_rows @ at_u)
     if Q_tilde is not None and b3:
-        h = h + b3 * (u_rows @ (Q_tilde @ (U.mT @ U)))
+        h = h + b3 * (u_rows @ (Q_tilde @ (U.mT @ (U if start is None else start))))
     return h
 
 
 def ritz_vectors(
-    u_tilde: torch.Tensor, at_ut: torch.Tensor, U: torch.Tensor, Q_tilde: torch.Tensor | None, b3: float
+    u_tilde: torch.Tensor,
+    at_ut: torch.Tensor,
+    U: torch.Tensor,
+    Q_tilde: torch.Tensor | None,
+    b3: float,
+    floor: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rayleigh-Ritz: the eigenvectors of ``Ut^T Q Ut = (1 - b3) (A^T Ut)^T (A^T Ut) + b3 C Q_tilde C^T`` (``C =
     Ut^T U``) mapped back by ``Ut``, by descending Ritz value (float64 eigh, fp32 result). Ritz values at fp32
     rounding level (``signal_directions`` of their square roots: a rank-deficient ``A``) leave their vectors to
     summation order; they come back as zero columns (``Alice._switch`` completes them with seeded directions,
-    ``subspace.complete_basis``)."""
+    ``subspace.complete_basis``). ``floor``: a higher relative cutoff of the square roots (``signal_rank``: one
+    per matrix of the stack, ``(B, 1)``)."""
     vr = (1 - b3) * (at_ut.mT @ at_ut).double()
     if Q_tilde is not None and b3:
         c = (u_tilde.mT @ U).double()
         vr = vr + b3 * (c @ Q_tilde.double() @ c.mT)
     lam, vec = torch.linalg.eigh(0.5 * (vr + vr.mT))
     lam, vec = lam.flip(-1), vec.flip(-1)
-    keep = signal_directions(lam.clamp(min=0).sqrt(), (u_tilde.shape[-2], at_ut.shape[-2]))
+    shape = (u_tilde.shape[-2], at_ut.shape[-2])
+    keep = signal_directions(lam.clamp(min=0).sqrt(), shape, None if floor is None else floor)
     return (u_tilde.double() @ (vec * keep.unsqueeze(-2))).float()
 
 
@@ -174,9 +185,12 @@ def compensation_scale(
     p: torch.Tensor, energy: torch.Tensor, rows: int, r: int, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``C = R diag(c)`` with ``c_j = sqrt(rows - r) / sqrt(p_j + eps)`` (0 where ``p_j = 0``; ``c = 0`` when
-    ``r = rows``), and ``|C|`` from the residual column energies, so ``C`` is never formed."""
+    ``r = rows``), and ``|C|`` from the residual column energies, so ``C`` is never formed. ``c_j = 0`` also where
+    this step's residual energy ``energy_j`` is 0 (``residual_energy``: at rounding level, a column the basis
+    captures whole): ``R e_j`` is then rounding that ``1 / sqrt(p_j)`` of earlier steps' residuals would amplify
+    into a step that depends on summation order (3.8e-5 after one switch onto a rank-2 gradient, issue 63)."""
     if r < rows:
-        c = torch.where(p > 0, (p + eps).rsqrt(), torch.zeros_like(p)) * math.sqrt(rows - r)
+        c = torch.where((p > 0) & (energy > 0), (p + eps).rsqrt(), torch.zeros_like(p)) * math.sqrt(rows - r)
     else:
         c = torch.zeros_like(p)
     return c, (c * c * energy).sum(-1).sqrt()
@@ -242,6 +256,11 @@ class AliceConfig(WholeMatrixConfig):
     oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")
     power_iters: int = pydantic.Field(2, ge=0, le=20, description="randomized range finder power iterations")
     tracking: bool = pydantic.Field(True, description="keep the tracking state (False: Alice-0)")
+    signal_rank: bool = pydantic.Field(
+        False,
+        description="a switch leaves out (zero columns until the next switch) the leading directions whose singular "
+        "values are at the gradient precision's rounding, instead of completing them from seeded draws",
+    )
 
     @pydantic.field_validator("betas")
     @classmethod
@@ -320,6 +339,7 @@ class Alice(ShardedOptimizer):
         seed: int = _D.seed,
         oversample: int = _D.oversample,
         power_iters: int = _D.power_iters,
+        signal_rank: bool = _D.signal_rank,
         weight_decay: float = _D.weight_decay,
         **options: Unpack[CommonOptions],
     ):
@@ -342,6 +362,7 @@ class Alice(ShardedOptimizer):
                     seed=seed,
                     oversample=oversample,
                     power_iters=power_iters,
+                    signal_rank=signal_rank,
                     weight_decay=weight_decay,
                 ),
                 options,
@@ -617,6 +638,9 @@ class Alice(ShardedOptimizer):
         b3 = group["betas"][2]
         first = [i for i in switch if int(items[i].state["switches"]) == 0]
         later = [i for i in switch if i not in first]
+        # signal_rank: the directions each matrix's gradient precision determines (0/1 per column of U)
+        floors = signal_floors(self, group, items, ops, switch)
+        signal: dict[int, torch.Tensor] = {}
         ritz = range_basis(
             ops,
             {i: blocks[i] for i in first},
@@ -625,12 +649,22 @@ class Alice(ShardedOptimizer):
             {i: (items[i].frag.name, "init") for i in first},
             group["oversample"],
             group["power_iters"],
+            {i: floors[i] for i in first if i in floors},
+            signal,
         )
         # the whole old bases: each rank holds its rows of a split one (ROWS), assembled only at a switch
         u_old = ops.assemble({i: items[i].state["U"] for i in later})
+        # the iteration starts from U with its left-out (zero) columns drawn afresh, so the subspace can grow back
+        start = {
+            i: restart_columns(u_old[i], group["seed"], int(items[i].state["switches"])) for i in later if i in floors
+        }
         qt = {i: items[i].state["Q_tilde"] if group["tracking"] else None for i in later}
-        atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, u_old[i]) for i in later})
-        h_rows = {i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3) for i in later}
+        x = {i: start.get(i, u_old[i]) for i in later}
+        atu = ops.allreduce({i: blocks[i].T @ ops.my_rows(i, x[i]) for i in later})
+        h_rows = {
+            i: subspace_sketch(blocks[i], atu[i], ops.my_rows(i, u_old[i]), u_old[i], qt[i], b3, start.get(i))
+            for i in later
+        }
         sketches = ops.assemble(h_rows)
         # one batched SVD per shape; directions that rounding leaves undetermined (below determined_floor: the
         # complement drawn below depends on the whole span) are left out and completed from a seeded draw
@@ -646,8 +680,14 @@ class Alice(ShardedOptimizer):
         for idx in by_shapes.values():
             stack = [torch.stack([x[i] for i in idx]) for x in (u_tilde, atut, u_old)]
             q = torch.stack([cast(torch.Tensor, qt[i]) for i in idx]) if group["tracking"] else None
-            vectors = ritz_vectors(stack[0], stack[1], stack[2], q, b3)
+            floor = None
+            if any(i in floors for i in idx):  # signal_rank: each matrix's precision's floor (0: the fp32 one)
+                fp32 = fp32_floor((u_tilde[idx[0]].shape[-2], atut[idx[0]].shape[-2]))
+                floor = torch.tensor([[max(fp32, floors.get(i, 0.0))] for i in idx], dtype=torch.float64)
+                floor = floor.to(stack[0].device)
+            vectors = ritz_vectors(stack[0], stack[1], stack[2], q, b3, floor)
             keep = (vectors.square().sum(-2) > 0).to(torch.float64)  # the noise ones come back as zero columns
+            signal.update((i, k.float()) for i, k in zip(idx, keep.unbind(0)) if i in floors)
             rows, r = vectors.shape[-2:]
             draws = torch.stack(
                 [fill_draw(rows, r, group["seed"], int(items[i].state["switches"]), vectors.device) for i in idx]
@@ -669,7 +709,14 @@ class Alice(ShardedOptimizer):
                 if l < r
                 else None
             )
-            new_bases.update(zip(idx, switched_basis(torch.stack([ritz[i] for i in idx]), l, picks).unbind(0)))
+            # each vector's sign pinned: M and V are not rotated at a switch (the paper's rule), so the sign that
+            # rounding gives a Ritz or range-finder vector would flip that row of the step (docs/algorithms/alice.md)
+            basis = pin_signs(switched_basis(torch.stack([ritz[i] for i in idx]), l, picks))
+            new_bases.update(zip(idx, basis.unbind(0)))
+        for i, flags in signal.items():  # signal_rank: the leading columns below the floor left out (zero) until
+            flags = flags.clone()  # the next switch; the sampled complement is kept
+            flags[lead[i] :] = 1.0
+            new_bases[i] = new_bases[i] * flags
         for i in switch:
             st = items[i].state
             new = new_bases[i]

@@ -33,7 +33,7 @@ from ..sharding.iterative import steps_to_converge
 from ..sharding.matfun import polar_factor, polar_kept
 from ..sharding.matrix_ops import OpCost
 from ..sharding.orientation import stored_transposed
-from ..sharding.precision import arrival_dtype, noise_rtol
+from ..sharding.precision import LOW_PRECISION, arrival_dtype, noise_rtol
 from ..sharding.stacking import group_indices, stack_stored, unstack_into
 from ..sharding.state_split import ROWS
 from ..sharding.subspace import range_basis, refresh_reduced
@@ -101,6 +101,11 @@ class SUMOConfig(WholeMatrixConfig):
     oversample: int = pydantic.Field(10, ge=0, description="randomized range finder oversampling")
     power_iters: int = pydantic.Field(2, ge=0, le=20, description="randomized range finder power iterations")
     seed: int = pydantic.Field(0, description="seed of the range finder's draws")
+    signal_rank: bool = pydantic.Field(
+        False,
+        description="a refresh leaves out (zero columns until the next refresh) the directions whose singular values "
+        "are at the gradient precision's rounding, instead of completing them from seeded draws",
+    )
 
 
 _D = SUMOConfig.defaults()
@@ -140,6 +145,7 @@ class SUMO(ShardedOptimizer):
         oversample: int = _D.oversample,
         power_iters: int = _D.power_iters,
         seed: int = _D.seed,
+        signal_rank: bool = _D.signal_rank,
         weight_decay: float = _D.weight_decay,
         **options: Unpack[CommonOptions],
     ):
@@ -159,6 +165,7 @@ class SUMO(ShardedOptimizer):
                     oversample=oversample,
                     power_iters=power_iters,
                     seed=seed,
+                    signal_rank=signal_rank,
                     weight_decay=weight_decay,
                 ),
                 options,
@@ -324,7 +331,12 @@ class SUMO(ShardedOptimizer):
             if gate is not None:  # a skipped step: back to the old moments (a select: the new may overflow)
                 assert before is not None  # cloned above where there is a gate
                 keep_unless_gated(gate, mom, before)
-            o = polar_factor(mom, rtol=noise_rtol(dtype, mom.shape, max(mom.shape[-2:]) * _EPS32))
+            fp32_rtol = max(mom.shape[-2:]) * _EPS32
+            if group.get("signal_rank") and dtype in LOW_PRECISION:  # the basis holds signal only: the floor it kept
+                rtol = max(fp32_rtol, torch.finfo(dtype).eps)
+            else:
+                rtol = noise_rtol(dtype, mom.shape, fp32_rtol)
+            o = polar_factor(mom, rtol=rtol)
             prevs = [states[i]["prev_onorm"] for i in idx]
             prev = torch.stack(prevs)
             o, norms = _limit_growth_stacked(o, prev, group["gamma"])
@@ -366,6 +378,7 @@ class SUMO(ShardedOptimizer):
         states = [it.state for it in items]
         ranks = {i: effective_rank(group["rank"], ops.plans[i].a_shape, items[i].frag.name, "SUMO") for i in due}
         refresh = [i for i in due if ops.active(i)]
+        floors, kept = signal_floors(self, group, items, ops, refresh), cast(dict[int, torch.Tensor], {})
         new = range_basis(
             ops,
             {i: blocks[i] for i in refresh},
@@ -374,9 +387,13 @@ class SUMO(ShardedOptimizer):
             {i: (items[i].frag.name, int(states[i]["refreshes"])) for i in refresh},
             group["oversample"],
             group["power_iters"],
+            floors,
+            kept,
         )
         if not refresh:
             return
+        for i, flags in kept.items():  # signal_rank: the directions bf16/fp16 rounding made are left out
+            new[i] = new[i] * flags
         # carry_moment on rows: Q_new^T Q is a sum over the rows of A, so where they are split each rank adds
         # its rows' part of it (its rows of Q rest with it, ROWS) and one bucketed all-reduce of r x r completes it
         mine = {i: ops.my_rows(i, new[i]) if ops.split(i) else new[i] for i in refresh}
@@ -390,6 +407,23 @@ class SUMO(ShardedOptimizer):
 
 
 _EPS32 = torch.finfo(torch.float32).eps
+
+
+def signal_floors(opt: Any, group: dict, items: list, ops: Any, idx: list[int]) -> dict[int, float]:
+    """``{i: relative singular-value floor}`` of the matrices ``idx`` when ``group["signal_rank"]``: ``eps(dtype)``
+    for a gradient that arrives in bf16/fp16 (its rounding moves the singular values by about ``eps(dtype) / 10``
+    of the largest in docs/exactness.md's harness, a rank-8 gradient's smallest signal was 1.6e-2), 0 for fp32
+    (the fp32 floor, ``subspace.fp32_floor``, applies anyway). A gradient of lower rank than the subspace (a
+    batch smaller than ``r``) leaves the other directions of a new basis at that level; completed from seeded
+    draws, the orthogonalized (SUMO) or Adam-normalized (Alice) step gives the gradient's rounding along them unit
+    weight, which the summation order and the precision steer (issue 63)."""
+    if not group.get("signal_rank"):
+        return {}
+    out = {}
+    for i in idx:
+        dtype = arrival_dtype(opt, items[i].frag.name, items[i].tensor)  # the same on every rank
+        out[i] = torch.finfo(dtype).eps if dtype in LOW_PRECISION else 0.0
+    return out
 
 
 @functools.lru_cache(maxsize=None)

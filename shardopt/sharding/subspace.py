@@ -27,7 +27,30 @@ __all__ = [
     "determined_floor",
     "complete_basis",
     "fill_draw",
+    "pin_signs",
+    "restart_columns",
 ]
+
+
+def pin_signs(basis: torch.Tensor) -> torch.Tensor:
+    """``basis`` (``(..., rows, r)``) with each column's sign chosen so that its largest-magnitude entry is positive
+    (the first such entry on a tie; a zero column is kept). ``eigh``, ``svd`` and QR return each vector with an
+    arbitrary sign that follows rounding (the summation order of the data, the rank, the solver), which matters
+    wherever state is kept in the basis's coordinates without being rotated into the new one (Alice's ``M`` and
+    ``V`` at a switch, the paper's literal rule: docs/algorithms/alice.md). The one convention every strategy and
+    rank applies to a basis it computes whole; flipping a sign is exact, so the pinned basis is the same numbers
+    wherever its unpinned input is."""
+    pivot = basis.gather(-2, basis.abs().argmax(-2, keepdim=True))
+    return basis * torch.where(pivot < 0, -1.0, 1.0).to(basis.dtype)
+
+
+def restart_columns(basis: torch.Tensor, seed: int, count: object) -> torch.Tensor:
+    """``basis`` (``rows x r``, whole) with its zero columns (directions left out: ``signal_rank``) replaced by a
+    seeded Gaussian draw keyed by the seed and ``count``, the same on every rank: where a subspace iteration
+    starts from it, the left-out directions can come back. A basis without zero columns is returned as is."""
+    rows, r = basis.shape[-2:]
+    draw = seeded_normal((rows, r), seed, "restart", count, device=basis.device)
+    return torch.where(basis.square().sum(-2, keepdim=True) > 0, basis, draw.to(basis.dtype))
 
 
 def orthonormal(x: torch.Tensor) -> torch.Tensor:
@@ -55,10 +78,15 @@ def range_basis(
     keys: dict[int, tuple],
     oversample: int = 10,
     power_iters: int = 2,
+    floors: dict[int, float] | None = None,
+    kept: dict[int, torch.Tensor] | None = None,
 ) -> dict[int, torch.Tensor]:
     """``{i: rows x r}`` orthonormal basis of the top-``r`` left singular subspace of each ``A_i`` (whole, on
     every rank that computes ``i``). ``blocks[i]``: this rank's rows of ``A_i``; every participating rank
-    must pass the same indices (the reductions are bucketed across matrices).
+    must pass the same indices (the reductions are bucketed across matrices). ``floors`` (``{i: relative
+    cutoff}``): for those matrices, ``kept[i]`` is set to the ``r`` 0/1 flags of the basis's directions whose
+    singular values are above ``floors[i]`` times the largest (``signal_rank``: the directions a gradient of
+    that precision determines); the basis itself is completed as for the others.
 
     Matrices whose blocks, row ranges and sketch widths agree are stacked: each product, QR and SVD is one
     batched call per such group (the same numbers as one call per matrix, to fp32 rounding of the products);
@@ -103,6 +131,11 @@ def range_basis(
         basis = yg.double() @ svd.U[..., :r]
         fill = torch.stack([fill_draw(rows, r, seed, keys[i][-1], basis.device) for i in g])
         out.update(zip(g, complete_basis(basis, keep, fill).unbind(0)))
+        if floors and kept is not None:
+            for j, i in enumerate(g):
+                if i in floors:
+                    shape = ops.plans[i].a_shape
+                    kept[i] = signal_directions(svd.S[j], shape, max(fp32_floor(shape), floors[i]))[:r].float()
     return out
 
 
@@ -143,14 +176,16 @@ def complete_basis(basis: torch.Tensor, keep: torch.Tensor, draw: torch.Tensor) 
     return torch.where(keep.unsqueeze(-2) > 0, basis.double(), fill).float()
 
 
-def signal_directions(sigma: torch.Tensor, shape: tuple[int, int], floor: float | None = None) -> torch.Tensor:
+def signal_directions(
+    sigma: torch.Tensor, shape: tuple[int, int], floor: float | torch.Tensor | None = None
+) -> torch.Tensor:
     """Per singular value of a small matrix computed from fp32 data of an ``m x n`` matrix: 1.0 where it is
     above fp32 rounding (``sigma > max(m, n) eps32 sigma_1``), else 0.0. A rank-deficient gradient (a batch
     smaller than the subspace rank, frozen rows, padding) leaves directions whose singular values are
     rounding noise; their vectors depend on summation order, so a sharded run and a single process would
     pick different ones and, where an algorithm weighs every direction alike (an orthogonalization, Adam's
     normalization), drift apart (issue 28). Bases replace them by seeded directions (``complete_basis``).
-    ``floor``: another relative cutoff (``determined_floor``)."""
+    ``floor``: another relative cutoff (``determined_floor``; a tensor: one per matrix of a stack, ``(..., 1)``)."""
     return (sigma > sigma[..., :1] * (fp32_floor(shape) if floor is None else floor)).to(sigma.dtype)
 
 
