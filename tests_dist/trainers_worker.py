@@ -19,7 +19,8 @@ whole (fp32) under ``param.<name>``, and what ran under ``meta`` (each parameter
 * ``trl``: TRL's ``SFTTrainer`` on pre-tokenized data under DeepSpeed ZeRO-2 (a ``"shardopt"`` section in its
   config and ``shardopt.integrations.transformers.enable(trainer)``), 4 steps.
 
-``--reference`` runs the same steps in one process on the global batches (``shardopt.create_optimizer(model)``).
+The one-process run (the same steps on the global batches, ``shardopt.create_optimizer(model)``) goes to ``reference``
+in rank 0's output (``--reference``: only it).
 """
 
 from __future__ import annotations
@@ -34,10 +35,12 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 warnings.filterwarnings("ignore")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SEQ, VOCAB, SAMPLES = 8, 64, 32
 BATCH = 4  # sequences per global step
 STEPS = 4
+EPOCH = 2  # Lightning's epoch: its resume starts the next epoch, so both runs read batches 0, 1, 0, 1
 HP = {
     "scale": {"lr": 1e-2, "adam_lr": 1e-2},
     "racs": {"lr": 1e-2},
@@ -55,9 +58,9 @@ def tokens() -> torch.Tensor:
     return torch.randint(0, VOCAB, (SAMPLES, SEQ), generator=g)
 
 
-def batch(step: int) -> torch.Tensor:
-    """This rank's share of global step ``step``'s sequences (the whole batch in one process)."""
-    rank, size = world()
+def batch(step: int, whole: bool = False) -> torch.Tensor:
+    """This rank's share of global step ``step``'s sequences (the whole batch in one process, or ``whole``)."""
+    rank, size = (0, 1) if whole else world()
     share = BATCH // size
     return tokens()[step * BATCH + rank * share : step * BATCH + (rank + 1) * share]
 
@@ -139,10 +142,10 @@ def lm_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 def reference(args: argparse.Namespace) -> dict:
     import shardopt
 
-    model = {"tune": tune_llama, "titan": TitanLM}.get(args.trainer, hf_llama)()
+    model = {"tune": tune_llama, "titan": TitanLM, "lightning": TitanLM}.get(args.trainer, hf_llama)()
     opt = shardopt.create_optimizer(model, args.optimizer, **HP[args.optimizer])
     for step in range(STEPS):
-        lm_loss(model, batch(step)).backward()
+        lm_loss(model, batch(step % EPOCH if args.trainer == "lightning" else step, whole=True)).backward()
         opt.step()
         opt.zero_grad()
     return {"params": full_params(model), "meta": describe([opt])}
@@ -172,7 +175,7 @@ def titan(args: argparse.Namespace) -> dict:
         def load_state_dict(self, state: dict) -> None:
             pass
 
-    rank, size = world()
+    size = world()[1]
     model = TitanLM()
     if args.phase == "save" or size > 1:
         for layer in model.layers:
@@ -200,7 +203,7 @@ def titan(args: argparse.Namespace) -> dict:
         opts.zero_grad()
         if args.phase == "save":
             manager.save(curr_step=step + 1)
-    manager.maybe_wait_for_saving() if hasattr(manager, "maybe_wait_for_saving") else None
+    manager.maybe_wait_for_saving()  # an async save's last write
     manager.close()
     return {"params": full_params(model), "meta": describe(opts.optimizers)}
 
@@ -211,8 +214,10 @@ def tune(args: argparse.Namespace) -> dict:
     from torchtune import config, training
     from torchtune.modules import TransformerSelfAttentionLayer
 
-    cfg = OmegaConf.create(
-        {"optimizer": {"_component_": f"shardopt.{OPTIMIZER_CLASSES[args.optimizer]}", **HP[args.optimizer]}}
+    cfg = OmegaConf.load(os.path.join(ROOT, "configs", "torchtune", "optimizer_scale.yaml"))
+    cfg.optimizer = {"_component_": f"shardopt.{OPTIMIZER_CLASSES[args.optimizer]}", **HP[args.optimizer]}
+    assert args.optimizer != "scale" or cfg == OmegaConf.load(
+        os.path.join(ROOT, "configs", "torchtune", "optimizer_scale.yaml")
     )
 
     class Recipe:
@@ -293,18 +298,24 @@ def main() -> None:
     parser.add_argument("--phase", default="full")
     parser.add_argument("--async-mode", default="disabled")
     parser.add_argument("--strategy", default="ddp")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning: cpu, or gpu (benchmarks/gpu_checks.sh)")
     parser.add_argument("--in-bwd", action="store_true")
     parser.add_argument("--dir", default="")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     if args.trainer == "tune":  # torchtune 0.6 needs a torchao that peft refuses: kept apart (Makefile)
         sys.path.insert(0, os.path.join(sys.prefix, "torchtune-torchao"))
+    # the one-process run, on rank 0 before any process group exists (shardopt's steps would use one): one launch
+    # fewer per case; the others wait for it at the group's rendezvous
+    ref = reference(args) if args.trainer != "titan" and os.environ.get("RANK", "0") == "0" else None
     if "RANK" in os.environ and not args.reference and args.trainer in ("titan", "tune"):
         dist.init_process_group("gloo")
     if args.reference:
-        out = reference(args)
+        out = ref or reference(args)
     else:
         out = {"titan": titan, "tune": tune, "lightning": lightning, "trl": trl}[args.trainer](args)
+        if ref is not None:
+            out["reference"] = ref
     if world()[0] == 0:
         torch.save(out, args.out)
     if dist.is_initialized():
@@ -313,11 +324,108 @@ def main() -> None:
 
 
 def lightning(args: argparse.Namespace) -> dict:
-    raise NotImplementedError
+    import lightning as L
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    import shardopt
+
+    class LM(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = TitanLM()
+
+        def configure_model(self) -> None:  # ModelParallelStrategy: FSDP2 on its data-parallel mesh
+            if args.strategy == "fsdp2":
+                from torch.distributed.fsdp import fully_shard
+
+                mesh = self.device_mesh["data_parallel"]
+                for layer in self.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                fully_shard(self.model, mesh=mesh)
+
+        def training_step(self, ids: torch.Tensor, index: int) -> torch.Tensor:
+            return lm_loss(self.model, ids)
+
+        def train_dataloader(self) -> torch.utils.data.DataLoader:  # an epoch: EPOCH of this rank's batches
+            return torch.utils.data.DataLoader([batch(step) for step in range(EPOCH)], batch_size=None)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return shardopt.create_optimizer(self, args.optimizer, **HP[args.optimizer])
+
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+
+    def trainer(epochs: int) -> L.Trainer:
+        strategy = ModelParallelStrategy(data_parallel_size=size, tensor_parallel_size=1)
+        return L.Trainer(
+            accelerator=args.accelerator,
+            devices=size,
+            # ddp | fsdp2 (ModelParallelStrategy) on CPU; Lightning's GPU-only ones (fsdp, deepspeed_stage_2, ...)
+            # by name: benchmarks/gpu_checks.sh
+            strategy=strategy if args.strategy == "fsdp2" else args.strategy,
+            max_epochs=epochs,  # a checkpoint at an epoch's end: max_steps would stop it "mid-epoch"
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            use_distributed_sampler=False,
+        )
+
+    lm = LM()
+    if args.phase == "resume":  # 2 steps, a checkpoint, then a new Trainer and module resume from it
+        first = trainer(1)
+        first.fit(lm)
+        path = os.path.join(args.dir, "lightning.ckpt")
+        first.save_checkpoint(path)
+        lm = LM()
+        trainer(STEPS // EPOCH).fit(lm, ckpt_path=path)
+    else:
+        trainer(STEPS // EPOCH).fit(lm)
+    return {"params": full_params(lm.model), "meta": describe([lm.trainer.optimizers[0]])}
 
 
 def trl(args: argparse.Namespace) -> dict:
-    raise NotImplementedError
+    """SFTTrainer on pre-tokenized sequences under DeepSpeed ZeRO-2, the optimizer from the config's ``"shardopt"``
+    section (``enable(trainer)``)."""
+    from datasets import Dataset
+    from hf_worker import ds_config
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+    from trl import SFTConfig, SFTTrainer
+
+    import shardopt.integrations.transformers as hf
+
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab, unk_token="t0")), pad_token="t0", eos_token="t1"
+    )
+    data = Dataset.from_dict({"input_ids": tokens()[: STEPS * BATCH].tolist()})
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    ds = {**ds_config(2, args.optimizer), "shardopt": {"optimizer": args.optimizer, "params": HP[args.optimizer]}}
+    config = SFTConfig(
+        output_dir=os.path.join(args.dir, "trl"),
+        per_device_train_batch_size=BATCH // size,
+        max_steps=STEPS,
+        report_to="none",
+        max_grad_norm=0.0,
+        train_sampling_strategy="sequential",
+        lr_scheduler_type="constant",
+        save_strategy="no",
+        logging_steps=1000,
+        dataloader_drop_last=True,
+        seed=0,
+        disable_tqdm=True,
+        use_cpu=True,
+        dataset_kwargs={"skip_prepare_dataset": True},
+        bf16=False,  # SFTConfig's default is bf16 autocast: fp32 here, so the runs compare at fp32
+        gradient_checkpointing=False,
+        deepspeed=ds,
+    )
+    trainer = SFTTrainer(model=hf_llama(), args=config, train_dataset=data, processing_class=tokenizer)
+    hf.enable(trainer)
+    trainer.train()
+    model = trainer.model_wrapped.module if hasattr(trainer.model_wrapped, "module") else trainer.model
+    return {"params": full_params(model), "meta": describe([trainer.optimizer])}
 
 
 if __name__ == "__main__":
