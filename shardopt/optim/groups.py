@@ -154,7 +154,7 @@ def normalize_param_groups(
         parts = _split_by_role(g, tensors, roles, names is not None, role_options, sources)
         # a model's list (matrices and vectors), or one matrix alone (one optimizer per parameter, torchtune's
         # optimizer_in_bwd), not a list of matrices: its embedding and head would get the matrix rule unnoticed
-        alone = len(tensors) == 1 and roles == ["matrix"]
+        alone = start == 0 and roles == ["matrix"] and sum(len(t) for t, _, _ in per_group) == 1
         if names is None and (len(parts) > 1 or alone):
             warn_unnamed_once(who, role_options("matrix")["treatment"], stacklevel=stacklevel + 1)
         out.extend(parts)
