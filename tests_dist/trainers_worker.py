@@ -1,6 +1,6 @@
 """Worker for tests_dist/test_trainers.py (issue 64): shardopt driven through the trainers users already run, on
 CPU ranks (gloo), against the same run in one process. Rank 0 writes ``--out`` (``torch.save``): every parameter
-whole (fp32) under ``param.<name>``, and what ran under ``meta`` (each parameter's describe() row).
+whole (fp32) by name under ``params``, and what ran under ``meta`` (each parameter's describe() row).
 
 ``--trainer``:
 
@@ -20,7 +20,7 @@ whole (fp32) under ``param.<name>``, and what ran under ``meta`` (each parameter
   config and ``shardopt.integrations.transformers.enable(trainer)``), 4 steps.
 
 The one-process run (the same steps on the global batches, ``shardopt.create_optimizer(model)``) goes to ``reference``
-in rank 0's output (``--reference``: only it).
+in rank 0's output (but for ``titan``, which compares with its uninterrupted run).
 """
 
 from __future__ import annotations
@@ -294,7 +294,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--trainer", required=True, choices=["titan", "tune", "lightning", "trl"])
     parser.add_argument("--optimizer", default="scale")
-    parser.add_argument("--reference", action="store_true")
     parser.add_argument("--phase", default="full")
     parser.add_argument("--async-mode", default="disabled")
     parser.add_argument("--strategy", default="ddp")
@@ -308,14 +307,11 @@ def main() -> None:
     # the one-process run, on rank 0 before any process group exists (shardopt's steps would use one): one launch
     # fewer per case; the others wait for it at the group's rendezvous
     ref = reference(args) if args.trainer != "titan" and os.environ.get("RANK", "0") == "0" else None
-    if "RANK" in os.environ and not args.reference and args.trainer in ("titan", "tune"):
+    if "RANK" in os.environ and args.trainer in ("titan", "tune"):
         dist.init_process_group("gloo")
-    if args.reference:
-        out = ref or reference(args)
-    else:
-        out = {"titan": titan, "tune": tune, "lightning": lightning, "trl": trl}[args.trainer](args)
-        if ref is not None:
-            out["reference"] = ref
+    out = {"titan": titan, "tune": tune, "lightning": lightning, "trl": trl}[args.trainer](args)
+    if ref is not None:
+        out["reference"] = ref
     if world()[0] == 0:
         torch.save(out, args.out)
     if dist.is_initialized():
