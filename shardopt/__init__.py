@@ -16,7 +16,9 @@ The optimizers (vectors, and whatever the routing says, go to AdamW inside the s
 ``shardopt.param_groups(model, name, **hyperparameters)`` for whole-parameter sharders
 (``ZeroRedundancyOptimizer(groups, optimizer_class=shardopt.SCALE)``, fairscale ``OSS``). The classes also take
 what ``torch.optim`` takes (``model.named_parameters()``, tensors, param groups). ``shardopt.describe(obj)`` prints
-which role and rule every parameter got, for whatever a front door returned (optimizer, engine, trainer).
+which role and rule every parameter got, for whatever a front door returned (optimizer, engine, trainer);
+``shardopt.register_model(model)`` lets optimizers built from its bare tensors (torchtune's configs, one optimizer
+per parameter) find their names and roles.
 """
 
 from types import ModuleType
@@ -41,11 +43,13 @@ from .optim import (
 from .optim.describe import describe
 from .plugin import fsdp1 as _fsdp1  # noqa: F401  registers legacy FSDP's model inspector, watcher and param source
 from .plugin import wrapped as _wrapped  # noqa: F401  registers its pre-step check, param source and model watcher
+from .plugin.known_models import register_model  # registers its param source (names for bare tensors)
 
 __all__ = [
     "create_optimizer",
     "param_groups",
     "describe",
+    "register_model",
     "SCALE",
     "SinkGD",
     "RACS",
@@ -62,10 +66,19 @@ __all__ = [
 ]
 
 
+#: the documented submodules ``import shardopt`` reaches on first use (``shardopt.checkpoint.save(...)``): imported
+#: only then, so ``import shardopt`` stays as quick as it was and DeepSpeed, Megatron-core and transformers (optional
+#: extras) load only for the code that uses them
+_SUBMODULES = ("checkpoint", "deepspeed", "megatron", "integrations", "sharding", "train", "plugin", "optim")
+
+
 def __getattr__(name: str) -> ModuleType:
-    # ``shardopt.deepspeed`` imports DeepSpeed, which is an optional extra: load it on first use only.
-    if name == "deepspeed":
+    if name in _SUBMODULES:
         import importlib
 
-        return importlib.import_module(".deepspeed", __name__)
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'shardopt' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SUBMODULES})

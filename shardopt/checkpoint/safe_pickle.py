@@ -165,7 +165,8 @@ def _old_state_key_names() -> dict[str, list[str]]:
 class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
     """``DefaultLoadPlanner`` (load into an existing state dict) that never unpickles code, and reads an
     optimizer state entry that the checkpoint holds under an older key name (``state_key_renames``: a DCP
-    checkpoint written before issue 18's renames) into today's entry."""
+    checkpoint written before issue 18's renames) into today's entry. A param group's ``param_names`` that the
+    checkpoint lacks (written before optimizers built from a model carried them) keeps today's names."""
 
     def set_up_planner(self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False) -> None:
         super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -175,6 +176,9 @@ class SafeLoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
         olds = _old_state_key_names()
         for fqn in [k for k in self.state_dict if k not in saved]:
             head, _, key = fqn.rpartition(".")
+            if key == "param_names" and ".param_groups." in f".{head}":
+                del self.state_dict[fqn], self.mappings[fqn]  # the template's names stay in place
+                continue
             for old in olds.get(key, ()):
                 if head and f"{head}.{old}" in saved:
                     # the same tensor object, read under the saved name: it fills today's entry in place

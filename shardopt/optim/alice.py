@@ -58,7 +58,7 @@ from .config import CommonOptions, WholeMatrixConfig, check_betas
 from .items import apply_items
 from .nonfinite import gated, keep_unless_gated, zero_nonfinite
 from .racs import norm_growth_eta
-from .sumo import effective_rank, signal_floors
+from .sumo import effective_rank, signal_floors, warn_clamped_ranks
 
 __all__ = [
     "Alice",
@@ -431,6 +431,7 @@ class Alice(ShardedOptimizer):
         return True
 
     def _step_alice(self, group: dict) -> None:
+        warn_clamped_ranks(self, type(self).__name__)
         steps = self._step_counts(group["params"])  # taken back if the device skips this step
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._alice_bucket(group, its, ops, steps))

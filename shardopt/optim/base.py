@@ -312,8 +312,11 @@ class ShardedOptimizer(torch.optim.Optimizer):
         groups, names = normalize_param_groups(
             [param_group], self._role_options, type(self).__name__, start=start, stacklevel=2
         )
+        named = any("param_names" in g for g in self.param_groups)
         for group in groups:
             self._resolve_treatment(group, {**self.param_names, **names})
+            if named and "param_names" not in group:  # torch refuses unnamed groups beside named ones
+                group["param_names"] = [names[id(p)] for p in group["params"]]
             super().add_param_group(group)
             for p in group["params"]:
                 self.param_names.setdefault(id(p), names[id(p)])

@@ -4,7 +4,8 @@ torch takes tensors, ``(name, tensor)`` pairs (``model.named_parameters()``), or
 a shardopt group also needs a ``treatment``. A group that sets none is split the way ``create_optimizer``
 routes: by role when its parameters are named (roles from names, ``routing.roles_from_names``), else 2-D
 tensors to the matrix rule and everything else to AdamW (warning once that embedding and LM-head roles need
-names). Named groups keep torch's ``param_names`` key, so state dicts carry it as torch >= 2.5 does.
+names, for a model's mixed list and for a one-matrix optimizer; ``shardopt.register_model`` names them).
+Named groups keep torch's ``param_names`` key, so state dicts carry it as torch >= 2.5 does.
 """
 
 from __future__ import annotations
@@ -151,7 +152,10 @@ def normalize_param_groups(
         roles = [roles_by_name[n] for n in names] if names else unnamed_roles(tensors)
         sources = [sources_by_name[n] for n in names] if names else ["type"] * len(tensors)
         parts = _split_by_role(g, tensors, roles, names is not None, role_options, sources)
-        if names is None and len(parts) > 1:  # a model's list (matrices and vectors), not a list of matrices
+        # a model's list (matrices and vectors), or one matrix alone (one optimizer per parameter, torchtune's
+        # optimizer_in_bwd), not a list of matrices: its embedding and head would get the matrix rule unnoticed
+        alone = start == 0 and roles == ["matrix"] and sum(len(t) for t, _, _ in per_group) == 1
+        if names is None and (len(parts) > 1 or alone):
             warn_unnamed_once(who, role_options("matrix")["treatment"], stacklevel=stacklevel + 1)
         out.extend(parts)
     return out, ids

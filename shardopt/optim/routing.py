@@ -31,6 +31,8 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .hooks import apply_param_sources
+
 __all__ = [
     "ROLES",
     "ROLE_SOURCES",
@@ -612,7 +614,9 @@ def warn_unnamed_once(who: str, treatment: str, stacklevel: int = 2) -> None:
     warnings.warn(
         f"{who}: parameters were given without names, so every 2-D tensor gets the {treatment!r} rule "
         "and everything else AdamW; embedding and LM-head roles need names: pass "
-        "model.named_parameters(), or the model to shardopt.create_optimizer",
+        "model.named_parameters() or the model to shardopt.create_optimizer, or call "
+        "shardopt.register_model(model) before the optimizers are built (configs that pass bare tensors, one "
+        "optimizer per parameter: docs/guides/trainers.md)",
         UserWarning,
         stacklevel=stacklevel + 1,
     )
@@ -635,13 +639,19 @@ def _named_params_and_roles(model: Any, optimizer_name: str) -> tuple[list[tuple
             table.warnings,
         )
         return [(clean_name(n), stepped) for n, _, stepped in model_parameters(model)], table, "module"
-    tensors, names = named_or_unnamed(model)
+    # bare tensors of a known model get its names and declared roles (hooks.param_sources: shardopt.register_model)
+    tensors, names = named_or_unnamed(apply_param_sources(model, optimizer_name))
     if not tensors:
         raise ValueError("optimizer got an empty parameter list")
     if names is not None:
         named = list(zip(names, tensors))
         roles = roles_from_names(named)
-        return named, RoleTable(roles, name_sources(roles), []), "torch"
+        sources = name_sources(roles)
+        for n, t in named:
+            declared = _MODULE_ROLES.get(t)
+            if declared is not None:
+                roles[n], sources[n] = declared
+        return named, RoleTable(roles, sources, []), "torch"
     named = [(f"param_{i}", t) for i, t in enumerate(tensors)]
     if len({logical_dim(t) == 2 for t in tensors}) > 1:  # a model's list (matrices and vectors), not a list of matrices
         warn_unnamed_once(optimizer_name, "matrix", stacklevel=5)  # the caller of create_optimizer
@@ -706,8 +716,9 @@ def route(
     roles found elsewhere, by parameter name, over those found from ``model`` (a pipeline stage's parameters get
     the roles they have in the whole model, ``plugin.deepspeed_engine.pipeline_roles``).
 
-    ``model`` is a module, or what torch.optim takes: ``model.named_parameters()`` (roles from names; groups
-    keep torch's ``param_names``) or a flat list of tensors (2-D -> ``matrix``, else ``vector``).
+    ``model`` is a module (groups carry its parameter names as torch's ``param_names``), or what torch.optim
+    takes: ``model.named_parameters()`` (roles from names; groups keep torch's ``param_names``) or a flat list of
+    tensors (2-D -> ``matrix``, else ``vector``; a registered model's get its names, ``shardopt.register_model``).
     ``role_table[role]`` gives the group options for that role (must contain ``treatment``). Raises a
     ``ValueError`` naming the parameter, its shape and the rule when a non-2-D tensor would reach a matrix rule.
     """
@@ -759,8 +770,8 @@ def route(
             group["roles"].append(role)
         group["params"].append(p)
         group["names"].append(name)
-        if source == "torch":
-            group.setdefault("param_names", []).append(name)
+        if source != "position":  # names a user or the model gave: torch's key, so state dicts carry them
+            group.setdefault("param_names", []).append(name)  # (FQN-keyed flat state: torchtitan, DCP)
         record_role(p, role, origin)  # for describe(): the role that chose this parameter's rule, and its source
     missing = [p for p in overrides if p not in used]
     if unused is not None:

@@ -42,7 +42,7 @@ from .config import CommonOptions, WholeMatrixConfig
 from .items import apply_items
 from .nonfinite import gated, keep_unless_gated, zero_nonfinite
 
-__all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth", "SUMOConfig"]
+__all__ = ["SUMO", "step_scale", "carry_moment", "limit_growth", "SUMOConfig", "warn_clamped_ranks"]
 
 StepScale = Literal["none", "sqrt_max", "moonlight", "muon"]
 
@@ -74,15 +74,40 @@ def limit_growth(O: torch.Tensor, prev_norm: torch.Tensor, gamma: float | None) 
 
 
 def effective_rank(rank: int, shape: tuple[int, int], name: str, who: str) -> int:
-    """``min(rank, m, n)``, warning once when the configured rank does not fit the matrix."""
-    r = min(rank, *shape)
-    if r < rank:
-        warnings.warn(
-            f"{who}: rank {rank} exceeds min{tuple(shape)} of {name!r}; using rank {r} (full-rank projection)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return r
+    """``min(rank, m, n)``: a configured rank above a matrix's smaller side projects at full rank (the build's
+    one warning, ``warn_clamped_ranks``, lists such matrices)."""
+    return min(rank, *shape)
+
+
+def warn_clamped_ranks(opt: ShardedOptimizer, who: str, stacklevel: int = 2) -> None:
+    """At an optimizer's first step, one warning for every matrix whose smaller side is below its group's
+    ``rank`` (each projects at full rank, ``effective_rank``): how many, the largest rank any of them uses and
+    the first few names, rather than one line per matrix (a small model at the default rank 128 has many).
+    From the logical shapes as built, so the same on every engine."""
+    if opt.__dict__.get("_ranks_checked"):
+        return
+    opt._ranks_checked = True  # type: ignore[attr-defined]
+    clamped: list[tuple[str, tuple[int, ...], int]] = []
+    ranks: set[int] = set()
+    for g, names, shapes in zip(opt._groups(), opt.group_param_names, opt.group_param_shapes):
+        if g.get("treatment") not in opt.matrix_treatments:
+            continue
+        for name, shape in zip(names, shapes):
+            side = min(shape[-2:]) if len(shape) >= 2 else None
+            if side is not None and side < g["rank"]:
+                clamped.append((name, shape, side))
+                ranks.add(g["rank"])
+    if not clamped:
+        return
+    shown = ", ".join(f"{n!r} ({'x'.join(map(str, s))})" for n, s, _ in clamped[:3])
+    more = f" and {len(clamped) - 3} more" if len(clamped) > 3 else ""
+    warnings.warn(
+        f"{who}: rank {'/'.join(map(str, sorted(ranks)))} exceeds min(m, n) of {len(clamped)} "
+        f"matri{'x' if len(clamped) == 1 else 'ces'}, which project at full rank (the largest rank used: "
+        f"{max(r for _, _, r in clamped)}): {shown}{more}; lower rank to silence this",
+        RuntimeWarning,
+        stacklevel=stacklevel,
+    )
 
 
 class SUMOConfig(WholeMatrixConfig):
@@ -231,6 +256,7 @@ class SUMO(ShardedOptimizer):
         return all(int(self.state[p].get("step", 0)) % period != 0 for p in group["params"])
 
     def _step_sumo(self, group: dict) -> None:
+        warn_clamped_ranks(self, type(self).__name__)
         steps = self._step_counts(group["params"])  # taken back if the device skips this step
         items = self._matrix_items(group)
         self._run_whole_matrix(group, items, lambda its, ops: self._sumo_bucket(group, its, ops, steps))

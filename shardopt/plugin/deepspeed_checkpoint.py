@@ -284,7 +284,9 @@ def mark_not_universal(client_state: Mapping[str, Any], engine: Any = None) -> d
         return dict(client_state)
     info = dict(client_state.get(UNIVERSAL_CHECKPOINT_INFO) or {})
     info.setdefault(UNIVERSAL_CHECKPOINT_VERSION_KEY, UNIVERSAL_CHECKPOINT_VERSION_VALUE)
-    info[AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS] = {".*": UNIVERSAL_ROUTE}
+    # DeepSpeed prints "... conversion is not supported for <key>: <value>": the key finishes its sentence in
+    # shardopt's words (it is only ever printed), where a pattern (".*") would read as noise before them
+    info[AUTOTP_UNSUPPORTED_PARAMETER_PATTERNS] = {"shardopt's checkpoints": UNIVERSAL_ROUTE}
     marked = {**client_state, UNIVERSAL_CHECKPOINT_INFO: info}
     if engine is not None and engine.zero_optimization_stage() == 3 and _AUTOEP_LAYERS not in client_state:
         marked[_AUTOEP_LAYERS] = _zero3_stop(f"not convertible, shardopt's checkpoint: {UNIVERSAL_ROUTE}")
