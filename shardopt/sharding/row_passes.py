@@ -21,10 +21,19 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import torch
 
+from .primitives import stack_col_sumsq
+
 if TYPE_CHECKING:
     from .block_groups import BlockGroups
 
-__all__ = ["CHUNK_ELEMENTS", "rows_complete", "row_block_pass", "scaled_update", "row_normalized_update"]
+__all__ = [
+    "CHUNK_ELEMENTS",
+    "rows_complete",
+    "row_block_pass",
+    "scaled_update",
+    "row_normalized_update",
+    "lerp_col_energies",
+]
 
 #: elements of one row block (2 MiB of fp32): the squares of a block stay in cache for their second read, and at
 #: 350M a sweep is a few hundred blocks, so the per-block ops' overhead is a few percent of the pass
@@ -135,3 +144,28 @@ def row_normalized_update(
                 if decay is not None:
                     v[lo:hi].mul_(decay)
                 v[lo:hi].addcmul_(chunk, scale[:, None], value=-lr)
+
+
+def lerp_col_energies(
+    blocks: BlockGroups, moments: Sequence[Sequence[torch.Tensor]], stacks: Sequence, weight: float
+) -> torch.Tensor:
+    """``M <- M + weight (X - M)`` on every block (``moments[k]``: group ``k``'s blocks of the EMA) and the partial
+    column sums of ``X * X``, concatenated, in one read of ``X`` per row block (DASGO's momentum and column
+    energies: one pass where they were two). Column sums need no whole rows: any layout's blocks."""
+    dev = blocks.device
+    cols = torch.zeros(blocks.n_cols, device=dev)
+    for g, ms, x in zip(blocks.groups, moments, stacks):
+        if not isinstance(x, list):  # small blocks, stacked
+            torch._foreach_lerp_(list(ms), list(x.unbind(0)), weight)
+            cols.index_add_(0, g.col_flat, stack_col_sumsq(x).reshape(-1))
+            continue
+        step = max(1, CHUNK_ELEMENTS // g.w)
+        buf = torch.empty(min(step, g.h), g.w, device=dev)
+        ones = torch.ones(min(step, g.h), device=dev)
+        for m, b, c0 in zip(ms, x, g.col_starts):
+            for lo in range(0, g.h, step):
+                hi = min(lo + step, g.h)
+                m[lo:hi].lerp_(b[lo:hi], weight)
+                a = torch.mul(b[lo:hi], b[lo:hi], out=buf[: hi - lo])
+                cols[c0 : c0 + g.w].addmv_(a.T, ones[: hi - lo])
+    return cols
