@@ -35,9 +35,11 @@ __all__ = [
     "lerp_col_energies",
 ]
 
-#: elements of one row block (2 MiB of fp32): the squares of a block stay in cache for their second read, and at
-#: 350M a sweep is a few hundred blocks, so the per-block ops' overhead is a few percent of the pass
-CHUNK_ELEMENTS = 1 << 19
+#: elements of one row block (8 MiB of fp32): its squares are read again from the last-level cache, not memory. At
+#: 350M, one thread, 2M elements gave the same 0.6x of the unblocked SinkGD/RACS step as 512K (L2-sized); with 2
+#: threads on a loaded machine 512K blocks ran 3x slower than the unblocked kernels (four times the parallel
+#: regions, each waiting for a descheduled thread), 2M blocks as fast as them
+CHUNK_ELEMENTS = 1 << 21
 
 
 def rows_complete(blocks: BlockGroups) -> bool:
