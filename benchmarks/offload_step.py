@@ -254,6 +254,9 @@ def main() -> None:
     ]
     write_results(args.name, vars(args), records, md, notes, out_dir=QUICK_DIR if args.quick else None)
     print(md)
+    if args.preset != "350m" or args.layers is not None:
+        print(f"(LLaMA-{args.preset}, not the whole 350M: no acceptance verdict)")
+        return
     print("acceptance (x DeepSpeedCPUAdam; targets SCALE, DASGO <= 0.8, RACS <= 1.0, SinkGD, Alice steady <= 2.0):")
     targets = {"scale": 0.8, "dasgo": 0.8, "racs": 1.0, "sinkgd": 2.0, "alice": 2.0}
     for r in records:
