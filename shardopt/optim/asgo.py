@@ -35,6 +35,7 @@ from ..sharding.iterative import count_fallbacks, inverse_sqrt_checked_rows, ite
 from ..sharding.matfun import inverse_root
 from ..sharding.matrix_ops import OpCost
 from ..sharding.precision import LOW_PRECISION, arrival_dtype, noise_eig_rtol
+from ..sharding.row_passes import lerp_col_energies
 from ..sharding.stacking import same_shape, stack
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig, WholeMatrixConfig, check_betas
@@ -218,10 +219,13 @@ class _MomentumMixin:
     _step_found_inf: torch.Tensor | None
     _pending_skip: _PendingSkip
 
-    def _update_momentum(self, group: dict, beta1: float, counts: bool = True) -> dict[int, int] | None:
+    def _update_momentum(
+        self, group: dict, beta1: float, counts: bool = True, lerp: bool = True
+    ) -> dict[int, int] | None:
         """EMA momentum ``M = b1 M + (1 - b1) G`` on every stepped tensor (element-wise, any layout) and every
         tensor's step count advanced, with one foreach kernel each; returns each tensor's step count when
-        ``counts`` (one read of all of them), else None."""
+        ``counts`` (one read of all of them), else None. ``lerp=False``: the state and counts only (the caller
+        runs the EMA fused with its own pass over ``G``)."""
         params = group["params"]
         state = self.state  # type: ignore[attr-defined]
         steps, ms, gs = [], [], []
@@ -248,7 +252,7 @@ class _MomentumMixin:
         if found_inf is not None:  # the counts go back if the device skips this step (nonfinite.settle_device_skip)
             self._pending_skip.counts += steps
             skippable_lerp_(ms, gs, 1 - beta1, found_inf)
-        elif ms:
+        elif ms and lerp:
             torch._foreach_lerp_(ms, gs, 1 - beta1)
         if not counts:
             return None
@@ -674,15 +678,33 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
         factor of 1."""
         return group.get("treatment") == "dasgo" or super().skips_on_device(group)
 
+    def _one_pass_momentum(self, group: dict) -> bool:
+        """Whether DASGO's EMA can run inside its column-energy pass: a CPU step of whole matrices (each stepped
+        tensor one matrix, so the blocks cover every element the EMA writes), every gradient present and fp32."""
+        plan = _plan(self, group)
+        return (
+            plan.whole_matrices
+            and plan.blocks.device.type == "cpu"
+            and all(p.grad is not None and p.grad.dtype == torch.float32 for p in plan.params)
+        )
+
     def _step_dasgo(self, group: dict) -> None:
         b1, b2 = group["betas"]
         gate = self._step_gate  # None, or 0-d 1./0.: the step's skip decided on the device (nonfinite.gate_step)
-        self._update_momentum(group, b1, counts=False)
+        rows, cols = logical_axes(group)  # the logical columns are the stored rows of a weight stored in x out
+        fused = cols == 1 and gate is None and self._step_found_inf is None and self._one_pass_momentum(group)
+        self._update_momentum(group, b1, counts=False, lerp=not fused)
         step = grouped_step(self, group)
         blocks = step.blocks
-        rows, cols = logical_axes(group)  # the logical columns are the stored rows of a weight stored in x out
         rnd = Round()
-        sums = line_sums(blocks, cols, step.grads, square=True)
+        moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
+        momentum = [
+            blocks.block_views(moms, g, persistent="state") for g in blocks.groups
+        ]  # the momentum's blocks, not a copy
+        if fused:  # the EMA and the column energies in one read of G (row_passes)
+            sums = lerp_col_energies(blocks, momentum, step.grads, 1 - b1)
+        else:
+            sums = line_sums(blocks, cols, step.grads, square=True)
         blocks.add_axis(rnd, sums, cols)
         rnd.run()
         decay = b2
@@ -705,10 +727,6 @@ class DASGO(_MomentumMixin, ShardedOptimizer):
                 torch._foreach_mul_([vs[k] for k in with_grad_items], decay)
                 torch._foreach_add_([vs[k] for k in with_grad_items], [parts[k] for k in with_grad_items], alpha=1 - b2)
                 v = torch.cat(vs)
-        moms = [_local(self.state[p]["exp_avg"]) for p in step.plan.params]
-        momentum = [
-            blocks.block_views(moms, g, persistent="state") for g in blocks.groups
-        ]  # the momentum's blocks, not a copy
         col_scale = masked_rsqrt(v + group["eps"], out=blocks.line_buffer("col_scale", cols))
         if gate is not None:
             col_scale.mul_(gate)  # a skipped step adds 0 x (finite) momentum

@@ -21,6 +21,7 @@ import torch
 from ..sharding.block_groups import BlockGroups, blocks_of
 from ..sharding.fragment import Fragment, local_flat
 from ..sharding.fragment import local_tensor as _local
+from ..sharding.row_passes import row_normalized_update, scaled_update
 from .nonfinite import gated, zero_nonfinite
 
 if TYPE_CHECKING:
@@ -231,6 +232,38 @@ class GroupedStep:
             torch._foreach_addcmul_(fused, fused_x, fused_s, value=-lr)
         if plain:
             torch._foreach_add_(plain, plain_u, alpha=-lr)
+
+    def apply_row_blocked(
+        self, xs: list, row_scale: torch.Tensor, col_scale: torch.Tensor, decay: float | torch.Tensor | None
+    ) -> bool:
+        """``W <- W decay - diag(row_scale) X diag(col_scale)`` on a CPU, a few rows of each block at a time
+        (``row_passes.scaled_update``: no update materialized, one pass); ``row_scale`` carries the lr, ``decay``
+        is a factor, one per matrix, or None. False (nothing done) unless every matrix has a gradient and every
+        parameter is fp32 on a CPU: the caller then takes ``apply``."""
+        if not self.all_have_grad or self.blocks.device.type != "cpu":
+            return False
+        views = [self.blocks.block_views(self.locals, g, persistent="param") for g in self.blocks.groups]
+        if any(v.dtype != torch.float32 for vs in views for v in vs):
+            return False
+        scaled_update(self.blocks, views, xs, row_scale, col_scale, decay)
+        return True
+
+    def apply_row_normalized(
+        self, xs: list, row_scale: Callable[[torch.Tensor, slice], torch.Tensor], lr: float, weight_decay: float
+    ) -> bool:
+        """``W <- W (1 - lr wd) - lr diag(row_scale(rowsumsq(X), rows)) X`` with the row statistic and the update
+        in one read of each row block (``row_passes.row_normalized_update``), where every row is whole on this
+        rank, on a CPU, every matrix with a gradient and fp32. False (nothing done) otherwise."""
+        from ..sharding.row_passes import rows_complete
+
+        if not self.all_have_grad or not rows_complete(self.blocks):
+            return False
+        views = [self.blocks.block_views(self.locals, g, persistent="param") for g in self.blocks.groups]
+        if any(v.dtype != torch.float32 for vs in views for v in vs):
+            return False
+        decay = self._decay(lr, weight_decay) if weight_decay else None
+        row_normalized_update(self.blocks, views, xs, row_scale, lr, decay)
+        return True
 
     def _scales_whole_fp32(self, row_scale: torch.Tensor | None, col_scale: torch.Tensor | None) -> bool:
         """Whether ``apply_scaled`` can take each matrix's scale as a slice of the concatenated vector: every

@@ -21,6 +21,7 @@ A weight stored in x out (``matrix_transposed``) is scaled as its logical out x 
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Iterable
 
 import pydantic
@@ -28,6 +29,7 @@ import torch
 from typing_extensions import Unpack
 
 from ..sharding import Round, masked_reciprocal, masked_rsqrt
+from ..sharding.row_passes import row_block_pass, rows_complete
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
 from .grouped import grouped_step
@@ -60,6 +62,11 @@ def norm_growth_eta(norm: torch.Tensor, phi: torch.Tensor, gamma: float) -> torc
     the caller stores ``phi = eta norm``. Element-wise, so ``norm`` and ``phi`` may hold many matrices."""
     ratio = norm / torch.where(phi > 0, phi, torch.ones_like(phi))
     return torch.where(phi > 0, gamma / torch.clamp(ratio, min=gamma), torch.ones_like(phi))
+
+
+def _times_lines(factor: torch.Tensor, sums: torch.Tensor, lines: Any) -> torch.Tensor:
+    """``sums * factor[lines]``: a row block's half-step of ``rescale`` (``factor``: per row, 1 / its norm)."""
+    return sums * factor[lines]
 
 
 class RACSConfig(OptimizerConfig):
@@ -127,8 +134,11 @@ class RACS(ShardedOptimizer):
         if gate is not None:
             step.sanitize()
         grads = step.grads
-        p2 = blocks.square(grads)  # P = G * G, per block shape
         rows, cols = logical_axes(group)  # the stored axes of the logical rows and columns (swapped in x out)
+        if rows == 0 and rows_complete(blocks):
+            self._racs_row_blocks(group, step)
+            return
+        p2 = blocks.square(grads)  # P = G * G, per block shape
         rnd = Round()
         # every matrix's q_hat and s_hat concatenated (logical rows, logical columns); norms one per matrix
         q_hat = torch.ones(blocks.n_rows if rows == 0 else blocks.n_cols, device=blocks.device)
@@ -181,3 +191,72 @@ class RACS(ShardedOptimizer):
         scales = (q_lr, s_inv) if rows == 0 else (s_inv, q_lr)
         update = blocks.scale(grads, scales[0], scales[1], out=p2)  # into P's memory
         step.apply(update, lr, group["weight_decay"], lr_in_updates=True)
+
+    def _racs_row_blocks(self, group: dict, step: Any) -> None:
+        """``_step_racs`` where every row is whole on this rank, on a CPU (``row_passes``): the row half of one
+        fixed-point step and the column half of the next share one read of ``G`` (a row's ``q_hat`` is final when
+        its rows are read), and the last row half shares its read with the limiter's weighted row sums, so the
+        statistics read ``G`` ``iterations + 1`` times and the update once more, with no ``P`` kept. The rounds
+        are the same, in the same order: a row round registers no split index, only ``|s_hat|^2`` where the
+        columns are split."""
+        blocks, grads, gate = step.blocks, step.grads, self._step_gate
+        rnd = Round()
+        s_hat = line_sums(blocks, 1, grads, square=True)  # P^T 1
+        blocks.add_axis(rnd, s_hat, 1)
+        rnd.run()
+        rescale(s_hat, item_lines(blocks, 0)[blocks.item_of_col])  # |1|^2 = m
+        for _ in range(1, group["iterations"]):
+            s_norm2 = blocks.axis_sums(s_hat * s_hat, 1, rnd)
+            rnd.run()
+            per_row = functools.partial(_times_lines, masked_reciprocal(s_norm2)[blocks.item_of_row])
+            _, q_hat, s_next = row_block_pass(blocks, grads, [s_hat], per_row)  # q_hat = P s_hat / |s_hat|^2
+            assert q_hat is not None and s_next is not None
+            blocks.add_axis(rnd, s_next, 1)
+            q_norm2 = blocks.axis_sums(q_hat * q_hat, 0, rnd)
+            rnd.run()
+            s_hat = rescale(s_next, q_norm2[blocks.item_of_col])
+        s_norm2 = blocks.axis_sums(s_hat * s_hat, 1, rnd)
+        rnd.run()
+        beta = decay = group["beta"]
+        s_new = s_hat if gate is None else gated(gate, s_hat, 0.0)
+        if gate is not None:  # a skipped step: q = 1 q + (1 - beta) 0, s likewise
+            decay = gated(gate, beta, 1.0)
+        states = step.states
+        for st, shape in zip(states, (lay.shape for lay in step.layouts)):
+            if "q" not in st:
+                st["q"] = s_hat.new_zeros(shape[0])
+                st["s"] = s_hat.new_zeros(shape[1])
+                st["phi"] = s_hat.new_zeros(())
+        with_grad = [k for k, ok in enumerate(step.has_grad) if ok]
+        if with_grad:
+            s_parts, ss = blocks.segments(s_new, 1), [states[k]["s"] for k in with_grad]
+            torch._foreach_mul_(ss, decay)
+            torch._foreach_add_(ss, [s_parts[k] for k in with_grad], alpha=1 - beta)
+        s_inv = masked_rsqrt(torch.cat([st["s"] for st in states]))
+        # the last row half (P s_hat) and the limiter's sum_j P_ij / s_j in one read
+        (q_hat, weighted), _, _ = row_block_pass(blocks, grads, [s_hat, s_inv * s_inv])
+        rescale(q_hat, s_norm2[blocks.item_of_row])
+        if gate is not None:
+            q_hat = gated(gate, q_hat, 0.0)
+        if with_grad:
+            q_parts, qs = blocks.segments(q_hat, 0), [states[k]["q"] for k in with_grad]
+            torch._foreach_mul_(qs, decay)
+            torch._foreach_add_(qs, [q_parts[k] for k in with_grad], alpha=1 - beta)
+        q_inv = masked_rsqrt(torch.cat([st["q"] for st in states]))
+        norm2 = blocks.item_sums(weighted * (q_inv * q_inv), 0)  # |Gt|^2 = sum_ij P_ij / (q_i s_j)
+        blocks.add_sums(rnd, norm2)
+        rnd.run()
+        phi = torch.stack([st["phi"] for st in states])
+        norm = norm2.sqrt()
+        eta = norm_growth_eta(norm, phi, group["gamma"])
+        new_phi = eta * norm
+        if gate is not None:  # a skipped step keeps phi and moves nothing
+            new_phi, eta = gated(gate, new_phi, phi), gated(gate, eta, 0.0)
+        if with_grad:
+            phis = new_phi.unbind(0)
+            torch._foreach_copy_([states[k]["phi"] for k in with_grad], [phis[k] for k in with_grad])
+        lr = group["lr"] * group["alpha"] * eta  # per matrix, folded into the row scale
+        q_lr = q_inv * lr[blocks.item_of_row]
+        wd = group["weight_decay"]
+        if not step.apply_row_blocked(grads, q_lr, s_inv, (1 - lr * wd) if wd else None):
+            step.apply(blocks.scale(grads, q_lr, s_inv), lr, wd, lr_in_updates=True)

@@ -169,6 +169,14 @@ class SCALE(ShardedOptimizer):
             step.sanitize()
         blocks = step.blocks
         axis = 0 if group["norm_dim"] == 1 else 1  # stats per row when reducing over dim 1
+        if axis == 0:  # on a CPU with whole rows: each row block's RMS and update in one read (row_passes)
+
+            def row_scale(sumsq: torch.Tensor, rows: slice) -> torch.Tensor:
+                inv = inverse_rms(sumsq, blocks.row_length[rows], group["eps"], group["norm"])
+                return inv if gate is None else inv.mul_(gate)  # a skipped step adds 0 x (finite) gradient
+
+            if step.apply_row_normalized(step.grads, row_scale, group["lr"], group["weight_decay"]):
+                return
         rnd = Round()
         stats = blocks.row_sums(step.grads, square=True) if axis == 0 else blocks.col_sums(step.grads, square=True)
         blocks.add_axis(rnd, stats, axis)

@@ -23,6 +23,7 @@ import torch
 from typing_extensions import Unpack
 
 from ..sharding import Round, col_sums, masked_reciprocal, row_sums
+from ..sharding.row_passes import row_block_pass, rows_complete
 from .base import ShardedOptimizer
 from .config import CommonOptions, OptimizerConfig
 from .grouped import grouped_step
@@ -111,6 +112,10 @@ class SinkGD(ShardedOptimizer):
         if gate is not None:
             step.sanitize()
         grads = step.grads
+        rows, cols = logical_axes(group)  # the stored axes of the logical rows and columns (swapped in x out)
+        if rows == 0 and rows_complete(blocks):
+            self._sinkgd_row_blocks(group, step)
+            return
         a = blocks.square(grads)  # A = G * G, per block shape
         rows, cols = logical_axes(group)  # the stored axes of the logical rows and columns (swapped in x out)
         rnd = Round()
@@ -129,3 +134,27 @@ class SinkGD(ShardedOptimizer):
         row = u.sqrt() if gate is None else u.sqrt().mul_(gate)  # a skipped step adds 0 x (finite) gradient
         scales = (row, v.sqrt()) if rows == 0 else (v.sqrt(), row)
         step.apply(blocks.scale(grads, scales[0], scales[1], out=a), lr, group["weight_decay"])  # A no longer needed
+
+    def _sinkgd_row_blocks(self, group: dict, step: Any) -> None:
+        """``_step_sinkgd`` where every row is whole on this rank, on a CPU (``row_passes``): each sweep is one
+        read of ``G`` (the row sums, ``u`` and the column sums of a few rows at a time, in cache), the update one
+        more; the same collectives (the row rounds have no split index: they register nothing)."""
+        blocks, grads, gate = step.blocks, step.grads, self._step_gate
+        n_of_row, m_of_col = blocks.row_length, blocks.col_length
+        rnd = Round()
+        v: torch.Tensor | None = None
+        u: torch.Tensor | None = None
+        for _ in range(group["iterations"]):
+            _, u, c = row_block_pass(blocks, grads, [v], lambda r, rows: masked_reciprocal(r, n_of_row[rows]))
+            assert c is not None
+            blocks.add_axis(rnd, c, 1)
+            rnd.run()
+            v = masked_reciprocal(c, m_of_col)
+        assert u is not None and v is not None  # iterations >= 1
+        lr = group["lr"] * group["lr_scale"]
+        row, col = u.sqrt_(), v.sqrt_()
+        if gate is not None:
+            row.mul_(gate)  # a skipped step adds 0 x (finite) gradient
+        decay = step._decay(lr, group["weight_decay"]) if group["weight_decay"] else None
+        if not step.apply_row_blocked(grads, row * lr, col, decay):  # else a parameter without fp32 or gradient
+            step.apply(blocks.scale(grads, row, col), lr, group["weight_decay"])

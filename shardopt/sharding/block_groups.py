@@ -62,6 +62,8 @@ class Group:
         "one_source",
         "elements",
         "kept_views",
+        "row_starts",
+        "col_starts",
     )
 
     # set by ``BlockGroups`` once every block of the group is known
@@ -71,6 +73,8 @@ class Group:
     col_flat: torch.Tensor
     item_tensor: torch.Tensor
     all_whole: bool
+    row_starts: list[int]  # each block's first row in the concatenated row vector (host ints: row_index[:, 0])
+    col_starts: list[int]
 
     def __init__(self, h: int, w: int):
         self.h, self.w = h, w
@@ -136,6 +140,7 @@ class BlockGroups:
                 b = next(b for b in self.layouts[i].blocks if offsets[i] + b.offset == start)
                 rows.append(row_base[i] + b.row)
                 cols.append(col_base[i] + b.col)
+            g.row_starts, g.col_starts = rows, cols
             g.row_index = (torch.tensor(rows, dtype=torch.int64)[:, None] + torch.arange(h)).to(dev)
             g.col_index = (torch.tensor(cols, dtype=torch.int64)[:, None] + torch.arange(w)).to(dev)
             g.row_flat = g.row_index.reshape(-1)
