@@ -20,6 +20,7 @@ from .asgo import ASGO, DASGO
 from .base import ShardedOptimizer
 from .config import ConfigError, OptimizerConfig, format_errors
 from .hooks import inspect_model, watch_model
+from .in_backward import StepDriver, check_in_backward_options, split_groups_by_layer
 from .muon import Muon
 from .racs import RACS
 from .routing import RoleTable, forget_stand_ins, route
@@ -111,7 +112,15 @@ def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
 
 
 def create_optimizer(
-    model: nn.Module | Iterable[Any], name: str, routing: Mapping[str, str] | None = None, **hyperparameters: Any
+    model: nn.Module | Iterable[Any],
+    name: str,
+    routing: Mapping[str, str] | None = None,
+    *,
+    step_in_backward: bool = False,
+    bf16_updates: str = "nearest",
+    bf16_seed: int = 0,
+    clip_grad_per_param: float | None = None,
+    **hyperparameters: Any,
 ) -> torch.optim.Optimizer:
     """Build shardopt optimizer ``name`` (a key of ``OPTIMIZERS``) for ``model``.
 
@@ -119,6 +128,32 @@ def create_optimizer(
     (see ``shardopt.optim.routing``); ``routing`` maps name patterns to roles or ``"adamw"``. As torch.optim,
     it also takes ``model.named_parameters()`` (roles from the names; state dicts carry ``param_names``) or a
     flat list of tensors (2-D tensors get the matrix rule, the rest AdamW).
+
+    ``step_in_backward``: step each layer's param groups from backward as their gradients complete and free them
+    (``shardopt.optim.in_backward``; one process, DDP, FSDP2; ``model`` must be the module backward runs through,
+    e.g. the DDP wrapper). ``bf16_updates="stochastic"``: bf16 weights without an fp32 master copy take their
+    updates with stochastic rounding seeded by ``bf16_seed``. ``clip_grad_per_param``: clip each parameter's
+    gradient to this norm before its step (the in-backward stand-in for clipping by the global norm).
     """
+    driven = step_in_backward or bf16_updates != "nearest" or clip_grad_per_param is not None
+    if step_in_backward:
+        check_in_backward_options(hyperparameters)
+        if not isinstance(model, nn.Module):
+            raise ConfigError(
+                "create_optimizer: step_in_backward=True needs the model (an nn.Module, or the DDP wrapper) to hook "
+                f"its parameters, got {type(model).__name__}"
+            )
     cfg = validate_hyperparameters(name, hyperparameters, where="create_optimizer")
-    return build_optimizer(model, cfg, routing, name)
+    if not driven:
+        return build_optimizer(model, cfg, routing, name)
+    # DDP: routed by the wrapped module's names, hooked on the wrapper (its communication hook)
+    inner = model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+    groups = build_param_groups(inner, name, cfg, routing)
+    if step_in_backward:
+        assert isinstance(inner, nn.Module)
+        groups = split_groups_by_layer(groups, {id(p): n for n, p in inner.named_parameters()})
+    opt = optimizer_class(name).from_config(groups, cfg)
+    if isinstance(inner, nn.Module):
+        watch_model(inner, opt)
+    StepDriver(opt, model, step_in_backward, bf16_updates, bf16_seed, clip_grad_per_param)
+    return opt
