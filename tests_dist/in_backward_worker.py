@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from datetime import timedelta
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -70,7 +71,9 @@ def run(opt_name: str, engine: str) -> dict:
         left += sum(p.grad is not None for p in model.parameters() if engine == "fsdp2")
         opt.step()
         opt.zero_grad()
-    got = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()}
+    got = {
+        n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for n, p in model.named_parameters()
+    }
     return {"max_abs_diff": max_abs_diff(got, reference(opt_name)), "grads_left": left}
 
 
@@ -101,7 +104,7 @@ def main() -> None:
     records: list = []
     for opt_name in selected(RULES, CI_RULES):
         for engine in ENGINES:
-            record_case(records, {"optimizer": opt_name, "engine": engine}, lambda: run(opt_name, engine))
+            record_case(records, {"optimizer": opt_name, "engine": engine}, partial(run, opt_name, engine))
     record_case(records, {"optimizer": "rounding", "engine": "fsdp2"}, rounding)
     finish_worker(records, args.out)
 

@@ -90,24 +90,28 @@ def layer_key(name: str) -> str:
     return name
 
 
-def split_groups_by_layer(groups: list[dict], names: dict[int, str]) -> list[dict]:
-    """Each param group split into one group per layer (``layer_key``), in order, keeping the group's options:
-    the driver steps a group once all its gradients are complete, so a layer's gradients are freed with it."""
+def split_groups_by_layer(groups: list[dict], names: dict[int, str] | None = None) -> list[dict]:
+    """Each param group split into one group per layer (``layer_key``), in order, keeping the group's options
+    and its per-tensor name lists (torch's ``param_names``, ``create_optimizer``'s ``names``): the driver steps a
+    group once all its gradients are complete, so a layer's gradients are freed with it. A tensor's name is the
+    group's own, else ``names[id(tensor)]``."""
+    lists = ("param_names", "names")
     out: list[dict] = []
     for g in groups:
         parts: dict[str, dict] = {}
-        pnames = g.get("param_names")
+        per_tensor = {k: g[k] for k in lists if isinstance(g.get(k), list) and len(g[k]) == len(g["params"])}
         for i, p in enumerate(g["params"]):
-            key = layer_key(names.get(id(p), pnames[i] if pnames else ""))
+            name = next((v[i] for v in per_tensor.values() if v[i]), None) or (names or {}).get(id(p), "")
+            key = layer_key(name)
             part = parts.get(key)
             if part is None:
-                part = parts[key] = {k: v for k, v in g.items() if k not in ("params", "param_names")}
+                part = parts[key] = {k: v for k, v in g.items() if k != "params" and k not in per_tensor}
                 part["params"] = []
-                if pnames is not None:
-                    part["param_names"] = []
+                for k in per_tensor:
+                    part[k] = []
             part["params"].append(p)
-            if pnames is not None:
-                part["param_names"].append(pnames[i])
+            for k, v in per_tensor.items():
+                part[k].append(v[i])
         out.extend(parts.values())
     return out
 

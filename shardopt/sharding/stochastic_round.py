@@ -70,8 +70,10 @@ def _indices(local_shape: Sequence[int], rows: slice, index_map: IndexMap, devic
     offsets, strides = index_map
     idx = torch.zeros((), dtype=torch.int64, device=device)
     for d, n in enumerate(local_shape):
-        r = torch.arange(n, dtype=torch.int64, device=device) if d else torch.arange(
-            rows.start, rows.stop, dtype=torch.int64, device=device
+        r = (
+            torch.arange(n, dtype=torch.int64, device=device)
+            if d
+            else torch.arange(rows.start, rows.stop, dtype=torch.int64, device=device)
         )
         shape = [1] * len(local_shape)
         shape[d] = -1
