@@ -281,12 +281,9 @@ def test_bf16_stochastic_driver_steps_like_fp32_on_one_step(in_backward: bool) -
     m32, m16 = _model(), _model().bfloat16()
     o32 = shardopt.create_optimizer(m32, "scale", lr=1e-2, on_nonfinite="ignore")
     o16 = shardopt.create_optimizer(m16, "scale", lr=1e-2, step_in_backward=in_backward, bf16_updates="stochastic")
-    for m, o in ((m32, o32), (m16, o16)):
-        m.load_state_dict({k: v.to(next(m.parameters()).dtype) for k, v in m32.state_dict().items()})
+    m16.load_state_dict({k: v.bfloat16() for k, v in m32.state_dict().items()})
     for m, o in ((m32, o32), (m16, o16)):
         _loss(m, _batch(0)).backward()
-        if not in_backward or o is o32:
-            pass
         o.step()
         o.zero_grad()
     for a, b in zip(m32.parameters(), m16.parameters()):
@@ -296,20 +293,21 @@ def test_bf16_stochastic_driver_steps_like_fp32_on_one_step(in_backward: bool) -
     assert all(k.dtype == torch.bfloat16 for k in o16.state)  # state keyed by the bf16 parameters
 
 
-def _tiny_llama_losses(bf16: bool, steps: int) -> list[float]:
+def _tiny_llama_losses(bf16_updates: str | None, steps: int) -> list[float]:
+    """SCALE in backward on the tiny LLaMA (2 layers), 8 sequences of 32 tokens a step from a fixed corpus of 256:
+    fp32 weights (``bf16_updates=None``) or bf16 weights with no fp32 copy. At lr 1e-3 this run is stable (a
+    1e-3 relative perturbation of the initial weights moves the loss of steps 181-200 by 0.2%)."""
     model = build_llama("tiny", vocab_size=VOCAB, num_layers=2, seed=0)
-    kw = dict(lr=3e-3, adam_lr=3e-3)
-    if bf16:
+    kw: dict = dict(lr=1e-3, adam_lr=1e-3, step_in_backward=True)
+    if bf16_updates is not None:
         model = model.bfloat16()
-        opt = shardopt.create_optimizer(model, "scale", step_in_backward=True, bf16_updates="stochastic", **kw)
-    else:
-        opt = shardopt.create_optimizer(model, "scale", step_in_backward=True, **kw)
-    g = torch.Generator().manual_seed(0)
-    data = torch.randint(0, VOCAB, (64, 17), generator=g)  # a fixed small corpus: the loss falls steadily
+        kw["bf16_updates"] = bf16_updates
+    opt = shardopt.create_optimizer(model, "scale", **kw)
+    data = torch.randint(0, VOCAB, (256, 33), generator=torch.Generator().manual_seed(0))
     losses = []
     for s in range(steps):
-        x = data[(4 * s) % 64 : (4 * s) % 64 + 4]
-        loss = _loss(model, x)
+        i = (8 * s) % 256
+        loss = _loss(model, data[i : i + 8])
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -317,17 +315,17 @@ def _tiny_llama_losses(bf16: bool, steps: int) -> list[float]:
     return losses
 
 
-@full_only("the 200-step run's first 20 steps (test_bf16_without_master_tracks_fp32_briefly)")
+@full_only("the first 20 steps (test_bf16_without_master_tracks_fp32_briefly)")
 def test_bf16_without_master_within_one_percent_of_fp32_after_200_steps() -> None:
-    fp32 = _tiny_llama_losses(False, 200)
-    bf16 = _tiny_llama_losses(True, 200)
-    last32, last16 = sum(fp32[-10:]) / 10, sum(bf16[-10:]) / 10
-    print(f"SCALE tiny LLaMA, mean loss of steps 191-200: fp32 master {last32:.4f}, bf16 stochastic {last16:.4f}")
-    assert last32 < fp32[0] * 0.8  # it trained
-    assert abs(last16 - last32) <= 0.01 * last32
+    """Measured: fp32 2.2283, bf16 stochastic 2.2182 (0.45%), bf16 round-to-nearest 2.3591 (+5.9%)."""
+    mean = {mode: sum(_tiny_llama_losses(mode, 200)[-20:]) / 20 for mode in (None, "stochastic", "nearest")}
+    print(f"SCALE tiny LLaMA, mean loss of steps 181-200: {mean}")
+    assert mean[None] < 0.6 * _tiny_llama_losses(None, 1)[0]  # it trained
+    assert abs(mean["stochastic"] - mean[None]) <= 0.01 * mean[None]
+    assert mean["nearest"] > 1.02 * mean[None]  # what the stochastic rounding is for
 
 
 def test_bf16_without_master_tracks_fp32_briefly() -> None:
-    fp32 = _tiny_llama_losses(False, 20)
-    bf16 = _tiny_llama_losses(True, 20)
-    assert abs(sum(bf16[-5:]) - sum(fp32[-5:])) <= 0.02 * sum(fp32[-5:])
+    fp32 = _tiny_llama_losses(None, 20)
+    bf16 = _tiny_llama_losses("stochastic", 20)
+    assert abs(sum(bf16[-5:]) - sum(fp32[-5:])) <= 0.01 * sum(fp32[-5:])

@@ -72,6 +72,9 @@ BF16_UPDATES = ("nearest", "stochastic")
 #: pickles and deep copies (``ShardedOptimizer.__getstate__``), as torch's own hook dictionaries
 DRIVER_ATTR = "_optimizer_step_driver"
 
+#: the param-group key counting a group's stochastically rounded steps (the hash's step)
+ROUND_STEP = "bf16_round_step"
+
 ACCUMULATION_FIX = (
     "gradient accumulation across micro-batches is not possible with step_in_backward=True: each group is "
     "stepped as its gradient completes in backward, so a second backward before optimizer.step() (or "
@@ -285,6 +288,9 @@ class StepDriver:
             if p in opt.state:
                 opt.state[s] = opt.state.pop(p)
             shadows.append(s)
+        # the step the random bits follow: a count of this group's rounded steps, kept in the group (state dicts
+        # carry it, every rank counts alike; rules without state, SCALE's hidden matrices, keep no "step" of theirs)
+        step = group[ROUND_STEP] = int(group.get(ROUND_STEP, 0)) + 1
         group["params"] = shadows
         try:
             getattr(opt, f"_step_{group['treatment']}")(_float_lr(group))
@@ -298,8 +304,7 @@ class StepDriver:
                     opt.state[p] = opt.state.pop(s)
                 opt._fragments.pop(id(s), None)
                 opt.param_names.pop(id(s), None)
-                step = opt.state.get(p, {}).get("step", 0)
-                stochastic_round_(local_tensor(p), s, logical_index_offsets(p), int(step), self.seed)
+                stochastic_round_(local_tensor(p), s, logical_index_offsets(p), step, self.seed)
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """What ``optimizer.step()`` does under the driver: run the closure (its backward steps the groups),
