@@ -17,13 +17,20 @@ from tiers import full_only
 from torch import nn
 
 import shardopt
-from benchmarks.models import build_llama
 from shardopt.optim.config import ConfigError
 from shardopt.optim.in_backward import layer_key, split_groups_by_layer
 from shardopt.optim.registry import OPTIMIZERS, build_param_groups, optimizer_class, validate_hyperparameters
 from shardopt.sharding.stochastic_round import hash_bits, logical_index_offsets, stochastic_round_
+from shardopt.train.model import Llama, model_config
 
 RULES = sorted(OPTIMIZERS)
+
+
+def build_llama(preset: str, vocab_size: int, num_layers: int, seed: int) -> Llama:
+    torch.manual_seed(seed)
+    return Llama(model_config(preset, vocab_size, num_layers=num_layers))
+
+
 VOCAB = 96
 
 
@@ -329,3 +336,69 @@ def test_bf16_without_master_tracks_fp32_briefly() -> None:
     fp32 = _tiny_llama_losses(None, 20)
     bf16 = _tiny_llama_losses("stochastic", 20)
     assert abs(sum(bf16[-5:]) - sum(fp32[-5:])) <= 0.01 * sum(fp32[-5:])
+
+
+# ---------------------------------------------------------------------------------------------- front doors
+def _hf_llama() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=40,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=8,
+        tie_word_embeddings=False,
+    )
+    return transformers.LlamaForCausalLM(cfg)
+
+
+def _hf_trainer(tmp_path, **args):
+    transformers = pytest.importorskip("transformers")
+    data = [{"input_ids": torch.arange(8) % 64, "labels": (torch.arange(8) * 3) % 64} for _ in range(4)]
+    targs = transformers.TrainingArguments(
+        output_dir=str(tmp_path),
+        report_to="none",
+        use_cpu=True,
+        max_steps=2,
+        per_device_train_batch_size=2,
+        save_strategy="no",
+        learning_rate=1e-2,
+        **args,
+    )
+    return transformers.Trainer(model=_hf_llama(), args=targs, train_dataset=data)
+
+
+def test_hf_trainer_layerwise_name(tmp_path) -> None:
+    """``enable(trainer, "scale_layerwise")``: SCALE stepped in backward with the model's roles; the Trainer's run
+    equals its ordinary ``"scale"`` run (both with max_grad_norm=0)."""
+    from shardopt.integrations.transformers import enable
+
+    plain = _hf_trainer(tmp_path / "plain", max_grad_norm=0.0)
+    enable(plain, "scale", lr=1e-2)
+    plain.train()
+    layerwise = _hf_trainer(tmp_path / "layerwise", max_grad_norm=0.0)
+    enable(layerwise, "scale_layerwise", lr=1e-2)
+    layerwise.train()
+    opt = layerwise.optimizer.optimizer if hasattr(layerwise.optimizer, "optimizer") else layerwise.optimizer
+    from shardopt.optim.in_backward import driver_of
+
+    assert driver_of(opt) is not None and driver_of(opt).in_backward
+    assert sorted(opt.describe_rows()) == sorted(
+        shardopt.create_optimizer(_hf_llama(), "scale", lr=1e-2).describe_rows()
+    )
+    assert _max_diff(plain.model, layerwise.model) == 0.0
+    assert max(p.abs().max().item() for p in layerwise.model.parameters()) > 0
+
+
+def test_hf_trainer_layerwise_refusals(tmp_path) -> None:
+    from shardopt.integrations.transformers import enable
+
+    with pytest.raises(ConfigError, match="max_grad_norm = 1.0 clips by the global norm.*max_grad_norm=0"):
+        enable(_hf_trainer(tmp_path), "scale_layerwise")
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps = 2.*gradient_accumulation_steps=1"):
+        enable(_hf_trainer(tmp_path, max_grad_norm=0.0, gradient_accumulation_steps=2), "scale_layerwise")
+    with pytest.raises(ConfigError, match="on_nonfinite"):
+        enable(_hf_trainer(tmp_path, max_grad_norm=0.0), "sumo_layerwise", on_nonfinite="skip")
