@@ -148,6 +148,29 @@ def test_state_dict_round_trip() -> None:
     assert _max_diff(m_ref, m_new) == 0.0
 
 
+def test_shardopt_checkpoint_round_trip(tmp_path) -> None:
+    """``shardopt.checkpoint`` saves the in-backward optimizer and loads it into one built the same way (the
+    per-layer groups are part of the build: an ordinary optimizer has fewer groups and refuses it, naming why)."""
+    import shardopt.checkpoint
+    from shardopt.checkpoint.errors import CheckpointError
+
+    m_ref, m_bwd = _model(), _model()
+    ref = _split_reference(m_ref, "sumo")
+    bwd = shardopt.create_optimizer(m_bwd, "sumo", lr=1e-2, step_in_backward=True)
+    _train(m_ref, ref, 2)
+    _train(m_bwd, bwd, 2)
+    shardopt.checkpoint.save(str(tmp_path / "ckpt"), bwd)
+    m_new = copy.deepcopy(m_bwd)
+    new = shardopt.create_optimizer(m_new, "sumo", lr=1e-2, step_in_backward=True)
+    shardopt.checkpoint.load(str(tmp_path / "ckpt"), new)
+    _train(m_ref, ref, 2)
+    _train(m_new, new, 2)
+    assert _max_diff(m_ref, m_new) == 0.0
+    ordinary = shardopt.create_optimizer(copy.deepcopy(m_bwd), "sumo", lr=1e-2)
+    with pytest.raises(CheckpointError, match="param groups saved"):
+        shardopt.checkpoint.load(str(tmp_path / "ckpt"), ordinary)
+
+
 class _Partial(nn.Module):
     """Two layers, one of them unused by the forward: its group is stepped by ``step()``, as the ordinary step does."""
 

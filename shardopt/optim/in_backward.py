@@ -250,7 +250,7 @@ class StepDriver:
             opt._make_team_groups()
             for group in groups:
                 if self.stochastic and any(p.dtype == torch.bfloat16 for p in group["params"]):
-                    self._step_shadowed(group)
+                    self._step_shadowed(group, free)
                 else:
                     getattr(opt, f"_step_{group['treatment']}")(_float_lr(group))
         if free:
@@ -270,9 +270,10 @@ class StepDriver:
             factor = torch.clamp(self.clip / (norm + 1e-6), max=1.0)
             local_tensor(p.grad).mul_(factor.to(local_tensor(p.grad).dtype))
 
-    def _step_shadowed(self, group: dict) -> None:
+    def _step_shadowed(self, group: dict, free: bool) -> None:
         """Step ``group`` with each bf16 parameter's local elements as an fp32 copy (its state, fragments and name
-        moved over for the step), then round the copies into the bf16 parameters stochastically."""
+        moved over for the step), then round the copies into the bf16 parameters stochastically. ``free``: the
+        bf16 gradient goes as soon as its fp32 copy exists (the step's transient is the two fp32 copies)."""
         opt = self.opt
         originals = list(group["params"])
         shadows: list[torch.Tensor] = []
@@ -283,6 +284,8 @@ class StepDriver:
             s = local_tensor(p).detach().float()
             if p.grad is not None:
                 s.grad = local_tensor(p.grad).float()
+                if free:
+                    p.grad = None
             opt._fragments[id(s)] = opt.fragments(p)
             opt.param_names[id(s)] = opt.param_names.get(id(p), "")
             if p in opt.state:
