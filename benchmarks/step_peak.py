@@ -3,6 +3,7 @@
     python -m benchmarks.step_peak                   # LLaMA-350M, every case, one fresh process each
     python -m benchmarks.step_peak --cases adamw,scale,scale+bwd,scale+bwd+bf16
     python -m benchmarks.step_peak --quick           # the tiny preset
+    python -m benchmarks.step_peak --malloc live     # freed memory returned at once: the peak of live tensors
 
 Each case runs in a fresh process (one at a time): build the model (bf16 cases build it in bf16, so no fp32 copy
 ever exists), then two steps of one 127-token sequence, and report the process's peak resident memory
@@ -79,8 +80,15 @@ def _worker(case: str, preset: str, steps: int) -> dict[str, Any]:
     return {"case": case, "peak_bytes": peak, "params": n_params, "losses": losses}
 
 
-def _run_case(case: str, preset: str, steps: int) -> dict[str, Any]:
+#: ``--malloc live``: glibc returns every freed block above this many bytes to the system at once, so the peak RSS
+#: follows the live tensors (as CUDA's ``max_memory_allocated`` does) instead of what the heap kept for reuse
+LIVE_MMAP_THRESHOLD = 131072
+
+
+def _run_case(case: str, preset: str, steps: int, malloc: str = "default") -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if malloc == "live":
+        env["MALLOC_MMAP_THRESHOLD_"] = str(LIVE_MMAP_THRESHOLD)
     cmd = [sys.executable, "-m", "benchmarks.step_peak", "--worker", case, "--preset", preset, "--steps", str(steps)]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -154,6 +162,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated cases (see the module docstring)")
     ap.add_argument("--preset", default="350m")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument(
+        "--malloc",
+        choices=("default", "live"),
+        default="default",
+        help="default: glibc as it is (freed memory stays in the heap for reuse); live: MALLOC_MMAP_THRESHOLD_="
+        f"{LIVE_MMAP_THRESHOLD}, so the peak RSS follows the live tensors; results go to step_peak_live.*",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     if "--worker" in (argv if argv is not None else sys.argv[1:]):
         args = ap.parse_args(argv)
@@ -162,18 +177,23 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(ap, argv, quick={"preset": "tiny", "cases": "fwd+bwd,adamw,scale,scale+bwd,scale+bwd+bf16"})
     records = []
     for case in args.cases.split(","):
-        rec = _run_case(case, args.preset, args.steps)
+        rec = _run_case(case, args.preset, args.steps, args.malloc)
         print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
         records.append(rec)
     model7b = modeled_7b()
     md = report(records, model7b, args.preset)
     write_results(
-        "step_peak",
-        {"preset": args.preset, "steps": args.steps, "seq": SEQ, "cases": args.cases.split(",")},
+        "step_peak" if args.malloc == "default" else "step_peak_live",
+        {"preset": args.preset, "steps": args.steps, "seq": SEQ, "cases": args.cases.split(","), "malloc": args.malloc},
         records + [{"modeled_7b": r} for r in model7b],
         md,
         notes=[
-            "peak RSS of a fresh process per case (ru_maxrss), CPU, OMP_NUM_THREADS=1; cases run one at a time",
+            "peak RSS of a fresh process per case (ru_maxrss), CPU, OMP_NUM_THREADS=1; cases run one at a time; "
+            + (
+                "glibc's default allocator (freed memory stays in the heap for reuse)"
+                if args.malloc == "default"
+                else f"MALLOC_MMAP_THRESHOLD_={LIVE_MMAP_THRESHOLD}: the peak follows the live tensors"
+            ),
             "7B lines are modeled, not measured: activations and allocator slack excluded; "
             "fits = total <= 0.9 x budget",
         ],
