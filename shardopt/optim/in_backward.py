@@ -205,7 +205,28 @@ class StepDriver:
                     for p in g["params"]:
                         if p.requires_grad:
                             self._handles.append(p.register_post_accumulate_grad_hook(self._on_grad))
+        #: groups stepped at the end of backward instead of when complete (``_deferred_groups``)
+        self._defer = self._deferred_groups()
+        self._deferred: list[int] = []
         setattr(opt, DRIVER_ATTR, self)
+
+    def _deferred_groups(self) -> set[int]:
+        """One process with bf16 weights stepped through fp32 copies: the groups outside the layers (embedding,
+        final norm, LM head) are stepped at the end of backward, not when their gradient completes. The LM head's
+        completes first, while every activation is alive, and its step's transient (the fp32 copies of a
+        vocabulary x hidden matrix and its gradient) would sit on top of them: the step's peak. Its bf16
+        gradient (a quarter of that) waits instead. Under FSDP2 those parameters complete at the end anyway."""
+        if not (self.in_backward and self.stochastic and self.engine == "hooks"):
+            return set()
+        out = set()
+        for gi, g in enumerate(self.opt.param_groups):
+            params = g["params"]
+            if any(hasattr(p, "placements") for p in params) or not any(p.dtype == torch.bfloat16 for p in params):
+                continue
+            names = [self.opt.param_names.get(id(p), "") for p in params]
+            if all(layer_key(n) == n for n in names):
+                out.add(gi)
+        return out
 
     # ------------------------------------------------------------------ backward
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -222,7 +243,17 @@ class StepDriver:
         if ready >= self._expected[gi]:
             self._ready.pop(gi, None)
             self._stepped.add(gi)
+            if gi in self._defer:
+                if not self._deferred:
+                    torch.autograd.Variable._execution_engine.queue_callback(self._step_deferred)
+                self._deferred.append(gi)
+                return
             self._step_groups([gi], free=True)
+
+    def _step_deferred(self) -> None:
+        """At the end of backward: the groups ``_deferred_groups`` held back, in the order they completed."""
+        indices, self._deferred = self._deferred, []
+        self._step_groups(indices, free=True)
 
     def mark_ready(self, params: Iterable[torch.Tensor]) -> None:
         """Engines that learn of finished gradients otherwise (DDP's comm hook) call this, in the same order on
