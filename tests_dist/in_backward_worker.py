@@ -96,6 +96,16 @@ def rounding() -> dict:
     return {"max_abs_diff": max(diffs), "differs_from_nearest": bool((whole.float() != w.bfloat16().float()).any())}
 
 
+def plain_model_refused() -> dict:
+    """A plain model under a process group of 2 (DDP's inner module): its parameters' hooks would step on this
+    rank's gradient alone, so the mode refuses it and names the DDP wrapper."""
+    try:
+        shardopt.create_optimizer(make_model(n_blocks=N_BLOCKS), "scale", step_in_backward=True)
+    except shardopt.ConfigError as err:
+        return {"message": str(err)}
+    return {"message": ""}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -106,6 +116,7 @@ def main() -> None:
         for engine in ENGINES:
             record_case(records, {"optimizer": opt_name, "engine": engine}, partial(run, opt_name, engine))
     record_case(records, {"optimizer": "rounding", "engine": "fsdp2"}, rounding)
+    record_case(records, {"optimizer": "plain_model", "engine": "ddp"}, plain_model_refused)
     finish_worker(records, args.out)
 
 

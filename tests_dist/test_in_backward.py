@@ -47,3 +47,8 @@ def test_stochastic_rounding_is_the_same_on_fsdp2_shards() -> None:
     rec = _record("rounding", "fsdp2")
     assert rec["max_abs_diff"] == 0.0
     assert rec["differs_from_nearest"]
+
+
+def test_a_plain_model_under_a_process_group_is_refused() -> None:
+    rec = _record("plain_model", "ddp")
+    assert "pass the DistributedDataParallel wrapper" in rec["message"]
