@@ -18,6 +18,12 @@ head, hidden matrices, GPT-2's ``Conv1D`` stored in x out, vectors to AdamW), an
   checkpoint directory (``integrations.accelerate.fsdp1_optimizer_io``) beside the Trainer's model files.
 * DDP / one process: the plain optimizer.
 
+An optimizer name with the suffix ``_layerwise`` (``enable(trainer, "scale_layerwise")``, as transformers names
+``galore_adamw_layerwise``) steps each layer inside backward and frees its gradients
+(``shardopt.optim.in_backward``), with the roles and one optimizer object as usual; one process and FSDP2
+(DDP's wrapper is made after the optimizer, so its averaged gradients cannot reach the hooks: refused at the first
+step's build, as DeepSpeed, ``gradient_accumulation_steps > 1`` and ``max_grad_norm > 0`` are at ``enable``).
+
 The Trainer's LR scheduler scales every group's own learning rate (matrix ``lr`` and ``adam_lr``).
 Hyperparameters set to ``"auto"`` take the ``TrainingArguments`` value (``lr``/``adam_lr``: ``learning_rate``,
 ``weight_decay``/``adam_weight_decay``: ``weight_decay``, ``adam_betas``: ``(adam_beta1, adam_beta2)``,
@@ -31,11 +37,15 @@ from typing import Any, Mapping
 import pydantic
 
 from ..optim.config import OptimizerConfig, format_errors
+from ..optim.in_backward import check_in_backward_options
 from ..optim.registry import OPTIMIZERS, ConfigError, build_optimizer, validate_hyperparameters
 from ..plugin.deepspeed_engine import SECTION_UNKNOWN_KEY, ShardoptSection, apply_offload_keys
 from .accelerate import patch_prepare, with_fsdp1_optimizer_io
 
-__all__ = ["enable", "resolve_settings"]
+__all__ = ["enable", "resolve_settings", "LAYERWISE"]
+
+#: an optimizer name ending in this steps in backward (``step_in_backward=True``; transformers' GaLore spelling)
+LAYERWISE = "_layerwise"
 
 #: "auto" hyperparameters and the TrainingArguments they come from
 _AUTO = {
@@ -119,6 +129,30 @@ def _own_auto(name: str, key: str) -> bool:
     return field is not None and "auto" in typing.get_args(field.annotation) and field.default == "auto"
 
 
+def _check_layerwise(trainer: Any, name: str) -> None:
+    """What stepping in backward cannot do under the Trainer, refused with the setting that fixes it."""
+    args = trainer.args
+    where = f"enable(trainer, {name + LAYERWISE!r})"
+    if _deepspeed_config(trainer) is not None:
+        raise ConfigError(
+            f"{where}: stepping in backward is not supported under DeepSpeed (ZeRO owns the gradient buffers and "
+            f"steps after backward); use {name!r} with DeepSpeed, or FSDP2 / one process for {name + LAYERWISE!r}"
+        )
+    if getattr(args, "gradient_accumulation_steps", 1) > 1:
+        raise ConfigError(
+            f"{where}: TrainingArguments.gradient_accumulation_steps = {args.gradient_accumulation_steps}; stepping "
+            "in backward steps every micro-batch: set gradient_accumulation_steps=1 (a larger per-device batch), "
+            f"or use {name!r}"
+        )
+    if (getattr(args, "max_grad_norm", 0) or 0) > 0:
+        raise ConfigError(
+            f"{where}: TrainingArguments.max_grad_norm = {args.max_grad_norm} clips by the global norm, which is "
+            "known only after every gradient, when the layers have been stepped already: set max_grad_norm=0 and, "
+            "to bound updates, clip_grad_per_param=<norm> through shardopt.create_optimizer(..., "
+            f"step_in_backward=True) (docs/guides/memory.md), or use {name!r}"
+        )
+
+
 def enable(
     trainer: Any, optimizer: str | None = None, routing: Mapping[str, str] | None = None, **hyperparameters: Any
 ) -> Any:
@@ -130,6 +164,13 @@ def enable(
             "shardopt.integrations.transformers.enable pass optimizers=(None, None) and let enable "
             "build it (under DeepSpeed the Trainer would drop a given optimizer anyway)"
         )
+    layerwise = isinstance(optimizer, str) and optimizer.lower().endswith(LAYERWISE)
+    if layerwise:
+        assert optimizer is not None
+        optimizer = optimizer[: -len(LAYERWISE)]
+        _check_layerwise(trainer, optimizer)
+        hyperparameters = dict(hyperparameters)
+        check_in_backward_options(hyperparameters)
     name, cfg, route = resolve_settings(trainer, optimizer, routing, hyperparameters)
     ds = _deepspeed_config(trainer)
     if ds is not None:  # ZeRO-Offload: the keys that keep this optimizer (accelerate would swap in DeepSpeedCPUAdam)
@@ -139,7 +180,7 @@ def enable(
         """shardopt's optimizer for the Trainer's model (``Trainer.create_optimizer``'s contract: build once)."""
         if trainer.optimizer is None:
             opt_model = trainer.model if model is None else model
-            trainer.optimizer = build_optimizer(opt_model, cfg, route, name)
+            trainer.optimizer = build_optimizer(opt_model, cfg, route, name, step_in_backward=layerwise)
         return trainer.optimizer
 
     trainer.create_optimizer = create_optimizer

@@ -774,6 +774,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        driver = self.__dict__.get("_optimizer_step_driver")  # optim.in_backward: stepping in backward, bf16 rounding
+        if driver is not None:
+            return driver.step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():

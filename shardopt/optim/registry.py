@@ -20,6 +20,7 @@ from .asgo import ASGO, DASGO
 from .base import ShardedOptimizer
 from .config import ConfigError, OptimizerConfig, format_errors
 from .hooks import inspect_model, watch_model
+from .in_backward import StepDriver, check_in_backward_options, split_groups_by_layer
 from .muon import Muon
 from .racs import RACS
 from .routing import RoleTable, forget_stand_ins, route
@@ -96,12 +97,30 @@ def build_optimizer(
     cfg: OptimizerConfig,
     routing: Mapping[str, str] | None = None,
     name: str | None = None,
+    *,
+    step_in_backward: bool = False,
+    bf16_updates: str = "nearest",
+    bf16_seed: int = 0,
+    clip_grad_per_param: float | None = None,
 ) -> ShardedOptimizer:
-    """The optimizer for a validated ``cfg`` (see ``create_optimizer``); ``name`` as the user spelled it."""
+    """The optimizer for a validated ``cfg`` (see ``create_optimizer``, also for the keyword options); ``name`` as
+    the user spelled it."""
     name = name or type(cfg).treatment
-    opt = optimizer_class(name).from_config(build_param_groups(model, name, cfg, routing), cfg)
-    if isinstance(model, nn.Module):  # hooks.model_watchers: an engine's layouts (legacy FSDP), and a DeepSpeed engine
-        watch_model(model, opt)  # that later runs the model with another optimizer raises (plugin.wrapped)
+    # DDP in backward: routed by the wrapped module's names, hooked on the wrapper (its communication hook)
+    inner = model.module if step_in_backward and isinstance(model, nn.parallel.DistributedDataParallel) else model
+    groups = build_param_groups(inner, name, cfg, routing)
+    if step_in_backward:
+        if not isinstance(inner, nn.Module):
+            raise ConfigError(
+                "create_optimizer: step_in_backward=True needs the model (an nn.Module, or the DDP wrapper) to hook "
+                f"its parameters, got {type(model).__name__}"
+            )
+        groups = split_groups_by_layer(groups, {id(p): n for n, p in inner.named_parameters()})
+    opt = optimizer_class(name).from_config(groups, cfg)
+    if isinstance(inner, nn.Module):  # hooks.model_watchers: an engine's layouts (legacy FSDP), and a DeepSpeed engine
+        watch_model(inner, opt)  # that later runs the model with another optimizer raises (plugin.wrapped)
+    if step_in_backward or bf16_updates != "nearest" or clip_grad_per_param is not None:
+        StepDriver(opt, model, step_in_backward, bf16_updates, bf16_seed, clip_grad_per_param)
     return opt
 
 
@@ -111,7 +130,15 @@ def optimizer_kwargs(cfg: OptimizerConfig) -> dict[str, Any]:
 
 
 def create_optimizer(
-    model: nn.Module | Iterable[Any], name: str, routing: Mapping[str, str] | None = None, **hyperparameters: Any
+    model: nn.Module | Iterable[Any],
+    name: str,
+    routing: Mapping[str, str] | None = None,
+    *,
+    step_in_backward: bool = False,
+    bf16_updates: str = "nearest",
+    bf16_seed: int = 0,
+    clip_grad_per_param: float | None = None,
+    **hyperparameters: Any,
 ) -> torch.optim.Optimizer:
     """Build shardopt optimizer ``name`` (a key of ``OPTIMIZERS``) for ``model``.
 
@@ -119,6 +146,23 @@ def create_optimizer(
     (see ``shardopt.optim.routing``); ``routing`` maps name patterns to roles or ``"adamw"``. As torch.optim,
     it also takes ``model.named_parameters()`` (roles from the names; state dicts carry ``param_names``) or a
     flat list of tensors (2-D tensors get the matrix rule, the rest AdamW).
+
+    ``step_in_backward``: step each layer's param groups from backward as their gradients complete and free them
+    (``shardopt.optim.in_backward``; one process, DDP, FSDP2; ``model`` must be the module backward runs through,
+    e.g. the DDP wrapper). ``bf16_updates="stochastic"``: bf16 weights without an fp32 master copy take their
+    updates with stochastic rounding seeded by ``bf16_seed``. ``clip_grad_per_param``: clip each parameter's
+    gradient to this norm before its step (the in-backward stand-in for clipping by the global norm).
     """
+    if step_in_backward:
+        check_in_backward_options(hyperparameters)
     cfg = validate_hyperparameters(name, hyperparameters, where="create_optimizer")
-    return build_optimizer(model, cfg, routing, name)
+    return build_optimizer(
+        model,
+        cfg,
+        routing,
+        name,
+        step_in_backward=step_in_backward,
+        bf16_updates=bf16_updates,
+        bf16_seed=bf16_seed,
+        clip_grad_per_param=clip_grad_per_param,
+    )
