@@ -269,6 +269,8 @@ def split_expert_groups(groups: list[dict]) -> list[dict]:
                 part = {**g, **extra, "params": [p for p, _ in members]}
                 if "names" in g:
                     part["names"] = [n for _, n in members]
+                    if "param_names" in g:  # torch's names of the part, not the whole group's (copied by DeepSpeed's
+                        part["param_names"] = list(part["names"])  # MoE split, they would no longer match)
                 out.append(part)
     return out
 
