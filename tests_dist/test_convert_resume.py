@@ -100,6 +100,7 @@ def metrics(run) -> dict[int, dict]:
         return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
 
 
+@full_only("cross-engine reshards and the CLI's inspection in test_checkpoint_dist.py")
 def test_fsdp2_run_inspects_and_resumes_its_schedule_on_deepspeed(tmp_path):
     train(_config(tmp_path, "fsdp2", {"name": "fsdp2"}, steps=6, every=3))
     run = tmp_path / "fsdp2"

@@ -12,6 +12,7 @@ import pytest
 import torch
 from parity_worker import OPTIMIZERS
 from reliability_worker import DEVICE_GATED
+from tiers import full_only
 
 from launch import ROOT, free_port, run_bounded, run_ranks
 
@@ -68,6 +69,7 @@ def test_plan_mismatch_is_named_not_hung():
         assert "rank 0 has 'group 0: treatment=adamw tensors=7' where rank 1 has" in rec["error_message"]
 
 
+@full_only("torchrun's restart of the reference trainer (test_killed_worker_restarts_and_resumes_on_deepspeed)")
 def test_crash_and_resume_under_torchrun():
     from parity_worker import reference
 

@@ -128,6 +128,7 @@ def _summary(run_dir) -> dict:
         return json.load(f)
 
 
+@full_only("the one-node torchrun restart of the demo (test_killed_worker_restarts_and_resumes_on_deepspeed)")
 def test_two_nodes_loopback_deepspeed_checkpoint(tmp_path):
     run = tmp_path / "two_nodes"
     _check(
