@@ -64,6 +64,21 @@ def norm_growth_eta(norm: torch.Tensor, phi: torch.Tensor, gamma: float) -> torc
     return torch.where(phi > 0, gamma / torch.clamp(ratio, min=gamma), torch.ones_like(phi))
 
 
+def _limit_norm_growth(states: list, with_grad: list, norm2: torch.Tensor, gate: Any, gamma: float) -> torch.Tensor:
+    """Each matrix's norm-growth factor eta from its update norm squared, with phi (the last limited norm) kept
+    in the states of the matrices that had a gradient; a skipped step (``gate``) keeps phi and moves nothing."""
+    phi = torch.stack([st["phi"] for st in states])
+    norm = norm2.sqrt()
+    eta = norm_growth_eta(norm, phi, gamma)
+    new_phi = eta * norm
+    if gate is not None:
+        new_phi, eta = gated(gate, new_phi, phi), gated(gate, eta, 0.0)
+    if with_grad:
+        phis = new_phi.unbind(0)
+        torch._foreach_copy_([states[k]["phi"] for k in with_grad], [phis[k] for k in with_grad])
+    return eta
+
+
 def _times_lines(factor: torch.Tensor, sums: torch.Tensor, lines: Any) -> torch.Tensor:
     """``sums * factor[lines]``: a row block's half-step of ``rescale`` (``factor``: per row, 1 / its norm)."""
     return sums * factor[lines]
@@ -177,15 +192,7 @@ class RACS(ShardedOptimizer):
         norm2 = blocks.item_sums(line_sums(blocks, rows, p2, s_inv * s_inv) * (q_inv * q_inv), rows)
         blocks.add_sums(rnd, norm2)
         rnd.run()
-        phi = torch.stack([st["phi"] for st in states])
-        norm = norm2.sqrt()
-        eta = norm_growth_eta(norm, phi, group["gamma"])
-        new_phi = eta * norm
-        if gate is not None:  # a skipped step keeps phi and moves nothing
-            new_phi, eta = gated(gate, new_phi, phi), gated(gate, eta, 0.0)
-        if with_grad:
-            phis = new_phi.unbind(0)
-            torch._foreach_copy_([states[k]["phi"] for k in with_grad], [phis[k] for k in with_grad])
+        eta = _limit_norm_growth(states, with_grad, norm2, gate, group["gamma"])
         lr = group["lr"] * group["alpha"] * eta  # per matrix, folded into the row scale: the update is one pass
         q_lr = q_inv * lr[line_items(blocks, rows)]
         scales = (q_lr, s_inv) if rows == 0 else (s_inv, q_lr)
@@ -246,15 +253,7 @@ class RACS(ShardedOptimizer):
         norm2 = blocks.item_sums(weighted * (q_inv * q_inv), 0)  # |Gt|^2 = sum_ij P_ij / (q_i s_j)
         blocks.add_sums(rnd, norm2)
         rnd.run()
-        phi = torch.stack([st["phi"] for st in states])
-        norm = norm2.sqrt()
-        eta = norm_growth_eta(norm, phi, group["gamma"])
-        new_phi = eta * norm
-        if gate is not None:  # a skipped step keeps phi and moves nothing
-            new_phi, eta = gated(gate, new_phi, phi), gated(gate, eta, 0.0)
-        if with_grad:
-            phis = new_phi.unbind(0)
-            torch._foreach_copy_([states[k]["phi"] for k in with_grad], [phis[k] for k in with_grad])
+        eta = _limit_norm_growth(states, with_grad, norm2, gate, group["gamma"])
         lr = group["lr"] * group["alpha"] * eta  # per matrix, folded into the row scale
         q_lr = q_inv * lr[blocks.item_of_row]
         wd = group["weight_decay"]
