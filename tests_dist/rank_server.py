@@ -53,7 +53,9 @@ PRELOAD = (
 #: loaded too where installed (the transformers extra): the Hugging Face stack of the suites that drive shardopt
 #: through it (test_hf_integration, test_lora, test_offload, test_rules_everywhere, test_trainers), which every rank
 #: of theirs imported anew at each launch (2-5 s a launch on this machine). Not ``transformers.trainer``: it imports
-#: ``datasets``, whose pyarrow starts a thread (jemalloc's), and the server must hold none when it forks
+#: ``datasets``, whose pyarrow starts a thread (jemalloc's), and the server must hold none when it forks. What the
+#: imports leave for every rank (checked with transformers 5.25, accelerate 1.16): one warnings filter, UserWarnings of
+#: torch.optim.lr_scheduler ignored (no suite checks those); no logger level, thread count or torch default changed
 PRELOAD_IF_INSTALLED = (
     "transformers",
     "transformers.training_args",
