@@ -300,6 +300,12 @@ def main() -> None:
         action="store_true",
         help="CUDA's iterative routes (no eigh/svd/qr between refreshes) for the runs and the reference",
     )
+    ap.add_argument(
+        "--config-file",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="run the shipped DeepSpeed JSON (one launch per world size needs it)",
+    )
     args = ap.parse_args()
     with iterative.forced(True) if args.iterative else contextlib.nullcontext():
         run_all(args)
@@ -311,6 +317,9 @@ def run_all(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo", timeout=timedelta(seconds=180))
     rank, ws = dist.get_rank(), dist.get_world_size()
     records = []
+    #: each case's collective counts by (optimizer, layout, strategy): the collective-count check's one-block run
+    #: of a case the matrix ran (N_BLOCKS 1) is the same run, so it reads them instead of running it again
+    counted: dict[tuple, list] = {}
     for opt_name in args.optimizers.split(","):
         ref, ref_losses = reference(opt_name)
         strategies = [s for s in STRATEGIES.get(opt_name, (None,)) if s != "team" or ws >= TEAM_WORLD]
@@ -341,6 +350,7 @@ def run_all(args: argparse.Namespace) -> None:
                     routed=iterative.routed_counts(),
                     fallbacks=iterative.fallback_counts(reset=True),
                 )
+                counted[(opt_name, layout, strategy)] = calls
             except Exception:  # record and go on: the other ranks raise the same way
                 rec["error"] = traceback.format_exc()
             rec["seconds"] = round(time.time() - t0, 2)
@@ -362,8 +372,10 @@ def run_all(args: argparse.Namespace) -> None:
                     "strategy": strategy,
                 }
                 try:
-                    with contextlib.redirect_stdout(io.StringIO()):
-                        _, _, calls = run_case(opt_name, layout, strategy)
+                    calls = counted.get((opt_name, layout, strategy)) if nb == 1 else None
+                    if calls is None:
+                        with contextlib.redirect_stdout(io.StringIO()):
+                            _, _, calls = run_case(opt_name, layout, strategy)
                     rec["collective_calls"] = calls
                 except Exception:
                     rec["error"] = traceback.format_exc()
@@ -371,15 +383,16 @@ def run_all(args: argparse.Namespace) -> None:
                 if rank == 0:
                     print(json.dumps(rec), flush=True)
     N_BLOCKS = 1
-    rec = {"kind": "config_file", "world_size": ws}
-    try:
-        with contextlib.redirect_stdout(io.StringIO()):
-            rec.update(run_config_file())
-    except Exception:
-        rec["error"] = traceback.format_exc()
-    records.append(rec)
-    if rank == 0:
-        print(json.dumps(rec), flush=True)
+    if args.config_file:
+        rec = {"kind": "config_file", "world_size": ws}
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):
+                rec.update(run_config_file())
+        except Exception:
+            rec["error"] = traceback.format_exc()
+        records.append(rec)
+        if rank == 0:
+            print(json.dumps(rec), flush=True)
     LAST_OPTIMIZER = None  # released with the engines before the group goes
     finish_worker(records, args.out)  # the ranks meet before the group goes (see crash_worker.py)
 

@@ -2,7 +2,8 @@
 
 On a 2-core machine a ``torchrun`` launch of 3 ranks spends about 30 s before the first collective: the
 launcher and every rank import torch, FSDP and DeepSpeed (12-14 s of CPU each). The distributed suites launch
-about twenty times, so that was ten minutes of CI. This server imports them once per test session; each
+about twenty times, so that was ten minutes of CI. This server imports them (and, where installed, transformers
+and accelerate, which the Hugging Face suites' ranks imported at every launch) once per test session; each
 request forks a launcher, which forks the ranks with the environment ``torch.distributed.run`` would give
 them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``, ...; rank 0 hosts the store),
 runs the worker script as ``__main__`` in each, and ends the others when one fails, as ``torchrun`` does.
@@ -49,6 +50,19 @@ PRELOAD = (
     "deepspeed.runtime.zero.stage3",
     "deepspeed.runtime.zero.muon.muon_optimizer",
 )
+#: loaded too where installed (the transformers extra): the Hugging Face stack of the suites that drive shardopt
+#: through it (test_hf_integration, test_lora, test_offload, test_rules_everywhere, test_trainers), which every rank
+#: of theirs imported anew at each launch (2-5 s a launch on this machine). Not ``transformers.trainer``: it imports
+#: ``datasets``, whose pyarrow starts a thread (jemalloc's), and the server must hold none when it forks. What the
+#: imports leave for every rank (checked with transformers 5.25, accelerate 1.16): one warnings filter, UserWarnings of
+#: torch.optim.lr_scheduler ignored (no suite checks those); no logger level, thread count or torch default changed
+PRELOAD_IF_INSTALLED = (
+    "transformers",
+    "transformers.training_args",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.gpt2.modeling_gpt2",
+    "accelerate",
+)
 #: seconds the other ranks get to end after one failed, before they are killed (torchrun's default is 30)
 GRACE = 15.0
 
@@ -59,9 +73,13 @@ def main() -> None:
     os.dup2(2, 1)
     import gc
     import importlib
+    import importlib.util
 
     for name in PRELOAD:
         importlib.import_module(name)
+    for name in PRELOAD_IF_INSTALLED:
+        if importlib.util.find_spec(name.partition(".")[0]) is not None:
+            importlib.import_module(name)
     gc.collect()
     gc.freeze()  # the forks share these pages; a collection in a rank neither scans nor copies them
     reply.write(json.dumps({"ready": os.getpid()}) + "\n")

@@ -17,16 +17,15 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
+import types
 
 import pytest
 from checkpoint_worker import ENGINES, RESHARD
 from parity_worker import OPTIMIZERS
 from tiers import optimizers, world_sizes
 
-from launch import ROOT, run_ranks
+from launch import run_ranks
 
 RESUME_TOL = 1e-6
 RESHARD_TOL = 1e-5
@@ -123,23 +122,29 @@ def test_load_options_at_another_world_size(ws: int) -> None:
     assert rec["path"] == os.path.join("step3", "mp_rank_00_model_states.pt"), rec
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "shardopt", "checkpoint", *args], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+def cli(capsys, *args: str) -> types.SimpleNamespace:
+    """``shardopt checkpoint ARGS`` in this process (``shardopt.cli.main``): its exit code and output. A new
+    process would only add the interpreter's start (7-10 s of CI each); ``python -m shardopt checkpoint``'s own
+    exit codes are checked in a new process by tests/test_checkpoint.py and tests/test_untrusted_checkpoint.py."""
+    from shardopt.cli import main
+
+    capsys.readouterr()
+    code = main(["checkpoint", *args])
+    out = capsys.readouterr()
+    return types.SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
 
 
-def test_cli_inspect_and_missing_shard() -> None:
+def test_cli_inspect_and_missing_shard(capsys) -> None:
     root = checkpoint_root()
-    ok = cli("inspect", os.path.join(root, "racs", "zero2"))
+    ok = cli(capsys, "inspect", os.path.join(root, "racs", "zero2"))
     assert ok.returncode == 0, ok.stderr
     assert ", q(5,) [rows" in ok.stdout and "step [3.0]" in ok.stdout
     broken = tempfile.mkdtemp()
     shutil.copytree(os.path.join(root, "scale", "fsdp2", "dcp"), os.path.join(broken, "dcp"))
     os.remove(sorted(glob.glob(os.path.join(broken, "dcp", "*.distcp")))[-1])
-    bad = cli("inspect", os.path.join(broken, "dcp"))
+    bad = cli(capsys, "inspect", os.path.join(broken, "dcp"))
     assert bad.returncode == 2 and "incomplete DCP checkpoint, shard file '__1_0.distcp' is missing" in bad.stderr, (
         bad.stderr
     )
-    bad = cli("convert", os.path.join(broken, "dcp"), os.path.join(broken, "out"), "--to", "file")
+    bad = cli(capsys, "convert", os.path.join(broken, "dcp"), os.path.join(broken, "out"), "--to", "file")
     assert bad.returncode == 2 and not os.path.exists(os.path.join(broken, "out"))

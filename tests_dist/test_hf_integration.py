@@ -13,9 +13,6 @@ its config (no downloads). Every run is compared with the single-process shardop
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -23,7 +20,7 @@ import pytest
 import torch
 from tiers import full_only, tiered
 
-from launch import ROOT, run_ranks
+from launch import run_ranks
 
 pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
@@ -41,22 +38,9 @@ def run(api: str, args: list[str], nproc: int = 2) -> dict:
         with tempfile.TemporaryDirectory(prefix="wt17_hf_") as tmp:
             out = str(Path(tmp) / "out.pt")
             cmd = ["--api", api, "--out", out, "--dir", str(Path(tmp) / "run"), *args]
-            if api == "reference":  # one process, no launcher
-                env = {
-                    **os.environ,
-                    "OMP_NUM_THREADS": "1",
-                    "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-                }
-                proc = subprocess.run(
-                    [sys.executable, str(ROOT / "tests_dist" / "hf_worker.py"), *cmd],
-                    cwd=ROOT,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    timeout=300,
-                )
-            else:
-                proc = run_ranks("hf_worker.py", nproc, cmd, timeout=420)
+            # the reference: one process and no process group, forked like the ranks from the rank server (its
+            # torch and DeepSpeed imported: 3-5 s less per reference than a new interpreter)
+            proc = run_ranks("hf_worker.py", 1 if api == "reference" else nproc, cmd, timeout=420)
             if proc.returncode != 0:
                 pytest.fail(f"hf_worker {api} {args} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-4000:]}")
             _cache[key] = torch.load(out)

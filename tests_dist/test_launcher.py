@@ -4,6 +4,7 @@ every rank."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 
@@ -11,6 +12,10 @@ import pytest
 
 from launch import run_ranks
 
+#: the launch timeout of test_a_timeout_ends_every_rank, which the test waits out (seconds): the ranks, forks of the
+#: warm rank server, write their pid files in well under a second; under torchrun (SHARDOPT_TEST_LAUNCHER=torchrun)
+#: the launcher and each rank start a new interpreter first
+TIMEOUT = 10 if os.environ.get("SHARDOPT_TEST_LAUNCHER", "fork").strip().lower() == "torchrun" else 4
 ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 
 
@@ -74,7 +79,7 @@ def test_a_timeout_ends_every_rank(tmp_path):
         f"import os, time\nopen(os.path.join({str(pids)!r}, str(os.getpid())), 'w').close()\ntime.sleep(300)\n",
     )
     with pytest.raises(subprocess.TimeoutExpired):
-        run_ranks(script, 2, [], timeout=10)
+        run_ranks(script, 2, [], timeout=TIMEOUT)
     started = [int(p.name) for p in pids.iterdir()]
     assert len(started) == 2
     deadline = time.monotonic() + 30

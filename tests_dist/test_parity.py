@@ -168,6 +168,7 @@ def iterative_results(ws: int) -> list[dict]:
             "--iterative",
             "--count-blocks",
             "",
+            "--no-config-file",
             "--optimizers",
             ",".join(ITERATIVE_RULES),
             "--layouts",
