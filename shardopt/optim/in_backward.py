@@ -46,6 +46,7 @@ from torch import nn
 from ..sharding.comm import collective_counter
 from ..sharding.discover import align_grads
 from ..sharding.fragment import local_tensor
+from ..sharding.host_heap import release_free_heap
 from ..sharding.plan import check_same_plan
 from ..sharding.stochastic_round import logical_index_offsets, stochastic_round_
 from .config import ConfigError
@@ -185,6 +186,12 @@ class StepDriver:
         self.stochastic = bf16_updates == "stochastic"
         self.seed = int(seed)
         self.clip = clip_grad_per_param
+        #: in backward with bf16 weights rounded stochastically (the mode chosen where memory is tightest), a CPU
+        #: group's step first returns the C heap's free pages (``host_heap``): the activations and gradients
+        #: backward freed stay in glibc's heap for reuse, and the step's fp32 copies would stack on them.
+        #: LLaMA-350M, one process: peak RSS 1.94-2.04 GB without, 1.71 GB with (live tensors' peak 1.60 GB),
+        #: for about 12 ms a group
+        self.trim_heap = in_backward and self.stochastic
         #: group index of every parameter (the tensors stay the same objects when state dicts load)
         self._group_of: dict[int, int] = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
         #: per group the parameters whose gradient it waits for
@@ -272,6 +279,8 @@ class StepDriver:
         run_pre_step_checks(opt)
         groups = [opt.param_groups[i] for i in indices]
         params = [p for g in groups for p in g["params"]]
+        if self.trim_heap and any(local_tensor(p).device.type == "cpu" for p in params):
+            release_free_heap()
         align_grads(params, opt.param_names)
         if self.clip is not None:
             self._clip(params)
