@@ -103,6 +103,34 @@ def run(opt_name: str, engine: str) -> dict:
     return {"max_abs_diff": max_abs_diff(full_weights(model), reference(opt_name)), "grads_left": left}
 
 
+def ddp_in_a_subgroup() -> dict:
+    """DDP over a subgroup (the ranks split in two halves, each half its own batches, as data parallelism inside
+    pipeline or tensor parallelism): in backward equals the ordinary step of DDP over the same subgroup, so the
+    communication hook reduces over DDP's group, not the whole world."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ws, rank = dist.get_world_size(), dist.get_rank()
+    halves = [list(range(0, (ws + 1) // 2)), list(range((ws + 1) // 2, ws))]
+    groups = [dist.new_group(ranks) for ranks in halves]  # every rank creates every group, in the same order
+    half = 0 if rank in halves[0] else 1
+    members = halves[half]
+    per = GLOBAL_BATCH // len(members)
+    got = {}
+    for in_bwd in (True, False):
+        model = make_model(n_blocks=N_BLOCKS)
+        wrapped = DDP(model, process_group=groups[half])
+        opt = shardopt.create_optimizer(wrapped, "scale", step_in_backward=in_bwd, on_nonfinite="ignore")
+        for s in range(STEPS):
+            x = batch(s + 100 * half)[members.index(rank) * per : (members.index(rank) + 1) * per]
+            loss_fn(wrapped, x).backward()
+            opt.step()
+            opt.zero_grad()
+        got[in_bwd] = full_weights(model)
+    diff = torch.tensor([max_abs_diff(got[True], got[False])])
+    dist.all_reduce(diff, op=dist.ReduceOp.MAX)
+    return {"max_abs_diff": diff.item(), "grads_left": 0}
+
+
 def rounding() -> dict:
     """A 37 x 22 fp32 matrix rounded into bf16 row and column shards (uneven at world sizes 3 and 4: 13/13/11
     rows, 8/8/6 columns) equals the whole matrix rounded in one process."""
@@ -238,6 +266,7 @@ def main() -> None:
             for engine in ENGINES:
                 record_case(records, {"optimizer": opt_name, "engine": engine}, partial(run, opt_name, engine))
         record_case(records, {"optimizer": "plain_model", "engine": "ddp"}, plain_model_refused)
+        record_case(records, {"optimizer": "scale", "engine": "ddp_subgroup"}, ddp_in_a_subgroup)
     record_case(records, {"optimizer": "rounding", "engine": "fsdp2"}, rounding)
     for batches in BF16_BATCHES:
         record_case(records, {"optimizer": f"bf16_{batches}", "engine": "fsdp2"}, partial(bf16_training, batches))
