@@ -5,7 +5,8 @@ with stochastic rounding on FSDP2 shards against the whole matrices rounded in o
 Each rank trains ``ToyLM`` (2 blocks, so groups complete one layer at a time in backward) on its share of each
 step's global batch for ``STEPS`` steps; rank 0 writes one record per case: the largest difference to the
 reference, and that the step after backward found nothing left (every gradient freed). At world size 3 FSDP2's
-dim-0 shards are uneven (padded: the 5-row ``l1`` splits 2/2/1) and the 2-row ``wide`` leaves a rank empty.
+dim-0 shards are uneven (padded: the 5-row ``l1`` splits 2/2/1) and the 2-row ``wide`` leaves a rank empty. DDP
+over each half of the ranks checks that the communication hook reduces over DDP's own group.
 
 The bf16 cases (``bf16_training``) train a bf16 ToyLM in backward with ``bf16_updates="stochastic"`` and check
 two levels. (1) Every rounding the driver does on a shard writes the bits that rounding the whole fp32 matrix

@@ -1,10 +1,10 @@
 """Stepping in backward on DDP and FSDP2 (issue 62) at world sizes 2-4 (``in_backward_worker.py``):
 ``create_optimizer(..., step_in_backward=True)`` equals the single process's ordinary step on the whole global batch
 (3 steps, ToyLM with 2 blocks; at 3 ranks FSDP2's row shards are uneven and one rank's ``wide`` is empty), and FSDP2
-leaves no gradient after backward. bf16 stochastic rounding, world sizes 1-4: row and column shards round as the
-whole matrix does in one process; in a bf16 training run in backward every rounding of a shard equals the whole
-matrix's, and the final bf16 weights are the single process's bit for bit when the ranks' gradient is the single
-process's (every rank the whole batch, reduced in fp32).
+leaves no gradient after backward; DDP over a subgroup reduces over that group. bf16 stochastic rounding, world sizes
+1-4: row and column shards round as the whole matrix does in one process; in a bf16 training run in backward every
+rounding of a shard equals the whole matrix's, and the final bf16 weights are the single process's bit for bit when
+the ranks' gradient is the single process's (every rank the whole batch, reduced in fp32).
 
 What does not hold, and why: with each rank on its share of the batch, a bf16 model's gradient is each rank's bf16
 gradient of its share summed, not the bf16 gradient of the whole batch, so the weights differ (measured 2026-12-06,
