@@ -203,9 +203,12 @@ class StepDriver:
         self._stepped: set[int] = set()
         self._handles: list[Any] = []
         self.engine = "none"
+        #: DDP's process group (the world, or a subgroup of data parallelism beside model parallelism)
+        self.ddp_group: Any = None
         if in_backward:
             self.engine = _engine_of(model)
             if self.engine == "ddp":
+                self.ddp_group = model.process_group
                 model.register_comm_hook(self, _ddp_comm_hook)
             else:
                 for g in opt.param_groups:
@@ -382,12 +385,12 @@ class StepDriver:
 
 
 def _ddp_comm_hook(driver: StepDriver, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """DDP's default all-reduce (the average over the ranks) done at once, then the bucket's parameters marked
-    complete with their reduced gradients, so their groups step on the averaged gradient. Synchronous: the
-    step must not overlap the reduction it needs."""
+    """DDP's default all-reduce (the average over the ranks of DDP's process group) done at once, then the
+    bucket's parameters marked complete with their reduced gradients, so their groups step on the averaged
+    gradient. Synchronous: the step must not overlap the reduction it needs."""
     tensor = bucket.buffer()
-    tensor.div_(dist.get_world_size())
-    dist.all_reduce(tensor)
+    tensor.div_(dist.get_world_size(driver.ddp_group))
+    dist.all_reduce(tensor, group=driver.ddp_group)
     params = list(bucket.parameters())
     for p, g in zip(params, bucket.gradients()):
         p.grad = g
