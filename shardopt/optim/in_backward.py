@@ -186,12 +186,6 @@ class StepDriver:
         self.stochastic = bf16_updates == "stochastic"
         self.seed = int(seed)
         self.clip = clip_grad_per_param
-        #: in backward with bf16 weights rounded stochastically (the mode chosen where memory is tightest), a CPU
-        #: group's step first returns the C heap's free pages (``host_heap``): the activations and gradients
-        #: backward freed stay in glibc's heap for reuse, and the step's fp32 copies would stack on them.
-        #: LLaMA-350M, one process: peak RSS 1.94-2.04 GB without, 1.71 GB with (live tensors' peak 1.60 GB),
-        #: for about 12 ms a group
-        self.trim_heap = in_backward and self.stochastic
         #: group index of every parameter (the tensors stay the same objects when state dicts load)
         self._group_of: dict[int, int] = {id(p): gi for gi, g in enumerate(opt.param_groups) for p in g["params"]}
         #: per group the parameters whose gradient it waits for
@@ -261,8 +255,15 @@ class StepDriver:
             self._step_groups([gi], free=True)
 
     def _step_deferred(self) -> None:
-        """At the end of backward: the groups ``_deferred_groups`` held back, in the order they completed."""
+        """At the end of backward: the groups ``_deferred_groups`` held back, in the order they completed. On a
+        CPU the C heap's free pages go back to the system first (``host_heap``): the activations and gradients
+        backward freed stay in glibc's heap for reuse, and the fp32 copies of the vocabulary x hidden matrices
+        (mapped apart from the heap) would stack on them. LLaMA-350M, SCALE, one process: the step's peak RSS
+        1.94-2.04 GB without, 1.72-1.80 GB with. One trim a step: trimming before every layer's group as well
+        (1.71 GB) made a step about a third slower, each trim's pages faulted in again by the next layer."""
         indices, self._deferred = self._deferred, []
+        if any(p.device.type == "cpu" for i in indices for p in self.opt.param_groups[i]["params"]):
+            release_free_heap()
         self._step_groups(indices, free=True)
 
     def mark_ready(self, params: Iterable[torch.Tensor]) -> None:
@@ -282,8 +283,6 @@ class StepDriver:
         run_pre_step_checks(opt)
         groups = [opt.param_groups[i] for i in indices]
         params = [p for g in groups for p in g["params"]]
-        if self.trim_heap and any(local_tensor(p).device.type == "cpu" for p in params):
-            release_free_heap()
         align_grads(params, opt.param_names)
         if self.clip is not None:
             self._clip(params)
