@@ -4,6 +4,7 @@
     python -m benchmarks.step_peak --cases adamw,scale,scale+bwd,scale+bwd+bf16
     python -m benchmarks.step_peak --quick           # the tiny preset
     python -m benchmarks.step_peak --malloc live     # freed memory returned at once: the peak of live tensors
+    python -m benchmarks.step_peak --cases scale+bwd+bf16 --update   # rerun some cases, keep the file's others
 
 Each case runs in a fresh process (one at a time): build the model (bf16 cases build it in bf16, so no fp32 copy
 ever exists), then two steps of one 127-token sequence, and report the process's peak resident memory
@@ -28,11 +29,11 @@ from typing import Any
 import torch
 
 from .cli import parse_args
-from .results import fmt, markdown_table, write_results
+from .results import environment, fmt, markdown_table, read_results, write_results
 
 RULES = ("scale", "sinkgd", "racs", "swan", "asgo", "dasgo", "sumo", "alice", "alice0", "muon")
 CASES = (
-    ["fwd+bwd", "adamw"]
+    ["fwd+bwd", "fwd+bwd+bf16", "adamw"]
     + list(RULES)
     + [f"{r}+bwd" for r in RULES]
     + ["scale+bwd+bf16", "sinkgd+bwd+bf16", "racs+bwd+bf16", "muon+bwd+bf16"]
@@ -94,6 +95,26 @@ def _run_case(case: str, preset: str, steps: int, malloc: str = "default") -> di
     if proc.returncode != 0:
         return {"case": case, "error": proc.stderr[-2000:]}
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _updated(previous: dict[str, Any] | None, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``records`` with the previous file's records of the other cases, in ``CASES``' order."""
+    new = {r["case"]: r for r in records}
+    kept = [r for r in (previous or {}).get("records", []) if "case" in r and r["case"] not in new]
+    env = (previous or {}).get("environment", {})
+    for r in kept:  # records written before they named their own commit: the file's
+        r.setdefault("measured", f"{env.get('commit', '?')} {env.get('date', '?')}")
+    merged = kept + records
+    order = {c: i for i, c in enumerate(CASES)}
+    return sorted(merged, key=lambda r: order.get(r["case"], len(order)))
+
+
+def _provenance(records: list[dict[str, Any]]) -> str:
+    """Which cases were measured at which commit and time (``--update`` keeps older records)."""
+    when = dict.fromkeys(r.get("measured", "?") for r in records)
+    return "measured at (commit, time): " + "; ".join(
+        f"{w}: {', '.join(r['case'] for r in records if r.get('measured', '?') == w)}" for w in when
+    )
 
 
 def modeled_7b(rules: tuple[str, ...] = RULES) -> list[dict[str, Any]]:
@@ -174,16 +195,27 @@ def main(argv: list[str] | None = None) -> None:
         args = ap.parse_args(argv)
         print(json.dumps(_worker(args.worker, args.preset, args.steps)))
         return
+    ap.add_argument(
+        "--update",
+        action="store_true",
+        help="keep the results file's records of the cases not in --cases (each record names the commit and time it "
+        "was measured at), so a change that touches some cases reruns only those",
+    )
     args = parse_args(ap, argv, quick={"preset": "tiny", "cases": "fwd+bwd,adamw,scale,scale+bwd,scale+bwd+bf16"})
+    name = "step_peak" if args.malloc == "default" else "step_peak_live"
+    env = environment()
     records = []
     for case in args.cases.split(","):
         rec = _run_case(case, args.preset, args.steps, args.malloc)
+        rec["measured"] = f"{env['commit']} {env['date']}"
         print(json.dumps({k: v for k, v in rec.items() if k != "losses"}), flush=True)
         records.append(rec)
+    if args.update:
+        records = _updated(read_results(name, args.results_dir), records)
     model7b = modeled_7b()
     md = report(records, model7b, args.preset)
     write_results(
-        "step_peak" if args.malloc == "default" else "step_peak_live",
+        name,
         {"preset": args.preset, "steps": args.steps, "seq": SEQ, "cases": args.cases.split(","), "malloc": args.malloc},
         records + [{"modeled_7b": r} for r in model7b],
         md,
@@ -196,6 +228,7 @@ def main(argv: list[str] | None = None) -> None:
             ),
             "7B lines are modeled, not measured: activations and allocator slack excluded; "
             "fits = total <= 0.9 x budget",
+            _provenance(records),
         ],
         out_dir=args.results_dir,
     )
