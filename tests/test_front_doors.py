@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from hf_models import tiny_hf_llama
 from tiny_model import Tiny
 from torch import nn
 
@@ -24,18 +25,7 @@ transformers = pytest.importorskip("transformers")
 
 
 def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=8,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_hf_llama()
 
 
 def rules(opt: torch.optim.Optimizer) -> dict[str, tuple]:

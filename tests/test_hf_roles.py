@@ -12,6 +12,8 @@ from torch import nn
 
 transformers = pytest.importorskip("transformers")
 
+from hf_models import tiny_hf_llama  # noqa: E402
+
 import shardopt  # noqa: E402
 from shardopt.optim.describe import describe_roles  # noqa: E402
 from shardopt.optim.registry import OPTIMIZERS  # noqa: E402
@@ -28,18 +30,7 @@ def tiny_gpt2() -> nn.Module:
 
 
 def tiny_llama() -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=8,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    return tiny_hf_llama()
 
 
 def conv1d_weights(model: nn.Module) -> list[str]:

@@ -13,6 +13,7 @@ import copy
 
 import pytest
 import torch
+from hf_models import tiny_hf_llama
 from tiers import full_only, tiered
 from torch import nn
 
@@ -395,19 +396,8 @@ def test_bf16_without_master_tracks_fp32_briefly() -> None:
 
 # ---------------------------------------------------------------------------------------------- front doors
 def _hf_llama() -> nn.Module:
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=16,
-        intermediate_size=40,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=8,
-        tie_word_embeddings=False,
-    )
-    return transformers.LlamaForCausalLM(cfg)
+    pytest.importorskip("transformers")
+    return tiny_hf_llama()
 
 
 def _hf_trainer(tmp_path, **args):
