@@ -263,8 +263,9 @@ class StepDriver:
         CPU: return the C heap's free pages to the system (``host_heap``) before the first layer of a backward and
         before the deferred groups are stepped. glibc keeps what the forward, the previous step and backward freed
         for reuse, and the step's fp32 copies stacked on it. LLaMA-350M, SCALE, one process: peak RSS 1.94-2.04 GB
-        with no trim, 1.78-1.81 GB trimming before the deferred step alone, 1.69 GB with both; trimming before
-        every layer (1.71 GB) made a step about a third slower, each trim's pages faulted in again by the next."""
+        with no trim, 1.78-1.81 GB trimming before the deferred step alone, 1.71-1.79 GB with both (seven runs);
+        trimming before every layer too (1.71 GB) made steps about a third slower in one interleaved run, each
+        trim's pages faulted in again by the next layer."""
         self._heap_released = True
         if self.stochastic and any(p.device.type == "cpu" for i in indices for p in self.opt.param_groups[i]["params"]):
             release_free_heap()
